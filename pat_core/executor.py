@@ -1,0 +1,186 @@
+"""Tile-faithful CPU executor: runs a :class:`~pat_core.plan.Plan` the way the GPU kernels do.
+
+Same CTAs, same ``(m, n)`` tiles, same page gathering, same arithmetic contract:
+
+* scores ``s = sm_scale * q . k`` accumulated in fp32 over ``head_dim``;
+* online softmax over KV tiles of ``n`` tokens: running max ``m``, running sum ``l`` (fp32),
+  fp32 output accumulator rescaled by ``exp(m_old - m_new)`` after each tile;
+* the probabilities are rounded to the input dtype (fp16 or bf16) before ``P . V``, as the
+  tensor-core kernels feed them to ``mma`` (no rounding for fp32 inputs);
+* each CTA writes its fp32 partial ``o / l`` and natural-log ``lse = m + log(l)`` to its slots,
+  then :func:`~pat_core.merge.merge_partials` combines each request's slots.
+
+Padding rows of a tile (``rows < m``) are skipped rather than computed on zeros: they are never
+written on the GPU either, so the results are identical and the executor is faster.
+
+:func:`trace_cta` replays one CTA tile by tile and records the softmax state after each tile,
+for the tutorials.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from .merge import merge_partials
+from .plan import Plan
+
+_ROUND = {"float32": (0, 0), "float16": (11, -14), "bfloat16": (8, -126)}
+
+
+@njit(cache=True)
+def _round_mantissa(x, bits, min_exp):
+    """Round a non-negative float to ``bits`` significant bits (round half to even), with
+    subnormals below ``2**min_exp`` as the target format has them.  ``bits == 0``: no rounding."""
+    if bits == 0 or x == 0.0:
+        return x
+    mant, e = math.frexp(x)                # x = mant * 2**e, mant in [0.5, 1)
+    if e - 1 < min_exp:                    # subnormal: fixed quantum 2**(min_exp - bits + 1)
+        q = math.ldexp(1.0, min_exp - bits + 1)
+        return np.float32(np.rint(x / q) * q)
+    return np.float32(math.ldexp(np.rint(math.ldexp(mant, bits)), e - bits))
+
+
+@njit(cache=True)
+def _run_ctas(q, kc, vc, cta_req_indptr, cta_req, cta_slot, cta_kv_start, cta_kv_len,
+              cta_page_indptr, cta_pages, cta_n, page_size, group, sm_scale, round_bits,
+              round_min_exp, o_part, lse_part):
+    """Forward pass of every CTA for every KV head.  ``kc``/``vc``: float32 NHD views
+    ``[num_pages, page_size, num_kv_heads, head_dim]``; writes ``o_part``/``lse_part``."""
+    C = cta_kv_len.shape[0]
+    num_kv_heads = kc.shape[2]
+    d = kc.shape[3]
+    for c in range(C):
+        r0 = cta_req_indptr[c]
+        nreq = cta_req_indptr[c + 1] - r0
+        rows = nreq * group
+        n = cta_n[c]
+        start = cta_kv_start[c]
+        end = start + cta_kv_len[c]
+        first_page = start // page_size
+        pbase = cta_page_indptr[c]
+        s = np.empty((rows, n), dtype=np.float32)
+        for h in range(num_kv_heads):
+            m_run = np.full(rows, -np.inf, dtype=np.float32)
+            l_run = np.zeros(rows, dtype=np.float32)
+            acc = np.zeros((rows, d), dtype=np.float32)
+            for t0 in range(start, end, n):
+                t1 = min(t0 + n, end)
+                cols = t1 - t0
+                # S = scale * Q K^T for this tile (fp32 accumulation)
+                for j in range(cols):
+                    t = t0 + j
+                    page = cta_pages[pbase + t // page_size - first_page]
+                    slot = t % page_size
+                    for i in range(rows):
+                        r = cta_req[r0 + i // group]
+                        hq = h * group + i % group
+                        dot = np.float32(0.0)
+                        for x in range(d):
+                            dot += q[r, hq, x] * kc[page, slot, h, x]
+                        s[i, j] = dot * sm_scale
+                # online softmax update, then acc += P V
+                for i in range(rows):
+                    mx = m_run[i]
+                    for j in range(cols):
+                        if s[i, j] > mx:
+                            mx = s[i, j]
+                    alpha = np.float32(math.exp(m_run[i] - mx)) if m_run[i] > -np.inf \
+                        else np.float32(0.0)
+                    l_run[i] *= alpha
+                    for x in range(d):
+                        acc[i, x] *= alpha
+                    for j in range(cols):
+                        p = np.float32(math.exp(s[i, j] - mx))
+                        l_run[i] += p
+                        pr = _round_mantissa(p, round_bits, round_min_exp)
+                        t = t0 + j
+                        page = cta_pages[pbase + t // page_size - first_page]
+                        slot = t % page_size
+                        for x in range(d):
+                            acc[i, x] += pr * vc[page, slot, h, x]
+                    m_run[i] = mx
+            for i in range(rows):
+                slot_id = cta_slot[r0 + i // group]
+                hq = h * group + i % group
+                inv = np.float32(1.0) / l_run[i]
+                for x in range(d):
+                    o_part[slot_id, hq, x] = acc[i, x] * inv
+                lse_part[slot_id, hq] = m_run[i] + np.float32(math.log(l_run[i]))
+
+
+def _as_f32(x, name):
+    from .reference import to_numpy_f32
+    return to_numpy_f32(x, name)
+
+
+def nhd_view(cache: np.ndarray, kv_layout: str) -> np.ndarray:
+    """NHD view ``[num_pages, page_size, num_kv_heads, head_dim]`` of a 4-D cache (no copy)."""
+    return cache if kv_layout == "NHD" else cache.transpose(0, 2, 1, 3)
+
+
+def execute_partials(plan: Plan, q, k_cache, v_cache, kv_layout: str = "NHD",
+                     input_dtype: str | None = None):
+    """Run every CTA of ``plan``; return fp32 ``(o_partial [S, Hq, d], lse_partial [S, Hq])``.
+
+    ``q``: ``[batch, num_qo_heads, head_dim]``; caches 4-D in ``kv_layout``.  ``input_dtype``
+    selects the rounding of P before P.V (default: the plan's ``kv_dtype``).
+    """
+    q32 = np.ascontiguousarray(_as_f32(q, "q"))
+    kc = nhd_view(_as_f32(k_cache, "k_cache"), kv_layout)
+    vc = nhd_view(_as_f32(v_cache, "v_cache"), kv_layout)
+    bits, min_exp = _ROUND[input_dtype or plan.kv_dtype]
+    S = plan.num_slots
+    o_part = np.full((S, plan.num_qo_heads, plan.head_dim), np.nan, dtype=np.float32)
+    lse_part = np.full((S, plan.num_qo_heads), np.nan, dtype=np.float32)
+    cta_n = plan.cta_mn()[:, 1].astype(np.int32)
+    _run_ctas(q32, kc, vc, plan.cta_req_indptr, plan.cta_req, plan.cta_slot, plan.cta_kv_start,
+              plan.cta_kv_len, plan.cta_page_indptr, plan.cta_pages, cta_n, plan.page_size,
+              plan.group_size, np.float32(plan.sm_scale), bits, min_exp, o_part, lse_part)
+    return o_part, lse_part
+
+
+def execute(plan: Plan, q, k_cache, v_cache, kv_layout: str = "NHD", return_lse: bool = False,
+            input_dtype: str | None = None, out_dtype=np.float32):
+    """Forward + merge on the CPU.  Returns ``out [batch, Hq, d]`` (``out_dtype``) and, with
+    ``return_lse``, float32 ``lse [batch, Hq]`` (natural log)."""
+    o_part, lse_part = execute_partials(plan, q, k_cache, v_cache, kv_layout, input_dtype)
+    out, lse = merge_partials(o_part, lse_part, plan.req_slot_indptr, out_dtype=out_dtype)
+    return (out, lse) if return_lse else out
+
+
+def trace_cta(plan: Plan, c: int, q, k_cache, v_cache, kv_head: int = 0,
+              kv_layout: str = "NHD"):
+    """Replay CTA ``c`` for one KV head tile by tile in NumPy; a list of dicts, one per tile:
+    ``tokens (t0, t1)``, ``scores [rows, cols]``, ``m``, ``l`` ``[rows]``, ``o`` ``[rows, d]``
+    (the normalised running output ``acc / l`` after that tile)."""
+    q32 = _as_f32(q, "q")
+    kc = nhd_view(_as_f32(k_cache, "k_cache"), kv_layout)
+    vc = nhd_view(_as_f32(v_cache, "v_cache"), kv_layout)
+    g, ps = plan.group_size, plan.page_size
+    reqs = plan.cta_req[plan.cta_req_indptr[c]:plan.cta_req_indptr[c + 1]]
+    n = int(plan.cta_mn()[c, 1])
+    start, end = int(plan.cta_kv_start[c]), int(plan.cta_kv_start[c] + plan.cta_kv_len[c])
+    pages = plan.cta_pages[plan.cta_page_indptr[c]:plan.cta_page_indptr[c + 1]]
+    qrows = np.stack([q32[r, kv_head * g + j] for r in reqs for j in range(g)])
+    m = np.full(qrows.shape[0], -np.inf, dtype=np.float32)
+    l = np.zeros(qrows.shape[0], dtype=np.float32)
+    acc = np.zeros((qrows.shape[0], plan.head_dim), dtype=np.float32)
+    out = []
+    for t0 in range(start, end, n):
+        t1 = min(t0 + n, end)
+        toks = np.arange(t0, t1)
+        pg = pages[toks // ps - start // ps]
+        k = kc[pg, toks % ps, kv_head]
+        v = vc[pg, toks % ps, kv_head]
+        s = (qrows @ k.T) * np.float32(plan.sm_scale)
+        m_new = np.maximum(m, s.max(axis=1))
+        alpha = np.where(np.isneginf(m), 0.0, np.exp(m - m_new)).astype(np.float32)
+        p = np.exp(s - m_new[:, None]).astype(np.float32)
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * alpha[:, None] + p @ v
+        m = m_new
+        out.append(dict(tokens=(t0, t1), scores=s, m=m.copy(), l=l.copy(),
+                        o=acc / l[:, None]))
+    return out

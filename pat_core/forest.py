@@ -1,0 +1,221 @@
+"""PrefixForest: the radix tree of a decode batch's KV caches, token accurate.
+
+Every request is a string of tokens; token ``t`` of request ``r`` is identified by its page id
+``table[r, t // page_size]`` and its position.  Two requests share token ``t`` exactly when their
+first ``t // page_size + 1`` page ids agree and both are longer than ``t``.  The forest is the
+compacted trie of those strings:
+
+* a **node** is a maximal run of token positions ``[start, end)`` read by exactly the same set of
+  requests (its *subtree*);
+* each root is a distinct first page (children of the virtual root, node 0, which holds no
+  tokens);
+* a request ends at a leaf, or at an internal node when another request continues past it (a
+  prefix of a longer request, or a request covering fewer tokens of a shared last page);
+  identical requests end at the same node.
+
+Construction (O(batch log batch) for the sort, then O(total pages)): sort the requests
+lexicographically by their page rows (shorter-is-smaller, ties by length), compute the token
+LCP of each adjacent pair, and build the LCP-interval tree with one stack pass (the same
+bottom-up traversal that turns a suffix array into a suffix tree).  In sorted order every node's
+subtree is a contiguous range ``[lo, hi)``, which the packers use to name request sets cheaply.
+
+Arrays (``N`` nodes including the virtual root, ``B`` requests; all int32)
+------------------------------------------------------------------------
+``order [B]``        request id at each sorted position
+``parent [N]``       parent node (``-1`` for the virtual root)
+``start, end [N]``   token positions ``[start, end)`` the node holds (``start == parent's end``)
+``lo, hi [N]``       sorted-position range of the requests in the subtree
+``child_indptr [N+1]``, ``children``   children of each node, ordered by ``lo``
+``req_node [B]``     node holding each request's last token
+``level [N]``        distance from the virtual root (roots are level 1)
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .inputs import BlockTable
+
+
+@njit(cache=True)
+def _adjacent_lcp(table, npages, lens, order, page_size):
+    """Token LCP of each adjacent pair in sorted order: int32 ``[B]`` (last entry 0)."""
+    B = order.shape[0]
+    lcp = np.zeros(B, dtype=np.int32)
+    for i in range(B - 1):
+        a = order[i]
+        b = order[i + 1]
+        m = min(npages[a], npages[b])
+        k = 0
+        while k < m and table[a, k] == table[b, k]:
+            k += 1
+        lcp[i] = min(k * page_size, lens[a], lens[b])
+    return lcp
+
+
+@njit(cache=True)
+def _build_intervals(lcp, lens, order):
+    """One stack pass over the LCP array; returns per-node arrays (see module docstring)."""
+    B = order.shape[0]
+    cap = 2 * B + 2
+    parent = np.full(cap, -1, dtype=np.int32)
+    depth = np.zeros(cap, dtype=np.int32)
+    lo = np.zeros(cap, dtype=np.int32)
+    hi = np.zeros(cap, dtype=np.int32)
+    req_node = np.zeros(B, dtype=np.int32)
+    stack = np.zeros(B + 2, dtype=np.int32)
+    sp = 0
+    stack[0] = 0            # virtual root: depth 0, covers every request
+    hi[0] = B
+    nn = 1
+    for i in range(B):
+        l = lcp[i]
+        # the deepest interval containing position i has depth max(lcp[i-1], lcp[i]); the stack top
+        # has depth lcp[i-1]; a deeper one, if any, is the interval opened just below
+        top = stack[sp]
+        opens = l > depth[top]
+        last = -1
+        lb = i
+        while depth[stack[sp]] > l:          # close intervals that end at position i
+            t = stack[sp]
+            sp -= 1
+            hi[t] = i + 1
+            if last != -1:
+                parent[last] = t
+            last = t
+            lb = lo[t]
+        if depth[stack[sp]] < l:             # open the interval shared by i and i + 1
+            new = nn
+            nn += 1
+            depth[new] = l
+            lo[new] = lb
+            sp += 1
+            stack[sp] = new
+            if last != -1:
+                parent[last] = new
+        elif last != -1:
+            parent[last] = stack[sp]
+        leaf_parent = stack[sp] if opens else top
+        if lens[order[i]] > depth[leaf_parent]:
+            leaf = nn
+            nn += 1
+            depth[leaf] = lens[order[i]]
+            lo[leaf] = i
+            hi[leaf] = i + 1
+            parent[leaf] = leaf_parent
+            req_node[order[i]] = leaf
+        else:                                 # the request ends where another continues
+            req_node[order[i]] = leaf_parent
+    return parent[:nn], depth[:nn], lo[:nn], hi[:nn], req_node
+
+
+def sort_requests(bt: BlockTable) -> np.ndarray:
+    """Lexicographic order of the requests' page rows (ties: shorter first); int32 ``[B]``.
+
+    Each row becomes one fixed-width byte string (big-endian ``page + 1``, zero padding, length
+    last), so one ``argsort`` of opaque keys sorts rows by memcmp.
+    """
+    B, W = bt.table.shape
+    keys = np.empty((B, W + 1), dtype=">u4")
+    keys[:, :W] = bt.table.astype(np.int64) + 1     # padding -1 becomes 0: sorts first
+    keys[:, W] = bt.seq_lens
+    raw = np.ascontiguousarray(keys).view(np.dtype((np.void, 4 * (W + 1)))).ravel()
+    return np.argsort(raw, kind="stable").astype(np.int32)
+
+
+class PrefixForest:
+    """The prefix forest of a :class:`~pat_core.inputs.BlockTable` (see module docstring)."""
+
+    def __init__(self, bt: BlockTable):
+        self.block_table = bt
+        self.page_size = bt.page_size
+        order = sort_requests(bt)
+        lcp = _adjacent_lcp(bt.table, bt.num_pages, bt.seq_lens, order, bt.page_size)
+        parent, end, lo, hi, req_node = _build_intervals(lcp, bt.seq_lens, order)
+        self.order = order
+        self.parent = parent
+        self.end = end
+        self.start = np.where(parent >= 0, end[np.maximum(parent, 0)], 0).astype(np.int32)
+        self.lo = lo
+        self.hi = hi
+        self.req_node = req_node
+        # children CSR, ordered by lo within each parent
+        n = parent.shape[0]
+        kids = np.arange(1, n, dtype=np.int32)
+        kids = kids[np.lexsort((lo[1:], parent[1:]))]
+        self.children = kids
+        self.child_indptr = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(np.bincount(parent[1:], minlength=n), out=self.child_indptr[1:])
+        # level: parents are created before... not necessarily; compute by walking from roots
+        self.level = _levels(self.child_indptr, self.children, n)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_nodes(self) -> int:
+        """Nodes including the virtual root."""
+        return int(self.parent.shape[0])
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.order.shape[0])
+
+    def node_len(self) -> np.ndarray:
+        """Tokens held by each node, int32 ``[N]``."""
+        return (self.end - self.start).astype(np.int32)
+
+    def node_size(self) -> np.ndarray:
+        """Requests in each node's subtree, int32 ``[N]``."""
+        return (self.hi - self.lo).astype(np.int32)
+
+    def node_children(self, u: int) -> np.ndarray:
+        return self.children[self.child_indptr[u]:self.child_indptr[u + 1]]
+
+    def node_requests(self, u: int) -> np.ndarray:
+        """Request ids in node ``u``'s subtree (sorted order)."""
+        return self.order[self.lo[u]:self.hi[u]]
+
+    def roots(self) -> np.ndarray:
+        return self.node_children(0)
+
+    def unique_tokens(self) -> int:
+        """Distinct (page, position) tokens in the batch: what an ideal kernel reads once."""
+        return int(self.node_len()[1:].astype(np.int64).sum())
+
+    def node_pages(self, u: int) -> np.ndarray:
+        """Page ids holding node ``u``'s tokens (taken from any request of its subtree)."""
+        r = self.order[self.lo[u]]
+        ps = self.page_size
+        return self.block_table.table[r, self.start[u] // ps:(self.end[u] - 1) // ps + 1]
+
+    def describe(self, max_nodes: int = 50) -> str:
+        """Indented text picture of the forest (for tutorials and debugging)."""
+        lines = []
+        stack = [(int(u), 0) for u in self.roots()[::-1]]
+        while stack and len(lines) < max_nodes:
+            u, d = stack.pop()
+            ends = np.nonzero(self.req_node == u)[0]
+            tag = f" ends: {ends.tolist()}" if ends.size else ""
+            lines.append(f"{'  ' * d}node {u}: tokens [{self.start[u]}, {self.end[u]}) "
+                         f"x{self.hi[u] - self.lo[u]} requests{tag}")
+            stack.extend((int(c), d + 1) for c in self.node_children(u)[::-1])
+        if stack:
+            lines.append("...")
+        return "\n".join(lines)
+
+
+@njit(cache=True)
+def _levels(child_indptr, children, n):
+    level = np.zeros(n, dtype=np.int32)
+    stack = np.zeros(n, dtype=np.int32)
+    sp = 0
+    stack[0] = 0
+    sp = 1
+    while sp > 0:
+        sp -= 1
+        u = stack[sp]
+        for k in range(child_indptr[u], child_indptr[u + 1]):
+            c = children[k]
+            level[c] = level[u] + 1
+            stack[sp] = c
+            sp += 1
+    return level

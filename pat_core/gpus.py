@@ -1,0 +1,93 @@
+"""GPU hardware descriptions used by the tile solver, the tile selector and the simulator.
+
+Numbers are the vendors' published limits for the SXM parts (SM count, shared memory, register
+file, HBM bandwidth, L2).  ``mem_latency_ns`` is the flat part of the global-to-shared transfer
+latency curve (PAT Fig. 7a): the time a small ``cp.async`` batch takes before bandwidth matters.
+It and ``achieved_bw_fraction`` are estimates until a calibration run on that GPU replaces them
+(the simulator stores its fitted constants separately and does not edit these).
+
+``kv_tile_table`` is the piecewise "KV length -> n" rule of the tile selector (PAT §5.2): a list
+of ``(max_kv_len, n)`` pairs, scanned in order; the first pair whose ``max_kv_len`` is ``>=`` the
+CTA's KV length gives the preferred ``n``.  Short KV gets a small ``n`` (less compute in the last,
+partly empty tile); long KV gets a large ``n`` (fewer, fatter CTAs per SM, smaller tail bubble).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One GPU model.  All sizes in bytes, bandwidth in bytes per nanosecond (== GB/s / 1)."""
+
+    name: str
+    num_sms: int
+    smem_per_sm: int            # usable shared memory per SM (bytes)
+    smem_per_block: int         # max dynamic shared memory one CTA may opt in to (bytes)
+    regs_per_sm: int            # 32-bit registers per SM
+    regs_per_thread: int        # max registers one thread may use
+    max_threads_per_sm: int
+    max_ctas_per_sm: int
+    hbm_bandwidth: float        # bytes / ns (GB/s numerically divided by 1e0: 3350 GB/s -> 3350.0)
+    mem_latency_ns: float       # inherent global-memory latency seen by a tile load
+    l2_bytes: int
+    sm_clock_ghz: float
+    achieved_bw_fraction: float = 0.85  # copy-kernel bandwidth / datasheet bandwidth (estimate)
+    kv_tile_table: tuple = field(default=((96, 32), (384, 64), (1 << 62, 128)))
+
+    @property
+    def bytes_per_ns(self) -> float:
+        """Datasheet HBM bandwidth in bytes per nanosecond."""
+        return self.hbm_bandwidth
+
+    def preferred_n(self, kv_len: int) -> int:
+        """KV tile ``n`` the piecewise table prefers for a CTA of ``kv_len`` tokens."""
+        for max_len, n in self.kv_tile_table:
+            if kv_len <= max_len:
+                return n
+        return self.kv_tile_table[-1][1]
+
+
+_KIB = 1024
+
+A100 = GPUSpec(
+    name="A100-SXM4-80GB", num_sms=108, smem_per_sm=164 * _KIB, smem_per_block=163 * _KIB,
+    regs_per_sm=65536, regs_per_thread=255, max_threads_per_sm=2048, max_ctas_per_sm=32,
+    hbm_bandwidth=2039.0, mem_latency_ns=700.0, l2_bytes=40 * 1024 * _KIB, sm_clock_ghz=1.41,
+)
+
+H100 = GPUSpec(
+    name="H100-SXM5-80GB", num_sms=132, smem_per_sm=228 * _KIB, smem_per_block=227 * _KIB,
+    regs_per_sm=65536, regs_per_thread=255, max_threads_per_sm=2048, max_ctas_per_sm=32,
+    hbm_bandwidth=3350.0, mem_latency_ns=650.0, l2_bytes=50 * 1024 * _KIB, sm_clock_ghz=1.755,
+)
+
+H200 = GPUSpec(
+    name="H200-SXM-141GB", num_sms=132, smem_per_sm=228 * _KIB, smem_per_block=227 * _KIB,
+    regs_per_sm=65536, regs_per_thread=255, max_threads_per_sm=2048, max_ctas_per_sm=32,
+    hbm_bandwidth=4800.0, mem_latency_ns=650.0, l2_bytes=50 * 1024 * _KIB, sm_clock_ghz=1.755,
+)
+
+GPUS = {"a100": A100, "h100": H100, "h200": H200}
+
+
+def get_gpu(gpu) -> GPUSpec:
+    """Return a :class:`GPUSpec` from a spec or a name (``"a100"``, ``"h100"``, ``"h200"``)."""
+    if isinstance(gpu, GPUSpec):
+        return gpu
+    if not isinstance(gpu, str):
+        raise TypeError(f"gpu must be a GPUSpec or one of {sorted(GPUS)}, got {type(gpu).__name__}")
+    key = gpu.lower().replace("-", "").replace("_", "")
+    for short, spec in GPUS.items():
+        if key.startswith(short):
+            return spec
+    raise ValueError(f"gpu: unknown GPU {gpu!r}; known: {sorted(GPUS)}")
+
+
+def detect_gpu_name(device_name: str) -> str:
+    """Map a CUDA device name (``"NVIDIA H100 80GB HBM3"``) to a key of :data:`GPUS`."""
+    low = device_name.lower()
+    for short in ("h200", "h100", "a100"):
+        if short in low:
+            return short
+    return "h100"

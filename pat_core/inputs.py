@@ -1,0 +1,214 @@
+"""Block-table input forms and their validation.
+
+Three forms are accepted and all become one :class:`BlockTable`:
+
+* vLLM style: an int array ``[batch, max_blocks]`` plus ``seq_lens [batch]``.  Entries past
+  ``ceil(seq_len / page_size)`` are padding and ignored, whatever they hold.
+* a list of per-request page lists plus ``seq_lens``.
+* FlashInfer CSR: ``indptr [batch + 1]``, ``indices [nnz]``, ``last_page_len [batch]``
+  (:meth:`BlockTable.from_csr`); the sequence lengths follow from the page counts.
+
+Every error names the argument at fault.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def _to_numpy(x, name: str) -> np.ndarray:
+    """Host array from NumPy / list / CPU torch tensor; refuse device tensors (no silent copies)."""
+    if hasattr(x, "device") and hasattr(x, "cpu") and hasattr(x, "numpy"):  # torch tensor
+        if str(x.device) != "cpu":
+            raise TypeError(f"{name} must be a host array (NumPy or CPU tensor); got a tensor on "
+                            f"{x.device}: plan() never copies device data back")
+        return x.numpy()
+    if hasattr(x, "__cuda_array_interface__"):
+        raise TypeError(f"{name} must be a host array (NumPy or CPU tensor), not a device array")
+    return np.asarray(x)
+
+
+def _as_int_array(x, name: str, ndim: int) -> np.ndarray:
+    arr = _to_numpy(x, name)
+    if arr.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr
+
+
+@dataclass
+class BlockTable:
+    """A batch's paged-KV layout, normalised.
+
+    Attributes
+    ----------
+    table : int32 ``[batch, max_pages]``
+        Page ids; entries at column ``>= num_pages[r]`` are ``-1``.
+    seq_lens : int32 ``[batch]``
+        KV length of each request, ``>= 1``.
+    num_pages : int32 ``[batch]``
+        ``ceil(seq_lens / page_size)``.
+    page_size : int
+    """
+
+    table: np.ndarray
+    seq_lens: np.ndarray
+    num_pages: np.ndarray
+    page_size: int
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def total_pages(self) -> int:
+        return int(self.num_pages.sum())
+
+    def pages_of(self, r: int) -> np.ndarray:
+        """Page ids of request ``r`` (int32 ``[num_pages[r]]``)."""
+        return self.table[r, : self.num_pages[r]]
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_padded(cls, block_tables, seq_lens, page_size: int) -> "BlockTable":
+        """From a vLLM-style ``[batch, max_blocks]`` table (padding past the used pages ignored)."""
+        page_size = _check_page_size(page_size)
+        bt = _as_int_array(block_tables, "block_tables", 2)
+        sl = _check_seq_lens(seq_lens, bt.shape[0])
+        npages = ((sl.astype(np.int64) + page_size - 1) // page_size).astype(np.int32)
+        width = int(npages.max()) if npages.size else 0
+        if width > bt.shape[1]:
+            bad = int(np.argmax(npages > bt.shape[1]))
+            raise ValueError(
+                f"seq_lens[{bad}] = {int(sl[bad])} needs {int(npages[bad])} pages of {page_size} "
+                f"tokens but block_tables lists only {bt.shape[1]} per request")
+        table = np.ascontiguousarray(bt[:, :width], dtype=np.int64)
+        used = np.arange(width, dtype=np.int32)[None, :] < npages[:, None]
+        vals = table[used]
+        if vals.size and vals.min() < 0:
+            r, c = np.argwhere(used & (table < 0))[0]
+            raise ValueError(f"block_tables[{r}, {c}] = {table[r, c]} is a negative page id")
+        if vals.size and vals.max() > np.iinfo(np.int32).max:
+            raise ValueError("block_tables holds page ids that do not fit in int32")
+        table = np.where(used, table, -1).astype(np.int32)
+        return cls(table=table, seq_lens=sl, num_pages=npages, page_size=page_size)
+
+    @classmethod
+    def from_lists(cls, block_tables, seq_lens, page_size: int) -> "BlockTable":
+        """From a list of per-request page lists (each may be longer than needed)."""
+        page_size = _check_page_size(page_size)
+        if not isinstance(block_tables, (list, tuple)):
+            raise TypeError("block_tables must be a list of page lists")
+        sl = _check_seq_lens(seq_lens, len(block_tables))
+        npages = ((sl.astype(np.int64) + page_size - 1) // page_size).astype(np.int32)
+        width = int(npages.max()) if npages.size else 0
+        table = np.full((len(block_tables), width), -1, dtype=np.int64)
+        for r, row in enumerate(block_tables):
+            row = _as_int_array(row, f"block_tables[{r}]", 1)
+            k = int(npages[r])
+            if row.shape[0] < k:
+                raise ValueError(
+                    f"seq_lens[{r}] = {int(sl[r])} needs {k} pages of {page_size} tokens but "
+                    f"block_tables[{r}] lists {row.shape[0]}")
+            table[r, :k] = row[:k]
+        return cls.from_padded(table, sl, page_size)
+
+    @classmethod
+    def from_csr(cls, indptr, indices, last_page_len, page_size: int) -> "BlockTable":
+        """From FlashInfer's CSR form: request ``r`` owns ``indices[indptr[r]:indptr[r+1]]`` and
+        fills ``last_page_len[r]`` tokens (``1..page_size``) of its last page."""
+        page_size = _check_page_size(page_size)
+        ip = _as_int_array(indptr, "indptr", 1).astype(np.int64)
+        idx = _as_int_array(indices, "indices", 1).astype(np.int64)
+        lpl = _as_int_array(last_page_len, "last_page_len", 1).astype(np.int64)
+        if ip.shape[0] < 1 or ip[0] != 0:
+            raise ValueError("indptr must start with 0")
+        if np.any(np.diff(ip) < 1):
+            raise ValueError("indptr must be strictly increasing (every request needs a page)")
+        if ip[-1] > idx.shape[0]:
+            raise ValueError(f"indptr[-1] = {ip[-1]} exceeds len(indices) = {idx.shape[0]}")
+        B = ip.shape[0] - 1
+        if lpl.shape[0] != B:
+            raise ValueError(f"last_page_len has {lpl.shape[0]} entries, expected {B}")
+        if np.any(lpl < 1) or np.any(lpl > page_size):
+            raise ValueError(f"last_page_len entries must lie in [1, page_size={page_size}]")
+        npages = np.diff(ip)
+        seq = (npages - 1) * page_size + lpl
+        width = int(npages.max()) if B else 0
+        table = np.full((B, width), -1, dtype=np.int64)
+        rows = np.repeat(np.arange(B), npages)
+        cols = np.arange(ip[-1]) - np.repeat(ip[:-1], npages)
+        table[rows, cols] = idx[: ip[-1]]
+        return cls.from_padded(table, seq, page_size)
+
+    def to_csr(self):
+        """``(indptr, indices, last_page_len)`` int32 arrays, FlashInfer's form."""
+        indptr = np.zeros(self.batch_size + 1, dtype=np.int32)
+        np.cumsum(self.num_pages, out=indptr[1:])
+        used = np.arange(self.table.shape[1])[None, :] < self.num_pages[:, None]
+        indices = self.table[used].astype(np.int32)
+        last = (self.seq_lens - (self.num_pages - 1) * self.page_size).astype(np.int32)
+        return indptr, indices, last
+
+    def check_pages(self, num_pages_in_cache: int, name: str = "paged_kv_cache") -> None:
+        """Raise ``ValueError`` if any used page id is ``>= num_pages_in_cache``."""
+        mx = int(self.table.max()) if self.table.size else -1
+        if mx >= num_pages_in_cache:
+            r, c = np.argwhere(self.table == mx)[0]
+            raise ValueError(f"block_tables[{r}, {c}] = {mx} is out of range for {name} with "
+                             f"{num_pages_in_cache} pages")
+
+
+def _check_page_size(page_size) -> int:
+    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)):
+        raise TypeError(f"page_size must be an int, got {type(page_size).__name__}")
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    return int(page_size)
+
+
+def _check_seq_lens(seq_lens, batch: int) -> np.ndarray:
+    if seq_lens is None:
+        raise ValueError("seq_lens is required with a padded or list block table")
+    sl = _as_int_array(seq_lens, "seq_lens", 1)
+    if sl.shape[0] != batch:
+        raise ValueError(f"seq_lens has {sl.shape[0]} entries but block_tables has {batch} rows")
+    if batch == 0:
+        raise ValueError("block_tables is empty: a batch needs at least one request")
+    if sl.min() < 1:
+        bad = int(np.argmin(sl))
+        raise ValueError(f"seq_lens[{bad}] = {int(sl[bad])}; every request needs seq_len >= 1")
+    if sl.max() > np.iinfo(np.int32).max:
+        raise ValueError("seq_lens entries must fit in int32")
+    return sl.astype(np.int32)
+
+
+def as_block_table(block_tables, seq_lens, page_size: int) -> BlockTable:
+    """Normalise any accepted form (see module docstring) to a :class:`BlockTable`."""
+    if isinstance(block_tables, BlockTable):
+        if block_tables.page_size != page_size:
+            raise ValueError(f"page_size = {page_size} differs from the BlockTable's "
+                             f"{block_tables.page_size}")
+        if seq_lens is not None:
+            sl = _check_seq_lens(seq_lens, block_tables.batch_size)
+            if not np.array_equal(sl, block_tables.seq_lens):
+                raise ValueError("seq_lens disagrees with the BlockTable's lengths; pass None")
+        return block_tables
+    if isinstance(block_tables, (list, tuple)):
+        return BlockTable.from_lists(block_tables, seq_lens, page_size)
+    return BlockTable.from_padded(block_tables, seq_lens, page_size)
+
+
+def check_heads(num_qo_heads, num_kv_heads, head_dim) -> None:
+    """Validate head counts and head dimension (``ValueError`` naming the argument)."""
+    for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
+                    ("head_dim", head_dim)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"num_qo_heads = {num_qo_heads} is not a multiple of "
+                         f"num_kv_heads = {num_kv_heads}")

@@ -1,0 +1,233 @@
+"""Packers: turn a :class:`~pat_core.forest.PrefixForest` into CTAs ("packs").
+
+A *pack* is a set of requests plus a token range ``[kv_start, kv_end)`` they all share; the
+kernel reads that range once for all of them.  Every packer produces the same :class:`Packs`
+type, and every (request, token) pair lands in exactly one pack.
+
+All five packers are one walk, TreeHeuristic (PAT Algorithm 1), with a different rule for the
+one question it asks at every parent ``u`` / child ``c`` edge: *merge* (``c``'s CTA also reads the
+tokens accumulated down to ``u``, and ``c``'s requests leave ``u``'s CTA) or *split* (``u``'s CTA
+keeps ``c``'s requests; each of them gets one more partial result to merge).
+
+``pat``      memory-centric profit model (PAT §5.1), in bytes, GQA-aware: merge when the partial
+             traffic saved beats the KV re-read, counting one re-read per CTA the child's rows
+             need (rows = requests x group, capped by the largest tile).
+``compute``  compute-oriented model (as FastTree): minimise padded tile rows x KV tokens,
+             ignoring bytes; merges only when the child's rows would push the parent's CTA
+             over a tile boundary.
+``node``     never merge: one CTA per tree node holding every request below it.
+``cascade``  ``node`` packing, one launch group per tree level, levels run one after another
+             (multi-level cascade inference).
+``query``    always merge, one request per CTA: the query-centric baseline.
+
+A CTA never holds more requests than ``max_rows // group`` (the largest tile's rows): larger
+sets are cut into chunks, each re-reading the range.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+from .forest import PrefixForest
+
+PACKERS = ("pat", "query", "node", "compute", "cascade")
+
+_MODE = {"pat": 0, "compute": 1, "node": 2, "cascade": 2, "query": 3}
+
+
+@dataclass
+class Packs:
+    """CTAs before tiling and splitting (``K`` packs; all int32).
+
+    ``req_indptr [K+1]`` / ``reqs``: requests of each pack.  ``kv_start, kv_end [K]``: token
+    range.  ``level [K]``: forest level of the node that emitted the pack (for cascade groups).
+    ``leaf_pack [B]``: the pack holding each request's last token when that pack holds only
+    this request and the request has a leaf node of its own, else ``-1`` (the lazy length
+    update may extend exactly those packs).
+    """
+
+    req_indptr: np.ndarray
+    reqs: np.ndarray
+    kv_start: np.ndarray
+    kv_end: np.ndarray
+    level: np.ndarray
+    leaf_pack: np.ndarray
+
+    @property
+    def num_packs(self) -> int:
+        return int(self.kv_start.shape[0])
+
+    def copy(self) -> "Packs":
+        return Packs(*(getattr(self, f).copy() for f in
+                       ("req_indptr", "reqs", "kv_start", "kv_end", "level", "leaf_pack")))
+
+
+@njit(cache=True)
+def _pad_rows(rows, max_rows):
+    """Rows after padding to power-of-two tiles of at least 16 (full tiles of ``max_rows``)."""
+    if rows <= 0:
+        return 0
+    full = (rows // max_rows) * max_rows
+    rest = rows - full
+    if rest == 0:
+        return full
+    p = 16
+    while p < rest:
+        p *= 2
+    return full + p
+
+
+@njit(cache=True)
+def _tree_heuristic(start, end, lo, hi, child_indptr, children, order, level,
+                    req_node, mode, group, max_req, kv_tok_bytes, row_slot_bytes):
+    """TreeHeuristic over every tree of the forest (iterative DFS).  See module docstring."""
+    B = order.shape[0]
+    n = start.shape[0]
+    max_rows = max_req * group
+    # output buffers, grown on demand
+    cap_p = 2 * n + 16
+    cap_r = 4 * B + 16
+    p_ind = np.zeros(cap_p + 1, dtype=np.int64)
+    p_s = np.zeros(cap_p, dtype=np.int32)
+    p_e = np.zeros(cap_p, dtype=np.int32)
+    p_lv = np.zeros(cap_p, dtype=np.int32)
+    p_r = np.zeros(cap_r, dtype=np.int32)
+    np_ = 0
+    nr = 0
+    rem = np.zeros(B, dtype=np.int32)       # sorted positions of the current node's pack
+    st_node = np.zeros(n, dtype=np.int32)
+    st_acc = np.zeros(n, dtype=np.int32)
+    sp = 0
+    for k in range(child_indptr[1] - child_indptr[0]):   # every root starts its own walk
+        st_node[sp] = children[child_indptr[0] + k]
+        st_acc[sp] = start[children[child_indptr[0] + k]]
+        sp += 1
+    while sp > 0:
+        sp -= 1
+        u = st_node[sp]
+        acc = st_acc[sp]
+        L = end[u] - acc                    # tokens this node's CTA reads (own + inherited)
+        nrem = 0
+        pos = lo[u]
+        rows_u = 0
+        # requests ending at u sit in the gaps between children ranges
+        for k in range(child_indptr[u], child_indptr[u + 1]):
+            rows_u += (lo[children[k]] - pos) * group
+            pos = hi[children[k]]
+        rows_u += (hi[u] - pos) * group
+        pos = lo[u]
+        for k in range(child_indptr[u], child_indptr[u + 1]):
+            c = children[k]
+            while pos < lo[c]:
+                rem[nrem] = pos
+                nrem += 1
+                pos += 1
+            s_c = hi[c] - lo[c]
+            rows_c = s_c * group
+            if mode == 0:       # pat: bytes of partials saved vs bytes of KV re-read
+                chunks = (rows_c + max_rows - 1) // max_rows
+                merge = rows_c * row_slot_bytes > L * kv_tok_bytes * chunks
+            elif mode == 1:     # compute: padded rows x tokens
+                cost_split = _pad_rows(rows_u + rows_c, max_rows) - _pad_rows(rows_u, max_rows)
+                merge = _pad_rows(rows_c, max_rows) < cost_split
+            elif mode == 2:
+                merge = False
+            else:
+                merge = True
+            st_node[sp] = c
+            if merge:
+                st_acc[sp] = acc
+            else:
+                st_acc[sp] = start[c]
+                rows_u += rows_c
+                for q in range(lo[c], hi[c]):
+                    rem[nrem] = q
+                    nrem += 1
+            sp += 1
+            pos = hi[c]
+        while pos < hi[u]:
+            rem[nrem] = pos
+            nrem += 1
+            pos += 1
+        # emit the node's pack, cut into chunks of at most max_req requests
+        q0 = 0
+        while q0 < nrem:
+            q1 = min(nrem, q0 + max_req)
+            if np_ + 1 >= cap_p:
+                cap_p *= 2
+                p_ind = _grow64(p_ind, cap_p + 1)
+                p_s = _grow32(p_s, cap_p)
+                p_e = _grow32(p_e, cap_p)
+                p_lv = _grow32(p_lv, cap_p)
+            if nr + (q1 - q0) >= cap_r:
+                cap_r = 2 * cap_r + (q1 - q0)
+                p_r = _grow32(p_r, cap_r)
+            for q in range(q0, q1):
+                p_r[nr] = order[rem[q]]
+                nr += 1
+            p_s[np_] = acc
+            p_e[np_] = end[u]
+            p_lv[np_] = level[u]
+            np_ += 1
+            p_ind[np_] = nr
+            q0 = q1
+    # leaf_pack: a single-request pack that ends at the request's own leaf
+    leaf_pack = np.full(B, -1, dtype=np.int32)
+    for p in range(np_):
+        if p_ind[p + 1] - p_ind[p] == 1:
+            r = p_r[p_ind[p]]
+            u = req_node[r]
+            if p_e[p] == end[u] and hi[u] - lo[u] == 1:
+                leaf_pack[r] = p
+    return (p_ind[:np_ + 1].astype(np.int32), p_r[:nr].copy(), p_s[:np_].copy(),
+            p_e[:np_].copy(), p_lv[:np_].copy(), leaf_pack)
+
+
+@njit(cache=True)
+def _grow32(a, n):
+    b = np.zeros(n, dtype=np.int32)
+    b[:a.shape[0]] = a
+    return b
+
+
+@njit(cache=True)
+def _grow64(a, n):
+    b = np.zeros(n, dtype=np.int64)
+    b[:a.shape[0]] = a
+    return b
+
+
+def cost_constants(head_dim: int, kv_bytes: int, q_bytes: int) -> tuple[int, int]:
+    """``(kv_tok_bytes, row_slot_bytes)`` of the profit model, per KV head.
+
+    * ``kv_tok_bytes``: one token of K and V for one KV head: ``2 * head_dim * kv_bytes``.
+    * ``row_slot_bytes``: what one extra partial result costs one query row: an fp32 output
+      and LSE written then read back (``2 * 4 * (head_dim + 1)``), plus re-reading its query
+      (``head_dim * q_bytes``).  Merge a child when ``rows * row_slot_bytes`` exceeds the
+      re-read tokens times ``kv_tok_bytes`` (for fp16, d = 128, group 1: ``2.5 s > l``; the
+      paper's element count gives ``4 s > l``).
+    """
+    return 2 * head_dim * kv_bytes, 8 * (head_dim + 1) + head_dim * q_bytes
+
+
+def pack(forest: PrefixForest, packer: str, group: int, max_rows: int, head_dim: int,
+         kv_bytes: int = 2, q_bytes: int = 2) -> Packs:
+    """Run one packer over ``forest``.
+
+    ``group``: query heads per KV head.  ``max_rows``: the largest tile's ``m``; a CTA holds at
+    most ``max_rows // group`` requests (``query`` holds exactly one).
+    """
+    if packer not in PACKERS:
+        raise ValueError(f"packer must be one of {PACKERS}, got {packer!r}")
+    if group > max_rows:
+        raise ValueError(f"num_qo_heads / num_kv_heads = {group} exceeds the largest tile "
+                         f"({max_rows} rows): one request would not fit a CTA")
+    max_req = 1 if packer == "query" else max(1, max_rows // group)
+    kv_tok, row_slot = cost_constants(head_dim, kv_bytes, q_bytes)
+    f = forest
+    ind, reqs, s, e, lv, leaf = _tree_heuristic(
+        f.start, f.end, f.lo, f.hi, f.child_indptr, f.children, f.order, f.level,
+        f.req_node, _MODE[packer], group, max_req, kv_tok, row_slot)
+    return Packs(req_indptr=ind, reqs=reqs, kv_start=s, kv_end=e, level=lv, leaf_pack=leaf)

@@ -1,0 +1,230 @@
+"""The Plan: the single hand-off object between the planner and every executor.
+
+A Plan says, for one decode batch, which CTAs run, what each reads and where each writes.  It is
+made of plain NumPy ``int32`` arrays (ready to upload to a GPU in one copy each) plus a little
+metadata.  The GPU kernels, the CPU executor and the simulator all read the same object.
+
+Terminology
+-----------
+* **request** ``r`` (``0 <= r < batch_size``): one decode query; its KV cache is the token
+  positions ``[0, seq_lens[r])``, token ``t`` stored at page ``block_table[r][t // page_size]``,
+  slot ``t % page_size``.
+* **CTA**: one unit of work of the forward kernel for *one KV head*: a set of requests that share
+  a contiguous token range ``[kv_start, kv_start + kv_len)`` (same page ids for all of them).  The
+  kernel launches ``num_kv_heads`` thread blocks per Plan CTA (``gridDim.y``).  Its query rows are
+  ``len(requests) * group`` where ``group = num_qo_heads // num_kv_heads``; row
+  ``i * group + j`` is request ``i`` of the CTA, query head ``kv_head * group + j``.
+* **partial slot**: one fp32 partial result of one request from one CTA: ``o_partial[slot, h, :]``
+  (``[num_slots, num_qo_heads, head_dim]``, already normalised by its own softmax sum) and
+  ``lse_partial[slot, h]`` (``[num_slots, num_qo_heads]``, natural-log LSE of the scaled scores,
+  ``-inf`` when the CTA saw no key).  Slots are numbered request by request, so request ``r``
+  owns slots ``req_slot_indptr[r] : req_slot_indptr[r + 1]``; each is written by exactly one CTA.
+* **launch group**: CTAs that share a tile config ``(m, n)`` and go to the GPU in one launch.
+  CTAs are stored sorted by group; group ``g`` is ``group_indptr[g] : group_indptr[g + 1]``
+  and uses ``tile_configs[group_tile[g]]``.  Groups run on separate streams unless
+  ``serial`` is set (cascade-style level-by-level execution, or the serial ablation).
+
+Arrays (``C`` CTAs, ``B`` requests, ``T`` tile configs, ``G`` groups, all ``np.int32``)
+--------------------------------------------------------------------------------------
+====================  ==============  ======================================================
+name                  shape           meaning
+====================  ==============  ======================================================
+tile_configs          [T, 2]          ``(m, n)``: query rows and KV tokens per tile
+group_indptr          [G + 1]         CTA range of each launch group
+group_tile            [G]             tile config index of each group
+cta_tile              [C]             tile config index of each CTA
+cta_req_indptr        [C + 1]         CTA ``c``'s requests are ``cta_req[cta_req_indptr[c]:...]``
+cta_req               [R]             request ids (R = total (CTA, request) pairs = num_slots)
+cta_slot              [R]             partial slot written for the matching ``cta_req`` entry
+cta_kv_start          [C]             first token position read by the CTA
+cta_kv_len            [C]             number of tokens read (>= 1)
+cta_page_indptr       [C + 1]         CTA ``c``'s pages are ``cta_pages[cta_page_indptr[c]:...]``
+cta_pages             [P]             page ids for token positions ``kv_start // page_size`` ..
+                                      ``(kv_start + kv_len - 1) // page_size``, in order
+req_slot_indptr       [B + 1]         request ``r``'s partial slots (contiguous range)
+seq_lens              [B]             KV length of each request
+====================  ==============  ======================================================
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+PARTIAL_BYTES = 4  # partial outputs and LSEs are fp32
+
+
+def dtype_name(dtype) -> str:
+    """Canonical name (``"float16"``, ``"bfloat16"``, ``"float32"``) of a NumPy/torch dtype or str."""
+    s = str(dtype).replace("torch.", "").replace("numpy.", "")
+    aliases = {"half": "float16", "fp16": "float16", "f16": "float16", "bf16": "bfloat16",
+               "float": "float32", "fp32": "float32", "f32": "float32", "<f2": "float16",
+               "<f4": "float32"}
+    s = aliases.get(s, s)
+    if s not in DTYPE_BYTES:
+        raise TypeError(f"unsupported dtype {dtype!r}; expected float16, bfloat16 or float32")
+    return s
+
+
+@dataclass
+class Plan:
+    """Execution plan of one decode batch.  See the module docstring for every array."""
+
+    batch_size: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    sm_scale: float
+    packer: str
+    gpu: str
+    kv_dtype: str
+    serial: bool
+
+    tile_configs: np.ndarray
+    group_indptr: np.ndarray
+    group_tile: np.ndarray
+    cta_tile: np.ndarray
+    cta_req_indptr: np.ndarray
+    cta_req: np.ndarray
+    cta_slot: np.ndarray
+    cta_kv_start: np.ndarray
+    cta_kv_len: np.ndarray
+    cta_page_indptr: np.ndarray
+    cta_pages: np.ndarray
+    req_slot_indptr: np.ndarray
+    seq_lens: np.ndarray
+
+    # bumped whenever the arrays change in place (length-only update), so that an executor that
+    # cached an upload of this Plan knows to upload again
+    version: int = 0
+    extra: dict = field(default_factory=dict)
+
+    ARRAY_FIELDS = ("tile_configs", "group_indptr", "group_tile", "cta_tile", "cta_req_indptr",
+                    "cta_req", "cta_slot", "cta_kv_start", "cta_kv_len", "cta_page_indptr",
+                    "cta_pages", "req_slot_indptr", "seq_lens")
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (the GQA group)."""
+        return self.num_qo_heads // self.num_kv_heads
+
+    @property
+    def num_ctas(self) -> int:
+        return int(self.cta_kv_len.shape[0])
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.cta_slot.shape[0])
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.group_tile.shape[0])
+
+    def cta_rows(self) -> np.ndarray:
+        """Query rows of every CTA (requests x group), int32 ``[C]``."""
+        return (np.diff(self.cta_req_indptr) * self.group_size).astype(np.int32)
+
+    def cta_mn(self) -> np.ndarray:
+        """Tile ``(m, n)`` of every CTA, int32 ``[C, 2]``."""
+        return self.tile_configs[self.cta_tile]
+
+    def groups(self):
+        """Yield ``(group_index, (m, n), cta_begin, cta_end)`` for each launch group."""
+        for g in range(self.num_groups):
+            m, n = (int(x) for x in self.tile_configs[self.group_tile[g]])
+            yield g, (m, n), int(self.group_indptr[g]), int(self.group_indptr[g + 1])
+
+    # ------------------------------------------------------------------ accounting
+    def stats(self, kv_dtype=None, q_dtype=None) -> dict:
+        """Bytes this plan moves through HBM, by kind, for all heads.
+
+        * ``kv_bytes``: K and V tokens read by every CTA (each CTA reads its range once per KV head).
+        * ``q_bytes``: query rows read by every CTA.
+        * ``partial_bytes``: fp32 partial outputs and LSEs, written by the forward kernels and
+          read back by the merge kernel (both directions counted).
+        * ``out_bytes``: the final output written by the merge kernel.
+        """
+        kvb = DTYPE_BYTES[dtype_name(kv_dtype or self.kv_dtype)]
+        qb = DTYPE_BYTES[dtype_name(q_dtype or kv_dtype or self.kv_dtype)]
+        d, hq, hk = self.head_dim, self.num_qo_heads, self.num_kv_heads
+        kv_tokens = int(self.cta_kv_len.astype(np.int64).sum())
+        kv_bytes = kv_tokens * hk * 2 * d * kvb
+        q_bytes = self.num_slots * hq * d * qb
+        partial_bytes = 2 * self.num_slots * hq * (d + 1) * PARTIAL_BYTES
+        out_bytes = self.batch_size * hq * d * qb
+        tiles: dict = {}
+        mn = self.cta_mn()
+        for (m, n) in map(tuple, mn.tolist()):
+            key = f"{m}x{n}"
+            tiles[key] = tiles.get(key, 0) + 1
+        return {
+            "num_ctas": self.num_ctas,
+            "num_slots": self.num_slots,
+            "kv_tokens": kv_tokens,
+            "kv_bytes": kv_bytes,
+            "q_bytes": q_bytes,
+            "partial_bytes": partial_bytes,
+            "out_bytes": out_bytes,
+            "total_bytes": kv_bytes + q_bytes + partial_bytes + out_bytes,
+            "tiles": dict(sorted(tiles.items())),
+        }
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        """Check the structural invariants every executor relies on; raise ``AssertionError``.
+
+        Cheap (vectorised); the property tests call it on every plan they make.
+        """
+        C, B = self.num_ctas, self.batch_size
+        for name in self.ARRAY_FIELDS:
+            arr = getattr(self, name)
+            assert isinstance(arr, np.ndarray) and arr.dtype == np.int32, name
+        assert self.cta_req_indptr.shape == (C + 1,) and self.cta_req_indptr[0] == 0
+        assert self.cta_req_indptr[-1] == self.cta_req.shape[0] == self.cta_slot.shape[0]
+        assert np.all(np.diff(self.cta_req_indptr) >= 1), "every CTA has a request"
+        assert np.all(self.cta_kv_len >= 1), "every CTA reads at least one token"
+        assert self.req_slot_indptr.shape == (B + 1,) and self.req_slot_indptr[0] == 0
+        assert self.req_slot_indptr[-1] == self.num_slots
+        # slots: a permutation, and each slot lies in the range of the request it serves
+        assert np.array_equal(np.sort(self.cta_slot), np.arange(self.num_slots)), "slots unique"
+        owner = np.repeat(np.arange(B), np.diff(self.req_slot_indptr))
+        assert np.array_equal(owner[self.cta_slot], self.cta_req), "slot owned by its request"
+        # rows fit the tile
+        rows = self.cta_rows()
+        assert np.all(rows <= self.cta_mn()[:, 0]), "rows fit m"
+        # pages cover the range
+        first = self.cta_kv_start // self.page_size
+        last = (self.cta_kv_start + self.cta_kv_len - 1) // self.page_size
+        assert np.array_equal(np.diff(self.cta_page_indptr), last - first + 1)
+        # groups
+        assert self.group_indptr[0] == 0 and self.group_indptr[-1] == C
+        for g, _, b, e in self.groups():
+            assert np.all(self.cta_tile[b:e] == self.group_tile[g])
+        # every request's tokens inside its length
+        req_of = self.cta_req
+        cta_of = np.repeat(np.arange(C), np.diff(self.cta_req_indptr))
+        end = self.cta_kv_start[cta_of].astype(np.int64) + self.cta_kv_len[cta_of]
+        assert np.all(end <= self.seq_lens[req_of]), "CTA reads past a request's end"
+
+    def coverage_counts(self) -> list:
+        """For each request, an int array ``[seq_len]`` counting the CTAs that read each token.
+
+        A correct plan gives all ones.  O(total tokens): for tests and small batches.
+        """
+        counts = [np.zeros(int(s), dtype=np.int32) for s in self.seq_lens]
+        for c in range(self.num_ctas):
+            s, n = int(self.cta_kv_start[c]), int(self.cta_kv_len[c])
+            for r in self.cta_req[self.cta_req_indptr[c]:self.cta_req_indptr[c + 1]]:
+                counts[int(r)][s:s + n] += 1
+        return counts
+
+    def summary(self) -> str:
+        st = self.stats()
+        return (f"Plan(packer={self.packer}, gpu={self.gpu}, batch={self.batch_size}, "
+                f"ctas={st['num_ctas']}, slots={st['num_slots']}, tiles={st['tiles']}, "
+                f"total={st['total_bytes'] / 1e6:.2f} MB)")
+
+    __repr__ = summary

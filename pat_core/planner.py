@@ -1,0 +1,192 @@
+"""The planner: block table -> forest -> packs -> long-KV split -> tiles -> :class:`Plan`.
+
+:class:`Planner` runs that chain and keeps the last result so that the next decode step costs
+little (PAT's lazy update):
+
+* the same inputs again return the same Plan object;
+* a step where only ``seq_lens`` grew, inside pages the table already lists, and only for
+  requests whose last token sits in a CTA of their own, reuses the packing: only those CTAs'
+  ends move, then the cheap vectorised tail (split, tiles, arrays) runs again.
+
+Anything else re-plans from scratch.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .forest import PrefixForest
+from .gpus import get_gpu
+from .inputs import BlockTable, as_block_table, check_heads
+from .packers import PACKERS, Packs, pack
+from .plan import DTYPE_BYTES, Plan, dtype_name
+from .split import split_long_kv, split_threshold
+from .tiles import TileSelector
+
+
+def _segment_gather(indptr: np.ndarray, values: np.ndarray, seg: np.ndarray):
+    """Concatenate ``values[indptr[s]:indptr[s+1]]`` for each ``s`` in ``seg``.
+
+    Returns ``(out_indptr int32 [len(seg)+1], out values)``.
+    """
+    counts = (indptr[seg + 1] - indptr[seg]).astype(np.int64)
+    out_ptr = np.zeros(seg.shape[0] + 1, dtype=np.int64)
+    np.cumsum(counts, out=out_ptr[1:])
+    total = int(out_ptr[-1])
+    idx = np.arange(total, dtype=np.int64) - np.repeat(out_ptr[:-1] - indptr[seg], counts)
+    return out_ptr.astype(np.int32), values[idx]
+
+
+def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_heads: int,
+                  head_dim: int, sm_scale: float, packer: str, selector: TileSelector,
+                  kv_dtype: str, serial: bool = False, split: bool = True) -> Plan:
+    """Split, tile and lay out ``packs`` as a :class:`Plan` (vectorised; no per-CTA Python)."""
+    group = num_qo_heads // num_kv_heads
+    gpu = selector.gpu
+    length = packs.kv_end - packs.kv_start
+    if split:
+        thr = split_threshold(length, num_kv_heads, gpu.num_sms)
+    else:
+        thr = int(length.max()) if length.size else 1
+    src, kv_start, kv_len = split_long_kv(packs, thr)
+    nreq = np.diff(packs.req_indptr)[src]
+    mn = selector.select(nreq * group, kv_len)
+    # distinct tile configs, then launch groups (cascade: one group per level and config)
+    tiles, tile_idx = np.unique(mn, axis=0, return_inverse=True)
+    tile_idx = tile_idx.reshape(-1).astype(np.int32)
+    if packer == "cascade":
+        serial = True
+        gkey = packs.level[src].astype(np.int64) * len(tiles) + tile_idx
+    else:
+        gkey = tile_idx.astype(np.int64)
+    order = np.argsort(gkey, kind="stable")
+    gkey = gkey[order]
+    bounds = np.flatnonzero(np.diff(gkey)) + 1
+    group_indptr = np.concatenate(([0], bounds, [gkey.shape[0]])).astype(np.int32)
+    src, kv_start, kv_len, tile_idx = src[order], kv_start[order], kv_len[order], tile_idx[order]
+    group_tile = tile_idx[group_indptr[:-1]].astype(np.int32)
+
+    cta_req_indptr, cta_req = _segment_gather(packs.req_indptr, packs.reqs, src)
+    cta_req = cta_req.astype(np.int32)
+    B = bt.batch_size
+    per_req = np.bincount(cta_req, minlength=B)
+    req_slot_indptr = np.zeros(B + 1, dtype=np.int32)
+    np.cumsum(per_req, out=req_slot_indptr[1:])
+    cta_slot = np.empty(cta_req.shape[0], dtype=np.int32)
+    cta_slot[np.argsort(cta_req, kind="stable")] = np.arange(cta_req.shape[0], dtype=np.int32)
+
+    # pages: from any member request (they agree on the shared range)
+    ps = bt.page_size
+    rep = cta_req[cta_req_indptr[:-1]]
+    first = kv_start // ps
+    npg = (kv_start + kv_len - 1) // ps - first + 1
+    page_indptr = np.zeros(kv_start.shape[0] + 1, dtype=np.int32)
+    np.cumsum(npg, out=page_indptr[1:])
+    cta_of = np.repeat(np.arange(kv_start.shape[0]), npg)
+    col = np.arange(int(page_indptr[-1])) - page_indptr[:-1][cta_of] + first[cta_of]
+    pages = bt.table[rep[cta_of], col].astype(np.int32)
+
+    return Plan(
+        batch_size=B, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        page_size=ps, sm_scale=float(sm_scale), packer=packer, gpu=gpu.name, kv_dtype=kv_dtype,
+        serial=bool(serial),
+        tile_configs=tiles.astype(np.int32), group_indptr=group_indptr, group_tile=group_tile,
+        cta_tile=tile_idx, cta_req_indptr=cta_req_indptr, cta_req=cta_req, cta_slot=cta_slot,
+        cta_kv_start=kv_start.astype(np.int32), cta_kv_len=kv_len.astype(np.int32),
+        cta_page_indptr=page_indptr, cta_pages=pages, req_slot_indptr=req_slot_indptr,
+        seq_lens=bt.seq_lens.astype(np.int32),
+    )
+
+
+class Planner:
+    """Plans decode batches for one packer and remembers the last one (lazy update).
+
+    Parameters
+    ----------
+    packer : one of ``"pat"``, ``"query"``, ``"node"``, ``"compute"``, ``"cascade"``.
+    gpu : GPU spec or name used by the tile solver and the split rule (default ``"h100"``).
+    """
+
+    def __init__(self, packer: str = "pat", gpu="h100"):
+        if packer not in PACKERS:
+            raise ValueError(f"packer must be one of {PACKERS}, got {packer!r}")
+        self.packer = packer
+        self.gpu = get_gpu(gpu)
+        self._cache = None
+        self.last_path = None   # "full", "reuse" or "lengths": what the last plan() did
+
+    def plan(self, block_tables, seq_lens, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+             page_size: int, *, sm_scale: float | None = None, kv_data_type="float16",
+             q_data_type=None, tile=None, serial: bool = False, split: bool = True) -> Plan:
+        """Make (or reuse) the Plan of one decode batch.  Arguments as
+        :meth:`pat_core.PrefixAttentionWrapper.plan`."""
+        check_heads(num_qo_heads, num_kv_heads, head_dim)
+        kv_dtype = dtype_name(kv_data_type)
+        q_dtype = dtype_name(q_data_type or kv_dtype)
+        if sm_scale is None:
+            sm_scale = 1.0 / math.sqrt(head_dim)
+        params = (num_qo_heads, num_kv_heads, head_dim, page_size, float(sm_scale), kv_dtype,
+                  q_dtype, None if tile is None else tuple(int(x) for x in tile), bool(serial),
+                  bool(split))
+        raw = block_tables if isinstance(block_tables, np.ndarray) else None
+        c = self._cache
+        if c is not None and raw is not None and c["params"] == params \
+                and c["raw"].shape == raw.shape and c["raw"].dtype == raw.dtype \
+                and np.array_equal(c["raw"], raw):
+            sl = np.asarray(seq_lens)
+            if sl.shape == c["seq_lens"].shape and np.array_equal(sl, c["seq_lens"]):
+                self.last_path = "reuse"
+                return c["plan"]
+            updated = self._length_update(c, sl)
+            if updated is not None:
+                self.last_path = "lengths"
+                return updated
+        bt = as_block_table(block_tables, seq_lens, page_size)
+        selector = TileSelector(head_dim, kv_dtype, self.gpu, fixed=tile)
+        forest = PrefixForest(bt)
+        packs = pack(forest, self.packer, num_qo_heads // num_kv_heads, selector.max_rows,
+                     head_dim, DTYPE_BYTES[kv_dtype], DTYPE_BYTES[q_dtype])
+        plan = assemble_plan(bt, packs, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                             head_dim=head_dim, sm_scale=sm_scale, packer=self.packer,
+                             selector=selector, kv_dtype=kv_dtype, serial=serial, split=split)
+        plan.extra["forest"] = forest
+        plan.extra["block_table"] = bt
+        self._cache = dict(params=params, raw=None if raw is None else raw.copy(),
+                           seq_lens=bt.seq_lens.copy(), bt=bt, packs=packs, plan=plan,
+                           selector=selector)
+        self.last_path = "full"
+        return plan
+
+    def _length_update(self, c: dict, new_lens: np.ndarray):
+        """Reuse the packing when only leaf lengths grew inside listed pages; else ``None``."""
+        old = c["seq_lens"]
+        if new_lens.ndim != 1 or new_lens.shape != old.shape:
+            return None
+        bt: BlockTable = c["bt"]
+        new_lens = new_lens.astype(np.int64)
+        changed = np.flatnonzero(new_lens != old)
+        if changed.size == 0:
+            return c["plan"]
+        grow = new_lens[changed]
+        if grow.min() <= 0 or np.any(grow < old[changed]):
+            return None
+        if np.any(grow > bt.num_pages[changed].astype(np.int64) * bt.page_size):
+            return None                       # a new page is needed: the table must change
+        packs: Packs = c["packs"]
+        lp = packs.leaf_pack[changed]
+        if np.any(lp < 0):
+            return None                       # the request's last token is shared
+        packs = packs.copy()
+        packs.kv_end[lp] = grow.astype(np.int32)
+        nbt = BlockTable(table=bt.table, seq_lens=new_lens.astype(np.int32),
+                         num_pages=bt.num_pages, page_size=bt.page_size)
+        p = c["plan"]
+        plan = assemble_plan(nbt, packs, num_qo_heads=p.num_qo_heads,
+                             num_kv_heads=p.num_kv_heads, head_dim=p.head_dim,
+                             sm_scale=p.sm_scale, packer=self.packer, selector=c["selector"],
+                             kv_dtype=p.kv_dtype, serial=c["params"][8], split=c["params"][9])
+        plan.version = p.version + 1
+        plan.extra["block_table"] = nbt
+        c.update(seq_lens=nbt.seq_lens.copy(), bt=nbt, packs=packs, plan=plan)
+        return plan

@@ -1,0 +1,140 @@
+"""Dense attention references on the CPU: the ground truth every executor is checked against.
+
+* :func:`dense_attention`: float64, one request at a time over its gathered KV.
+* :func:`lowp_attention`: the same computation carried out entirely in the input's low
+  precision (fp16 products, sums and softmax), the "plain same-dtype implementation" whose
+  error sets the tolerance for fp16 kernels (a kernel may be at most twice as wrong).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .inputs import as_block_table
+
+
+def to_numpy_f32(x, name: str = "array") -> np.ndarray:
+    """Host float32 copy of a NumPy array or CPU torch tensor (bf16 included, exactly)."""
+    if hasattr(x, "detach") and hasattr(x, "float"):
+        if str(x.device) != "cpu":
+            x = x.cpu()
+        return x.detach().float().numpy()
+    arr = np.asarray(x)
+    if not np.issubdtype(arr.dtype, np.floating):
+        raise TypeError(f"{name} must be a floating-point array, got {arr.dtype}")
+    return arr.astype(np.float32, copy=False)
+
+
+def split_kv_cache(paged_kv_cache, kv_layout: str = "NHD"):
+    """``(k_cache, v_cache)`` from a tuple or the 5-D single tensor form.
+
+    5-D form: ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` (NHD) or
+    ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` (HND), K at index 0 of axis 1.
+    """
+    if kv_layout not in ("NHD", "HND"):
+        raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    if isinstance(paged_kv_cache, (tuple, list)):
+        if len(paged_kv_cache) != 2:
+            raise ValueError("paged_kv_cache tuple must be (k_cache, v_cache)")
+        k, v = paged_kv_cache
+    else:
+        if len(paged_kv_cache.shape) != 5 or paged_kv_cache.shape[1] != 2:
+            raise ValueError("paged_kv_cache must be a (k_cache, v_cache) tuple or a 5-D tensor "
+                             f"[num_pages, 2, ...]; got shape {tuple(paged_kv_cache.shape)}")
+        k, v = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
+    if len(k.shape) != 4 or tuple(k.shape) != tuple(v.shape):
+        raise ValueError("paged_kv_cache: k_cache and v_cache must be 4-D with equal shapes, got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    return k, v
+
+
+def cache_dims(k_cache, kv_layout: str):
+    """``(num_pages, page_size, num_kv_heads, head_dim)`` of a 4-D cache in either layout."""
+    n, a, b, d = (int(x) for x in k_cache.shape)
+    return (n, a, b, d) if kv_layout == "NHD" else (n, b, a, d)
+
+
+def gather_kv(cache: np.ndarray, pages: np.ndarray, seq_len: int, kv_layout: str) -> np.ndarray:
+    """One request's tokens ``[seq_len, num_kv_heads, head_dim]`` from a 4-D paged cache."""
+    blocks = cache[pages]                                # [P, ps, H, d] or [P, H, ps, d]
+    if kv_layout == "HND":
+        blocks = blocks.transpose(0, 2, 1, 3)
+    return blocks.reshape(-1, blocks.shape[2], blocks.shape[3])[:seq_len]
+
+
+def _attend(q, k, v, scale, dtype):
+    """Attention of one request: q ``[Hq, d]``, k/v ``[L, Hk, d]`` in ``dtype`` arithmetic."""
+    hq, d = q.shape
+    hk = k.shape[1]
+    g = hq // hk
+    qg = q.reshape(hk, g, d).astype(dtype)
+    kk = k.transpose(1, 0, 2).astype(dtype)             # [Hk, L, d]
+    vv = v.transpose(1, 0, 2).astype(dtype)
+    s = np.matmul(qg, kk.transpose(0, 2, 1)) * dtype(scale)   # [Hk, g, L]
+    mx = s.max(axis=-1, keepdims=True)
+    p = np.exp(s - mx)
+    den = p.sum(axis=-1, keepdims=True)
+    o = np.matmul(p, vv) / den                           # [Hk, g, d]
+    lse = (np.log(den.astype(np.float64)) + mx.astype(np.float64))[..., 0]
+    return o.reshape(hq, d), lse.reshape(hq)
+
+
+def _run_reference(q, paged_kv_cache, block_tables, seq_lens, page_size, kv_layout, sm_scale,
+                   dtype):
+    k_cache, v_cache = split_kv_cache(paged_kv_cache, kv_layout)
+    kc = to_numpy_f32(k_cache, "k_cache") if dtype is not np.float16 else np.asarray(k_cache)
+    vc = to_numpy_f32(v_cache, "v_cache") if dtype is not np.float16 else np.asarray(v_cache)
+    qq = to_numpy_f32(q, "q") if dtype is not np.float16 else np.asarray(q)
+    bt = as_block_table(block_tables, seq_lens, page_size)
+    d = qq.shape[-1]
+    scale = 1.0 / np.sqrt(d) if sm_scale is None else sm_scale
+    out = np.empty(qq.shape, dtype=np.float64)
+    lse = np.empty(qq.shape[:2], dtype=np.float64)
+    for r in range(bt.batch_size):
+        pages = bt.pages_of(r)
+        L = int(bt.seq_lens[r])
+        k = gather_kv(kc, pages, L, kv_layout)
+        v = gather_kv(vc, pages, L, kv_layout)
+        o, l = _attend(qq[r], k, v, scale, dtype)
+        out[r] = o
+        lse[r] = l
+    return out, lse
+
+
+def dense_attention(q, paged_kv_cache, block_tables, seq_lens, page_size: int,
+                    kv_layout: str = "NHD", sm_scale: float | None = None,
+                    return_lse: bool = False):
+    """Float64 decode attention, the ground truth.
+
+    Parameters
+    ----------
+    q : ``[batch, num_qo_heads, head_dim]`` NumPy array or CPU tensor (any float dtype).
+    paged_kv_cache : ``(k_cache, v_cache)``, each ``[num_pages, page_size, num_kv_heads,
+        head_dim]`` (NHD) or ``[num_pages, num_kv_heads, page_size, head_dim]`` (HND).
+    block_tables, seq_lens : any form :func:`~pat_core.inputs.as_block_table` accepts.
+
+    Returns float64 ``[batch, num_qo_heads, head_dim]`` (and float64 ``[batch, num_qo_heads]``
+    natural-log LSE of the scaled scores when ``return_lse``).
+    """
+    out, lse = _run_reference(q, paged_kv_cache, block_tables, seq_lens, page_size, kv_layout,
+                              sm_scale, np.float64)
+    return (out, lse) if return_lse else out
+
+
+def lowp_attention(q, paged_kv_cache, block_tables, seq_lens, page_size: int,
+                   kv_layout: str = "NHD", sm_scale: float | None = None):
+    """Decode attention computed in float16 throughout (NumPy), returned as float64."""
+    q16 = np.asarray(to_numpy_f32(q, "q")).astype(np.float16)
+    k, v = split_kv_cache(paged_kv_cache, kv_layout)
+    kv16 = (to_numpy_f32(k, "k_cache").astype(np.float16),
+            to_numpy_f32(v, "v_cache").astype(np.float16))
+    out, _ = _run_reference(q16, kv16, block_tables, seq_lens, page_size, kv_layout, sm_scale,
+                            np.float16)
+    return out
+
+
+def relative_error(x, ref) -> float:
+    """Norm-wise relative error ``||x - ref|| / ||ref||`` in float64."""
+    x = np.asarray(x, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    den = float(np.linalg.norm(ref))
+    return float(np.linalg.norm(x - ref)) / (den if den > 0 else 1.0)

@@ -1,0 +1,222 @@
+"""Tile shapes: the feasible ``(m, n)`` solver and the per-CTA selector (PAT §5.2).
+
+A tile config ``(m, n)`` is one forward-kernel variant: ``m`` query rows, ``n`` KV tokens per
+pipeline step.  The solver keeps the configs that satisfy, on a given GPU, head_dim and dtype:
+
+1. **shared memory**: Q tile + ``stages`` double-buffered K and V tiles fit one CTA's limit;
+2. **registers**: the compiled kernel's registers per thread stay within the hardware limit
+   (and at least one CTA fits an SM's register file);
+3. **bandwidth**: enough bytes in flight to cover memory latency,
+   ``n >= ceil(L * B / (S * C * d * b))`` with ``C`` resident CTAs per SM;
+4. ``m, n`` powers of two, at least 16.
+
+Per-variant registers and shared memory come from ``pat_core/data/kernel_resources.json``,
+written by the CUDA build's resource report (``bench/kernel_resources.py``).  When a variant is
+missing from that file (or the file does not exist), :func:`estimate_resources` stands in; its
+formula is documented there.
+
+The selector then assigns each CTA: ``m`` = smallest feasible ``m >= rows`` (round up; never
+split a CTA because its ``m`` is too small) and ``n`` from the GPU's piecewise KV-length table,
+moved to the nearest feasible ``n`` for that ``m``.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .gpus import GPUSpec, get_gpu
+from .plan import DTYPE_BYTES, dtype_name
+
+M_CANDIDATES = (16, 32, 64, 128)
+N_CANDIDATES = (16, 32, 64, 128)
+STAGES = 2
+_DATA = os.path.join(os.path.dirname(__file__), "data", "kernel_resources.json")
+
+
+@dataclass(frozen=True)
+class TileResources:
+    """What one kernel variant needs per CTA."""
+
+    m: int
+    n: int
+    threads: int
+    registers: int          # per thread
+    smem: int               # bytes per CTA (static + dynamic)
+    source: str             # "nvcc" (measured) or "estimate"
+
+    def ctas_per_sm(self, gpu: GPUSpec) -> int:
+        """Resident CTAs per SM allowed by shared memory, registers, threads and the CTA cap."""
+        by_smem = gpu.smem_per_sm // max(self.smem, 1)
+        # registers are allocated per warp in units of 256
+        regs_warp = int(math.ceil(self.registers * 32 / 256.0)) * 256
+        by_regs = gpu.regs_per_sm // max(regs_warp * (self.threads // 32), 1)
+        by_threads = gpu.max_threads_per_sm // self.threads
+        return int(max(0, min(by_smem, by_regs, by_threads, gpu.max_ctas_per_sm)))
+
+
+def warps_for(m: int) -> int:
+    """Warps per CTA of the ``m``-row variant: one warp per 16 rows, at least 4 (so the KV tile
+    has enough warps to split the columns of a 16-row tile)."""
+    return max(4, m // 16)
+
+
+def estimate_resources(m: int, n: int, head_dim: int, dtype: str = "float16") -> TileResources:
+    """Resource estimate used until the compiler's report exists.
+
+    Shared memory: Q tile (``m*d*b``) plus ``STAGES`` K and V tiles (``2*STAGES*n*d*b``).
+    Registers per thread: the fp32 output accumulator and score tile spread over the CTA's
+    threads (``(m*d + m*n) / threads``), plus 40 for addresses, softmax state and loop counters.
+    """
+    b = DTYPE_BYTES[dtype_name(dtype)]
+    threads = 32 * warps_for(m)
+    smem = m * head_dim * b + 2 * STAGES * n * head_dim * b
+    regs = int(math.ceil((m * head_dim + m * n) / threads)) + 40
+    return TileResources(m=m, n=n, threads=threads, registers=regs, smem=smem, source="estimate")
+
+
+@functools.lru_cache(maxsize=None)
+def _load_resource_file(path: str = _DATA):
+    if not os.path.exists(path):
+        return None
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def _arch_of(gpu: GPUSpec) -> str:
+    return "sm_80" if gpu.name.upper().startswith("A100") else "sm_90"
+
+
+def kernel_resources(m: int, n: int, head_dim: int, dtype: str, gpu: GPUSpec,
+                     path: str = _DATA) -> TileResources | None:
+    """Measured resources of variant ``(m, n, head_dim, dtype)`` for ``gpu``'s architecture.
+
+    Returns ``None`` when the data file exists but does not list that variant (the kernel is
+    not built, so the config is not available); falls back to :func:`estimate_resources` when
+    there is no data file at all.
+    """
+    data = _load_resource_file(path)
+    dtype = dtype_name(dtype)
+    if data is None:
+        return estimate_resources(m, n, head_dim, dtype)
+    for v in data.get("variants", {}).values():
+        if (v["m"], v["n"], v["head_dim"], v["dtype"]) == (m, n, head_dim, dtype):
+            rep = v.get(_arch_of(gpu))
+            if rep is None:
+                return None
+            smem = int(rep.get("smem_static", 0)) + int(rep.get("smem_dynamic", 0))
+            return TileResources(m=m, n=n, threads=int(v["threads"]),
+                                 registers=int(rep["registers"]), smem=smem, source="nvcc")
+    return None
+
+
+@dataclass(frozen=True)
+class TileCheck:
+    """Outcome of the constraints for one ``(m, n)``: ``feasible`` plus the reasons it is not."""
+
+    m: int
+    n: int
+    feasible: bool
+    ctas_per_sm: int
+    n_min: int
+    violated: tuple
+    resources: TileResources | None
+
+
+def check_tile(m: int, n: int, head_dim: int, dtype: str, gpu) -> TileCheck:
+    """Apply constraints 1-4 (module docstring) to one config."""
+    gpu = get_gpu(gpu)
+    res = kernel_resources(m, n, head_dim, dtype, gpu)
+    violated = []
+    if m < 16 or n < 16 or m & (m - 1) or n & (n - 1):
+        violated.append("pow2")
+    if res is None:
+        return TileCheck(m, n, False, 0, 0, ("not built",), None)
+    if res.smem > gpu.smem_per_block:
+        violated.append("smem")
+    if res.registers > gpu.regs_per_thread:
+        violated.append("registers")
+    C = res.ctas_per_sm(gpu)
+    if C < 1:
+        violated.append("occupancy")
+    b = DTYPE_BYTES[dtype_name(dtype)]
+    in_flight = gpu.mem_latency_ns * gpu.bytes_per_ns          # bytes needed in flight
+    n_min = int(math.ceil(in_flight / (gpu.num_sms * max(C, 1) * head_dim * b)))
+    if n < n_min:
+        violated.append("bandwidth")
+    return TileCheck(m, n, not violated, C, n_min, tuple(violated), res)
+
+
+@functools.lru_cache(maxsize=256)
+def feasible_tiles(head_dim: int, dtype: str, gpu,
+                   m_candidates=M_CANDIDATES, n_candidates=N_CANDIDATES) -> tuple:
+    """Feasible ``(m, n)`` pairs for one GPU (spec or name), head_dim and dtype, sorted."""
+    gpu = get_gpu(gpu)
+    out = [(m, n) for m in m_candidates for n in n_candidates
+           if check_tile(m, n, head_dim, dtype, gpu).feasible]
+    if not out:
+        raise ValueError(f"no feasible tile config for head_dim={head_dim}, dtype={dtype} "
+                         f"on {gpu.name}")
+    return tuple(sorted(out))
+
+
+class TileSelector:
+    """Per-CTA ``(m, n)`` choice over a feasible set (see module docstring).
+
+    ``select(rows, kv_len)`` takes int arrays ``[C]`` and returns int32 ``[C, 2]``; it is a
+    table lookup, vectorised over CTAs.
+    """
+
+    def __init__(self, head_dim: int, dtype: str = "float16", gpu="h100", fixed=None):
+        self.gpu = get_gpu(gpu)
+        self.head_dim = head_dim
+        self.dtype = dtype_name(dtype)
+        if fixed is not None:
+            m, n = (int(x) for x in fixed)
+            chk = check_tile(m, n, head_dim, self.dtype, self.gpu)
+            if chk.resources is None or "smem" in chk.violated or "registers" in chk.violated:
+                raise ValueError(f"tile={fixed}: config is not available ({chk.violated})")
+            self.feasible = ((m, n),)
+        else:
+            self.feasible = feasible_tiles(head_dim, self.dtype, self.gpu)
+        self.m_values = np.array(sorted({m for m, _ in self.feasible}), dtype=np.int32)
+        self.max_rows = int(self.m_values[-1])
+        # for each feasible m, the feasible n values (sorted)
+        self.n_by_m = {int(m): sorted(n for mm, n in self.feasible if mm == m)
+                       for m in self.m_values}
+
+    def pick_n(self, m: int, kv_len: int) -> int:
+        """Largest feasible ``n <= preferred`` for this ``m``, else the smallest feasible."""
+        pref = self.gpu.preferred_n(int(kv_len))
+        ns = self.n_by_m[m]
+        below = [n for n in ns if n <= pref]
+        return below[-1] if below else ns[0]
+
+    def select(self, rows: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
+        rows = np.asarray(rows)
+        kv_len = np.asarray(kv_len)
+        if rows.size and rows.max() > self.max_rows:
+            raise ValueError(f"a CTA has {int(rows.max())} rows; the largest tile has "
+                             f"{self.max_rows}")
+        mi = np.searchsorted(self.m_values, rows, side="left")
+        m = self.m_values[mi]
+        out = np.empty((rows.shape[0], 2), dtype=np.int32)
+        out[:, 0] = m
+        # n depends on (m, piecewise bucket of kv_len): evaluate once per distinct pair
+        bounds = np.array([b for b, _ in self.gpu.kv_tile_table[:-1]], dtype=np.int64)
+        bucket = np.searchsorted(bounds, kv_len, side="left")
+        key = mi.astype(np.int64) * 64 + bucket
+        uniq, inv = np.unique(key, return_inverse=True)
+        nvals = np.empty(uniq.shape[0], dtype=np.int32)
+        for i, k in enumerate(uniq):
+            mm = int(self.m_values[k // 64])
+            b = int(k % 64)
+            rep_len = self.gpu.kv_tile_table[b][0] if b < len(bounds) else 1 << 30
+            nvals[i] = self.pick_n(mm, rep_len)
+        out[:, 1] = nvals[inv]
+        return out
+
