@@ -95,16 +95,21 @@ def kernel_resources(m: int, n: int, head_dim: int, dtype: str, gpu: GPUSpec,
                      path: str = _DATA) -> TileResources | None:
     """Measured resources of variant ``(m, n, head_dim, dtype)`` for ``gpu``'s architecture.
 
-    Returns ``None`` when the data file exists but does not list that variant (the kernel is
-    not built, so the config is not available); falls back to :func:`estimate_resources` when
-    there is no data file at all.
+    Returns ``None`` when the data file lists kernels for this head_dim and dtype but not this
+    ``(m, n)`` (the kernel is not built, so the config is not available); falls back to
+    :func:`estimate_resources` when it lists none for this head_dim and dtype.
     """
     data = _load_resource_file(path)
     dtype = dtype_name(dtype)
-    if data is None:
+    forward = [v for v in (data or {}).get("variants", {}).values()
+               if v.get("kind", "forward") == "forward" and "m" in v]
+    family = [v for v in forward if (v["head_dim"], v["dtype"]) == (head_dim, dtype)]
+    if not family:
+        # no compiled kernels for this head_dim/dtype (no data file yet, or a shape only the
+        # CPU executor runs, such as float32): the estimate stands in
         return estimate_resources(m, n, head_dim, dtype)
-    for v in data.get("variants", {}).values():
-        if (v["m"], v["n"], v["head_dim"], v["dtype"]) == (m, n, head_dim, dtype):
+    for v in family:
+        if (v["m"], v["n"]) == (m, n):
             rep = v.get(_arch_of(gpu))
             if rep is None:
                 return None

@@ -1,0 +1,101 @@
+"""Hypothesis strategies that draw random prefix forests as paged block tables (DESIGN §9).
+
+A drawn batch has 1-3 roots, up to 6 levels, branching 1-8, node token counts that are rarely
+multiples of the page size (1 included), requests that end at internal nodes, identical
+requests, and requests forked inside a shared page (listing a longer request's partly covered
+page).  Page ids are shuffled and padding columns hold junk.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from hypothesis import strategies as st
+
+from pat_core.workloads import block_tables_from_paths
+
+
+@dataclass
+class DrawnBatch:
+    block_tables: np.ndarray   # int32 [B, W] with junk padding
+    seq_lens: np.ndarray       # int32 [B]
+    num_pages: int
+    page_size: int
+    paths: list
+
+    @property
+    def batch_size(self):
+        return int(self.seq_lens.shape[0])
+
+
+@st.composite
+def prefix_batches(draw, max_requests=20, max_levels=6, page_sizes=(1, 2, 3, 4, 8, 16, 32, 64),
+                   max_node_pages=3):
+    ps = draw(st.sampled_from(page_sizes))
+    max_len = max(1, max_node_pages * ps + draw(st.integers(0, ps)))
+    node_lens = []
+    children = []
+
+    def new_node():
+        node_lens.append(draw(st.integers(1, max_len)))
+        children.append([])
+        return len(node_lens) - 1
+
+    roots = [new_node() for _ in range(draw(st.integers(1, 3)))]
+    frontier = [(r, 1) for r in roots]
+    budget = max_requests
+    while frontier:
+        u, lvl = frontier.pop()
+        if lvl >= max_levels or len(node_lens) > 3 * max_requests:
+            continue
+        nchild = draw(st.integers(0, min(8, max(0, budget))))
+        for _ in range(nchild):
+            c = new_node()
+            children[u].append(c)
+            frontier.append((c, lvl + 1))
+        budget -= max(0, nchild - 1)
+    # requests: every leaf 1-2 times (identical requests), some internal nodes too
+    paths = []
+
+    def walk(u, path):
+        path = path + [u]
+        if not children[u]:
+            for _ in range(draw(st.integers(1, 2))):
+                paths.append(path)
+        elif draw(st.booleans()) and draw(st.booleans()):
+            paths.append(path)          # a request ending at an internal node
+        for c in children[u]:
+            walk(c, path)
+
+    for r in roots:
+        walk(r, [])
+    paths = paths[:max_requests]
+    if not paths:
+        paths = [[roots[0]]]
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    extra = draw(st.integers(0, 3))
+    table, seq, n = block_tables_from_paths(paths, np.array(node_lens), ps, rng=rng,
+                                            pad_value=-1, extra_cols=extra)
+    # fork inside a shared page: a request ending mid-page at an internal node may list the
+    # page of a longer request that continues through the same tokens
+    if draw(st.booleans()):
+        for a in range(len(paths)):
+            la = int(seq[a])
+            if la % ps == 0:
+                continue
+            k = (la - 1) // ps
+            for b in range(len(paths)):
+                if b != a and paths[b][:len(paths[a])] == paths[a] and seq[b] > la:
+                    table[a, k] = table[b, k]
+                    break
+    # junk in the padding, which the planner must ignore
+    npg = -(-seq // ps)
+    junk = rng.integers(-5, 10 * n + 5, size=table.shape).astype(np.int32)
+    pad = np.arange(table.shape[1])[None, :] >= npg[:, None]
+    table = np.where(pad, junk, table).astype(np.int32)
+    return DrawnBatch(table, seq, n, ps, paths)
+
+
+def head_configs():
+    """(num_qo_heads, num_kv_heads) with GQA groups 1..8."""
+    return st.tuples(st.integers(1, 8), st.integers(1, 2)).map(lambda t: (t[0] * t[1], t[1]))

@@ -1,0 +1,124 @@
+"""Every bad input raises a clear error naming the argument; every input form agrees."""
+import numpy as np
+import pytest
+
+from pat_core import BlockTable, PrefixAttentionWrapper
+from pat_core.workloads import build_tree_batch, random_kv_cache
+
+
+def test_three_forms_agree():
+    b = build_tree_batch("1,4_40,23", page_size=16)
+    bt = BlockTable.from_padded(b.block_tables, b.seq_lens, 16)
+    lists = [list(row[row >= 0]) + [999] for row in b.block_tables]   # longer than needed
+    bl = BlockTable.from_lists(lists, b.seq_lens, 16)
+    bc = BlockTable.from_csr(*bt.to_csr(), 16)
+    for other in (bl, bc):
+        assert np.array_equal(other.table, bt.table)
+        assert np.array_equal(other.seq_lens, bt.seq_lens)
+    w = PrefixAttentionWrapper("cpu")
+    p1 = w.plan(b.block_tables, b.seq_lens, 8, 2, 64, 16)
+    p2 = PrefixAttentionWrapper("cpu").plan_csr(*bt.to_csr(), 8, 2, 64, 16)
+    p3 = PrefixAttentionWrapper("cpu").plan(lists, b.seq_lens, 8, 2, 64, 16)
+    for p in (p2, p3):
+        assert p.stats() == p1.stats()
+        assert np.array_equal(p.cta_pages, p1.cta_pages)
+
+
+def test_padding_ignored_whatever_it_holds():
+    t = np.array([[3, 4, -7, 10**6], [3, 5, 2**31 - 1, -1]], dtype=np.int64)
+    bt = BlockTable.from_padded(t, [20, 17], 16)
+    assert bt.table.tolist() == [[3, 4], [3, 5]]
+
+
+@pytest.mark.parametrize("table,lens,match", [
+    ([[0, -1]], [20], r"block_tables\[0, 1\] = -1 is a negative page id"),
+    ([[0, 1]], [0], r"seq_lens\[0\] = 0"),
+    ([[0, 1]], [-3], r"seq_lens\[0\] = -3"),
+    ([[0, 1]], [40], r"seq_lens\[0\] = 40 needs 3 pages"),
+    ([[0, 1], [2, 3]], [5], r"seq_lens has 1 entries but block_tables has 2 rows"),
+])
+def test_bad_block_tables(table, lens, match):
+    with pytest.raises(ValueError, match=match):
+        PrefixAttentionWrapper("cpu").plan(np.array(table), np.array(lens), 4, 4, 64, 16)
+
+
+def test_bad_list_and_dtypes():
+    w = PrefixAttentionWrapper("cpu")
+    with pytest.raises(ValueError, match=r"block_tables\[1\] lists 1"):
+        w.plan([[0, 1], [2]], [20, 20], 4, 4, 64, 16)
+    with pytest.raises(TypeError, match="block_tables must hold integers"):
+        w.plan(np.array([[0.0, 1.0]]), [20], 4, 4, 64, 16)
+    with pytest.raises(ValueError, match="block_tables must be 2-D"):
+        w.plan(np.array([0, 1]), [20], 4, 4, 64, 16)
+    with pytest.raises(ValueError, match="page_size must be >= 1"):
+        w.plan(np.array([[0]]), [1], 4, 4, 64, 0)
+    with pytest.raises(ValueError, match="seq_lens is required"):
+        w.plan(np.array([[0]]), None, 4, 4, 64, 16)
+
+
+@pytest.mark.parametrize("hq,hk,d,match", [
+    (6, 4, 64, "num_qo_heads = 6 is not a multiple of num_kv_heads = 4"),
+    (0, 1, 64, "num_qo_heads must be >= 1"),
+    (4, 0, 64, "num_kv_heads must be >= 1"),
+    (4, 4, 0, "head_dim must be >= 1"),
+    (512, 1, 64, "exceeds the largest tile"),
+])
+def test_bad_heads(hq, hk, d, match):
+    with pytest.raises(ValueError, match=match):
+        PrefixAttentionWrapper("cpu").plan(np.array([[0]]), [3], hq, hk, d, 16)
+
+
+def test_csr_errors():
+    with pytest.raises(ValueError, match="indptr must start with 0"):
+        BlockTable.from_csr([1, 2], [0, 1], [3], 16)
+    with pytest.raises(ValueError, match="last_page_len entries"):
+        BlockTable.from_csr([0, 1], [0], [17], 16)
+    with pytest.raises(ValueError, match="last_page_len has 2 entries"):
+        BlockTable.from_csr([0, 1], [0], [3, 4], 16)
+    with pytest.raises(ValueError, match=r"indptr\[-1\] = 3 exceeds len\(indices\) = 1"):
+        BlockTable.from_csr([0, 3], [0], [3], 16)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        BlockTable.from_csr([0, 0], [], [3], 16)
+
+
+def test_run_input_mismatches():
+    b = build_tree_batch("1,2_20,5", page_size=16)
+    k, v = random_kv_cache(b.num_pages, 16, 2, 64)
+    q = np.zeros((2, 4, 64), np.float32)
+    w = PrefixAttentionWrapper("cpu")
+    with pytest.raises(RuntimeError, match="call plan"):
+        w.run(q, (k, v))
+    w.plan(b.block_tables, b.seq_lens, 4, 2, 64, 16, kv_data_type="float32")
+    with pytest.raises(ValueError, match=r"q has shape \(2, 4, 32\)"):
+        w.run(np.zeros((2, 4, 32), np.float32), (k, v))
+    with pytest.raises(ValueError, match="q must be"):
+        w.run(np.zeros((2, 4), np.float32), (k, v))
+    with pytest.raises(TypeError, match="must share a dtype"):
+        w.run(q.astype(np.float16), (k, v))
+    with pytest.raises(ValueError, match="paged_kv_cache has page_size 8"):
+        w.run(q, (k[:, :8], v[:, :8]))
+    with pytest.raises(ValueError, match="paged_kv_cache has 1 KV heads"):
+        w.run(q, (k[:, :, :1], v[:, :, :1]))
+    with pytest.raises(ValueError, match="equal shapes"):
+        w.run(q, (k, v[:-1]))
+    with pytest.raises(ValueError, match=r"uses page \d+ but paged_kv_cache holds only 1 pages"):
+        w.run(q, (k[:1], v[:1]))
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        w.run(q.astype(np.int32), (k.astype(np.int32), v.astype(np.int32)))
+
+
+def test_five_d_cache_and_bad_constructor_args():
+    b = build_tree_batch("1,2_20,5", page_size=16)
+    k, v = random_kv_cache(b.num_pages, 16, 2, 64)
+    q = np.random.default_rng(0).standard_normal((2, 4, 64)).astype(np.float32)
+    w = PrefixAttentionWrapper("cpu")
+    w.plan(b.block_tables, b.seq_lens, 4, 2, 64, 16, kv_data_type="float32")
+    np.testing.assert_array_equal(w.run(q, np.stack([k, v], axis=1)), w.run(q, (k, v)))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        PrefixAttentionWrapper("tpu")
+    with pytest.raises(ValueError, match="packer must be one of"):
+        PrefixAttentionWrapper("cpu", packer="greedy")
+    with pytest.raises(ValueError, match="kv_layout must be"):
+        PrefixAttentionWrapper("cpu", kv_layout="NDH")
+    with pytest.raises(ValueError, match="tree spec"):
+        build_tree_batch("1,2,3")
