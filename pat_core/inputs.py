@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 
 def _to_numpy(x, name: str) -> np.ndarray:
@@ -84,15 +85,15 @@ class BlockTable:
             raise ValueError(
                 f"seq_lens[{bad}] = {int(sl[bad])} needs {int(npages[bad])} pages of {page_size} "
                 f"tokens but block_tables lists only {bt.shape[1]} per request")
-        table = np.ascontiguousarray(bt[:, :width], dtype=np.int64)
-        used = np.arange(width, dtype=np.int32)[None, :] < npages[:, None]
-        vals = table[used]
-        if vals.size and vals.min() < 0:
-            r, c = np.argwhere(used & (table < 0))[0]
-            raise ValueError(f"block_tables[{r}, {c}] = {table[r, c]} is a negative page id")
-        if vals.size and vals.max() > np.iinfo(np.int32).max:
-            raise ValueError("block_tables holds page ids that do not fit in int32")
-        table = np.where(used, table, -1).astype(np.int32)
+        src = bt[:, :width]
+        if src.dtype not in (np.int32, np.int64):
+            src = src.astype(np.int64)
+        table, bad_r, bad_c = _mask_padding(np.ascontiguousarray(src), npages)
+        if bad_r >= 0:
+            val = int(src[bad_r, bad_c])
+            if val < 0:
+                raise ValueError(f"block_tables[{bad_r}, {bad_c}] = {val} is a negative page id")
+            raise ValueError(f"block_tables[{bad_r}, {bad_c}] = {val} does not fit in int32")
         return cls(table=table, seq_lens=sl, num_pages=npages, page_size=page_size)
 
     @classmethod
@@ -159,6 +160,28 @@ class BlockTable:
             r, c = np.argwhere(self.table == mx)[0]
             raise ValueError(f"block_tables[{r}, {c}] = {mx} is out of range for {name} with "
                              f"{num_pages_in_cache} pages")
+
+
+@njit(cache=True)
+def _mask_padding(src, npages):
+    """int32 copy of ``src`` with ``-1`` past each row's used pages; also the first used entry
+    that is negative or too large for int32 (``(-1, -1)`` when none)."""
+    B, W = src.shape
+    out = np.empty((B, W), dtype=np.int32)
+    bad_r = -1
+    bad_c = -1
+    for r in range(B):
+        k = npages[r]
+        for c in range(W):
+            if c < k:
+                v = src[r, c]
+                if (v < 0 or v > 2147483647) and bad_r < 0:
+                    bad_r = r
+                    bad_c = c
+                out[r, c] = v
+            else:
+                out[r, c] = -1
+    return out, bad_r, bad_c
 
 
 def _check_page_size(page_size) -> int:

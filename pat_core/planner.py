@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numba import njit
 
 from .forest import PrefixForest
 from .gpus import get_gpu
@@ -25,23 +26,54 @@ from .split import split_long_kv, split_threshold
 from .tiles import TileSelector
 
 
-def _segment_gather(indptr: np.ndarray, values: np.ndarray, seg: np.ndarray):
-    """Concatenate ``values[indptr[s]:indptr[s+1]]`` for each ``s`` in ``seg``.
+@njit(cache=True)
+def _layout(req_indptr, reqs, src, kv_start, kv_len, order, table, page_size, batch):
+    """Per-CTA arrays in launch order: requests, slots, pages (one pass, no temporaries).
 
-    Returns ``(out_indptr int32 [len(seg)+1], out values)``.
+    ``src [C]`` pack of each CTA, ``order [C]`` launch order.  Slots are numbered request by
+    request (request ``r`` owns ``req_slot_indptr[r]:req_slot_indptr[r+1]``), in CTA order.
     """
-    counts = (indptr[seg + 1] - indptr[seg]).astype(np.int64)
-    out_ptr = np.zeros(seg.shape[0] + 1, dtype=np.int64)
-    np.cumsum(counts, out=out_ptr[1:])
-    total = int(out_ptr[-1])
-    idx = np.arange(total, dtype=np.int64) - np.repeat(out_ptr[:-1] - indptr[seg], counts)
-    return out_ptr.astype(np.int32), values[idx]
+    C = order.shape[0]
+    req_ptr = np.zeros(C + 1, dtype=np.int32)
+    page_ptr = np.zeros(C + 1, dtype=np.int32)
+    per_req = np.zeros(batch + 1, dtype=np.int32)
+    for i in range(C):
+        c = order[i]
+        p = src[c]
+        req_ptr[i + 1] = req_ptr[i] + req_indptr[p + 1] - req_indptr[p]
+        first = kv_start[c] // page_size
+        last = (kv_start[c] + kv_len[c] - 1) // page_size
+        page_ptr[i + 1] = page_ptr[i] + last - first + 1
+        for k in range(req_indptr[p], req_indptr[p + 1]):
+            per_req[reqs[k] + 1] += 1
+    for r in range(batch):
+        per_req[r + 1] += per_req[r]
+    req_slot_indptr = per_req.copy()
+    cta_req = np.empty(req_ptr[C], dtype=np.int32)
+    cta_slot = np.empty(req_ptr[C], dtype=np.int32)
+    pages = np.empty(page_ptr[C], dtype=np.int32)
+    nxt = per_req[:batch].copy()
+    for i in range(C):
+        c = order[i]
+        p = src[c]
+        j = req_ptr[i]
+        for k in range(req_indptr[p], req_indptr[p + 1]):
+            r = reqs[k]
+            cta_req[j] = r
+            cta_slot[j] = nxt[r]
+            nxt[r] += 1
+            j += 1
+        rep = reqs[req_indptr[p]]          # any member: they agree on the shared range
+        first = kv_start[c] // page_size
+        for k in range(page_ptr[i + 1] - page_ptr[i]):
+            pages[page_ptr[i] + k] = table[rep, first + k]
+    return req_ptr, cta_req, cta_slot, page_ptr, pages, req_slot_indptr
 
 
 def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_heads: int,
                   head_dim: int, sm_scale: float, packer: str, selector: TileSelector,
                   kv_dtype: str, serial: bool = False, split: bool = True) -> Plan:
-    """Split, tile and lay out ``packs`` as a :class:`Plan` (vectorised; no per-CTA Python)."""
+    """Split, tile and lay out ``packs`` as a :class:`Plan` (no per-CTA Python)."""
     group = num_qo_heads // num_kv_heads
     gpu = selector.gpu
     length = packs.kv_end - packs.kv_start
@@ -53,48 +85,32 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
     nreq = np.diff(packs.req_indptr)[src]
     mn = selector.select(nreq * group, kv_len)
     # distinct tile configs, then launch groups (cascade: one group per level and config)
-    tiles, tile_idx = np.unique(mn, axis=0, return_inverse=True)
+    tkey = mn[:, 0].astype(np.int64) * 65536 + mn[:, 1]
+    ukey, tile_idx = np.unique(tkey, return_inverse=True)
+    tiles = np.stack([ukey // 65536, ukey % 65536], axis=1).astype(np.int32)
     tile_idx = tile_idx.reshape(-1).astype(np.int32)
     if packer == "cascade":
         serial = True
         gkey = packs.level[src].astype(np.int64) * len(tiles) + tile_idx
     else:
         gkey = tile_idx.astype(np.int64)
-    order = np.argsort(gkey, kind="stable")
+    order = np.argsort(gkey, kind="stable").astype(np.int32)
     gkey = gkey[order]
     bounds = np.flatnonzero(np.diff(gkey)) + 1
     group_indptr = np.concatenate(([0], bounds, [gkey.shape[0]])).astype(np.int32)
-    src, kv_start, kv_len, tile_idx = src[order], kv_start[order], kv_len[order], tile_idx[order]
+    tile_idx = tile_idx[order]
     group_tile = tile_idx[group_indptr[:-1]].astype(np.int32)
-
-    cta_req_indptr, cta_req = _segment_gather(packs.req_indptr, packs.reqs, src)
-    cta_req = cta_req.astype(np.int32)
     B = bt.batch_size
-    per_req = np.bincount(cta_req, minlength=B)
-    req_slot_indptr = np.zeros(B + 1, dtype=np.int32)
-    np.cumsum(per_req, out=req_slot_indptr[1:])
-    cta_slot = np.empty(cta_req.shape[0], dtype=np.int32)
-    cta_slot[np.argsort(cta_req, kind="stable")] = np.arange(cta_req.shape[0], dtype=np.int32)
-
-    # pages: from any member request (they agree on the shared range)
-    ps = bt.page_size
-    rep = cta_req[cta_req_indptr[:-1]]
-    first = kv_start // ps
-    npg = (kv_start + kv_len - 1) // ps - first + 1
-    page_indptr = np.zeros(kv_start.shape[0] + 1, dtype=np.int32)
-    np.cumsum(npg, out=page_indptr[1:])
-    cta_of = np.repeat(np.arange(kv_start.shape[0]), npg)
-    col = np.arange(int(page_indptr[-1])) - page_indptr[:-1][cta_of] + first[cta_of]
-    pages = bt.table[rep[cta_of], col].astype(np.int32)
-
+    req_ptr, cta_req, cta_slot, page_ptr, pages, req_slot_indptr = _layout(
+        packs.req_indptr, packs.reqs, src, kv_start, kv_len, order, bt.table, bt.page_size, B)
     return Plan(
         batch_size=B, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        page_size=ps, sm_scale=float(sm_scale), packer=packer, gpu=gpu.name, kv_dtype=kv_dtype,
-        serial=bool(serial),
-        tile_configs=tiles.astype(np.int32), group_indptr=group_indptr, group_tile=group_tile,
-        cta_tile=tile_idx, cta_req_indptr=cta_req_indptr, cta_req=cta_req, cta_slot=cta_slot,
-        cta_kv_start=kv_start.astype(np.int32), cta_kv_len=kv_len.astype(np.int32),
-        cta_page_indptr=page_indptr, cta_pages=pages, req_slot_indptr=req_slot_indptr,
+        page_size=bt.page_size, sm_scale=float(sm_scale), packer=packer, gpu=gpu.name,
+        kv_dtype=kv_dtype, serial=bool(serial),
+        tile_configs=tiles, group_indptr=group_indptr, group_tile=group_tile,
+        cta_tile=tile_idx, cta_req_indptr=req_ptr, cta_req=cta_req, cta_slot=cta_slot,
+        cta_kv_start=kv_start[order], cta_kv_len=kv_len[order],
+        cta_page_indptr=page_ptr, cta_pages=pages, req_slot_indptr=req_slot_indptr,
         seq_lens=bt.seq_lens.astype(np.int32),
     )
 

@@ -12,6 +12,7 @@ Parts are multiples of 16 tokens (the smallest KV tile) except the last one.
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from .packers import Packs
 
@@ -34,15 +35,35 @@ def split_long_kv(packs: Packs, threshold: int):
     came from (so requests are ``packs.reqs[packs.req_indptr[src]:...]``).  Parts of one pack
     are consecutive, in token order.
     """
-    length = (packs.kv_end - packs.kv_start).astype(np.int64)
-    parts = np.maximum(1, -(-length // threshold))
-    part_len = -(-length // parts)
-    part_len = np.where(parts > 1, -(-part_len // 16) * 16, part_len)
-    parts = -(-length // part_len)
-    src = np.repeat(np.arange(packs.num_packs, dtype=np.int32), parts)
-    first = np.zeros(packs.num_packs + 1, dtype=np.int64)
-    np.cumsum(parts, out=first[1:])
-    k = np.arange(src.shape[0], dtype=np.int64) - first[src]
-    start = packs.kv_start[src].astype(np.int64) + k * part_len[src]
-    end = np.minimum(start + part_len[src], packs.kv_end[src])
-    return src, start.astype(np.int32), (end - start).astype(np.int32)
+    return _split(packs.kv_start, packs.kv_end, int(threshold))
+
+
+@njit(cache=True)
+def _split(kv_start, kv_end, threshold):
+    K = kv_start.shape[0]
+    parts = np.empty(K, dtype=np.int64)
+    plen = np.empty(K, dtype=np.int64)
+    total = 0
+    for p in range(K):
+        length = kv_end[p] - kv_start[p]
+        k = max(1, (length + threshold - 1) // threshold)
+        pl = (length + k - 1) // k
+        if k > 1:
+            pl = (pl + 15) // 16 * 16          # parts are whole 16-token tiles but the last
+        k = (length + pl - 1) // pl
+        parts[p] = k
+        plen[p] = pl
+        total += k
+    src = np.empty(total, dtype=np.int32)
+    start = np.empty(total, dtype=np.int32)
+    ln = np.empty(total, dtype=np.int32)
+    i = 0
+    for p in range(K):
+        for k in range(parts[p]):
+            s = kv_start[p] + k * plen[p]
+            e = min(s + plen[p], kv_end[p])
+            src[i] = p
+            start[i] = s
+            ln[i] = e - s
+            i += 1
+    return src, start, ln
