@@ -1,0 +1,131 @@
+"""Model constants of the simulator, one JSON file per GPU under ``sim/data/``.
+
+The timing model (see :mod:`sim.model`) has eight constants.  They are data, not code, so that a
+calibration run on a real GPU can replace the estimates without touching the model:
+
+=====================  ==========  ==================================================================
+name                   unit        meaning
+=====================  ==========  ==================================================================
+``hbm_bandwidth``      bytes/ns    achieved DRAM bandwidth of the whole GPU (copy-kernel bandwidth)
+``sm_bandwidth``       bytes/ns    most one SM can pull from DRAM, however many blocks it holds
+``block_ns``           ns          per thread block latency not hidden by the KV pipeline (query
+                                   load, first tile in flight, partial write)
+``tile_ns``            ns          fixed cost per KV tile (barriers, softmax bookkeeping)
+``sm_flops``           flop/ns     tensor-core throughput of one SM on the ``Q K^T`` / ``P V`` tiles
+``launch_ns``          ns          host issue interval between consecutive kernel launches
+``gap_ns``             ns          device gap between a kernel and one that waits for it
+``merge_slot_ns``      ns          merge kernel: time per partial slot of one (request, head) pair
+=====================  ==========  ==================================================================
+
+(``1 bytes/ns == 1 GB/s``.)  A file holds ``{"gpu": ..., "source": ..., "constants": {...}}``;
+``source`` is ``"default estimate"`` until :func:`sim.calibration.fit` writes measured values, and
+then names the measurement file, device and date.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields, replace
+
+from pat_core.gpus import GPUS, GPUSpec, get_gpu
+
+DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+
+
+@dataclass(frozen=True)
+class SimConstants:
+    """The timing model's constants (units in the module docstring)."""
+
+    hbm_bandwidth: float
+    sm_bandwidth: float
+    block_ns: float
+    tile_ns: float
+    sm_flops: float
+    launch_ns: float
+    gap_ns: float
+    merge_slot_ns: float
+    source: str = "default estimate"
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("source")
+        return d
+
+    def with_values(self, **kw) -> "SimConstants":
+        return replace(self, **kw)
+
+    @classmethod
+    def names(cls) -> tuple:
+        return tuple(f.name for f in fields(cls) if f.name != "source")
+
+
+def gpu_key(gpu) -> str:
+    """Short key (``"h100"``) of a GPU spec or name; a spec not in :data:`pat_core.GPUS` maps to
+    the known GPU whose name it shares (``dataclasses.replace`` keeps the name)."""
+    spec = get_gpu(gpu)
+    for key, known in GPUS.items():
+        if known == spec or known.name == spec.name:
+            return key
+    return spec.name.lower().split("-")[0]
+
+
+def default_constants(gpu) -> SimConstants:
+    """First-principles estimates for a GPU spec (used when no data file exists).
+
+    * DRAM: the spec's datasheet bandwidth times its ``achieved_bw_fraction``.
+    * one SM: about 2.5x its fair share of DRAM bandwidth (an SM with enough loads in flight
+      pulls more than ``1 / num_sms`` of the total; it cannot pull all of it).
+    * block latency: one global-memory round trip for Q plus one for the first KV tile.
+    * tensor cores: half the dense fp16 peak (2048 flop/clk/SM on sm_80, 4096 on sm_90): the
+      kernels issue ``mma.sync``, which does not reach the sm_90 ``wgmma`` peak, on small tiles.
+    """
+    spec = get_gpu(gpu)
+    hbm = spec.hbm_bandwidth * spec.achieved_bw_fraction
+    sm80 = spec.name.upper().startswith("A100")
+    flop_clk = 2048 if sm80 else 4096
+    return SimConstants(
+        hbm_bandwidth=round(hbm, 1),
+        sm_bandwidth=round(2.5 * hbm / spec.num_sms, 1),
+        block_ns=round(2 * spec.mem_latency_ns, 1),
+        tile_ns=150.0,
+        sm_flops=round(0.5 * flop_clk * spec.sm_clock_ghz, 1),
+        launch_ns=3000.0,
+        gap_ns=1000.0,
+        merge_slot_ns=300.0,
+        source="default estimate",
+    )
+
+
+def constants_path(gpu) -> str:
+    return os.path.join(DATA_DIR, f"{gpu_key(gpu)}.json")
+
+
+def load_constants(gpu, path: str | None = None) -> SimConstants:
+    """Constants for ``gpu`` from ``path`` (default ``sim/data/<gpu>.json``), else the estimate."""
+    path = path or constants_path(gpu)
+    if not os.path.exists(path):
+        return default_constants(gpu)
+    with open(path) as fh:
+        data = json.load(fh)
+    base = default_constants(gpu).as_dict()
+    vals = data.get("constants", {})
+    unknown = set(vals) - set(base)
+    if unknown:
+        raise ValueError(f"{path}: unknown constants {sorted(unknown)}")
+    base.update({k: float(v) for k, v in vals.items()})
+    return SimConstants(**base, source=str(data.get("source", "unknown")))
+
+
+def save_constants(consts: SimConstants, gpu, path: str | None = None, extra: dict | None = None
+                   ) -> str:
+    """Write ``consts`` as ``{"gpu", "source", "constants", ...extra}``; returns the path."""
+    path = path or constants_path(gpu)
+    spec: GPUSpec = get_gpu(gpu)
+    data = {"gpu": spec.name, "source": consts.source, "constants": consts.as_dict()}
+    if extra:
+        data.update(extra)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(data, fh, indent=2)
+        fh.write("\n")
+    return path

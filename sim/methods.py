@@ -1,0 +1,96 @@
+"""Batches and methods: where the simulator's inputs come from.
+
+A *batch* is a tree spec (``"1,4,16_128,256,1024"``, built by
+:func:`pat_core.workloads.build_tree_batch`) or a JSON file of block tables, so that real traces
+can be simulated::
+
+    {"block_tables": [[0, 1, 2], [0, 1, 3, 4]], "seq_lens": [40, 61], "page_size": 16}
+
+A *method* is a packer plus planner options: the five packers of :data:`pat_core.PACKERS` and
+two ablations of ``pat``: ``pat-fixed`` (one tile config, 64 x 128, for every CTA) and
+``pat-serial`` (launch groups one after another on one stream).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from pat_core import Planner
+from pat_core.workloads import build_tree_batch
+
+FIXED_TILE = (64, 128)
+
+# method -> (packer, planner keyword arguments)
+METHODS = {
+    "pat": ("pat", {}),
+    "node": ("node", {}),
+    "compute": ("compute", {}),
+    "query": ("query", {}),
+    "cascade": ("cascade", {}),
+    "pat-fixed": ("pat", {"tile": FIXED_TILE}),
+    "pat-serial": ("pat", {"serial": True}),
+}
+
+
+@dataclass
+class Batch:
+    """Block tables of one decode batch plus a label for reports."""
+
+    label: str
+    block_tables: object      # int32 [batch, max_pages] or list of lists
+    seq_lens: np.ndarray
+    page_size: int
+
+    @property
+    def batch_size(self) -> int:
+        return int(len(self.seq_lens))
+
+
+def load_batch(tree: str, page_size: int = 16, seed: int = 0) -> Batch:
+    """A :class:`Batch` from a tree spec or from a JSON file of block tables.
+
+    A JSON file's own ``page_size`` wins over the argument.
+    """
+    if tree.endswith(".json") or os.path.isfile(tree):
+        with open(tree) as fh:
+            data = json.load(fh)
+        missing = {"block_tables", "seq_lens"} - set(data)
+        if missing:
+            raise ValueError(f"{tree}: missing keys {sorted(missing)}; expected "
+                             f"block_tables, seq_lens and page_size")
+        tables = data["block_tables"]
+        if tables and all(isinstance(r, list) for r in tables):
+            width = max(len(r) for r in tables)
+            if all(len(r) == width for r in tables):
+                tables = np.asarray(tables, dtype=np.int32)
+        return Batch(label=os.path.basename(tree), block_tables=tables,
+                     seq_lens=np.asarray(data["seq_lens"], dtype=np.int32),
+                     page_size=int(data.get("page_size", page_size)))
+    tb = build_tree_batch(tree, page_size, seed=seed)
+    return Batch(label=tree, block_tables=tb.block_tables, seq_lens=tb.seq_lens,
+                 page_size=page_size)
+
+
+def save_batch(batch: Batch, path: str) -> None:
+    """Write a batch as the JSON form :func:`load_batch` reads."""
+    tables = batch.block_tables
+    if isinstance(tables, np.ndarray):
+        tables = [row[: -(-int(s) // batch.page_size)].tolist()
+                  for row, s in zip(tables, batch.seq_lens)]
+    with open(path, "w") as fh:
+        json.dump({"block_tables": tables, "seq_lens": [int(s) for s in batch.seq_lens],
+                   "page_size": batch.page_size}, fh)
+
+
+def make_plan(batch: Batch, method: str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+              gpu="h100", kv_data_type: str = "float16"):
+    """Plan ``batch`` with ``method`` through :class:`pat_core.Planner`."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {sorted(METHODS)}, got {method!r}")
+    packer, kw = METHODS[method]
+    return Planner(packer, gpu).plan(batch.block_tables, batch.seq_lens, num_qo_heads,
+                                     num_kv_heads, head_dim, batch.page_size,
+                                     kv_data_type=kv_data_type, **kw)

@@ -1,0 +1,235 @@
+"""The simulator's front door: :func:`simulate` a Plan on a GPU.
+
+Cost of one forward thread block (one CTA, one KV head) with ``t`` KV tiles of ``m x n``::
+
+    latency  = block_ns
+    bytes    = KV + Q + partial writes                       (see sim.traffic)
+    compute  = t * (tile_ns + 4 * m * n * head_dim / sm_flops)
+    duration = latency + max(bytes / bandwidth share, compute)
+
+where the bandwidth share comes from the event-driven fluid model of :mod:`sim.timeline` (an SM
+with streaming blocks gets ``min(sm_bandwidth, hbm_bandwidth / active SMs)``, split equally among
+them).  A merge block (``MERGE_WARPS`` (request, head) pairs) costs ``block_ns`` latency, its
+partial reads and output writes, and ``merge_slot_ns`` per slot of its longest pair.
+
+Launch ``k`` (forward groups in plan order, then the merge) reaches the GPU at
+``(k + 1) * launch_ns``; a launch that waits for another starts ``gap_ns`` after it finishes.
+The predicted latency is the end of the merge kernel: what CUDA events around ``run()`` measure.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pat_core.gpus import GPUSpec, get_gpu
+
+from .constants import SimConstants, load_constants
+from .occupancy import (merge_resources, plan_occupancy, resource_vector, sm_capacity)
+from .timeline import Launch, Timeline, run_engine
+from .traffic import bytes_by_kind, forward_work, merge_work, padding_waste
+
+
+@dataclass
+class Workload:
+    """Everything about a plan's thread blocks that does not depend on the constants.
+
+    Made once per (plan, GPU, serial); :func:`predict` then prices it under any constants
+    (the calibration fit does that hundreds of times).
+    """
+
+    gpu: GPUSpec
+    launches: list
+    need: np.ndarray          # int64 [configs + 1, 4]: per-config SM resources (last = merge)
+    blk_cfg: np.ndarray
+    blk_cta: np.ndarray
+    blk_head: np.ndarray
+    blk_launch: np.ndarray
+    blk_bytes: np.ndarray
+    blk_tiles: np.ndarray     # forward: KV tiles; merge: 0
+    blk_flops: np.ndarray     # forward: padded tile flops; merge: 0
+    blk_slots: np.ndarray     # merge: slots of the longest pair; forward: 0
+    num_phases: int
+    serial: bool
+
+
+def prepare(plan, gpu=None, serial: bool | None = None) -> Workload:
+    """Lay out ``plan``'s thread blocks as launches (see module docstring).
+
+    ``gpu``: spec or name to simulate (default: the GPU the plan was made for).  ``serial``:
+    override ``plan.serial`` (launch groups one after another).
+    """
+    gpu = get_gpu(gpu if gpu is not None else plan.gpu)
+    serial = bool(plan.serial if serial is None else serial)
+    occ = plan_occupancy(plan, gpu)
+    T = plan.tile_configs.shape[0]
+    need = np.zeros((T + 1, 4), dtype=np.int64)
+    for k, o in enumerate(occ):
+        r = o.resources
+        need[k] = resource_vector(r.threads, r.registers, r.smem)
+    mr = merge_resources()
+    need[T] = resource_vector(mr.threads, mr.registers, mr.smem)
+    cap = sm_capacity(gpu)
+    for k, o in enumerate(occ):
+        if np.any(need[k] > cap):
+            raise ValueError(f"tile {o.m}x{o.n} needs {need[k].tolist()} (smem, registers, "
+                             f"threads, slots) but a {gpu.name} SM offers {cap.tolist()}")
+
+    w = forward_work(plan)
+    mw = merge_work(plan)
+    hk = plan.num_kv_heads
+    launches, cfg, cta, head, lau, byt, til, flo, slo = [], [], [], [], [], [], [], [], []
+    pos = 0
+    G = plan.num_groups
+    for g, (m, n), b, e in plan.groups():
+        idx = np.tile(np.arange(b, e, dtype=np.int64), hk)        # blockIdx.x fastest
+        hh = np.repeat(np.arange(hk, dtype=np.int32), e - b)
+        k = int(plan.group_tile[g])
+        launches.append(Launch(name=f"forward {m}x{n}", kind="forward", config=k, begin=pos,
+                               end=pos + idx.shape[0], issue_ns=0.0,
+                               phase=g if serial else 0))
+        cfg.append(np.full(idx.shape[0], k, np.int32))
+        cta.append(idx.astype(np.int32))
+        head.append(hh)
+        lau.append(np.full(idx.shape[0], len(launches) - 1, np.int32))
+        byt.append(w.bytes[idx])
+        til.append(w.tiles[idx].astype(np.float64))
+        flo.append(w.flops[idx])
+        slo.append(np.zeros(idx.shape[0]))
+        pos += idx.shape[0]
+    nm = mw.bytes.shape[0]
+    launches.append(Launch(name="merge", kind="merge", config=-1, begin=pos, end=pos + nm,
+                           issue_ns=0.0, phase=G if serial else 1))
+    cfg.append(np.full(nm, T, np.int32))
+    cta.append(np.arange(nm, dtype=np.int32))
+    head.append(np.full(nm, -1, np.int32))
+    lau.append(np.full(nm, len(launches) - 1, np.int32))
+    byt.append(mw.bytes)
+    til.append(np.zeros(nm))
+    flo.append(np.zeros(nm))
+    slo.append(mw.max_slots.astype(np.float64))
+    return Workload(gpu=gpu, launches=launches, need=need, blk_cfg=np.concatenate(cfg),
+                    blk_cta=np.concatenate(cta), blk_head=np.concatenate(head),
+                    blk_launch=np.concatenate(lau), blk_bytes=np.concatenate(byt),
+                    blk_tiles=np.concatenate(til), blk_flops=np.concatenate(flo),
+                    blk_slots=np.concatenate(slo), num_phases=(G + 1) if serial else 2,
+                    serial=serial)
+
+
+def run_timeline(wl: Workload, c: SimConstants) -> Timeline:
+    """Price ``wl`` under constants ``c`` and run the event-driven timeline."""
+    latency = np.full(wl.blk_cfg.shape[0], float(c.block_ns))
+    compute = wl.blk_tiles * c.tile_ns + wl.blk_flops / c.sm_flops + wl.blk_slots * c.merge_slot_ns
+    ptr = np.array([ln.begin for ln in wl.launches] + [wl.launches[-1].end], dtype=np.int64)
+    issue = (np.arange(len(wl.launches), dtype=np.float64) + 1.0) * c.launch_ns
+    phase = np.array([ln.phase for ln in wl.launches], dtype=np.int32)
+    sm, lane, start, end, ps, pe = run_engine(
+        wl.gpu.num_sms, sm_capacity(wl.gpu), wl.need, wl.blk_cfg, latency, wl.blk_bytes, compute,
+        ptr, issue, phase, wl.num_phases, c.gap_ns, c.sm_bandwidth, c.hbm_bandwidth)
+    launches = [Launch(ln.name, ln.kind, ln.config, ln.begin, ln.end, float(issue[i]), ln.phase)
+                for i, ln in enumerate(wl.launches)]
+    return Timeline(num_sms=wl.gpu.num_sms, launches=launches, block_launch=wl.blk_launch,
+                    block_cta=wl.blk_cta, block_head=wl.blk_head, block_sm=sm, block_lane=lane,
+                    block_start=start, block_end=end, phase_start=ps, phase_end=pe)
+
+
+def predict(wl: Workload, c: SimConstants) -> float:
+    """Predicted latency (ns) of a prepared workload."""
+    return run_timeline(wl, c).makespan
+
+
+@dataclass
+class SimResult:
+    """What :func:`simulate` reports.  Times in ns, fractions in ``[0, 1]``."""
+
+    plan: object
+    gpu: GPUSpec
+    constants: SimConstants
+    serial: bool
+    timeline: Timeline
+    bytes: dict               # by kind: kv, q, partial_write, partial_read, out, total
+    occupancy: list           # ConfigOccupancy per tile config
+    waste: dict               # padding waste: rows, columns, total
+    latency_ns: float
+    forward_ns: float         # end of the last forward block
+    merge_ns: float           # merge kernel span (its first block's start to the end)
+    bubble: float             # idle SM-time share between the first block's start and the end
+    forward_bubble: float     # the same over the forward kernels only
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def latency_us(self) -> float:
+        return self.latency_ns / 1e3
+
+    @property
+    def num_blocks(self) -> int:
+        return self.timeline.num_blocks
+
+    def summary_row(self, method: str | None = None) -> dict:
+        st = self.plan.stats()
+        return {
+            "method": method or self.plan.packer,
+            "ctas": st["num_ctas"],
+            "blocks": int(self.timeline.blocks_of("forward").sum()),
+            "launches": len(self.timeline.launches),
+            "tiles": st["tiles"],
+            "kv_bytes": self.bytes["kv"],
+            "total_bytes": self.bytes["total"],
+            "predicted_us": round(self.latency_us, 3),
+            "forward_us": round(self.forward_ns / 1e3, 3),
+            "merge_us": round(self.merge_ns / 1e3, 3),
+            "bubble_pct": round(100 * self.bubble, 2),
+            "forward_bubble_pct": round(100 * self.forward_bubble, 2),
+            "waste_pct": round(100 * self.waste["total"], 2),
+        }
+
+    def as_dict(self) -> dict:
+        return {
+            "packer": self.plan.packer, "gpu": self.gpu.name, "serial": self.serial,
+            "num_sms": self.gpu.num_sms, "constants": self.constants.as_dict(),
+            "constants_source": self.constants.source,
+            "latency_us": self.latency_us, "forward_us": self.forward_ns / 1e3,
+            "merge_us": self.merge_ns / 1e3, "bubble": self.bubble,
+            "forward_bubble": self.forward_bubble, "waste": self.waste, "bytes": self.bytes,
+            "stats": self.plan.stats(), "occupancy": [o.as_dict() for o in self.occupancy],
+            "num_blocks": self.num_blocks,
+        }
+
+
+def _idle_share(tl: Timeline, mask, t0: float, t1: float) -> float:
+    span = t1 - t0
+    if span <= 0:
+        return 0.0
+    return max(0.0, 1.0 - tl.busy_time(mask, t0, t1) / (tl.num_sms * span))
+
+
+def simulate(plan, gpu=None, constants: SimConstants | str | None = None,
+             serial: bool | None = None) -> SimResult:
+    """Simulate one decode step of ``plan``.
+
+    Parameters
+    ----------
+    plan : :class:`pat_core.Plan`.
+    gpu : GPU spec or name to simulate (default: the plan's GPU).  A ``dataclasses.replace``
+        variant of a known GPU uses that GPU's constants.
+    constants : :class:`SimConstants`, a path to a constants JSON file, or ``None`` for
+        ``sim/data/<gpu>.json`` (the default estimate when absent).
+    serial : override ``plan.serial``.
+    """
+    wl = prepare(plan, gpu, serial)
+    if constants is None or isinstance(constants, str):
+        constants = load_constants(wl.gpu, constants)
+    tl = run_timeline(wl, constants)
+    fwd = tl.blocks_of("forward")
+    mrg = ~fwd
+    start = float(np.nanmin(tl.block_start))
+    end = tl.makespan
+    fwd_end = float(np.nanmax(tl.block_end[fwd])) if fwd.any() else start
+    fwd_start = float(np.nanmin(tl.block_start[fwd])) if fwd.any() else start
+    merge_span = (end - float(np.nanmin(tl.block_start[mrg]))) if mrg.any() else 0.0
+    return SimResult(
+        plan=plan, gpu=wl.gpu, constants=constants, serial=wl.serial, timeline=tl,
+        bytes=bytes_by_kind(plan), occupancy=plan_occupancy(plan, wl.gpu),
+        waste=padding_waste(plan), latency_ns=end, forward_ns=fwd_end, merge_ns=merge_span,
+        bubble=_idle_share(tl, None, start, end),
+        forward_bubble=_idle_share(tl, fwd, fwd_start, fwd_end))

@@ -1,0 +1,138 @@
+"""Plots: per-SM Gantt timeline, method sweeps, bytes per method.  Matplotlib, Agg backend.
+
+Every function takes already-computed results and a file name and returns the path written, so
+they run on a headless CI machine.
+"""
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.collections import PolyCollection  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+_MERGE_COLOUR = "#7f7f7f"
+
+
+def _rects(x0, x1, y0, h):
+    """Vertices of axis-aligned rectangles for a PolyCollection."""
+    return np.stack([np.stack([x0, y0], 1), np.stack([x1, y0], 1),
+                     np.stack([x1, y0 + h], 1), np.stack([x0, y0 + h], 1)], 1)
+
+
+def gantt(result, path: str, title: str | None = None, max_sms: int | None = None) -> str:
+    """Per-SM Gantt chart of ``result`` (a :class:`sim.model.SimResult`).
+
+    One row per SM; a row is split into lanes, one per resident block, so blocks that share the
+    SM are drawn one above the other.  Forward blocks are coloured by launch (one stream per
+    launch group, labelled with its tile config); merge blocks are grey.  Dashed lines mark each
+    launch's host issue time.
+    """
+    tl = result.timeline
+    nsm = tl.num_sms if max_sms is None else min(max_sms, tl.num_sms)
+    lanes = max(1, int(np.nanmax(tl.block_lane)) + 1) if tl.num_blocks else 1
+    cmap = plt.get_cmap("tab10" if len(tl.launches) <= 10 else "tab20")
+    fig_h = max(3.0, min(14.0, 0.06 * nsm + 1.5))
+    fig, ax = plt.subplots(figsize=(12, fig_h))
+    handles = []
+    for i, ln in enumerate(tl.launches):
+        sel = np.zeros(tl.num_blocks, dtype=bool)
+        sel[ln.begin:ln.end] = True
+        sel &= tl.block_sm < nsm
+        colour = _MERGE_COLOUR if ln.kind == "merge" else cmap(i % cmap.N)
+        label = "merge" if ln.kind == "merge" else f"stream {i}: {ln.name.split()[-1]}"
+        if result.serial and ln.kind == "forward":
+            label += " (serial)"
+        handles.append(Patch(facecolor=colour, edgecolor="none", label=label))
+        if not sel.any():
+            continue
+        x0 = tl.block_start[sel] / 1e3
+        x1 = tl.block_end[sel] / 1e3
+        y0 = tl.block_sm[sel] + tl.block_lane[sel] / lanes
+        pc = PolyCollection(_rects(x0, x1, y0, 0.9 / lanes), facecolors=colour,
+                            edgecolors="black", linewidths=0.1)
+        ax.add_collection(pc)
+    for ln in tl.launches:
+        ax.axvline(ln.issue_ns / 1e3, color="black", lw=0.5, ls="--", alpha=0.4)
+    ax.set_xlim(0, max(result.latency_us * 1.02, 1e-3))
+    ax.set_ylim(nsm, 0)
+    ax.set_xlabel("time (us)")
+    ax.set_ylabel("SM")
+    ax.set_title(title or (f"{result.plan.packer} on {result.gpu.name}: "
+                           f"{result.latency_us:.1f} us predicted, "
+                           f"bubble {100 * result.bubble:.1f} %, "
+                           f"{tl.num_blocks} blocks"), fontsize=10)
+    ax.legend(handles=handles[:20], loc="upper right", fontsize=7, framealpha=0.85)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def sweep_plot(sweep: dict, path: str) -> str:
+    """Predicted time per method against the swept knob (``sweep`` as :func:`sim.cli.run_sweep`
+    returns it: ``{"knob", "values", "methods": {method: [us, ...]}, ...}``)."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = list(range(len(sweep["values"])))
+    for method, ys in sweep["methods"].items():
+        ax.plot(xs, ys, marker="o", label=method)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([str(v) for v in sweep["values"]])
+    ax.set_xlabel(sweep.get("knob_label", sweep["knob"]))
+    ax.set_ylabel("predicted latency (us)")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_title(sweep.get("title", f"sweep over {sweep['knob']}"), fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def bytes_plot(rows: list, path: str, title: str = "HBM bytes per method") -> str:
+    """Stacked bars of bytes by kind per method; ``rows``: dicts with ``method`` and ``bytes``
+    (``{"kv", "q", "partial_write", "partial_read", "out"}``)."""
+    kinds = ("kv", "q", "partial_write", "partial_read", "out")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    bottom = np.zeros(len(rows))
+    for kind in kinds:
+        vals = np.array([r["bytes"][kind] for r in rows], dtype=float) / 1e6
+        ax.bar([r["method"] for r in rows], vals, bottom=bottom, label=kind)
+        bottom += vals
+    ax.set_ylabel("MB")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def calibration_plot(predicted_us, measured_us, labels, path: str, title: str = "") -> str:
+    """Predicted against measured latency, log-log, one point per measurement."""
+    fig, ax = plt.subplots(figsize=(5.5, 5.5))
+    p = np.asarray(predicted_us, float)
+    m = np.asarray(measured_us, float)
+    groups = sorted(set(labels))
+    for g in groups:
+        sel = np.array([lb == g for lb in labels])
+        ax.scatter(m[sel], p[sel], s=12, label=g)
+    lo = float(min(p.min(), m.min())) * 0.8
+    hi = float(max(p.max(), m.max())) * 1.25
+    ax.plot([lo, hi], [lo, hi], color="black", lw=0.8)
+    ax.fill_between([lo, hi], [lo * 0.8, hi * 0.8], [lo * 1.2, hi * 1.2], color="grey",
+                    alpha=0.15, label="+-20 %")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured (us)")
+    ax.set_ylabel("predicted (us)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,324 @@
+"""Event-driven timeline: thread blocks on SMs, streams, phases and shared DRAM bandwidth.
+
+What it models
+--------------
+* **Dispatch.** Each launch is a stream of thread blocks in launch order (for a forward launch:
+  ``blockIdx.x`` fastest, then ``blockIdx.y`` = KV head).  A launch becomes visible to the GPU at
+  its host issue time.  Like the hardware block scheduler, blocks of one launch are placed in
+  order (a block that does not fit holds back the rest of its launch), while a later launch on
+  another stream may fill the SMs the earlier one cannot use.  A block goes to the SM with the
+  fewest resident blocks among those with enough free shared memory, registers, threads and CTA
+  slots (breadth-first, as the hardware spreads a grid).
+* **Phases.** Launches carry a phase number.  A phase starts ``gap_ns`` after every block of the
+  previous phase has finished (a kernel waiting on another, through stream order or an event).
+  Concurrent launch groups share phase 0 and the merge kernel is phase 1; in serial mode each
+  group is its own phase.
+* **A block's life.** ``latency`` (time the KV pipeline cannot hide: query load, first tile in
+  flight, partial write), then *streaming*: it moves its ``bytes`` while computing; it ends when
+  both the bytes are moved and ``compute`` time has passed since streaming began (the kernel
+  double-buffers, so compute and loads overlap).
+* **Bandwidth.** DRAM is shared as a fluid: each SM that has streaming blocks gets
+  ``min(sm_bw, hbm_bw / active_SMs)`` and its streaming blocks split that equally.  So a lone
+  block cannot use the whole GPU, and a full GPU cannot exceed DRAM bandwidth.
+
+The engine is a Numba loop over events (a block starting, finishing its latency, its bytes or its
+compute; a launch arriving; a phase opening).  Per event it touches every SM once, so a plan of
+tens of thousands of blocks simulates in milliseconds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+_INF = np.inf
+
+
+@njit(cache=True)
+def _recompute_sm(x, res, state, timer_end, vfin, max_res):
+    tmin = _INF
+    vmin = _INF
+    for lane in range(max_res):
+        b = res[x, lane]
+        if b < 0:
+            continue
+        s = state[b]
+        if s == 1 or s == 3:
+            if timer_end[b] < tmin:
+                tmin = timer_end[b]
+        elif s == 2:
+            if vfin[b] < vmin:
+                vmin = vfin[b]
+    return tmin, vmin
+
+
+@njit(cache=True)
+def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_compute, stream_ptr,
+              stream_ready, stream_phase, num_phases, gap_ns, sm_bw, hbm_bw):
+    N = blk_cfg.shape[0]
+    S = stream_ready.shape[0]
+    max_res = cap[3]
+    blk_sm = np.full(N, -1, dtype=np.int32)
+    blk_lane = np.full(N, -1, dtype=np.int32)
+    blk_start = np.full(N, np.nan)
+    blk_end = np.full(N, np.nan)
+    phase_start = np.full(num_phases, np.nan)
+    phase_end = np.full(num_phases, np.nan)
+    state = np.zeros(N, dtype=np.int8)      # 0 pending, 1 latency, 2 streaming, 3 compute, 4 done
+    timer_end = np.zeros(N)
+    vfin = np.zeros(N)
+    sstart = np.zeros(N)
+    free = np.empty((num_sms, 4), dtype=np.int64)
+    for x in range(num_sms):
+        for j in range(4):
+            free[x, j] = cap[j]
+    res = np.full((num_sms, max_res), -1, dtype=np.int64)
+    nres = np.zeros(num_sms, dtype=np.int64)
+    ntr = np.zeros(num_sms, dtype=np.int64)
+    V = np.zeros(num_sms)
+    tmin = np.full(num_sms, _INF)
+    vmin = np.full(num_sms, _INF)
+    head = stream_ptr[:-1].copy()
+    remaining = np.zeros(num_phases, dtype=np.int64)
+    blk_phase = np.empty(N, dtype=np.int32)
+    for s in range(S):
+        remaining[stream_phase[s]] += stream_ptr[s + 1] - stream_ptr[s]
+        for b in range(stream_ptr[s], stream_ptr[s + 1]):
+            blk_phase[b] = stream_phase[s]
+    cur = 0
+    release = 0.0
+    while cur < num_phases and remaining[cur] == 0:
+        phase_start[cur] = 0.0
+        phase_end[cur] = 0.0
+        cur += 1
+    t = 0.0
+    done = 0
+    status = 0
+    while done < N:
+        # ---- dispatch pending blocks of the open phase
+        if cur < num_phases and release <= t:
+            for s in range(S):
+                if stream_phase[s] != cur or stream_ready[s] > t:
+                    continue
+                while head[s] < stream_ptr[s + 1]:
+                    b = head[s]
+                    k = blk_cfg[b]
+                    best = -1
+                    bestn = max_res + 1
+                    for x in range(num_sms):
+                        if nres[x] < bestn and free[x, 0] >= need[k, 0] and \
+                                free[x, 1] >= need[k, 1] and free[x, 2] >= need[k, 2] and \
+                                free[x, 3] >= need[k, 3]:
+                            best = x
+                            bestn = nres[x]
+                    if best < 0:
+                        break
+                    lane = 0
+                    while res[best, lane] >= 0:
+                        lane += 1
+                    res[best, lane] = b
+                    nres[best] += 1
+                    for j in range(4):
+                        free[best, j] -= need[k, j]
+                    blk_sm[b] = best
+                    blk_lane[b] = lane
+                    blk_start[b] = t
+                    if np.isnan(phase_start[cur]):
+                        phase_start[cur] = t
+                    if blk_latency[b] > 0:
+                        state[b] = 1
+                        timer_end[b] = t + blk_latency[b]
+                        if timer_end[b] < tmin[best]:
+                            tmin[best] = timer_end[b]
+                    else:
+                        state[b] = 2
+                        sstart[b] = t
+                        vfin[b] = V[best] + blk_bytes[b]
+                        ntr[best] += 1
+                        if vfin[b] < vmin[best]:
+                            vmin[best] = vfin[b]
+                    head[s] += 1
+        # ---- next event
+        active = 0
+        for x in range(num_sms):
+            if ntr[x] > 0:
+                active += 1
+        R = 0.0
+        if active > 0:
+            R = min(sm_bw, hbm_bw / active)
+        tn = _INF
+        for x in range(num_sms):
+            if tmin[x] < tn:
+                tn = tmin[x]
+            if ntr[x] > 0:
+                te = t + (vmin[x] - V[x]) * ntr[x] / R
+                if te < tn:
+                    tn = te
+        if cur < num_phases:
+            if release > t:
+                if release < tn:
+                    tn = release
+            else:
+                for s in range(S):
+                    if stream_phase[s] == cur and head[s] < stream_ptr[s + 1] and \
+                            stream_ready[s] > t and stream_ready[s] < tn:
+                        tn = stream_ready[s]
+        if tn == _INF:
+            status = 1          # nothing can ever run: a block fits no SM
+            break
+        if tn < t:
+            tn = t
+        dt = tn - t
+        for x in range(num_sms):
+            if ntr[x] > 0:
+                V[x] += R / ntr[x] * dt
+        t = tn
+        eps_t = 1e-9 * t + 1e-9
+        # ---- state changes at time t
+        for x in range(num_sms):
+            eps_v = 1e-9 * V[x] + 1e-6
+            if not (tmin[x] <= t + eps_t or (ntr[x] > 0 and vmin[x] - V[x] <= eps_v)):
+                continue
+            for lane in range(max_res):
+                b = res[x, lane]
+                if b < 0:
+                    continue
+                finish = False
+                if state[b] == 1 and timer_end[b] <= t + eps_t:
+                    state[b] = 2
+                    sstart[b] = t
+                    vfin[b] = V[x] + blk_bytes[b]
+                    ntr[x] += 1
+                elif state[b] == 2 and vfin[b] - V[x] <= eps_v:
+                    ntr[x] -= 1
+                    if sstart[b] + blk_compute[b] > t + eps_t:
+                        state[b] = 3
+                        timer_end[b] = sstart[b] + blk_compute[b]
+                    else:
+                        finish = True
+                elif state[b] == 3 and timer_end[b] <= t + eps_t:
+                    finish = True
+                if finish:
+                    state[b] = 4
+                    blk_end[b] = t
+                    k = blk_cfg[b]
+                    for j in range(4):
+                        free[x, j] += need[k, j]
+                    nres[x] -= 1
+                    res[x, lane] = -1
+                    done += 1
+                    remaining[blk_phase[b]] -= 1
+            tmin[x], vmin[x] = _recompute_sm(x, res, state, timer_end, vfin, max_res)
+        while cur < num_phases and remaining[cur] == 0:
+            phase_end[cur] = t
+            cur += 1
+            release = t + gap_ns
+    return status, blk_sm, blk_lane, blk_start, blk_end, phase_start, phase_end
+
+
+@dataclass
+class Launch:
+    """One kernel launch: its blocks (rows of the block arrays), host issue time and phase."""
+
+    name: str                 # "forward 16x64" or "merge"
+    kind: str                 # "forward" or "merge"
+    config: int               # tile config index (-1 for the merge kernel)
+    begin: int
+    end: int
+    issue_ns: float
+    phase: int
+
+
+@dataclass
+class Timeline:
+    """Where and when every thread block ran.  Times in ns from the first launch's issue."""
+
+    num_sms: int
+    launches: list
+    block_launch: np.ndarray  # int32 [N]: launch index of each block
+    block_cta: np.ndarray     # int32 [N]: Plan CTA (forward) or merge block index
+    block_head: np.ndarray    # int32 [N]: KV head (forward) or -1
+    block_sm: np.ndarray
+    block_lane: np.ndarray    # resident slot on its SM (0 .. max_ctas_per_sm - 1), for drawing
+    block_start: np.ndarray
+    block_end: np.ndarray
+    phase_start: np.ndarray
+    phase_end: np.ndarray
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.block_sm.shape[0])
+
+    @property
+    def makespan(self) -> float:
+        return float(np.nanmax(self.block_end)) if self.num_blocks else 0.0
+
+    def blocks_of(self, kind: str) -> np.ndarray:
+        """Boolean mask of the blocks of ``kind`` (``"forward"`` or ``"merge"``) launches."""
+        kinds = np.array([ln.kind == kind for ln in self.launches], dtype=bool)
+        return kinds[self.block_launch]
+
+    def busy_time(self, mask=None, t0: float | None = None, t1: float | None = None) -> float:
+        """SM-time (ns summed over SMs) during which an SM holds at least one block of ``mask``,
+        within ``[t0, t1]``."""
+        if mask is None:
+            mask = np.ones(self.num_blocks, dtype=bool)
+        sm, s, e = self.block_sm[mask], self.block_start[mask], self.block_end[mask]
+        if t0 is not None:
+            s = np.maximum(s, t0)
+        if t1 is not None:
+            e = np.minimum(e, t1)
+        keep = e > s
+        sm, s, e = sm[keep], s[keep], e[keep]
+        order = np.lexsort((s, sm))
+        sm, s, e = sm[order], s[order], e[order]
+        total = 0.0
+        # union of intervals per SM: running max of ends within each SM
+        for x in np.unique(sm):
+            sel = sm == x
+            ss, ee = s[sel], e[sel]
+            run_end = np.maximum.accumulate(ee)
+            new = np.ones(ss.shape[0], dtype=bool)
+            new[1:] = ss[1:] > run_end[:-1]
+            idx = np.flatnonzero(new)
+            seg_end = np.append(run_end[idx[1:] - 1], run_end[-1])
+            total += float((seg_end - ss[idx]).sum())
+        return total
+
+    def max_concurrency(self) -> int:
+        """Most blocks resident on one SM at any time (a check on the scheduler)."""
+        best = 0
+        for x in np.unique(self.block_sm):
+            sel = self.block_sm == x
+            ev = np.concatenate([np.stack([self.block_start[sel], np.ones(sel.sum())], 1),
+                                 np.stack([self.block_end[sel], -np.ones(sel.sum())], 1)])
+            ev = ev[np.lexsort((ev[:, 1], ev[:, 0]))]     # ends before starts at equal times
+            best = max(best, int(np.cumsum(ev[:, 1]).max()))
+        return best
+
+
+def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_latency, blk_bytes,
+               blk_compute, stream_ptr, stream_ready, stream_phase, num_phases: int,
+               gap_ns: float, sm_bw: float, hbm_bw: float):
+    """Typed front door to the Numba loop; raises ``ValueError`` when a block fits no SM."""
+    cap = np.ascontiguousarray(cap, dtype=np.int64)
+    need = np.ascontiguousarray(need, dtype=np.int64)
+    if need.size and np.any(need > cap[None, :]):
+        bad = int(np.flatnonzero(np.any(need > cap[None, :], axis=1))[0])
+        raise ValueError(f"block config {bad} needs {need[bad].tolist()} (smem, registers, "
+                         f"threads, slots) but an SM offers only {cap.tolist()}")
+    if sm_bw <= 0 or hbm_bw <= 0:
+        raise ValueError("bandwidths must be positive")
+    out = _simulate(int(num_sms), cap, need, np.ascontiguousarray(blk_cfg, dtype=np.int32),
+                    np.ascontiguousarray(blk_latency, dtype=np.float64),
+                    np.ascontiguousarray(blk_bytes, dtype=np.float64),
+                    np.ascontiguousarray(blk_compute, dtype=np.float64),
+                    np.ascontiguousarray(stream_ptr, dtype=np.int64),
+                    np.ascontiguousarray(stream_ready, dtype=np.float64),
+                    np.ascontiguousarray(stream_phase, dtype=np.int32), int(num_phases),
+                    float(gap_ns), float(sm_bw), float(hbm_bw))
+    status = out[0]
+    if status != 0:
+        raise RuntimeError("timeline stalled: a block could not be placed on any SM")
+    return out[1:]
