@@ -1,0 +1,111 @@
+// Shared device helpers of the pat kernels: element types, 16-byte cp.async, ldmatrix, the
+// m16n8k16 tensor-core MMA and the shared-memory swizzle.
+//
+// Compiled both by NVRTC (through CuPy, at run time) and by nvcc (bench/kernel_resources.py), so
+// this file uses no standard-library headers: only the CUDA half/bfloat16 headers, which both
+// toolchains provide.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace pat {
+
+// ---------------------------------------------------------------------------------------------
+// Element types.  ElemOps<T> packs two fp32 values into the 32-bit register pair layout the MMA
+// expects (lower column in the low 16 bits) and converts for the merge kernel's stores.
+// ---------------------------------------------------------------------------------------------
+template <typename T> struct ElemOps;
+
+template <> struct ElemOps<__half> {
+  static constexpr bool kIsBF16 = false;
+  static __device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+  }
+  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+};
+
+template <> struct ElemOps<__nv_bfloat16> {
+  static constexpr bool kIsBF16 = true;
+  static __device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+  }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Asynchronous global -> shared copies (sm_80+).  `src_bytes` is 16 or 0; with 0 nothing is read
+// and the 16 destination bytes are zero-filled, which is how out-of-range tokens and padded query
+// rows become zeros in shared memory (so 0 * garbage can never produce a NaN).
+// .cg: bypass L1, the KV stream is read once per CTA.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Wait until at most `N` of this thread's committed copy groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// ldmatrix: four 8x8 b16 matrices; lane l supplies the row address of matrix l / 8, row l % 8.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// ---------------------------------------------------------------------------------------------
+// D (16x8 fp32) += A (16x16, row) * B (16x8, col) on the tensor cores.
+// ---------------------------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                          unsigned b1) {
+  if constexpr (ElemOps<T>::kIsBF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared-memory swizzle.  A tile row holds head_dim b16 elements = head_dim / 8 chunks of 16
+// bytes; rows are 128 or 256 bytes long, so the same chunk of 8 consecutive rows would fall in
+// the same four banks (an 8-way conflict for ldmatrix).  XOR-ing the chunk index with the row's
+// low three bits spreads any 8 consecutive rows over all 32 banks, both for the cp.async writes
+// and for the ldmatrix reads.  Returns the element offset of (row, chunk).
+// ---------------------------------------------------------------------------------------------
+template <int HEAD_DIM>
+__device__ __forceinline__ int swz(int row, int chunk) {
+  return row * HEAD_DIM + ((chunk ^ (row & 7)) << 3);
+}
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+}  // namespace pat

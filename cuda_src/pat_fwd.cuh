@@ -1,0 +1,441 @@
+// Multi-tile prefix-aware decode forward kernel.
+//
+// One thread block = one Plan CTA (blockIdx.x, offset by the launch group's first CTA) for one KV
+// head (blockIdx.y).  The CTA's query rows are its requests x the GQA group: row i * group + j is
+// request i of the CTA, query head kv_head * group + j.  The rows are packed at run time, so one
+// compiled variant serves every group size that fits m.
+//
+// Per CTA:
+//   1. cp.async the Q rows (zero-padded to M) and the first KV tile(s) into shared memory.
+//   2. Walk the KV range [kv_start, kv_start + kv_len) in tiles of N tokens, gathering each token's
+//      K and V row through the CTA's page list (16-byte cp.async, STAGES-deep ring: tile t + 1 is
+//      in flight while tile t is computed).  Tokens past kv_len are zero-filled and masked.
+//   3. Each warp owns 16 * MI query rows and NW = N / WARPS_N tokens of every tile.  S = Q K^T and
+//      O += P V run on the tensor cores (mma.sync m16n8k16, fp32 accumulate) with the online
+//      softmax kept in registers (running max and sum per row, log2 domain).
+//   4. Warps that split the tile's tokens combine their states through shared memory; the first
+//      warp of each row group normalises and writes o_partial[slot, head, :] and the natural-log
+//      LSE of the scaled scores to lse_partial[slot, head].
+#pragma once
+
+#include "pat_common.cuh"
+
+namespace pat {
+
+// One traits struct per tile configuration.  Everything the kernel and the launcher need to agree
+// on (threads, shared memory) is derived here; pat_core/cuda_compile.py mirrors the formulas.
+template <int HEAD_DIM_, typename T_, int M_, int N_, int WARPS_, int STAGES_>
+struct FwdTraits {
+  using T = T_;
+  static constexpr int D = HEAD_DIM_;
+  static constexpr int M = M_;
+  static constexpr int N = N_;
+  static constexpr int WARPS = WARPS_;
+  static constexpr int STAGES = STAGES_;
+  static constexpr int THREADS = WARPS * 32;
+
+  static constexpr int ROW_BLOCKS = M / 16;                       // 16-row MMA blocks of Q
+  static constexpr int WARPS_M = ROW_BLOCKS < WARPS ? ROW_BLOCKS : WARPS;
+  static constexpr int WARPS_N = WARPS / WARPS_M;                 // warps splitting a tile's tokens
+  static constexpr int MI = ROW_BLOCKS / WARPS_M;                 // row blocks per warp
+  static constexpr int NW = N / WARPS_N;                          // tokens per warp per tile
+  static constexpr int KC = NW < 64 ? NW : 64;                    // tokens per softmax step
+  static constexpr int CHUNKS = D / 8;                            // 16-byte chunks per row
+
+  static constexpr int Q_BYTES = M * D * 2;
+  static constexpr int KV_TILE_ELEMS = N * D;                     // one K (or V) stage
+  static constexpr int KV_BYTES = STAGES * 2 * KV_TILE_ELEMS * 2;
+  static constexpr int SMEM_BYTES = Q_BYTES + KV_BYTES;           // dynamic shared memory
+
+  // Cross-warp combine buffer (aliases the KV ring after the main loop): per warp with wn > 0,
+  // the accumulator fragment plus running max and sum, stored [register][lane].
+  static constexpr int ACC_REGS = MI * (D / 8) * 4;
+  static constexpr int STATE_REGS = ACC_REGS + MI * 4;
+  static constexpr int COMB_BYTES = (WARPS_N - 1) * WARPS_M * STATE_REGS * 32 * 4;
+
+  static constexpr int Q_LOADS = (M * CHUNKS + THREADS - 1) / THREADS;
+  static constexpr int KV_LOADS = (N * CHUNKS + THREADS - 1) / THREADS;
+
+  static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
+  static_assert(M % 16 == 0 && M >= 16 && M <= 128, "m must be a multiple of 16 in [16, 128]");
+  static_assert(N % 16 == 0 && N >= 16 && N <= 256, "n must be a multiple of 16 in [16, 256]");
+  static_assert(WARPS >= 1 && WARPS <= 8, "1..8 warps");
+  static_assert(WARPS % WARPS_M == 0 && ROW_BLOCKS % WARPS_M == 0, "warps must tile the rows");
+  static_assert(N % WARPS_N == 0 && NW % 16 == 0, "each warp needs whole k16 token blocks");
+  static_assert(NW % KC == 0 && KC % 16 == 0, "softmax steps must tile a warp's tokens");
+  static_assert(STAGES >= 2 && STAGES <= 4, "2..4 pipeline stages");
+  static_assert(THREADS % CHUNKS == 0, "a thread keeps one 16-byte column across rows");
+  static_assert(COMB_BYTES <= KV_BYTES, "combine buffer must fit in the KV ring it reuses");
+  static_assert(SMEM_BYTES <= 227 * 1024, "exceeds the per-block shared-memory limit");
+  static_assert(MI * (D / 8) * 4 + MI * (D / 16) * 4 + MI * (KC / 8) * 4 <= 192,
+                "register arrays too large for one thread");
+};
+
+extern __shared__ __align__(128) unsigned char pat_dyn_smem[];
+
+// Gathers one KV tile (N tokens of the CTA's range) into a shared-memory stage: token ->
+// page id (through the CTA's page list) -> K row and V row of this KV head.  Layouts are plain
+// strides in elements (page, token, head), so NHD, HND and strided views share one code path.
+// A thread keeps one 16-byte column `ch` and strides over rows (THREADS % CHUNKS == 0).
+template <typename Tr>
+struct KvTileLoader {
+  using T = typename Tr::T;
+  const T* __restrict__ k_cache;
+  const T* __restrict__ v_cache;
+  const int* __restrict__ pages;  // indexed by absolute page number (pos / page_size)
+  int kv_start, kv_len, page_size, kv_head;
+  long long k_sp, k_st, k_sh, v_sp, v_st, v_sh;
+
+  __device__ __forceinline__ void load(T* sK, T* sV, int tile, int stage, int tid) const {
+    constexpr int D = Tr::D, N = Tr::N, CHUNKS = Tr::CHUNKS, THREADS = Tr::THREADS;
+    T* dK = sK + stage * Tr::KV_TILE_ELEMS;
+    T* dV = sV + stage * Tr::KV_TILE_ELEMS;
+    const int tile_base = tile * N;
+    const int ch = tid % CHUNKS;
+    const long long k_col = (long long)kv_head * k_sh + ch * 8;
+    const long long v_col = (long long)kv_head * v_sh + ch * 8;
+#pragma unroll
+    for (int it = 0; it < Tr::KV_LOADS; ++it) {
+      const int id = tid + it * THREADS;
+      if ((N * CHUNKS) % THREADS == 0 || id < N * CHUNKS) {
+        const int row = id / CHUNKS;
+        const int tok = tile_base + row;
+        const T* ks = k_cache;
+        const T* vs = v_cache;
+        int bytes = 0;
+        if (tok < kv_len) {
+          const int pos = kv_start + tok;
+          const int pidx = pos / page_size;
+          const long long page = pages[pidx];
+          const long long slot = pos - pidx * page_size;
+          ks = k_cache + (page * k_sp + slot * k_st + k_col);
+          vs = v_cache + (page * v_sp + slot * v_st + v_col);
+          bytes = 16;
+        }
+        cp_async_16(smem_u32(dK + swz<D>(row, ch)), ks, bytes);
+        cp_async_16(smem_u32(dV + swz<D>(row, ch)), vs, bytes);
+      }
+    }
+  }
+};
+
+template <typename Tr>
+__device__ __forceinline__ void pat_fwd_body(
+    const typename Tr::T* __restrict__ q, const typename Tr::T* __restrict__ k_cache,
+    const typename Tr::T* __restrict__ v_cache, float* __restrict__ o_partial,
+    float* __restrict__ lse_partial, const int* __restrict__ cta_req_indptr,
+    const int* __restrict__ cta_req, const int* __restrict__ cta_slot,
+    const int* __restrict__ cta_kv_start, const int* __restrict__ cta_kv_len,
+    const int* __restrict__ cta_page_indptr, const int* __restrict__ cta_pages, int cta_offset,
+    int group, int num_qo_heads, long long q_sb, long long q_sh, long long k_sp, long long k_st,
+    long long k_sh, long long v_sp, long long v_st, long long v_sh, int page_size,
+    float scale_log2) {
+  using T = typename Tr::T;
+  constexpr int D = Tr::D, M = Tr::M, N = Tr::N, THREADS = Tr::THREADS, STAGES = Tr::STAGES;
+  constexpr int CHUNKS = Tr::CHUNKS, MI = Tr::MI, NW = Tr::NW, KC = Tr::KC;
+
+  T* sQ = reinterpret_cast<T*>(pat_dyn_smem);
+  T* sK = reinterpret_cast<T*>(pat_dyn_smem + Tr::Q_BYTES);  // [STAGES][N][D], swizzled rows
+  T* sV = sK + STAGES * Tr::KV_TILE_ELEMS;                     // [STAGES][N][D], swizzled rows
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int wm = warp / Tr::WARPS_N;  // row group of this warp
+  const int wn = warp % Tr::WARPS_N;  // token slice of this warp
+
+  const int cta = cta_offset + blockIdx.x;
+  const int kv_head = blockIdx.y;
+  const int req_begin = cta_req_indptr[cta];
+  int n_rows = (cta_req_indptr[cta + 1] - req_begin) * group;
+  n_rows = n_rows < M ? n_rows : M;  // the planner guarantees rows <= m; never overrun smem
+  const int kv_start = cta_kv_start[cta];
+  const int kv_len = cta_kv_len[cta];
+  const int page_base = cta_page_indptr[cta] - kv_start / page_size;  // absolute page -> list
+  const int num_tiles = (kv_len + N - 1) / N;
+
+  // ---- Q rows -> shared memory (rows >= n_rows zero-filled) ----------------------------------
+#pragma unroll
+  for (int it = 0; it < Tr::Q_LOADS; ++it) {
+    const int id = tid + it * THREADS;
+    if ((M * CHUNKS) % THREADS == 0 || id < M * CHUNKS) {
+      const int row = id / CHUNKS, ch = id % CHUNKS;
+      const T* src = q;
+      int bytes = 0;
+      if (row < n_rows) {
+        const int ri = row / group;
+        const int head = kv_head * group + (row - ri * group);
+        src = q + (long long)cta_req[req_begin + ri] * q_sb + (long long)head * q_sh + ch * 8;
+        bytes = 16;
+      }
+      cp_async_16(smem_u32(sQ + swz<D>(row, ch)), src, bytes);
+    }
+  }
+
+  // ---- KV tile gather: token -> page -> (K row, V row) ---------------------------------------
+  const KvTileLoader<Tr> loader{k_cache, v_cache, cta_pages + page_base, kv_start, kv_len,
+                                page_size, kv_head, k_sp, k_st, k_sh, v_sp, v_st, v_sh};
+
+  // Prologue: group 0 = Q, groups 1..STAGES-1 = tiles 0..STAGES-2 (possibly empty groups).
+  cp_async_commit();
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < num_tiles) loader.load(sK, sV, s, s, tid);
+    cp_async_commit();
+  }
+
+  unsigned qf[MI][D / 16][4];
+  float acc[MI][D / 8][4];
+  float m_run[MI][2];  // running max of the scaled scores (log2 domain), rows g and g + 8
+  float l_run[MI][2];  // running sum of exponentials (this thread's columns only until the end)
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mi][dt][e] = 0.f;
+    m_run[mi][0] = m_run[mi][1] = neg_inf();
+    l_run[mi][0] = l_run[mi][1] = 0.f;
+  }
+
+  // Q fragments stay in registers for the whole KV walk.  Wait for the Q group only (the
+  // STAGES - 1 tile groups behind it may still be in flight).
+  cp_async_wait<STAGES - 1>();
+  // Barrier: every thread's Q copies have landed and are visible before any warp reads Q rows
+  // that other threads fetched.
+  __syncthreads();
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi) {
+    const int row = (wm * MI + mi) * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      ldmatrix_x4(qf[mi][kk], smem_u32(sQ + swz<D>(row, kk * 2 + (lane >> 4))));
+  }
+
+  for (int t = 0; t < num_tiles; ++t) {
+    // Keep STAGES - 1 tiles in flight: issue tile t + STAGES - 1 into the stage read during
+    // iteration t - 1 (released by that iteration's trailing barrier).  Always commit, even an
+    // empty group, so that the wait below counts groups uniformly.
+    const int tn = t + STAGES - 1;
+    if (tn < num_tiles) loader.load(sK, sV, tn, tn % STAGES, tid);
+    cp_async_commit();
+    cp_async_wait<STAGES - 1>();
+    // Barrier: every thread's copies of tile t have landed; make them visible to all warps
+    // before anyone reads the stage.
+    __syncthreads();
+
+    const T* cK = sK + (t % STAGES) * Tr::KV_TILE_ELEMS;
+    const T* cV = sV + (t % STAGES) * Tr::KV_TILE_ELEMS;
+    const int valid = kv_len - t * N;  // tokens of this tile inside the range (may exceed N)
+
+#pragma unroll
+    for (int c = 0; c < NW / KC; ++c) {
+      const int tok0 = wn * NW + c * KC;  // first tile token of this softmax step
+      if (tok0 >= valid) break;           // warp-uniform: the rest of this warp's slice is past the end
+
+      // S = Q K^T for KC tokens.
+      float s[MI][KC / 8][4];
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int j = 0; j < KC / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mi][j][e] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+        for (int j = 0; j < KC / 16; ++j) {
+          unsigned b[4];
+          const int row = tok0 + j * 16 + ((lane >> 4) << 3) + (lane & 7);
+          ldmatrix_x4(b, smem_u32(cK + swz<D>(row, kk * 2 + ((lane >> 3) & 1))));
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi) {
+            mma_16816<T>(s[mi][2 * j], qf[mi][kk], b[0], b[1]);
+            mma_16816<T>(s[mi][2 * j + 1], qf[mi][kk], b[2], b[3]);
+          }
+        }
+      }
+
+      // Scale into the log2 domain and mask tokens past the range.
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int j = 0; j < KC / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int tok = tok0 + j * 8 + ((lane & 3) << 1) + (e & 1);
+            s[mi][j][e] = tok < valid ? s[mi][j][e] * scale_log2 : neg_inf();
+          }
+
+      // Online softmax update, per row (hr = 0: row g, hr = 1: row g + 8).
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          float mx = m_run[mi][hr];
+#pragma unroll
+          for (int j = 0; j < KC / 8; ++j)
+            mx = fmaxf(mx, fmaxf(s[mi][j][2 * hr], s[mi][j][2 * hr + 1]));
+          // the four lanes of a quad hold the same row
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_use = mx == neg_inf() ? 0.f : mx;  // all masked: avoid (-inf) - (-inf)
+          const float alpha = exp2f(m_run[mi][hr] - m_use);
+          m_run[mi][hr] = mx;
+          float sum = 0.f;
+#pragma unroll
+          for (int j = 0; j < KC / 8; ++j) {
+            s[mi][j][2 * hr] = exp2f(s[mi][j][2 * hr] - m_use);
+            s[mi][j][2 * hr + 1] = exp2f(s[mi][j][2 * hr + 1] - m_use);
+            sum += s[mi][j][2 * hr] + s[mi][j][2 * hr + 1];
+          }
+          l_run[mi][hr] = l_run[mi][hr] * alpha + sum;
+#pragma unroll
+          for (int dt = 0; dt < D / 8; ++dt) {
+            acc[mi][dt][2 * hr] *= alpha;
+            acc[mi][dt][2 * hr + 1] *= alpha;
+          }
+        }
+      }
+
+      // O += P V: P (rounded to the input dtype) comes straight from the S accumulators, two
+      // adjacent n8 blocks forming one k16 A fragment.
+#pragma unroll
+      for (int kk = 0; kk < KC / 16; ++kk) {
+        unsigned pa[MI][4];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+          pa[mi][0] = ElemOps<T>::pack2(s[mi][2 * kk][0], s[mi][2 * kk][1]);
+          pa[mi][1] = ElemOps<T>::pack2(s[mi][2 * kk][2], s[mi][2 * kk][3]);
+          pa[mi][2] = ElemOps<T>::pack2(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
+          pa[mi][3] = ElemOps<T>::pack2(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
+        }
+        const int row = tok0 + kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
+#pragma unroll
+        for (int dt = 0; dt < D / 16; ++dt) {
+          unsigned b[4];
+          ldmatrix_x4_trans(b, smem_u32(cV + swz<D>(row, dt * 2 + (lane >> 4))));
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi) {
+            mma_16816<T>(acc[mi][2 * dt], pa[mi], b[0], b[1]);
+            mma_16816<T>(acc[mi][2 * dt + 1], pa[mi], b[2], b[3]);
+          }
+        }
+      }
+    }
+    // Barrier: all warps are done reading stage t % STAGES before iteration t + 1 issues
+    // cp.async into the stage it frees (and, after the last tile, before the KV ring is reused
+    // as the combine buffer).
+    __syncthreads();
+  }
+  cp_async_wait<0>();  // only empty groups can remain; drain them before smem is reused
+
+  // Full row sums: reduce the per-thread partial sums over the quad.
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      l_run[mi][hr] += __shfl_xor_sync(0xffffffffu, l_run[mi][hr], 1);
+      l_run[mi][hr] += __shfl_xor_sync(0xffffffffu, l_run[mi][hr], 2);
+    }
+
+  if constexpr (Tr::WARPS_N > 1) {
+    // Warps that split the tile's tokens combine (max, sum, acc) with the log-sum-exp rule.
+    // Layout [warp][register][lane]: each lane reads back exactly what the same lane of the
+    // partner warp wrote, so no fragment re-layout is needed and accesses are conflict-free.
+    float* comb = reinterpret_cast<float*>(pat_dyn_smem + Tr::Q_BYTES);
+    constexpr int SR = Tr::STATE_REGS;
+    if (wn > 0) {
+      float* dst = comb + ((wm * (Tr::WARPS_N - 1) + (wn - 1)) * SR) * 32 + lane;
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dst[((mi * (D / 8) + dt) * 4 + e) * 32] = acc[mi][dt][e];
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          dst[(Tr::ACC_REGS + mi * 4 + hr) * 32] = m_run[mi][hr];
+          dst[(Tr::ACC_REGS + mi * 4 + 2 + hr) * 32] = l_run[mi][hr];
+        }
+      }
+    }
+    // Barrier: the states of warps wn > 0 are in shared memory before warp wn == 0 reads them.
+    // (The KV ring it overwrites was released by the last loop iteration's trailing barrier.)
+    __syncthreads();
+    if (wn == 0) {
+#pragma unroll 1
+      for (int w = 1; w < Tr::WARPS_N; ++w) {
+        const float* src = comb + ((wm * (Tr::WARPS_N - 1) + (w - 1)) * SR) * 32 + lane;
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            const float mo = src[(Tr::ACC_REGS + mi * 4 + hr) * 32];
+            const float lo = src[(Tr::ACC_REGS + mi * 4 + 2 + hr) * 32];
+            const float mx = fmaxf(m_run[mi][hr], mo);
+            const float m_use = mx == neg_inf() ? 0.f : mx;
+            const float a = exp2f(m_run[mi][hr] - m_use);
+            const float b = exp2f(mo - m_use);
+            m_run[mi][hr] = mx;
+            l_run[mi][hr] = l_run[mi][hr] * a + lo * b;
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+              for (int e = 2 * hr; e < 2 * hr + 2; ++e)
+                acc[mi][dt][e] = acc[mi][dt][e] * a + src[((mi * (D / 8) + dt) * 4 + e) * 32] * b;
+          }
+        }
+      }
+    }
+  }
+
+  if (wn != 0) return;
+  // ---- Write the normalised partial output and its LSE for every real row -------------------
+  constexpr float kLn2 = 0.6931471805599453f;
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int row = (wm * MI + mi) * 16 + (lane >> 2) + hr * 8;
+      if (row < n_rows) {
+        const int ri = row / group;
+        const int head = kv_head * group + (row - ri * group);
+        const long long slot = cta_slot[req_begin + ri];
+        const float l = l_run[mi][hr];
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        float* dst = o_partial + (slot * num_qo_heads + head) * D + ((lane & 3) << 1);
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          float2 v;
+          v.x = acc[mi][dt][2 * hr] * inv;
+          v.y = acc[mi][dt][2 * hr + 1] * inv;
+          *reinterpret_cast<float2*>(dst + dt * 8) = v;
+        }
+        if ((lane & 3) == 0)
+          lse_partial[slot * num_qo_heads + head] =
+              l > 0.f ? (m_run[mi][hr] + __log2f(l)) * kLn2 : neg_inf();
+      }
+    }
+  }
+}
+
+}  // namespace pat
+
+// Kernel entry point.  Template arguments: head_dim, element type, m, n, warps, stages; the
+// Python side names each instantiation pat_fwd_d{D}_{dtype}_m{M}_n{N}_w{W}_s{S}.
+template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES>
+__global__ void __launch_bounds__(WARPS * 32, 1) pat_fwd_kernel(
+    const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    float* __restrict__ o_partial, float* __restrict__ lse_partial,
+    const int* __restrict__ cta_req_indptr, const int* __restrict__ cta_req,
+    const int* __restrict__ cta_slot, const int* __restrict__ cta_kv_start,
+    const int* __restrict__ cta_kv_len, const int* __restrict__ cta_page_indptr,
+    const int* __restrict__ cta_pages, int cta_offset, int group, int num_qo_heads,
+    long long q_sb, long long q_sh, long long k_sp, long long k_st, long long k_sh,
+    long long v_sp, long long v_st, long long v_sh, int page_size, float scale_log2) {
+  pat::pat_fwd_body<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES>>(
+      q, k_cache, v_cache, o_partial, lse_partial, cta_req_indptr, cta_req, cta_slot,
+      cta_kv_start, cta_kv_len, cta_page_indptr, cta_pages, cta_offset, group, num_qo_heads, q_sb,
+      q_sh, k_sp, k_st, k_sh, v_sp, v_st, v_sh, page_size, scale_log2);
+}

@@ -1,0 +1,90 @@
+// Merge kernel: combine each request's partial results with the log-sum-exp rule.
+//
+// One warp per (request, query head).  Request r owns partial slots
+// req_slot_indptr[r] : req_slot_indptr[r + 1]; each slot holds an fp32 output already normalised
+// by its own softmax sum and the natural-log LSE of its scaled scores.  The merged output is
+//   out = sum_s exp(lse_s - M) * o_s / sum_s exp(lse_s - M),   lse = M + log(sum_s exp(lse_s - M))
+// with M = max_s lse_s.  Slots with lse = -inf (no keys) are skipped, so an empty state is the
+// identity and never produces a NaN; a request with no finite state gets zeros and lse = -inf.
+// A request with one slot takes the copy-and-convert fast path.
+#pragma once
+
+#include "pat_common.cuh"
+
+namespace pat {
+
+template <int HEAD_DIM, typename TO, int WARPS>
+__device__ __forceinline__ void pat_merge_body(const float* __restrict__ o_partial,
+                                               const float* __restrict__ lse_partial,
+                                               const int* __restrict__ req_slot_indptr,
+                                               TO* __restrict__ out, float* __restrict__ lse_out,
+                                               int batch, int num_qo_heads, long long out_sb,
+                                               long long out_sh, long long lse_sb,
+                                               long long lse_sh) {
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head_dim must be 64 or 128");
+  constexpr int VEC = HEAD_DIM / 32;  // elements per lane: 2 or 4
+  const int lane = threadIdx.x & 31;
+  const long long pair = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
+  if (pair >= (long long)batch * num_qo_heads) return;
+  const int r = (int)(pair / num_qo_heads);
+  const int h = (int)(pair - (long long)r * num_qo_heads);
+  const int s0 = req_slot_indptr[r];
+  const int s1 = req_slot_indptr[r + 1];
+
+  float o[VEC];
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) o[i] = 0.f;
+  float lse = neg_inf();
+
+  auto load = [&](int slot, float w) {
+    const float* src = o_partial + ((long long)slot * num_qo_heads + h) * HEAD_DIM + lane * VEC;
+    if constexpr (VEC == 4) {
+      const float4 v = *reinterpret_cast<const float4*>(src);
+      o[0] += w * v.x; o[1] += w * v.y; o[2] += w * v.z; o[3] += w * v.w;
+    } else {
+      const float2 v = *reinterpret_cast<const float2*>(src);
+      o[0] += w * v.x; o[1] += w * v.y;
+    }
+  };
+
+  if (s1 - s0 == 1) {
+    lse = lse_partial[(long long)s0 * num_qo_heads + h];
+    if (lse != neg_inf()) load(s0, 1.f);
+  } else {
+    float mx = neg_inf();
+    for (int s = s0; s < s1; ++s) mx = fmaxf(mx, lse_partial[(long long)s * num_qo_heads + h]);
+    if (mx != neg_inf()) {
+      float wsum = 0.f;
+      for (int s = s0; s < s1; ++s) {
+        const float ls = lse_partial[(long long)s * num_qo_heads + h];
+        if (ls == neg_inf()) continue;  // empty state: identity
+        const float w = expf(ls - mx);
+        wsum += w;
+        load(s, w);
+      }
+      const float inv = 1.f / wsum;  // wsum >= 1: the max slot contributes exp(0)
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) o[i] *= inv;
+      lse = mx + logf(wsum);
+    }
+  }
+
+  TO* dst = out + (long long)r * out_sb + (long long)h * out_sh + lane * VEC;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) dst[i] = ElemOps<TO>::from_float(o[i]);
+  if (lse_out != nullptr && lane == 0) lse_out[(long long)r * lse_sb + (long long)h * lse_sh] = lse;
+}
+
+}  // namespace pat
+
+// Template arguments: head_dim, output element type, warps per block (one (request, head) pair
+// per warp).  The Python side names each instantiation pat_merge_d{D}_{dtype}_w{W}.
+template <int HEAD_DIM, typename TO, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) pat_merge_kernel(
+    const float* __restrict__ o_partial, const float* __restrict__ lse_partial,
+    const int* __restrict__ req_slot_indptr, TO* __restrict__ out, float* __restrict__ lse_out,
+    int batch, int num_qo_heads, long long out_sb, long long out_sh, long long lse_sb,
+    long long lse_sh) {
+  pat::pat_merge_body<HEAD_DIM, TO, WARPS>(o_partial, lse_partial, req_slot_indptr, out, lse_out,
+                                           batch, num_qo_heads, out_sb, out_sh, lse_sb, lse_sh);
+}

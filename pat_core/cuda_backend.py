@@ -1,0 +1,480 @@
+"""CUDA backend: run a :class:`~pat_core.plan.Plan` with the hand-written kernels in ``cuda_src/``.
+
+The kernels are C++ templates compiled at run time by NVRTC through CuPy (``RawModule`` with
+name expressions), one module per variant; see :mod:`pat_core.cuda_compile` for the variant
+rules and names.  Inputs may be torch CUDA tensors or CuPy arrays (zero copy: the kernels get
+their device pointers and element strides); outputs are returned as the same kind as ``q``.
+
+Execution of one batch::
+
+    caller stream ── fork event ──┬─ pool stream 0: forward launch of tile group 0 ─┐
+                                  ├─ pool stream 1: forward launch of tile group 1 ─┤ join events
+                                  └─ ...                                            ┘
+    caller stream ── (waits on the joins) ── merge kernel ── out [, lse]
+
+With ``plan.serial`` (or a single group) every launch goes on the caller's stream in order.  The
+pool of streams and events is created once per backend.  Everything is enqueued on the caller's
+current stream (``torch.cuda.current_stream()`` for torch inputs, CuPy's current stream for CuPy
+inputs) or ordered after it through events; nothing uses the legacy default stream unless that is
+the caller's current stream.
+
+Example::
+
+    import torch, pat_core
+    from pat_core.workloads import build_tree_batch
+    b = build_tree_batch("1,4,16_128,256,1024", page_size=16)
+    w = pat_core.PrefixAttentionWrapper(backend="cuda", packer="pat")
+    w.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16, kv_data_type="float16")
+    k = torch.randn(b.num_pages, 16, 8, 128, device="cuda", dtype=torch.float16)
+    v = torch.randn_like(k)
+    q = torch.randn(b.batch_size, 32, 128, device="cuda", dtype=torch.float16)
+    out, lse = w.run(q, (k, v), return_lse=True)      # [16, 32, 128] fp16, [16, 32] fp32
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+
+import numpy as np
+
+from . import cuda_compile as cc
+from .gpus import detect_gpu_name
+from .plan import Plan, dtype_name
+
+log = logging.getLogger("pat_core.cuda")
+
+_LOG2E = 1.4426950408889634
+_NUM_STREAMS = 8
+_UPLOAD_FIELDS = ("cta_req_indptr", "cta_req", "cta_slot", "cta_kv_start", "cta_kv_len",
+                  "cta_page_indptr", "cta_pages", "req_slot_indptr")
+
+
+def _import_cupy():
+    try:
+        import cupy
+    except Exception as e:  # ImportError, or a CuPy built for another CUDA
+        raise RuntimeError(
+            "the CUDA backend needs CuPy (pip install cupy-cuda12x or cupy-cuda13x matching your "
+            f"CUDA driver); importing it failed: {e}") from e
+    return cupy
+
+
+def is_available() -> bool:
+    """True when CuPy imports and at least one CUDA device is visible."""
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+# ---------------------------------------------------------------------------------- tensors
+class _Dev:
+    """What the launcher needs from a device array: pointer, shape, element strides, dtype."""
+
+    __slots__ = ("obj", "kind", "ptr", "shape", "strides", "dtype", "device")
+
+    def __init__(self, obj, name: str):
+        self.obj = obj
+        mod = type(obj).__module__
+        if mod.startswith("torch"):
+            if not obj.is_cuda:
+                raise TypeError(f"{name} must be a CUDA tensor for backend='cuda', got a tensor "
+                                f"on {obj.device}")
+            self.kind = "torch"
+            self.ptr = int(obj.data_ptr())
+            self.shape = tuple(int(s) for s in obj.shape)
+            self.strides = tuple(int(s) for s in obj.stride())
+            self.dtype = dtype_name(obj.dtype)
+            self.device = int(obj.device.index if obj.device.index is not None else 0)
+        elif mod.startswith("cupy"):
+            self.kind = "cupy"
+            self.ptr = int(obj.data.ptr)
+            self.shape = tuple(int(s) for s in obj.shape)
+            item = obj.dtype.itemsize
+            self.strides = tuple(int(s) // item for s in obj.strides)
+            self.dtype = _np_dtype_name(obj.dtype)
+            self.device = int(obj.device.id)
+        elif hasattr(obj, "__cuda_array_interface__"):
+            cai = obj.__cuda_array_interface__
+            self.kind = "cai"
+            self.ptr = int(cai["data"][0])
+            self.shape = tuple(int(s) for s in cai["shape"])
+            dt = np.dtype(cai["typestr"])
+            if cai.get("strides") is None:
+                st, acc = [], 1
+                for s in reversed(self.shape):
+                    st.append(acc)
+                    acc *= s
+                self.strides = tuple(reversed(st))
+            else:
+                self.strides = tuple(int(s) // dt.itemsize for s in cai["strides"])
+            self.dtype = _np_dtype_name(dt)
+            self.device = None
+        else:
+            raise TypeError(f"{name} must be a torch CUDA tensor or a CuPy array, got "
+                            f"{type(obj).__name__}")
+
+    def ndim(self):
+        return len(self.shape)
+
+
+def _np_dtype_name(dt) -> str:
+    s = str(dt)
+    if s in ("bfloat16", "|V2") or "bfloat16" in s:
+        return "bfloat16"
+    return dtype_name(np.dtype(dt).name)
+
+
+def _check_rows(t: _Dev, name: str, ndim: int):
+    if t.ndim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {t.shape}")
+    if t.shape[-1] > 1 and t.strides[-1] != 1:
+        raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous, got element "
+                         f"strides {t.strides}")
+
+
+def _check_aligned(t: _Dev, name: str, axes):
+    """cp.async moves 16-byte chunks: row starts must be 16-byte aligned (8 fp16/bf16)."""
+    if t.ptr % 16 != 0 or any(t.strides[a] % 8 != 0 for a in axes if t.shape[a] > 1):
+        raise ValueError(f"{name}: the kernels need 16-byte aligned rows (data pointer and the "
+                         f"strides of the non-head_dim axes multiples of 8 elements); got "
+                         f"pointer {t.ptr:#x}, element strides {t.strides}")
+
+
+# ---------------------------------------------------------------------------------- backend
+class CudaBackend:
+    """Launcher of the forward and merge kernels for one process (all devices).
+
+    Not thread-safe across concurrent ``run`` calls of one instance (the partial buffers are
+    reused); use one backend per thread/stream for concurrent batches.
+    """
+
+    def __init__(self):
+        cp = _import_cupy()
+        try:
+            n = cp.cuda.runtime.getDeviceCount()
+        except Exception as e:
+            raise RuntimeError(f"the CUDA backend found no usable CUDA device: {e}") from e
+        if n < 1:
+            raise RuntimeError("the CUDA backend found no CUDA device")
+        self.cp = cp
+        dev = cp.cuda.Device()
+        props = cp.cuda.runtime.getDeviceProperties(dev.id)
+        name = props["name"]
+        self.device_name = name.decode() if isinstance(name, bytes) else str(name)
+        self.gpu_name = detect_gpu_name(self.device_name)
+        self.arch = f"sm_{props['major']}{props['minor']}"
+        self.max_smem_optin = int(props.get("sharedMemPerBlockOptin", 0) or 0)
+        self._lock = threading.Lock()
+        self._functions: dict = {}    # (device, variant key) -> cupy Function
+        self._modules: dict = {}      # keep modules alive
+        self._uploads: dict = {}      # id(plan) -> record
+        self._pools: dict = {}        # device -> (streams, fork event, join events)
+        self._buffers: dict = {}      # device -> (num_floats, o_partial memptr, lse memptr)
+
+    # ------------------------------------------------------------------ compile
+    def _function(self, variant):
+        dev = self.cp.cuda.runtime.getDevice()
+        key = (dev, variant.key)
+        fn = self._functions.get(key)
+        if fn is not None:
+            return fn
+        with self._lock:
+            fn = self._functions.get(key)
+            if fn is not None:
+                return fn
+            log.info("compile %s", variant.key)
+            mod = self.cp.RawModule(code=cc.module_source(variant), options=cc.nvrtc_options(),
+                                    name_expressions=[variant.name_expression])
+            fn = mod.get_function(variant.name_expression)
+            smem = variant.smem_bytes
+            if smem > 48 * 1024:
+                if self.max_smem_optin and smem > self.max_smem_optin:
+                    raise ValueError(f"{variant.key} needs {smem} bytes of shared memory; this "
+                                     f"device allows {self.max_smem_optin}")
+                fn.max_dynamic_shared_size_bytes = smem
+            self._modules[key] = mod
+            self._functions[key] = fn
+            return fn
+
+    def variants_for(self, plan: Plan, dtype: str | None = None) -> list:
+        """Forward variants plus the merge variant a Plan needs (for `dtype`, default the plan's)."""
+        dtype = dtype_name(dtype or plan.kv_dtype)
+        fwd = [cc.FwdVariant.make(v.m, v.n, v.head_dim, dtype) for v in cc.plan_fwd_variants(plan)]
+        return fwd + [cc.MergeVariant(plan.head_dim, dtype)]
+
+    def warmup(self, plan: Plan | None = None, variants=None, jobs: int | None = None) -> list:
+        """Compile the variants `plan` needs, or those listed (FwdVariant/MergeVariant objects
+        or keys), or every variant when both are None.  Logs one line per compile (the key).
+
+        ``jobs > 1`` first compiles the missing variants in that many worker processes, which
+        fill CuPy's on-disk kernel cache; this process then loads the cached binaries.
+        Returns the variant keys now ready.
+        """
+        if variants is None:
+            if plan is not None:
+                variants = self.variants_for(plan)
+            else:
+                variants = cc.all_fwd_variants() + cc.all_merge_variants()
+        variants = [_variant_from(v) for v in variants]
+        dev = self.cp.cuda.runtime.getDevice()
+        todo = [v for v in variants if (dev, v.key) not in self._functions]
+        if jobs and jobs > 1 and len(todo) > 1:
+            try:
+                _compile_in_workers(todo, jobs)
+            except Exception as e:  # fall back to compiling here
+                log.warning("parallel compile failed (%s); compiling serially", e)
+        for v in variants:
+            self._function(v)
+        return [v.key for v in variants]
+
+    # ------------------------------------------------------------------ plan upload
+    def upload(self, plan: Plan) -> None:
+        """Copy the Plan's int32 arrays to the current device once (kept per plan and version)."""
+        cp = self.cp
+        dev = cp.cuda.runtime.getDevice()
+        rec = {"version": plan.version, "device": dev,
+               "max_page": int(plan.cta_pages.max()) if plan.cta_pages.size else -1}
+        for name in _UPLOAD_FIELDS:
+            arr = np.ascontiguousarray(getattr(plan, name), dtype=np.int32)
+            rec[name] = cp.asarray(arr) if arr.size else cp.zeros(1, dtype=cp.int32)
+        pid = id(plan)
+        first = pid not in self._uploads
+        self._uploads[pid] = rec
+        if first:
+            weakref.finalize(plan, self._uploads.pop, pid, None)
+
+    def _device_plan(self, plan: Plan) -> dict:
+        rec = self._uploads.get(id(plan))
+        dev = self.cp.cuda.runtime.getDevice()
+        if rec is None or rec["version"] != plan.version or rec["device"] != dev:
+            self.upload(plan)
+            rec = self._uploads[id(plan)]
+        return rec
+
+    # ------------------------------------------------------------------ buffers, streams
+    def _partials(self, num_slots: int, num_qo_heads: int, head_dim: int):
+        cp = self.cp
+        dev = cp.cuda.runtime.getDevice()
+        need_o = max(1, num_slots * num_qo_heads * head_dim)
+        need_l = max(1, num_slots * num_qo_heads)
+        cur = self._buffers.get(dev)
+        if cur is None or cur[0] < need_o or cur[1] < need_l:
+            if cur is not None:
+                # an earlier batch may still be reading the old buffers on some stream
+                cp.cuda.Device(dev).synchronize()
+            grow_o = max(need_o, int(cur[0] * 1.25) if cur else 0)
+            grow_l = max(need_l, int(cur[1] * 1.25) if cur else 0)
+            cur = (grow_o, grow_l, cp.empty(grow_o, dtype=cp.float32),
+                   cp.empty(grow_l, dtype=cp.float32))
+            self._buffers[dev] = cur
+        return cur[2], cur[3]
+
+    def _pool(self):
+        cp = self.cp
+        dev = cp.cuda.runtime.getDevice()
+        pool = self._pools.get(dev)
+        if pool is None:
+            streams = [cp.cuda.Stream(non_blocking=True) for _ in range(_NUM_STREAMS)]
+            fork = cp.cuda.Event(disable_timing=True)
+            joins = [cp.cuda.Event(disable_timing=True) for _ in range(_NUM_STREAMS)]
+            pool = (streams, fork, joins)
+            self._pools[dev] = pool
+        return pool
+
+    def _caller_stream(self, q: _Dev):
+        cp = self.cp
+        if q.kind == "torch":
+            import torch
+            s = torch.cuda.current_stream(q.obj.device)
+            return cp.cuda.ExternalStream(int(s.cuda_stream), q.device)
+        return cp.cuda.get_current_stream()
+
+    # ------------------------------------------------------------------ run
+    def run(self, plan: Plan, q, k_cache, v_cache, kv_layout: str = "NHD",
+            return_lse: bool = False, out=None, lse=None):
+        """Forward + merge for one batch.
+
+        Parameters
+        ----------
+        plan : the batch's :class:`~pat_core.plan.Plan`.
+        q : ``[batch, num_qo_heads, head_dim]`` float16/bfloat16, torch CUDA tensor or CuPy
+            array (any strides with a contiguous last dimension and 16-byte aligned rows).
+        k_cache, v_cache : ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD) or
+            ``[num_pages, num_kv_heads, page_size, head_dim]`` (HND), q's dtype; strided views
+            are fine when head_dim is contiguous.
+        out : optional output ``[batch, num_qo_heads, head_dim]`` in q's dtype (written in place).
+        lse : optional float32 ``[batch, num_qo_heads]`` (implies return_lse).
+
+        Returns ``out`` (same kind as q), and ``lse`` fp32 natural log when ``return_lse``.
+        """
+        cp = self.cp
+        if kv_layout not in ("NHD", "HND"):
+            raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+        qd = _Dev(q, "q")
+        kd = _Dev(k_cache, "k_cache")
+        vd = _Dev(v_cache, "v_cache")
+        B, Hq, Hk, D = plan.batch_size, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim
+        _check_rows(qd, "q", 3)
+        _check_rows(kd, "k_cache", 4)
+        _check_rows(vd, "v_cache", 4)
+        if qd.shape != (B, Hq, D):
+            raise ValueError(f"q has shape {qd.shape}, the plan expects {(B, Hq, D)}")
+        if kd.shape != vd.shape:
+            raise ValueError(f"paged_kv_cache: k_cache {kd.shape} and v_cache {vd.shape} differ")
+        if qd.dtype not in cc.DTYPE_CTYPE:
+            raise TypeError(f"q: the CUDA kernels take float16 or bfloat16, got {qd.dtype}")
+        if not (qd.dtype == kd.dtype == vd.dtype):
+            raise TypeError(f"q ({qd.dtype}) and paged_kv_cache ({kd.dtype}, {vd.dtype}) must "
+                            "share a dtype")
+        if kv_layout == "NHD":
+            num_pages, ps, hk, d = kd.shape
+            ax_page, ax_tok, ax_head = 0, 1, 2
+        else:
+            num_pages, hk, ps, d = kd.shape
+            ax_page, ax_tok, ax_head = 0, 2, 1
+        if ps != plan.page_size or hk != Hk or d != D:
+            raise ValueError(f"paged_kv_cache has page_size {ps}, {hk} KV heads of dim {d}; the "
+                             f"plan expects {plan.page_size}, {Hk}, {D} (kv_layout={kv_layout!r})")
+        _check_aligned(qd, "q", (0, 1))
+        _check_aligned(kd, "k_cache", (0, 1, 2))
+        _check_aligned(vd, "v_cache", (0, 1, 2))
+        devs = {t.device for t in (qd, kd, vd) if t.device is not None}
+        if len(devs) > 1:
+            raise ValueError(f"q and paged_kv_cache live on different devices {sorted(devs)}")
+        dev = devs.pop() if devs else cp.cuda.runtime.getDevice()
+        with cp.cuda.Device(dev):
+            rec = self._device_plan(plan)
+            if rec["max_page"] >= num_pages:
+                raise ValueError(f"paged_kv_cache holds {num_pages} pages but the plan reads "
+                                 f"page {rec['max_page']}")
+            return self._launch(plan, rec, qd, kd, vd, (ax_page, ax_tok, ax_head),
+                                return_lse or lse is not None, out, lse)
+
+    def _alloc_like(self, qd: _Dev, shape, dtype: str):
+        if qd.kind == "torch":
+            import torch
+            tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16,
+                   "float32": torch.float32}[dtype]
+            t = torch.empty(shape, dtype=tdt, device=qd.obj.device)
+        else:
+            if dtype == "bfloat16":
+                raise TypeError("CuPy has no bfloat16 arrays: pass out= or use torch tensors")
+            t = self.cp.empty(shape, dtype=dtype)
+        return t
+
+    def _launch(self, plan, rec, qd, kd, vd, axes, want_lse, out, lse):
+        cp = self.cp
+        B, Hq, Hk, D = plan.batch_size, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim
+        dtype = qd.dtype
+        ax_page, ax_tok, ax_head = axes
+        caller = self._caller_stream(qd)
+
+        # outputs
+        if out is None:
+            out = self._alloc_like(qd, (B, Hq, D), dtype)
+        od = _Dev(out, "out")
+        if od.shape != (B, Hq, D) or od.dtype != dtype:
+            raise ValueError(f"out must be [{B}, {Hq}, {D}] {dtype}, got {od.shape} {od.dtype}")
+        _check_rows(od, "out", 3)
+        if want_lse and lse is None:
+            lse = self._alloc_like(qd, (B, Hq), "float32")
+        ld = _Dev(lse, "lse") if want_lse else None
+        if ld is not None and (ld.shape != (B, Hq) or ld.dtype != "float32"):
+            raise ValueError(f"lse must be float32 [{B}, {Hq}], got {ld.shape} {ld.dtype}")
+        if B == 0 or plan.num_ctas == 0:
+            return (out, lse) if want_lse else out
+
+        o_part, l_part = self._partials(plan.num_slots, Hq, D)
+        group = plan.group_size
+        scale_log2 = np.float32(plan.sm_scale * _LOG2E)
+        i32, i64, u64 = np.int32, np.int64, np.uint64
+        common = (
+            rec["cta_req_indptr"], rec["cta_req"], rec["cta_slot"], rec["cta_kv_start"],
+            rec["cta_kv_len"], rec["cta_page_indptr"], rec["cta_pages"])
+        tail = (i32(group), i32(Hq), i64(qd.strides[0]), i64(qd.strides[1]),
+                i64(kd.strides[ax_page]), i64(kd.strides[ax_tok]), i64(kd.strides[ax_head]),
+                i64(vd.strides[ax_page]), i64(vd.strides[ax_tok]), i64(vd.strides[ax_head]),
+                i32(plan.page_size), scale_log2)
+        ptrs = (u64(qd.ptr), u64(kd.ptr), u64(vd.ptr), o_part, l_part)
+
+        groups = [(m, n, b, e) for _, (m, n), b, e in plan.groups() if e > b]
+        launches = []
+        for m, n, b, e in groups:
+            v = cc.FwdVariant.make(m, n, D, dtype)
+            launches.append((self._function(v), v, b, e))
+
+        def launch(fn, v, b, e, stream):
+            fn((e - b, Hk, 1), (v.threads, 1, 1), ptrs + common + (i32(b),) + tail,
+               shared_mem=v.smem_bytes, stream=stream)
+
+        if plan.serial or len(launches) == 1:
+            for fn, v, b, e in launches:
+                launch(fn, v, b, e, caller)
+        else:
+            streams, fork, joins = self._pool()
+            fork.record(caller)
+            used = set()
+            for i, (fn, v, b, e) in enumerate(launches):
+                si = i % len(streams)
+                s = streams[si]
+                if si not in used:
+                    s.wait_event(fork)
+                    used.add(si)
+                launch(fn, v, b, e, s)
+            for si in sorted(used):
+                joins[si].record(streams[si])
+                caller.wait_event(joins[si])
+
+        mv = cc.MergeVariant(D, dtype)
+        mfn = self._function(mv)
+        pairs = B * Hq
+        blocks = (pairs + mv.warps - 1) // mv.warps
+        lse_ptr = u64(ld.ptr) if ld is not None else u64(0)
+        lse_sb = i64(ld.strides[0]) if ld is not None else i64(0)
+        lse_sh = i64(ld.strides[1]) if ld is not None else i64(0)
+        mfn((blocks, 1, 1), (mv.threads, 1, 1),
+            (o_part, l_part, rec["req_slot_indptr"], u64(od.ptr), lse_ptr, i32(B), i32(Hq),
+             i64(od.strides[0]), i64(od.strides[1]), lse_sb, lse_sh),
+            shared_mem=0, stream=caller)
+        return (out, lse) if want_lse else out
+
+
+# ---------------------------------------------------------------------------------- helpers
+def _variant_from(v):
+    if isinstance(v, (cc.FwdVariant, cc.MergeVariant)):
+        return v
+    if isinstance(v, str):
+        for cand in cc.all_fwd_variants() + cc.all_merge_variants():
+            if cand.key == v:
+                return cand
+        raise ValueError(f"variants: unknown kernel variant {v!r}")
+    raise TypeError(f"variants: expected FwdVariant, MergeVariant or key, got {type(v).__name__}")
+
+
+def _compile_one(fields) -> str:
+    """Worker-process body: compile one variant into CuPy's on-disk cache."""
+    kind, args = fields
+    import cupy
+    v = cc.FwdVariant(*args) if kind == "fwd" else cc.MergeVariant(*args)
+    mod = cupy.RawModule(code=cc.module_source(v), options=cc.nvrtc_options(),
+                         name_expressions=[v.name_expression])
+    mod.get_function(v.name_expression)
+    return v.key
+
+
+def _compile_in_workers(variants, jobs: int) -> None:
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    fields = [("fwd" if isinstance(v, cc.FwdVariant) else "merge",
+               (v.head_dim, v.dtype, v.m, v.n, v.warps, v.stages) if isinstance(v, cc.FwdVariant)
+               else (v.head_dim, v.dtype, v.warps)) for v in variants]
+    ctx = mp.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(jobs, len(fields)), mp_context=ctx) as ex:
+        for key in ex.map(_compile_one, fields):
+            log.debug("compiled %s in a worker", key)
+
+
+__all__ = ["CudaBackend", "is_available"]

@@ -1,0 +1,243 @@
+"""Kernel variants of the CUDA backend: names, launch resources and sources.
+
+Pure Python (no CuPy import): the launcher (:mod:`pat_core.cuda_backend`), the nvcc resource
+report (``bench/kernel_resources.py``) and the CPU tests share these functions, so that the
+shared-memory size a variant is launched with and the one recorded in
+``pat_core/data/kernel_resources.json`` come from one formula.
+
+A forward variant is one instantiation of ``pat_fwd_kernel<HEAD_DIM, T, M, N, WARPS, STAGES>``
+(``cuda_src/pat_fwd.cuh``); its key names every template parameter, e.g.
+``pat_fwd_d128_f16_m16_n64_w4_s2``.  The key is the CuPy name expression's label, the compile
+cache key and the log line.  A merge variant is ``pat_merge_kernel<HEAD_DIM, TO, WARPS>``.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DTYPE_CTYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+DTYPE_SHORT = {"float16": "f16", "bfloat16": "bf16"}
+HEAD_DIMS = (64, 128)
+TILE_MS = (16, 32, 64, 128)
+TILE_NS = (16, 32, 64, 128, 256)
+SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}  # max dynamic smem per block (opt-in)
+MERGE_WARPS = 4
+SOURCE_SUFFIXES = (".cu", ".cuh", ".h")
+
+
+def cuda_src_dir() -> Path:
+    """Directory holding the CUDA sources.
+
+    Installed: the package ``pat_core.cuda_src`` (``pyproject.toml`` maps ``cuda_src/`` there).
+    Checkout: ``<repo>/cuda_src`` next to ``pat_core/``.  The installed location wins.
+    """
+    here = Path(__file__).resolve().parent
+    candidates = []
+    try:  # installed package data (also covers editable installs with a path finder)
+        import importlib.util
+        spec = importlib.util.find_spec("pat_core.cuda_src")
+        if spec is not None:
+            for loc in (spec.submodule_search_locations or []):
+                candidates.append(Path(loc))
+    except (ImportError, ValueError):
+        pass
+    candidates += [here / "cuda_src", here.parent / "cuda_src"]
+    for c in candidates:
+        if (c / "pat_fwd.cuh").is_file():
+            return c
+    raise FileNotFoundError(
+        "pat CUDA sources not found; looked in " + ", ".join(str(c) for c in candidates))
+
+
+def source_files(src_dir: Path | None = None) -> list:
+    src_dir = Path(src_dir) if src_dir is not None else cuda_src_dir()
+    return sorted(p for p in src_dir.iterdir() if p.suffix in SOURCE_SUFFIXES and p.is_file())
+
+
+def source_hash(src_dir: Path | None = None) -> str:
+    """SHA-256 (first 16 hex digits) over the names and contents of every CUDA source file.
+
+    Goes into the compile options (CuPy's cache keys on the source string only, so an edited
+    header would otherwise leave a stale binary) and into kernel_resources.json.
+    """
+    h = hashlib.sha256()
+    for p in source_files(src_dir):
+        h.update(p.name.encode())
+        h.update(b"\0")
+        # normalise line endings so a checkout on another OS hashes the same
+        h.update(p.read_bytes().replace(b"\r\n", b"\n"))
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------ variant rules
+def default_warps(m: int, n: int) -> int:
+    """Warps of the (m, n) variant.
+
+    One warp per 16 query rows (m / 16 row blocks); when that leaves fewer than 4 warps, extra
+    warps split each KV tile's tokens (each needs >= 16 tokens), so small-m tiles still have
+    enough threads issuing loads.  m = 128 gets 8 warps: one row block each keeps the register
+    arrays (Q fragments, accumulators, scores) of a thread within budget.
+    """
+    wm = m // 16
+    wn = max(1, min(n // 16, 4 // wm)) if wm < 4 else 1
+    return wm * wn
+
+
+def default_stages(m: int, n: int) -> int:
+    """cp.async ring depth: 3 for short tiles (more bytes in flight per CTA), else 2."""
+    return 3 if n <= 32 else 2
+
+
+@dataclass(frozen=True, order=True)
+class FwdVariant:
+    head_dim: int
+    dtype: str
+    m: int
+    n: int
+    warps: int
+    stages: int
+
+    @classmethod
+    def make(cls, m: int, n: int, head_dim: int, dtype: str) -> "FwdVariant":
+        return cls(int(head_dim), str(dtype), int(m), int(n), default_warps(m, n),
+                   default_stages(m, n))
+
+    @property
+    def key(self) -> str:
+        return (f"pat_fwd_d{self.head_dim}_{DTYPE_SHORT[self.dtype]}_m{self.m}_n{self.n}"
+                f"_w{self.warps}_s{self.stages}")
+
+    @property
+    def name_expression(self) -> str:
+        return (f"pat_fwd_kernel<{self.head_dim}, {DTYPE_CTYPE[self.dtype]}, {self.m}, {self.n}, "
+                f"{self.warps}, {self.stages}>")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def smem_bytes(self) -> int:
+        return fwd_smem_bytes(self.m, self.n, self.head_dim, self.stages)
+
+    def explicit_instantiation(self) -> str:
+        t = DTYPE_CTYPE[self.dtype]
+        return (f"template __global__ void {self.name_expression}(const {t}*, const {t}*, "
+                f"const {t}*, float*, float*, const int*, const int*, const int*, const int*, "
+                f"const int*, const int*, const int*, int, int, int, long long, long long, "
+                f"long long, long long, long long, long long, long long, long long, int, float);")
+
+
+@dataclass(frozen=True, order=True)
+class MergeVariant:
+    head_dim: int
+    dtype: str
+    warps: int = MERGE_WARPS
+
+    @property
+    def key(self) -> str:
+        return f"pat_merge_d{self.head_dim}_{DTYPE_SHORT[self.dtype]}_w{self.warps}"
+
+    @property
+    def name_expression(self) -> str:
+        return f"pat_merge_kernel<{self.head_dim}, {DTYPE_CTYPE[self.dtype]}, {self.warps}>"
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def smem_bytes(self) -> int:
+        return 0
+
+    def explicit_instantiation(self) -> str:
+        t = DTYPE_CTYPE[self.dtype]
+        return (f"template __global__ void {self.name_expression}(const float*, const float*, "
+                f"const int*, {t}*, float*, int, int, long long, long long, long long, long long);")
+
+
+def fwd_smem_bytes(m: int, n: int, head_dim: int, stages: int) -> int:
+    """Dynamic shared memory of a forward variant (mirrors FwdTraits::SMEM_BYTES).
+
+    Q tile (m x d, 2 bytes) + `stages` x (K tile + V tile) (n x d, 2 bytes each).  The cross-warp
+    combine buffer reuses the KV ring, so it adds nothing.
+    """
+    return m * head_dim * 2 + stages * 2 * n * head_dim * 2
+
+
+def fwd_variant_feasible(v: FwdVariant, smem_limit: int = SMEM_LIMIT["sm_90"]) -> bool:
+    return v.smem_bytes <= smem_limit
+
+
+def all_fwd_variants(head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_CTYPE), ms=TILE_MS, ns=TILE_NS):
+    """Every forward variant that fits the sm_90 shared-memory limit (n = 256 only at d = 64)."""
+    out = []
+    for d in head_dims:
+        for dt in dtypes:
+            for m in ms:
+                for n in ns:
+                    v = FwdVariant.make(m, n, d, dt)
+                    if fwd_variant_feasible(v):
+                        out.append(v)
+    return out
+
+
+def all_merge_variants(head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_CTYPE)):
+    return [MergeVariant(d, dt) for d in head_dims for dt in dtypes]
+
+
+def plan_fwd_variants(plan) -> list:
+    """Forward variants a Plan launches (one per distinct tile config of its launch groups)."""
+    seen = []
+    for _, (m, n), b, e in plan.groups():
+        if e <= b:
+            continue
+        v = FwdVariant.make(m, n, plan.head_dim, plan.kv_dtype)
+        if v not in seen:
+            seen.append(v)
+    return seen
+
+
+# ------------------------------------------------------------------------------ sources
+def module_source(variant) -> str:
+    """Source string of the run-time module of one variant.
+
+    The variant's key is part of the text so that CuPy's on-disk cache (keyed on source and
+    options) gives every variant its own entry; the headers come in through ``-I``.
+    """
+    return (f"// pat kernel module: {variant.key}\n"
+            f'#include "pat_kernels.cu"\n')
+
+
+def nvrtc_options(src_dir: Path | None = None) -> tuple:
+    src_dir = Path(src_dir) if src_dir is not None else cuda_src_dir()
+    return ("-std=c++17", f"-I{src_dir}", f"-DPAT_SOURCE_HASH=0x{source_hash(src_dir)}ULL",
+            "--use_fast_math")
+
+
+def nvcc_source(variants) -> str:
+    """A .cu file instantiating `variants` explicitly, for offline nvcc resource reports."""
+    lines = ['#include "pat_kernels.cu"']
+    lines += [v.explicit_instantiation() for v in variants]
+    return "\n".join(lines) + "\n"
+
+
+def nvcc_version(nvcc: str = "nvcc") -> str:
+    import subprocess
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    lines = [ln for ln in out.strip().splitlines() if ln.strip()]
+    for ln in lines:
+        if "release" in ln:
+            return ln.strip()
+    return lines[-1].strip() if lines else "unknown"
+
+
+def resources_path() -> Path:
+    return Path(__file__).resolve().parent / "data" / "kernel_resources.json"
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() not in ("", "0", "false", "no")
