@@ -1,0 +1,6 @@
+"""``python -m sim``: see :mod:`sim.cli`."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,304 @@
+"""Command line: ``python -m sim {compare,timeline,sweep,calibration-report,fit}``.
+
+Examples::
+
+    python -m sim compare --tree 1,4,16_128,256,1024 --heads 32:8
+    python -m sim compare --tree trace.json --heads 32:8 --gpu a100 --json
+    python -m sim timeline --tree 1,4,16_128,256,1024 --heads 32:8 --method pat --out pat.png
+    python -m sim sweep --knob prefix --values 128,512,2048 --out prefix_sweep
+    python -m sim calibration-report --measurements bench/results/calibration_h100.json
+    python -m sim fit --measurements bench/results/calibration_h100.json
+
+``--tree`` takes a tree spec or a JSON file ``{"block_tables": [[...], ...], "seq_lens": [...],
+"page_size": 16}``.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+from pat_core.gpus import get_gpu
+
+from .constants import load_constants
+from .methods import METHODS, load_batch, make_plan
+from .model import simulate
+
+ALL_METHODS = ("pat", "node", "compute", "query", "cascade", "pat-fixed", "pat-serial")
+SWEEP_DEFAULTS = {
+    "batch": [8, 16, 32, 64, 128, 256],
+    "prefix": [128, 256, 512, 1024, 2048, 4096],
+    "depth": [1, 2, 3, 4, 5],
+    "gqa": [1, 2, 4, 8],
+}
+KNOB_LABELS = {"batch": "batch size", "prefix": "shared prefix tokens",
+               "depth": "tree depth (levels)", "gqa": "GQA ratio (query heads per KV head)"}
+
+
+def _heads(s: str):
+    try:
+        a, b = (int(x) for x in s.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--heads must look like 32:8, got {s!r}") from None
+    if a < 1 or b < 1 or a % b:
+        raise argparse.ArgumentTypeError(f"--heads {s}: query heads must be a multiple of KV heads")
+    return a, b
+
+
+def _methods(s: str):
+    out = [m.strip() for m in s.split(",") if m.strip()]
+    bad = [m for m in out if m not in METHODS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown method(s) {bad}; known: {list(ALL_METHODS)}")
+    return out
+
+
+def _ints(s: str):
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def _common(p: argparse.ArgumentParser, tree_required: bool = True) -> None:
+    p.add_argument("--tree", required=tree_required,
+                   help="tree spec like 1,4,16_128,256,1024, or a JSON file of block tables")
+    p.add_argument("--heads", type=_heads, default=(32, 8), help="query:KV heads (default 32:8)")
+    p.add_argument("--gpu", default="h100", help="a100, h100 or h200 (default h100)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
+    p.add_argument("--constants", default=None,
+                   help="constants JSON (default sim/data/<gpu>.json)")
+    p.add_argument("--seed", type=int, default=0, help="page-id shuffle of tree specs")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m sim", description="PAT decode-attention "
+                                 "simulator: bytes, occupancy, timeline, predicted latency.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("compare", help="one row per method for one batch")
+    _common(p)
+    p.add_argument("--methods", type=_methods, default=list(ALL_METHODS))
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--bytes-plot", default=None, help="also write a bytes-per-method PNG")
+
+    p = sub.add_parser("timeline", help="per-SM Gantt chart of one method")
+    _common(p)
+    p.add_argument("--method", default="pat", choices=list(ALL_METHODS))
+    p.add_argument("--out", required=True, help="PNG file")
+    p.add_argument("--max-sms", type=int, default=None, help="draw only the first SMs")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+    p = sub.add_parser("sweep", help="predicted time per method against one knob")
+    _common(p, tree_required=False)
+    p.add_argument("--knob", required=True, choices=sorted(SWEEP_DEFAULTS))
+    p.add_argument("--values", type=_ints, default=None)
+    p.add_argument("--batch", type=int, default=64, help="requests (default 64)")
+    p.add_argument("--prefix", type=int, default=1024, help="shared prefix tokens (default 1024)")
+    p.add_argument("--suffix", type=int, default=128, help="private tokens per request")
+    p.add_argument("--depth", type=int, default=2, help="tree levels incl. the leaves")
+    p.add_argument("--methods", type=_methods, default=list(ALL_METHODS))
+    p.add_argument("--out", required=True, help="output prefix: writes OUT.png and OUT.json")
+
+    p = sub.add_parser("calibration-report", help="predicted vs measured latency")
+    p.add_argument("--measurements", default=None,
+                   help="measurements JSON from bench/calibrate.py (default: the newest "
+                        "bench/results/calibration*.json)")
+    p.add_argument("--gpu", default=None)
+    p.add_argument("--constants", default=None)
+    p.add_argument("--plot", default=None, help="also write a predicted-vs-measured PNG")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("fit", help="fit the model constants to measurements")
+    p.add_argument("--measurements", required=True)
+    p.add_argument("--gpu", default=None)
+    p.add_argument("--out", default=None, help="constants file (default sim/data/<gpu>.json)")
+    p.add_argument("--max-evals", type=int, default=400)
+    return ap
+
+
+# ---------------------------------------------------------------------------- compare
+def compare(batch, methods, heads, head_dim, gpu, dtype="float16", constants=None) -> dict:
+    """Simulate ``batch`` with every method; returns the JSON-ready dict the CLI prints."""
+    hq, hk = heads
+    consts = load_constants(gpu, constants)
+    rows = []
+    for m in methods:
+        plan = make_plan(batch, m, hq, hk, head_dim, gpu=gpu, kv_data_type=dtype)
+        r = simulate(plan, gpu, consts)
+        row = r.summary_row(m)
+        row["bytes"] = r.bytes
+        rows.append(row)
+    return {"batch": batch.label, "batch_size": batch.batch_size, "gpu": get_gpu(gpu).name,
+            "heads": [hq, hk], "head_dim": head_dim, "page_size": batch.page_size,
+            "dtype": dtype, "constants_source": consts.source, "rows": rows}
+
+
+def format_compare(res: dict) -> str:
+    lines = [f"batch {res['batch']} ({res['batch_size']} requests), heads "
+             f"{res['heads'][0]}:{res['heads'][1]}, head_dim {res['head_dim']}, "
+             f"page {res['page_size']}, {res['dtype']} on {res['gpu']} "
+             f"[constants: {res['constants_source']}]",
+             f"{'method':<11} {'CTAs':>6} {'KV MB':>9} {'total MB':>9} {'pred us':>9} "
+             f"{'fwd us':>8} {'merge us':>8} {'bubble %':>8} {'waste %':>8}  tiles"]
+    for r in res["rows"]:
+        tiles = " ".join(f"{k}:{v}" for k, v in r["tiles"].items())
+        lines.append(f"{r['method']:<11} {r['ctas']:>6} {r['kv_bytes'] / 1e6:>9.2f} "
+                     f"{r['total_bytes'] / 1e6:>9.2f} {r['predicted_us']:>9.2f} "
+                     f"{r['forward_us']:>8.2f} {r['merge_us']:>8.2f} {r['bubble_pct']:>8.1f} "
+                     f"{r['waste_pct']:>8.1f}  {tiles}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- sweep
+def tree_spec(batch: int, prefix: int, suffix: int, depth: int) -> str:
+    """A tree spec: ``depth - 1`` shared levels splitting ``prefix`` tokens evenly (level ``i``
+    has ``min(2**i, batch)`` nodes), then ``batch`` leaves of ``suffix`` tokens.  ``depth == 1``
+    or ``prefix == 0``: no sharing, each request holds ``prefix + suffix`` tokens."""
+    if batch < 1 or suffix < 1 or depth < 1 or prefix < 0:
+        raise ValueError("batch, suffix and depth must be >= 1 and prefix >= 0")
+    if depth == 1 or prefix == 0:
+        return f"{batch}_{prefix + suffix}"
+    levels = depth - 1
+    per = [prefix // levels + (1 if i < prefix % levels else 0) for i in range(levels)]
+    counts = [min(2 ** i, batch) for i in range(levels)]
+    keep = [i for i in range(levels) if per[i] > 0]
+    counts = [counts[i] for i in keep] + [batch]
+    lens = [per[i] for i in keep] + [suffix]
+    return f"{','.join(map(str, counts))}_{','.join(map(str, lens))}"
+
+
+def run_sweep(knob: str, values, methods, batch=64, prefix=1024, suffix=128, depth=2,
+              heads=(32, 8), head_dim=128, page_size=16, gpu="h100", dtype="float16",
+              constants=None) -> dict:
+    """Predicted latency of each method at each knob value (JSON-ready)."""
+    consts = load_constants(gpu, constants)
+    out = {"knob": knob, "knob_label": KNOB_LABELS[knob], "values": list(values),
+           "gpu": get_gpu(gpu).name, "head_dim": head_dim, "page_size": page_size,
+           "dtype": dtype, "constants_source": consts.source, "specs": [], "heads": [],
+           "methods": {m: [] for m in methods}, "rows": {m: [] for m in methods}}
+    for v in values:
+        b, p, d, h = batch, prefix, depth, heads
+        if knob == "batch":
+            b = int(v)
+        elif knob == "prefix":
+            p = int(v)
+        elif knob == "depth":
+            d = int(v)
+        elif knob == "gqa":
+            h = (heads[1] * int(v), heads[1])
+        spec = tree_spec(b, p, suffix, d)
+        out["specs"].append(spec)
+        out["heads"].append(list(h))
+        bt = load_batch(spec, page_size)
+        for m in methods:
+            plan = make_plan(bt, m, h[0], h[1], head_dim, gpu=gpu, kv_data_type=dtype)
+            r = simulate(plan, gpu, consts)
+            out["methods"][m].append(round(r.latency_us, 3))
+            out["rows"][m].append(r.summary_row(m))
+    out["title"] = (f"{get_gpu(gpu).name}: sweep over {KNOB_LABELS[knob]} "
+                    f"(base: batch {batch}, prefix {prefix}, suffix {suffix}, depth {depth}, "
+                    f"heads {heads[0]}:{heads[1]})")
+    return out
+
+
+# ---------------------------------------------------------------------------- calibration
+def _default_measurements() -> str | None:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    found = sorted(glob.glob(os.path.join(here, "bench", "results", "**", "calibration*.json"),
+                             recursive=True), key=os.path.getmtime)
+    return found[-1] if found else None
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args) -> int:
+    if args.cmd == "compare":
+        batch = load_batch(args.tree, args.page_size, seed=args.seed)
+        res = compare(batch, args.methods, args.heads, args.head_dim, args.gpu, args.dtype,
+                      args.constants)
+        if args.bytes_plot:
+            from .plots import bytes_plot
+            bytes_plot(res["rows"], args.bytes_plot, title=f"HBM bytes: {res['batch']}")
+        print(json.dumps(res, indent=2) if args.json else format_compare(res))
+        return 0
+    if args.cmd == "timeline":
+        from .plots import gantt
+        batch = load_batch(args.tree, args.page_size, seed=args.seed)
+        plan = make_plan(batch, args.method, args.heads[0], args.heads[1], args.head_dim,
+                         gpu=args.gpu, kv_data_type=args.dtype)
+        r = simulate(plan, args.gpu, load_constants(args.gpu, args.constants))
+        gantt(r, args.out, max_sms=args.max_sms,
+              title=f"{args.method} | {batch.label} | {r.gpu.name}: {r.latency_us:.1f} us, "
+                    f"bubble {100 * r.bubble:.1f} %")
+        row = r.summary_row(args.method)
+        row["occupancy"] = [o.as_dict() for o in r.occupancy]
+        row["out"] = args.out
+        if args.json:
+            print(json.dumps(row, indent=2))
+        else:
+            print(f"{args.method}: {row['predicted_us']:.2f} us predicted, "
+                  f"{r.num_blocks} thread blocks, bubble {row['bubble_pct']:.1f} %, "
+                  f"waste {row['waste_pct']:.1f} % -> {args.out}")
+            for o in r.occupancy:
+                print(f"  {o.m}x{o.n}: {o.blocks} blocks, {o.ctas_per_sm} per SM "
+                      f"({o.limiter}), {o.waves:.2f} waves")
+        return 0
+    if args.cmd == "sweep":
+        from .plots import sweep_plot
+        values = args.values or SWEEP_DEFAULTS[args.knob]
+        res = run_sweep(args.knob, values, args.methods, batch=args.batch, prefix=args.prefix,
+                        suffix=args.suffix, depth=args.depth, heads=args.heads,
+                        head_dim=args.head_dim, page_size=args.page_size, gpu=args.gpu,
+                        dtype=args.dtype, constants=args.constants)
+        with open(args.out + ".json", "w") as fh:
+            json.dump(res, fh, indent=2)
+        sweep_plot(res, args.out + ".png")
+        width = max(len(str(v)) for v in res["values"]) + 2
+        print(f"{res['knob_label']:<24}" + "".join(f"{str(v):>{max(width, 10)}}"
+                                                   for v in res["values"]))
+        for m, ys in res["methods"].items():
+            print(f"{m:<24}" + "".join(f"{y:>{max(width, 10)}.1f}" for y in ys))
+        print(f"-> {args.out}.png, {args.out}.json")
+        return 0
+    if args.cmd == "calibration-report":
+        from .calibration import format_report, load_measurements, report
+        path = args.measurements or _default_measurements()
+        if path is None:
+            print("no measurements: run bench/calibrate.py on a GPU first, then pass "
+                  "--measurements FILE", file=sys.stderr)
+            return 2
+        data = load_measurements(path)
+        gpu = args.gpu or data.get("gpu", "h100")
+        rep = report(data, load_constants(gpu, args.constants), gpu)
+        if args.plot:
+            from .plots import calibration_plot
+            calibration_plot(rep["predicted_us"], rep["measured_us"],
+                             [r["method"] for r in data["records"]], args.plot,
+                             title=f"{data.get('device', gpu)}: rho {rep['spearman']:.3f}")
+        print(json.dumps(rep, indent=2) if args.json else
+              f"measurements: {path}\n" + format_report(rep))
+        return 0
+    if args.cmd == "fit":
+        from .calibration import fit_and_save, format_report
+        path, _, info = fit_and_save(args.measurements, args.gpu, args.out, args.max_evals)
+        print(f"fitted {', '.join(info['fitted'])} in {info['evaluations']} evaluations; "
+              f"loss {info['loss_before']:.4f} -> {info['loss_after']:.4f}; wrote {path}")
+        print(format_report(info["report"]))
+        return 0
+    raise AssertionError(args.cmd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
