@@ -1,0 +1,383 @@
+"""pat against FlashInfer on one GPU: every method checked, then timed, in one run.
+
+Methods
+-------
+``pat``, ``query``, ``node``, ``compute``      our kernels with that packer
+``pat-fixed``                                  pat packing, one 64x128 tile for every CTA
+``pat-serial``                                 pat packing, tile groups launched one by one
+``fi-decode``                                  FlashInfer BatchDecodeWithPagedKVCacheWrapper
+                                               (tensor cores when the GQA group >= 4)
+``fi-cascade``                                 FlashInfer MultiLevelCascadeAttentionWrapper,
+                                               one level per tree level
+
+Method (DESIGN §10): every method's output is compared with a float64 reference computed on the
+GPU; a method whose error exceeds twice that of a plain same-dtype PyTorch implementation is
+reported as wrong and not timed.  Timing: CUDA events around ``run`` only, warm-up first
+(FlashInfer's JIT and our compiles happen there), L2 flushed before every timed run, median of
+``--reps``.  The device's copy bandwidth is measured in the same run; the floor of a batch is
+(unique KV + q + out bytes) / copy bandwidth.
+
+    python bench/compare.py --out bench/results/compare_h100 [--workloads ...] [--page-sizes 16 32]
+
+Writes ``results.json`` (device, versions, git sha, one row per workload x heads x page size x
+method), ``summary.md`` and plots (see bench/plots.py) into ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+OUR_METHODS = ("pat", "query", "node", "compute", "pat-fixed", "pat-serial")
+FI_METHODS = ("fi-decode", "fi-cascade")
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                       cwd=os.path.dirname(os.path.abspath(__file__))).strip()
+    except Exception:
+        return "unknown"
+
+
+# ---------------------------------------------------------------------------- GPU helpers
+def copy_bandwidth(torch, nbytes=2 << 30, reps=10) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    a = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) * 1e-3)
+    del a, b
+    return 2 * nbytes / float(np.median(ts))
+
+
+class L2Flusher:
+    def __init__(self, torch, nbytes: int):
+        self.buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+    def __call__(self):
+        self.buf.zero_()
+
+
+def time_fn(torch, fn, flush, reps: int) -> list:
+    ts = []
+    for _ in range(reps):
+        flush()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) * 1e3)          # microseconds
+    return ts
+
+
+def reference_fp64(torch, q, k, v, table, seq_lens, page_size):
+    """Float64 decode attention on the GPU (NHD caches), one request at a time."""
+    B, hq, d = q.shape
+    hk = k.shape[2]
+    g = hq // hk
+    out = torch.empty((B, hq, d), dtype=torch.float64, device="cuda")
+    scale = 1.0 / math.sqrt(d)
+    for r in range(B):
+        L = int(seq_lens[r])
+        pages = torch.as_tensor(table[r, : -(-L // page_size)], device="cuda", dtype=torch.long)
+        kk = k[pages].reshape(-1, hk, d)[:L].double().transpose(0, 1)      # [hk, L, d]
+        vv = v[pages].reshape(-1, hk, d)[:L].double().transpose(0, 1)
+        qq = q[r].double().reshape(hk, g, d)
+        s = torch.matmul(qq, kk.transpose(1, 2)) * scale
+        out[r] = torch.matmul(torch.softmax(s, dim=-1), vv).reshape(hq, d)
+    return out
+
+
+def plain_lowp(torch, q, k, v, table, seq_lens, page_size):
+    """The same computation in q's dtype throughout (the tolerance yardstick)."""
+    B, hq, d = q.shape
+    hk = k.shape[2]
+    g = hq // hk
+    out = torch.empty_like(q)
+    scale = 1.0 / math.sqrt(d)
+    for r in range(B):
+        L = int(seq_lens[r])
+        pages = torch.as_tensor(table[r, : -(-L // page_size)], device="cuda", dtype=torch.long)
+        kk = k[pages].reshape(-1, hk, d)[:L].transpose(0, 1)
+        vv = v[pages].reshape(-1, hk, d)[:L].transpose(0, 1)
+        s = torch.matmul(q[r].reshape(hk, g, d), kk.transpose(1, 2)) * scale
+        out[r] = torch.matmul(torch.softmax(s, dim=-1), vv).reshape(hq, d)
+    return out
+
+
+def rel_err(torch, x, ref) -> float:
+    x = x.double()
+    return float(torch.linalg.norm(x - ref) / torch.linalg.norm(ref))
+
+
+# ---------------------------------------------------------------------------- cascade levels
+def cascade_levels(batch):
+    """Per tree level: ``(qo_indptr, kv_indptr, kv_indices, last_page_len)`` int32 arrays, or
+    ``None`` when some level's node owns no whole page (FlashInfer cannot start mid-page).
+
+    Page ``k`` of a request belongs to the node holding the page's last token; nodes of one level
+    own contiguous request ranges (tree specs order requests that way).
+    """
+    ps = batch.page_size
+    paths = batch.paths
+    B = len(paths)
+    depth = len(paths[0])
+    if any(len(p) != depth for p in paths):
+        return None
+    node_lens = batch.node_lens
+    levels = []
+    for lvl in range(depth):
+        qo = [0]
+        kv_ptr = [0]
+        idx = []
+        last = []
+        r = 0
+        while r < B:
+            node = paths[r][lvl]
+            r2 = r
+            while r2 < B and paths[r2][lvl] == node:
+                r2 += 1
+            p = paths[r]
+            ends = np.cumsum(node_lens[p])
+            L = int(ends[-1])
+            lo = 0 if lvl == 0 else int(ends[lvl - 1])
+            hi = int(ends[lvl])
+            k_first = None
+            pages = []
+            for k in range(-(-L // ps)):
+                last_pos = min((k + 1) * ps, L) - 1
+                if lo <= last_pos < hi:
+                    pages.append(int(batch.block_tables[r, k]))
+                    if k_first is None:
+                        k_first = k
+            if not pages:
+                return None
+            # a node's first page may start with its parent's tail tokens (a copy-on-write
+            # page): they are read here and not at the parent's level, so each token once
+            last_tok = min((k_first + len(pages)) * ps, L) - (k_first + len(pages) - 1) * ps
+            idx.extend(pages)
+            kv_ptr.append(len(idx))
+            last.append(last_tok)
+            qo.append(r2)
+            r = r2
+        levels.append(tuple(np.array(a, dtype=np.int32) for a in (qo, kv_ptr, idx, last)))
+    return levels
+
+
+# ---------------------------------------------------------------------------- methods
+def make_ours(torch, pat_core, method, batch, hq, hk, d, ps, dtype_name):
+    packer = {"pat-fixed": "pat", "pat-serial": "pat"}.get(method, method)
+    w = pat_core.PrefixAttentionWrapper(backend="cuda", packer=packer)
+    kw = {}
+    if method == "pat-fixed":
+        kw["tile"] = (64, 128)
+    if method == "pat-serial":
+        kw["serial"] = True
+    plan = w.plan(batch.block_tables, batch.seq_lens, hq, hk, d, ps, kv_data_type=dtype_name,
+                  **kw)
+    return w, plan
+
+
+def make_fi_decode(torch, flashinfer, batch, hq, hk, d, ps, dtype):
+    from pat_core.inputs import BlockTable
+    bt = BlockTable.from_padded(batch.block_tables, batch.seq_lens, ps)
+    indptr, indices, last = bt.to_csr()
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    tc = (hq // hk) >= 4
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
+    w.plan(torch.as_tensor(indptr, device="cuda"), torch.as_tensor(indices, device="cuda"),
+           torch.as_tensor(last, device="cuda"), hq, hk, d, ps, q_data_type=dtype,
+           kv_data_type=dtype)
+    return w, {"tensor_cores": tc}
+
+
+def make_fi_cascade(torch, flashinfer, batch, hq, hk, d, ps, dtype):
+    levels = cascade_levels(batch)
+    if levels is None:
+        return None, {"skipped": "a tree level owns no whole page"}
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    w = flashinfer.MultiLevelCascadeAttentionWrapper(len(levels), ws, "NHD")
+    cu = lambda a: torch.as_tensor(a, device="cuda")  # noqa: E731
+    w.plan([cu(l[0]) for l in levels], [cu(l[1]) for l in levels], [cu(l[2]) for l in levels],
+           [cu(l[3]) for l in levels], hq, hk, d, ps, q_data_type=dtype)
+    return w, {"levels": len(levels)}
+
+
+# ---------------------------------------------------------------------------- main loop
+def bytes_floor(batch, hq, hk, d, elem):
+    from pat_core.forest import PrefixForest
+    from pat_core.inputs import BlockTable
+    bt = BlockTable.from_padded(batch.block_tables, batch.seq_lens, batch.page_size)
+    uniq = PrefixForest(bt).unique_tokens()
+    return uniq * hk * 2 * d * elem + 2 * batch.batch_size * hq * d * elem
+
+
+def main(argv=None):
+    import torch
+
+    import pat_core
+    from pat_core.workloads import DESIGN_WORKLOADS, HEAD_CONFIGS, build_tree_batch
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="output folder")
+    ap.add_argument("--workloads", nargs="*", default=list(DESIGN_WORKLOADS))
+    ap.add_argument("--heads", nargs="*", default=[f"{a}:{b}" for a, b in HEAD_CONFIGS])
+    ap.add_argument("--page-sizes", nargs="*", type=int, default=[16, 32])
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
+    ap.add_argument("--methods", nargs="*", default=list(OUR_METHODS + FI_METHODS))
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--no-flashinfer", action="store_true")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    dtype = getattr(torch, args.dtype)
+    d = args.head_dim
+    flashinfer = None
+    fi_version = None
+    if not args.no_flashinfer and any(m in FI_METHODS for m in args.methods):
+        os.environ.setdefault("NVCC_APPEND_FLAGS", "-static-global-template-stub=false")
+        try:
+            import flashinfer
+            fi_version = getattr(flashinfer, "__version__", "unknown")
+        except Exception as e:  # reported, not fatal: our methods still run
+            print("flashinfer unavailable:", e, flush=True)
+            flashinfer = None
+    dev = torch.cuda.get_device_properties(0)
+    bw = copy_bandwidth(torch)
+    print(f"device {dev.name}; copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+    flush = L2Flusher(torch, 2 * 64 << 20)
+    elem = 2
+    rows = []
+    configs = [(wl, h, ps) for wl in args.workloads for h in args.heads for ps in args.page_sizes]
+    t_start = time.time()
+    for ci, (wl, heads, ps) in enumerate(configs):
+        hq, hk = (int(x) for x in heads.split(":"))
+        batch = build_tree_batch(wl, ps, seed=ci)
+        gen = torch.Generator(device="cuda").manual_seed(ci)
+        kshape = (batch.num_pages, ps, hk, d)
+        k = torch.randn(kshape, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
+        v = torch.randn(kshape, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
+        q = torch.randn((batch.batch_size, hq, d), generator=gen, device="cuda",
+                        dtype=torch.float32).to(dtype)
+        ref = reference_fp64(torch, q, k, v, batch.block_tables, batch.seq_lens, ps)
+        base_err = rel_err(torch, plain_lowp(torch, q, k, v, batch.block_tables,
+                                             batch.seq_lens, ps), ref)
+        tol = 2 * base_err
+        floor_bytes = bytes_floor(batch, hq, hk, d, elem)
+        floor_us = floor_bytes / bw * 1e6
+        for method in args.methods:
+            row = dict(workload=wl, heads=[hq, hk], page_size=ps, method=method,
+                       batch=batch.batch_size, floor_bytes=floor_bytes, floor_us=floor_us,
+                       tol=tol)
+            try:
+                if method in OUR_METHODS:
+                    w, plan = make_ours(torch, pat_core, method, batch, hq, hk, d, ps,
+                                        args.dtype)
+                    st = plan.stats()
+                    row.update(num_ctas=st["num_ctas"], total_bytes=st["total_bytes"],
+                               tiles=st["tiles"])
+                    fn = lambda: w.run(q, (k, v))  # noqa: E731
+                elif flashinfer is None:
+                    row["skipped"] = "flashinfer unavailable"
+                    rows.append(row)
+                    continue
+                elif method == "fi-decode":
+                    w, info = make_fi_decode(torch, flashinfer, batch, hq, hk, d, ps, dtype)
+                    row.update(info)
+                    fn = lambda: w.run(q, (k, v))  # noqa: E731
+                else:
+                    w, info = make_fi_cascade(torch, flashinfer, batch, hq, hk, d, ps, dtype)
+                    row.update(info)
+                    if w is None:
+                        rows.append(row)
+                        continue
+                    fn = lambda: w.run(q, (k, v))  # noqa: E731
+                out = fn()
+                torch.cuda.synchronize()
+                err = rel_err(torch, out, ref)
+                row["rel_err"] = err
+                row["correct"] = bool(err <= max(tol, 2.0 ** -11))
+                if not row["correct"]:
+                    print(f"  WRONG {method} on {wl} {heads} ps{ps}: err {err:.2e} > {tol:.2e}",
+                          flush=True)
+                    rows.append(row)
+                    continue
+                for _ in range(3):
+                    fn()
+                ts = time_fn(torch, fn, flush, args.reps)
+                lat = float(np.median(ts))
+                row.update(latency_us=lat, latency_p10_us=float(np.percentile(ts, 10)),
+                           latency_p90_us=float(np.percentile(ts, 90)),
+                           eff_bandwidth=floor_bytes / (lat * 1e-6),
+                           floor_ratio=lat / floor_us)
+            except Exception as e:  # a method that fails is reported, the run goes on
+                row["error"] = f"{type(e).__name__}: {e}"
+                print(f"  ERROR {method} on {wl} {heads} ps{ps}: {row['error']}", flush=True)
+            rows.append(row)
+        done = ci + 1
+        el = time.time() - t_start
+        bar = "#" * int(30 * done / len(configs))
+        print(f"[{bar:<30}] {done}/{len(configs)} {wl} {heads} ps{ps}  "
+              f"{el:.0f}s elapsed, ~{el / done * (len(configs) - done):.0f}s left", flush=True)
+        del k, v, q, ref
+        torch.cuda.empty_cache()
+    # speed-ups against each baseline of the same configuration
+    by_cfg = {}
+    for r in rows:
+        by_cfg.setdefault((r["workload"], tuple(r["heads"]), r["page_size"]), {})[r["method"]] = r
+    for cfg, methods in by_cfg.items():
+        for r in methods.values():
+            if "latency_us" not in r:
+                continue
+            for base in ("query",) + FI_METHODS:
+                b = methods.get(base)
+                if b and "latency_us" in b:
+                    r[f"speedup_vs_{base}"] = b["latency_us"] / r["latency_us"]
+    result = dict(
+        benchmark="compare", device=dev.name, sm_count=dev.multi_processor_count,
+        copy_bandwidth=bw, git_sha=git_sha(), dtype=args.dtype, head_dim=d, reps=args.reps,
+        versions=dict(python=platform.python_version(), torch=torch.__version__,
+                      cuda=torch.version.cuda, flashinfer=fi_version,
+                      numpy=np.__version__, pat=pat_core.__version__,
+                      cupy=_cupy_version()),
+        rows=rows,
+    )
+    path = os.path.join(args.out, "results.json")
+    with open(path, "w") as fh:
+        json.dump(result, fh, indent=1)
+    print("wrote", path, flush=True)
+    from plots import plot_all
+    for line in plot_all(result, args.out):
+        print(line)
+    return result
+
+
+def _cupy_version():
+    try:
+        import cupy
+        return cupy.__version__
+    except Exception:
+        return None
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main()
