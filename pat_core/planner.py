@@ -145,7 +145,10 @@ class Planner:
         params = (num_qo_heads, num_kv_heads, head_dim, page_size, float(sm_scale), kv_dtype,
                   q_dtype, None if tile is None else tuple(int(x) for x in tile), bool(serial),
                   bool(split))
-        raw = block_tables if isinstance(block_tables, np.ndarray) else None
+        raw = block_tables
+        if hasattr(raw, "numpy") and hasattr(raw, "device") and str(raw.device) == "cpu":
+            raw = raw.numpy()                   # CPU tensor: same memory, cacheable
+        raw = raw if isinstance(raw, np.ndarray) else None
         c = self._cache
         if c is not None and raw is not None and c["params"] == params \
                 and c["raw"].shape == raw.shape and c["raw"].dtype == raw.dtype \
@@ -158,7 +161,7 @@ class Planner:
             if updated is not None:
                 self.last_path = "lengths"
                 return updated
-        bt = as_block_table(block_tables, seq_lens, page_size)
+        bt = as_block_table(raw if raw is not None else block_tables, seq_lens, page_size)
         selector = TileSelector(head_dim, kv_dtype, self.gpu, fixed=tile)
         forest = PrefixForest(bt)
         packs = pack(forest, self.packer, num_qo_heads // num_kv_heads, selector.max_rows,

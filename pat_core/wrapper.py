@@ -128,8 +128,13 @@ class PrefixAttentionWrapper:
         from .executor import execute
         qdt = _dtype_of(q)
         out_dtype = np.float16 if qdt == "float16" else np.float32
-        return execute(plan, q, k_cache, v_cache, kv_layout=self.kv_layout,
-                       return_lse=return_lse, input_dtype=qdt, out_dtype=out_dtype)
+        out, lse = execute(plan, q, k_cache, v_cache, kv_layout=self.kv_layout,
+                           return_lse=True, input_dtype=qdt, out_dtype=out_dtype)
+        if hasattr(q, "detach"):               # CPU torch in, CPU torch out (q's dtype)
+            import torch
+            out = torch.from_numpy(out).to(q.dtype)
+            lse = torch.from_numpy(lse)
+        return (out, lse) if return_lse else out
 
     def _check_inputs(self, plan: Plan, q, k_cache, v_cache) -> None:
         if len(q.shape) != 3:

@@ -81,3 +81,22 @@ def test_hnd_layout_and_many_requests_chunked():
     plans = run_all_packers(table, [40] * 40, 16, 16, 2, layout="HND", num_pages=140)
     assert plans["node"].cta_rows().max() <= plans["node"].cta_mn()[:, 0].max()
     assert plans["node"].stats()["kv_tokens"] > 32 + 40 * 8     # root re-read per chunk
+
+
+def test_torch_cpu_tensors_bf16_and_fp16():
+    torch = pytest.importorskip("torch")
+    table = [[0, 1, 2], [0, 1, 3], [0, 4, -1]]
+    lens = [40, 37, 20]
+    k, v = random_kv_cache(5, 16, 2, 64, np.float32, seed=3)
+    q = np.random.default_rng(4).standard_normal((3, 8, 64)).astype(np.float32)
+    for dt, name in ((torch.bfloat16, "bfloat16"), (torch.float16, "float16")):
+        qt, kt, vt = (torch.from_numpy(x).to(dt) for x in (q, k, v))
+        ref = dense_attention(qt, (kt, vt), table, lens, 16)
+        w = PrefixAttentionWrapper("cpu", "pat")
+        w.plan(torch.tensor(table, dtype=torch.int32), torch.tensor(lens), 8, 2, 64, 16,
+               kv_data_type=name)
+        out, lse = w.run(qt, (kt, vt), return_lse=True)
+        assert isinstance(out, torch.Tensor) and out.dtype == dt and lse.dtype == torch.float32
+        # bf16 keeps 8 significant bits: its outputs round at 2^-8 relative
+        assert relative_error(out.float().numpy(), ref) <= (2.0 ** -8 if name == "bfloat16"
+                                                              else 2.0 ** -10)
