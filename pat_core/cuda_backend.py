@@ -148,8 +148,13 @@ class CudaBackend:
     """Launcher of the forward and merge kernels for one process (all devices).
 
     Not thread-safe across concurrent ``run`` calls of one instance (the partial buffers are
-    reused); use one backend per thread/stream for concurrent batches.
+    reused); use one backend per thread/stream for concurrent batches.  Compiled kernels are
+    shared by every instance of the process.
     """
+
+    _lock = threading.Lock()
+    _functions: dict = {}    # (device, variant key) -> CuPy Function (process-wide)
+    _modules: dict = {}      # keeps the modules alive
 
     def __init__(self):
         cp = _import_cupy()
@@ -167,9 +172,6 @@ class CudaBackend:
         self.gpu_name = detect_gpu_name(self.device_name)
         self.arch = f"sm_{props['major']}{props['minor']}"
         self.max_smem_optin = int(props.get("sharedMemPerBlockOptin", 0) or 0)
-        self._lock = threading.Lock()
-        self._functions: dict = {}    # (device, variant key) -> cupy Function
-        self._modules: dict = {}      # keep modules alive
         self._uploads: dict = {}      # id(plan) -> record
         self._pools: dict = {}        # device -> (streams, fork event, join events)
         self._buffers: dict = {}      # device -> (num_floats, o_partial memptr, lse memptr)

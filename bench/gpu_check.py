@@ -1,0 +1,216 @@
+"""One-call GPU check: compile, correctness, GPU tests, sanitizer, timings.
+
+    python3 bench/gpu_check.py --out $OUT [--jobs 16] [--no-pytest] [--no-bench] [--sanitizer]
+
+Steps (each optional, in this order; a failing step is recorded and the next still runs):
+
+1. ``compile``: every kernel variant through the backend's warm-up (worker processes fill
+   CuPy's cache), with the wall time.
+2. ``smoke``: a few workloads x packers x dtypes x head_dims against the float64 reference,
+   printing each relative error next to the plain same-dtype implementation's.
+3. ``pytest``: ``tests/test_gpu_kernels.py`` (log to ``$OUT/pytest.log``).
+4. ``sanitizer``: ``compute-sanitizer`` memcheck and racecheck on a small plan
+   (``--sanitize-case``), summaries to ``$OUT/sanitizer_*.txt``.
+5. ``bench``: ``bench/gpu_kernels.py`` (JSON to ``$OUT/gpu_kernels.json``).
+
+A short table is printed last; everything goes to ``$OUT/gpu_check.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "tests", ROOT / "bench"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+
+def step_compile(jobs):
+    from pat_core.cuda_backend import CudaBackend
+    be = CudaBackend()
+    t0 = time.time()
+    keys = be.warmup(jobs=jobs)
+    return be, {"variants": len(keys), "seconds": time.time() - t0, "arch": be.arch,
+                "device": be.device_name}
+
+
+def step_smoke(be):
+    from test_gpu_kernels import check_case
+    from pat_core.workloads import build_tree_batch
+    rows = []
+    cases = [("1,4,16_100,37,61", 16, 32, 8), ("1,3,24_300,45,7", 1, 12, 4),
+             ("2,6,12_64,130,17", 32, 8, 8), ("40_33", 16, 28, 4)]
+    for spec, ps, hq, hk in cases:
+        b = build_tree_batch(spec, page_size=ps, seed=1)
+        for packer in ("pat", "query", "node", "compute", "cascade"):
+            for dtype in ("float16", "bfloat16"):
+                for d in (64, 128):
+                    for layout in ("NHD", "HND"):
+                        rec = {"spec": spec, "page_size": ps, "heads": f"{hq}:{hk}",
+                               "packer": packer, "dtype": dtype, "head_dim": d,
+                               "layout": layout}
+                        try:
+                            plan, err, plain = check_case(be, packer, b.block_tables, b.seq_lens,
+                                                          b.num_pages, ps, hq, hk, d, dtype,
+                                                          layout=layout, seed=d)
+                            rec.update(ok=True, err=err, plain_err=plain,
+                                       tiles=plan.stats()["tiles"])
+                        except Exception as e:  # record and continue
+                            rec.update(ok=False, error=f"{type(e).__name__}: {e}"[:600])
+                        rows.append(rec)
+    bad = [r for r in rows if not r["ok"]]
+    worst = max((r["err"] / max(r["plain_err"], 1e-12) for r in rows if r["ok"]), default=0)
+    return {"cases": len(rows), "failed": len(bad), "worst_err_over_plain": worst,
+            "failures": bad[:20], "rows": rows}
+
+
+def step_pytest(out_dir, extra):
+    log = Path(out_dir) / "pytest.log"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           str(ROOT / "tests" / "test_gpu_kernels.py")] + list(extra)
+    t0 = time.time()
+    with open(log, "w") as fh:
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT).returncode
+    tail = log.read_text().strip().splitlines()[-3:]
+    return {"rc": rc, "seconds": time.time() - t0, "tail": tail}
+
+
+def sanitize_case():
+    """Small plans run once each on CuPy arrays (no torch): for compute-sanitizer."""
+    import cupy
+    import numpy as np
+    from pat_core import PrefixAttentionWrapper
+    from pat_core.workloads import build_tree_batch
+    for spec, ps, hq, hk, d, layout in (("1,4,16_100,37,61", 16, 32, 8, 128, "NHD"),
+                                        ("1,3,9_70,20,33", 1, 12, 4, 64, "HND")):
+        b = build_tree_batch(spec, page_size=ps, seed=2)
+        w = PrefixAttentionWrapper(backend="cuda", packer="pat", kv_layout=layout)
+        plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16")
+        rng = np.random.default_rng(0)
+        shape = (b.num_pages, ps, hk, d) if layout == "NHD" else (b.num_pages, hk, ps, d)
+        k = cupy.asarray(rng.standard_normal(shape).astype(np.float16))
+        v = cupy.asarray(rng.standard_normal(shape).astype(np.float16))
+        q = cupy.asarray(rng.standard_normal((b.batch_size, hq, d)).astype(np.float16))
+        out, lse = w.run(q, (k, v), return_lse=True)
+        cupy.cuda.Device().synchronize()
+        print(f"{spec} {layout}: groups={plan.num_groups} tiles={plan.stats()['tiles']} "
+              f"finite={bool(cupy.isfinite(out).all())}")
+
+
+def step_sanitizer(out_dir):
+    res = {}
+    for tool in ("memcheck", "racecheck"):
+        path = Path(out_dir) / f"sanitizer_{tool}.txt"
+        cmd = ["compute-sanitizer", f"--tool={tool}", "--print-limit", "20",
+               sys.executable, str(Path(__file__).resolve()), "--sanitize-case"]
+        t0 = time.time()
+        try:
+            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+            text = p.stdout + p.stderr
+            rc = p.returncode
+        except Exception as e:
+            text, rc = f"{type(e).__name__}: {e}", -1
+        path.write_text(text)
+        summ = [ln for ln in text.splitlines() if "SUMMARY" in ln or "finite=" in ln]
+        res[tool] = {"rc": rc, "seconds": time.time() - t0, "summary": summ}
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--no-smoke", action="store_true")
+    ap.add_argument("--no-pytest", action="store_true")
+    ap.add_argument("--pytest-args", nargs="*", default=[])
+    ap.add_argument("--sanitizer", action="store_true")
+    ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--bench-workloads", nargs="*", default=None)
+    ap.add_argument("--bench-iters", type=int, default=20)
+    ap.add_argument("--sanitize-case", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.sanitize_case:
+        sanitize_case()
+        return 0
+    logging.basicConfig(level=logging.WARNING)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"argv": sys.argv, "steps": {}}
+    t_all = time.time()
+
+    def save():
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+
+    def step(name, fn, *a):
+        t0 = time.time()
+        print(f"== {name}", flush=True)
+        try:
+            r = fn(*a)
+        except Exception:
+            r = {"error": traceback.format_exc()[-3000:]}
+            print(r["error"], flush=True)
+        report["steps"][name] = r if not isinstance(r, tuple) else r[1]
+        print(f"== {name} done in {time.time() - t0:.1f}s", flush=True)
+        save()
+        return r
+
+    from gpu_kernels import environment
+    report["env"] = environment()
+    r = step("compile", step_compile, args.jobs)
+    be = r[0] if isinstance(r, tuple) else None
+    if be is None:
+        return 1
+    if not args.no_smoke:
+        step("smoke", step_smoke, be)
+    if not args.no_pytest:
+        step("pytest", step_pytest, out, args.pytest_args)
+    if args.sanitizer:
+        step("sanitizer", step_sanitizer, out)
+    if not args.no_bench:
+        import gpu_kernels
+        wl = args.bench_workloads or list(gpu_kernels.WORKLOADS)
+        res = step("bench", gpu_kernels.run, wl, gpu_kernels.HEADS, gpu_kernels.PACKERS,
+                   args.bench_iters, str(out / "gpu_kernels.json"), be)
+        if isinstance(res, dict) and "rows" in res:
+            report["steps"]["bench"] = {"summary": res["summary"]}
+            gpu_kernels.print_table(res["rows"])
+    report["seconds"] = time.time() - t_all
+    save()
+
+    # ---- short table, last
+    st = report["steps"]
+    print("\n==== gpu_check summary")
+    print(f"device: {report['env'].get('device')}  sha: {report['env'].get('git_sha')}")
+    if "compile" in st:
+        c = st["compile"]
+        print(f"compile : {c.get('variants')} variants in {c.get('seconds', 0):.1f}s "
+              f"({c.get('arch')})" if "error" not in c else "compile : ERROR")
+    if "smoke" in st:
+        s = st["smoke"]
+        print(f"smoke   : {s.get('cases')} cases, {s.get('failed')} failed, worst err/plain "
+              f"{s.get('worst_err_over_plain', 0):.3f}" if "error" not in s else "smoke   : ERROR")
+        for f in (s.get("failures") or [])[:5]:
+            print("   FAIL", {k: f[k] for k in ("spec", "packer", "dtype", "head_dim", "layout")},
+                  f.get("error", "")[:300])
+    if "pytest" in st:
+        p = st["pytest"]
+        print(f"pytest  : rc={p.get('rc')} {p.get('seconds', 0):.0f}s  {' | '.join(p.get('tail', []))}")
+    if "sanitizer" in st:
+        for tool, r in st["sanitizer"].items():
+            print(f"{tool:9s}: rc={r.get('rc')} {'; '.join(r.get('summary', []))}")
+    if "bench" in st and "summary" in st["bench"]:
+        print("bench   :", json.dumps(st["bench"]["summary"]))
+    print(f"total {report['seconds']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

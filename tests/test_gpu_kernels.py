@@ -1,0 +1,276 @@
+"""GPU kernel tests: the CUDA backend against the float64 dense reference.
+
+Every test here is ``@pytest.mark.gpu`` and is skipped without CuPy and a CUDA device (importing
+this module needs neither).  Tolerance (DESIGN §9): the kernel's norm-wise relative error against
+the float64 reference may be at most twice the error of a plain same-dtype implementation (torch
+attention computed entirely in fp16/bf16) on the same inputs.
+
+Covered: every compiled forward variant (the planner's ``tile=(m, n)`` override forces it), every
+packer on Hypothesis-drawn prefix forests, fp16 and bf16, head_dim 64 and 128, page sizes 1, 16
+and 32, NHD and HND caches, strided views, the caller's stream, CuPy inputs, outputs and partial
+buffers poisoned with NaN before each run, and bit-identical repeated runs.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pat_core import cuda_compile as cc
+
+pytestmark = pytest.mark.gpu
+
+PACKERS = ("pat", "query", "node", "compute", "cascade")
+
+
+def _available() -> bool:
+    try:
+        from pat_core.cuda_backend import is_available
+        import torch  # noqa: F401
+        return is_available()
+    except Exception:
+        return False
+
+
+requires_gpu = pytest.mark.skipif(not _available(), reason="needs CuPy, torch and a CUDA device")
+
+
+# ----------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="session")
+def backend():
+    """One backend for the session, with every kernel variant compiled up front."""
+    if not _available():
+        pytest.skip("needs CuPy, torch and a CUDA device")
+    from pat_core.cuda_backend import CudaBackend
+    be = CudaBackend()
+    be.warmup(jobs=int(os.environ.get("PAT_COMPILE_JOBS", os.cpu_count() or 1)))
+    return be
+
+
+def _torch_dtype(name):
+    import torch
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+def make_inputs(num_pages, page_size, batch, hq, hk, d, dtype, layout, seed, strided=False):
+    """Random q, k_cache, v_cache as torch CUDA tensors (optionally strided views)."""
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    tdt = _torch_dtype(dtype)
+    shape = ((num_pages, page_size, hk, d) if layout == "NHD" else (num_pages, hk, page_size, d))
+    if strided:
+        # a view whose page and head strides are not the dense ones (head_dim still contiguous)
+        big = (shape[0], shape[1], shape[2] + 1, shape[3] * 2)
+        k = torch.randn(big, generator=g, device="cuda", dtype=torch.float32).to(tdt)
+        v = torch.randn(big, generator=g, device="cuda", dtype=torch.float32).to(tdt)
+        k, v = k[:, :, 1:, 8:8 + d], v[:, :, :-1, d:]
+    else:
+        k = torch.randn(shape, generator=g, device="cuda", dtype=torch.float32).to(tdt)
+        v = torch.randn(shape, generator=g, device="cuda", dtype=torch.float32).to(tdt)
+    q = torch.randn((batch, hq, d), generator=g, device="cuda", dtype=torch.float32).to(tdt)
+    return q, k, v
+
+
+def plain_attention(q, k, v, bt, page_size, layout, scale):
+    """Same-dtype torch attention (scores, softmax and P·V all in q's dtype) + fp32 LSE."""
+    import torch
+    B, hq, d = q.shape
+    hk = k.shape[2] if layout == "NHD" else k.shape[1]
+    g = hq // hk
+    out = torch.empty_like(q)
+    lse = torch.empty((B, hq), dtype=torch.float32, device=q.device)
+    for r in range(B):
+        pages = torch.as_tensor(bt.pages_of(r).astype(np.int64), device=q.device)
+        L = int(bt.seq_lens[r])
+        kb, vb = k[pages], v[pages]
+        if layout == "HND":
+            kb, vb = kb.transpose(1, 2), vb.transpose(1, 2)
+        kb = kb.reshape(-1, hk, d)[:L].permute(1, 0, 2)     # [hk, L, d]
+        vb = vb.reshape(-1, hk, d)[:L].permute(1, 0, 2)
+        qg = q[r].view(hk, g, d)
+        s = torch.matmul(qg, kb.transpose(1, 2)) * scale    # [hk, g, L] in q's dtype
+        p = torch.softmax(s, dim=-1)
+        out[r] = torch.matmul(p, vb).reshape(hq, d)
+        lse[r] = torch.logsumexp(s.float(), dim=-1).reshape(hq)
+    return out, lse
+
+
+def _np64(t):
+    return t.detach().float().cpu().numpy().astype(np.float64)
+
+
+def _rel(x, ref):
+    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def check_case(backend, packer, block_tables, seq_lens, num_pages, page_size, hq, hk, d, dtype,
+               layout="NHD", seed=0, tile=None, strided=False):
+    """Plan, run (outputs and partials poisoned), compare with the references, rerun."""
+    import torch
+    from pat_core import PrefixAttentionWrapper, dense_attention
+    from pat_core.inputs import as_block_table
+
+    w = PrefixAttentionWrapper(backend="cuda", packer=packer, kv_layout=layout)
+    w._gpu_backend = backend   # share the session's compiled kernels and buffers
+    plan = w.plan(block_tables, seq_lens, hq, hk, d, page_size, kv_data_type=dtype, tile=tile)
+    plan.validate()
+    bt = as_block_table(block_tables, seq_lens, page_size)
+    B = bt.batch_size
+    q, k, v = make_inputs(num_pages, page_size, B, hq, hk, d, dtype, layout, seed, strided)
+
+    def run_once():
+        o_part, l_part = backend._partials(plan.num_slots, hq, d)
+        o_part.fill(float("nan"))
+        l_part.fill(float("nan"))
+        out = torch.full((B, hq, d), float("nan"), dtype=q.dtype, device=q.device)
+        lse = torch.full((B, hq), float("nan"), dtype=torch.float32, device=q.device)
+        backend.run(plan, q, k, v, kv_layout=layout, return_lse=True, out=out, lse=lse)
+        torch.cuda.synchronize()
+        return out, lse
+
+    out, lse = run_once()
+    assert not torch.isnan(out).any(), "output not fully written (NaN left)"
+    assert not torch.isnan(lse).any(), "lse not fully written (NaN left)"
+
+    ref, ref_lse = dense_attention(_np64(q), (_np64(k), _np64(v)), block_tables, seq_lens,
+                                   page_size, kv_layout=layout, sm_scale=plan.sm_scale,
+                                   return_lse=True)
+    low, low_lse = plain_attention(q, k, v, bt, page_size, layout, plan.sm_scale)
+    err = _rel(_np64(out), ref)
+    err_plain = _rel(_np64(low), ref)
+    assert err <= 2 * err_plain + 1e-6, (
+        f"{plan.summary()}: kernel error {err:.3e} > 2 x plain {dtype} error {err_plain:.3e}")
+    lerr = float(np.abs(_np64(lse) - ref_lse).max())
+    lerr_plain = float(np.abs(_np64(low_lse) - ref_lse).max())
+    assert lerr <= 2 * lerr_plain + 1e-5, f"lse error {lerr:.3e} vs plain {lerr_plain:.3e}"
+
+    out2, lse2 = run_once()
+    assert torch.equal(out, out2) and torch.equal(lse, lse2), "repeated runs differ"
+    return plan, err, err_plain
+
+
+# ----------------------------------------------------------------------------- every variant
+def _variant_case(m):
+    """A two-level tree whose root CTA has about m rows with group 4 (hq=8, hk=2)."""
+    n_req = max(1, m // 4)
+    return f"1,{n_req}_{2 * 37 + 5 + m},{19 + m // 16}"
+
+
+@requires_gpu
+@pytest.mark.parametrize("variant", cc.all_fwd_variants(), ids=lambda v: v.key)
+def test_every_variant(backend, variant):
+    from pat_core.workloads import build_tree_batch
+    ps = 16
+    b = build_tree_batch(_variant_case(variant.m), page_size=ps, seed=variant.n)
+    plan, err, plain = check_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages, ps,
+                                  8, 2, variant.head_dim, variant.dtype, seed=variant.m,
+                                  tile=(variant.m, variant.n))
+    assert set(plan.stats()["tiles"]) == {f"{variant.m}x{variant.n}"}
+
+
+# ----------------------------------------------------------------------------- random forests
+from strategies import head_configs, prefix_batches  # noqa: E402  (tests/strategies.py)
+
+
+@requires_gpu
+@settings(deadline=None, max_examples=int(os.environ.get("PAT_GPU_EXAMPLES", 40)))
+@given(batch=prefix_batches(max_requests=16, page_sizes=(1, 16, 32)), heads=head_configs(),
+       d=st.sampled_from((64, 128)), dtype=st.sampled_from(("float16", "bfloat16")),
+       packer=st.sampled_from(PACKERS), layout=st.sampled_from(("NHD", "HND")),
+       seed=st.integers(0, 2**16))
+def test_random_forests(backend, batch, heads, d, dtype, packer, layout, seed):
+    hq, hk = heads
+    check_case(backend, packer, batch.block_tables, batch.seq_lens, batch.num_pages,
+               batch.page_size, hq, hk, d, dtype, layout=layout, seed=seed)
+
+
+@requires_gpu
+@pytest.mark.parametrize("packer", PACKERS)
+@pytest.mark.parametrize("page_size", (1, 16, 32))
+def test_packers_tree(backend, packer, page_size):
+    from pat_core.workloads import build_tree_batch
+    b = build_tree_batch("1,4,16_100,37,61", page_size=page_size, seed=page_size)
+    for hq, hk in ((32, 8), (12, 2), (7, 7), (40, 8)):
+        check_case(backend, packer, b.block_tables, b.seq_lens, b.num_pages, page_size, hq, hk,
+                   128, "float16", seed=hq)
+
+
+@requires_gpu
+@pytest.mark.parametrize("layout", ("NHD", "HND"))
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+def test_strided_cache_views(backend, layout, dtype):
+    from pat_core.workloads import build_tree_batch
+    b = build_tree_batch("1,3,9_70,20,33", page_size=16, seed=1)
+    check_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages, 16, 8, 2, 64, dtype,
+               layout=layout, strided=True)
+
+
+# ----------------------------------------------------------------------------- streams, CuPy
+@requires_gpu
+def test_runs_on_callers_stream(backend):
+    """On a side stream, with the default stream busy, results match a default-stream run."""
+    import torch
+    from pat_core import PrefixAttentionWrapper
+    from pat_core.workloads import build_tree_batch
+    b = build_tree_batch("1,4,32_512,128,64", page_size=16, seed=3)
+    w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+    w._gpu_backend = backend
+    w.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
+    q, k, v = make_inputs(b.num_pages, 16, b.batch_size, 32, 8, 128, "float16", "NHD", 5)
+    ref = w.run(q, (k, v))
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        q2 = q.clone()          # produced on s: the kernels must wait for it
+        out = w.run(q2, (k, v))
+    s.synchronize()
+    assert torch.equal(out, ref)
+
+
+@requires_gpu
+def test_cupy_inputs(backend):
+    import cupy
+    import torch
+    from pat_core import PrefixAttentionWrapper, dense_attention
+    from pat_core.workloads import build_tree_batch
+    b = build_tree_batch("1,8_300,45", page_size=16, seed=4)
+    w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+    w._gpu_backend = backend
+    w.plan(b.block_tables, b.seq_lens, 16, 4, 128, 16)
+    q, k, v = make_inputs(b.num_pages, 16, b.batch_size, 16, 4, 128, "float16", "NHD", 6)
+    qc, kc, vc = (cupy.asarray(t) for t in (q, k, v))
+    out, lse = w.run(qc, (kc, vc), return_lse=True)
+    assert isinstance(out, cupy.ndarray) and out.dtype == cupy.float16
+    assert isinstance(lse, cupy.ndarray) and lse.dtype == cupy.float32
+    ref = dense_attention(_np64(q), (_np64(k), _np64(v)), b.block_tables, b.seq_lens, 16)
+    assert _rel(cupy.asnumpy(out).astype(np.float64), ref) < 5e-3
+    out_t = w.run(q, (k, v))
+    assert np.array_equal(cupy.asnumpy(out), out_t.cpu().numpy())
+    torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------- validation
+@requires_gpu
+def test_bad_inputs(backend):
+    import torch
+    from pat_core import PrefixAttentionWrapper
+    from pat_core.workloads import build_tree_batch
+    b = build_tree_batch("1,4_40,20", page_size=16, seed=0)
+    w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+    w._gpu_backend = backend
+    plan = w.plan(b.block_tables, b.seq_lens, 8, 2, 64, 16)
+    q, k, v = make_inputs(b.num_pages, 16, b.batch_size, 8, 2, 64, "float16", "NHD", 0)
+    wide = torch.zeros(b.num_pages, 16, 2, 128, dtype=torch.float16, device="cuda")
+    with pytest.raises(ValueError, match="k_cache"):
+        backend.run(plan, q, wide[..., ::2], v)
+    with pytest.raises(TypeError):
+        backend.run(plan, q, k.to(torch.bfloat16), v.to(torch.bfloat16))
+    with pytest.raises(TypeError):
+        backend.run(plan, q, k.float(), v)
+    with pytest.raises(ValueError, match="pages"):
+        backend.run(plan, q, k[:1], v[:1])
+    with pytest.raises(ValueError, match="q"):
+        backend.run(plan, q[:, :4], k, v)
