@@ -17,9 +17,10 @@ What it models
   flight, partial write), then *streaming*: it moves its ``bytes`` while computing; it ends when
   both the bytes are moved and ``compute`` time has passed since streaming began (the kernel
   double-buffers, so compute and loads overlap).
-* **Bandwidth.** DRAM is shared as a fluid: each SM that has streaming blocks gets
-  ``min(sm_bw, hbm_bw / active_SMs)`` and its streaming blocks split that equally.  So a lone
-  block cannot use the whole GPU, and a full GPU cannot exceed DRAM bandwidth.
+* **Bandwidth.** DRAM is shared as a fluid, max-min fair between streaming blocks (DRAM serves
+  outstanding requests, and every block keeps a similar number in flight), under two caps: one
+  SM pulls at most ``sm_bw`` (its blocks split it), and all SMs together at most ``hbm_bw``.
+  So a lone block cannot use the whole GPU, and a full GPU cannot exceed DRAM bandwidth.
 
 The engine is a Numba loop over events (a block starting, finishing its latency, its bytes or its
 compute; a launch arriving; a phase opening).  Per event it touches every SM once, so a plan of
@@ -54,6 +55,42 @@ def _recompute_sm(x, res, state, timer_end, vfin, max_res):
 
 
 @njit(cache=True)
+def _fair_level(ntr, num_sms, max_res, sm_bw, hbm_bw, hist):
+    """Max-min fair DRAM share per streaming block.
+
+    Block rates are ``min(sm_bw / k_x, L)`` for a block on an SM with ``k_x`` streaming blocks;
+    ``L`` (returned; ``inf`` when DRAM is not the limit) makes the rates add up to ``hbm_bw``:
+    ``sum_x min(sm_bw, k_x * L) = hbm_bw``.  Solved over the histogram of ``k_x`` (at most
+    ``max_res + 1`` distinct values), so the cost is one pass over the SMs.
+    """
+    for k in range(max_res + 1):
+        hist[k] = 0
+    active = 0
+    for x in range(num_sms):
+        if ntr[x] > 0:
+            hist[ntr[x]] += 1
+            active += 1
+    if active == 0 or active * sm_bw <= hbm_bw:
+        return _INF
+    # raise L through the breakpoints sm_bw / k (k from large to small); SMs with k * L >= sm_bw
+    # are saturated at sm_bw, the rest take k * L
+    sat_bw = 0.0          # bandwidth of saturated SMs
+    blocks = 0            # streaming blocks on unsaturated SMs
+    for k in range(1, max_res + 1):
+        blocks += k * hist[k]
+    for k in range(max_res, 0, -1):
+        if hist[k] == 0:
+            continue
+        # candidate level with SMs of k' > k saturated: L = (hbm - sat_bw) / blocks
+        L = (hbm_bw - sat_bw) / blocks
+        if L <= sm_bw / k:
+            return L
+        sat_bw += hist[k] * sm_bw
+        blocks -= k * hist[k]
+    return _INF
+
+
+@njit(cache=True)
 def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_compute, stream_ptr,
               stream_ready, stream_phase, num_phases, gap_ns, sm_bw, hbm_bw):
     N = blk_cfg.shape[0]
@@ -79,6 +116,8 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_compute, 
     V = np.zeros(num_sms)
     tmin = np.full(num_sms, _INF)
     vmin = np.full(num_sms, _INF)
+    rate = np.zeros(num_sms)
+    hist = np.zeros(max_res + 1, dtype=np.int64)
     head = stream_ptr[:-1].copy()
     remaining = np.zeros(num_phases, dtype=np.int64)
     blk_phase = np.empty(N, dtype=np.int32)
@@ -140,19 +179,14 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_compute, 
                             vmin[best] = vfin[b]
                     head[s] += 1
         # ---- next event
-        active = 0
-        for x in range(num_sms):
-            if ntr[x] > 0:
-                active += 1
-        R = 0.0
-        if active > 0:
-            R = min(sm_bw, hbm_bw / active)
+        L = _fair_level(ntr, num_sms, max_res, sm_bw, hbm_bw, hist)
         tn = _INF
         for x in range(num_sms):
             if tmin[x] < tn:
                 tn = tmin[x]
             if ntr[x] > 0:
-                te = t + (vmin[x] - V[x]) * ntr[x] / R
+                rate[x] = min(sm_bw / ntr[x], L)
+                te = t + (vmin[x] - V[x]) / rate[x]
                 if te < tn:
                     tn = te
         if cur < num_phases:
@@ -172,7 +206,7 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_compute, 
         dt = tn - t
         for x in range(num_sms):
             if ntr[x] > 0:
-                V[x] += R / ntr[x] * dt
+                V[x] += rate[x] * dt
         t = tn
         eps_t = 1e-9 * t + 1e-9
         # ---- state changes at time t
