@@ -1,0 +1,91 @@
+"""The kernel resource data file (pat_core/data/kernel_resources.json) is complete and current.
+
+CPU only.  The data checks need no compiler: every variant the backend can launch is listed with
+the shared memory the launcher requests, no variant spills or exceeds its architecture's shared
+memory, and the file's source hash matches the CUDA sources (regenerate with
+``python3 bench/kernel_resources.py`` after editing ``cuda_src/``).  With ``nvcc`` on PATH, a
+subset of variants is recompiled for sm_80 and sm_90 and must match the file.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from pat_core import cuda_compile as cc
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def data():
+    path = cc.resources_path()
+    assert path.is_file(), f"{path} missing: run python3 bench/kernel_resources.py"
+    return json.loads(path.read_text())
+
+
+def test_schema_and_completeness(data):
+    assert data["generator"] == "bench/kernel_resources.py"
+    assert data["nvcc"] and data["source_hash"]
+    want = {v.key: v for v in cc.all_fwd_variants() + cc.all_merge_variants()}
+    assert set(data["variants"]) == set(want), "variant list differs from pat_core.cuda_compile"
+    for key, rec in data["variants"].items():
+        v = want[key]
+        assert rec["head_dim"] == v.head_dim and rec["dtype"] == v.dtype
+        assert rec["warps"] == v.warps and rec["threads"] == v.threads
+        if isinstance(v, cc.FwdVariant):
+            assert (rec["m"], rec["n"], rec["stages"]) == (v.m, v.n, v.stages)
+        for arch in ("sm_80", "sm_90"):
+            r = rec[arch]
+            for field in ("registers", "smem_static", "smem_dynamic", "spill_stores",
+                          "spill_loads"):
+                assert isinstance(r[field], int), (key, arch, field)
+            assert r["smem_dynamic"] == v.smem_bytes, f"{key}: launcher smem differs from file"
+
+
+def test_no_spills_and_within_limits(data):
+    bad = []
+    for key, rec in data["variants"].items():
+        for arch in ("sm_80", "sm_90"):
+            r = rec[arch]
+            if r["spill_stores"] or r["spill_loads"] or r.get("stack_frame", 0):
+                bad.append(f"{key} {arch} spills/stack")
+            if r["registers"] > 255:
+                bad.append(f"{key} {arch} registers {r['registers']}")
+            if arch == "sm_90" and r["smem_static"] + r["smem_dynamic"] > cc.SMEM_LIMIT[arch]:
+                bad.append(f"{key} {arch} smem")
+    assert not bad, bad
+
+
+def test_source_hash_current(data):
+    assert data["source_hash"] == cc.source_hash(), (
+        "cuda_src/ changed since pat_core/data/kernel_resources.json was generated: "
+        "run python3 bench/kernel_resources.py")
+
+
+# a few variants spanning the shapes: smallest, the decode hot path, largest, merge
+_SUBSET = ("pat_fwd_d64_f16_m16_n16", "pat_fwd_d128_f16_m16_n64", "pat_fwd_d128_bf16_m16_n128",
+           "pat_fwd_d128_f16_m128_n128", "pat_merge_d128_bf16")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_recompile_subset_matches(data):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import kernel_resources as kr
+    allv = cc.all_fwd_variants() + cc.all_merge_variants()
+    subset = [v for v in allv if any(v.key.startswith(p + "_") for p in _SUBSET)]
+    assert len(subset) == len(_SUBSET)
+    same_nvcc = cc.nvcc_version() == data["nvcc"]
+    tasks = [(v, a) for v in subset for a in ("sm_80", "sm_90")]
+    with ThreadPoolExecutor(max_workers=4) as ex:
+        got = list(ex.map(lambda t: kr.compile_variant(t[0], t[1]), tasks))
+    for (v, arch), r in zip(tasks, got):
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (v.key, arch, r)
+        assert r["smem_dynamic"] + r["smem_static"] <= cc.SMEM_LIMIT["sm_90"]
+        if same_nvcc:
+            rec = data["variants"][v.key][arch]
+            assert r["registers"] == rec["registers"], (v.key, arch, r, rec)
