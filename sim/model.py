@@ -7,9 +7,11 @@ Cost of one forward thread block (one CTA, one KV head) with ``t`` KV tiles of `
     compute  = t * (tile_ns + 4 * m * n * head_dim / sm_flops)
     duration = latency + max(bytes / bandwidth share, compute)
 
-where the bandwidth share comes from the event-driven fluid model of :mod:`sim.timeline` (an SM
-with streaming blocks gets ``min(sm_bandwidth, hbm_bandwidth / active SMs)``, split equally among
-them).  A merge block (``MERGE_WARPS`` (request, head) pairs) costs ``block_ns`` latency, its
+where the bandwidth share comes from the event-driven fluid model of :mod:`sim.timeline`: DRAM
+bandwidth is split max-min fairly between the blocks that are streaming, no SM pulling more than
+``sm_bandwidth`` and all of them together no more than ``hbm_bandwidth``.  (With every SM busy
+and equal blocks this is the simple rule "an SM's share is ``hbm_bandwidth / num_sms``, split
+between its resident blocks"; the fluid form also gets the tail and small batches right.)  A merge block (``MERGE_WARPS`` (request, head) pairs) costs ``block_ns`` latency, its
 partial reads and output writes, and ``merge_slot_ns`` per slot of its longest pair.
 
 Launch ``k`` (forward groups in plan order, then the merge) reaches the GPU at

@@ -1,0 +1,103 @@
+"""``python -m sim`` in-process: JSON round trips, PNGs with the Agg backend (CPU only)."""
+from __future__ import annotations
+
+import json
+
+import matplotlib
+import pytest
+
+from sim import simulate
+from sim.cli import ALL_METHODS, main, tree_spec
+from sim.methods import load_batch, make_plan, save_batch
+from sim.plots import bytes_plot, gantt, sweep_plot
+
+PNG = b"\x89PNG\r\n\x1a\n"
+SPEC = "1,4,16_128,256,1024"
+
+
+def test_compare_json_round_trips(capsys):
+    assert main(["compare", "--tree", SPEC, "--heads", "32:8", "--gpu", "h100",
+                 "--page-size", "16", "--head-dim", "128", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [r["method"] for r in res["rows"]] == list(ALL_METHODS)
+    assert res["heads"] == [32, 8] and res["gpu"].startswith("H100")
+    batch = load_batch(SPEC, 16)
+    for row in res["rows"]:
+        plan = make_plan(batch, row["method"], 32, 8, 128)
+        st = plan.stats()
+        r = simulate(plan)
+        assert row["ctas"] == st["num_ctas"] and row["kv_bytes"] == st["kv_bytes"]
+        assert row["total_bytes"] == st["total_bytes"]
+        assert row["predicted_us"] == pytest.approx(r.latency_us, abs=1e-3)
+        assert row["bubble_pct"] == pytest.approx(100 * r.bubble, abs=0.01)
+        assert row["waste_pct"] == pytest.approx(100 * r.waste["total"], abs=0.01)
+    # the table form prints the same methods
+    assert main(["compare", "--tree", SPEC, "--methods", "pat,query"]) == 0
+    text = capsys.readouterr().out
+    assert "pat" in text and "query" in text and "pred us" in text
+
+
+def test_compare_on_a_block_table_file(tmp_path, capsys):
+    path = tmp_path / "trace.json"
+    save_batch(load_batch("1,8_100,30", 4), str(path))
+    assert main(["compare", "--tree", str(path), "--heads", "8:8", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["page_size"] == 4 and res["batch_size"] == 8
+
+
+def test_timeline_png(tmp_path, capsys):
+    out = tmp_path / "t.png"
+    assert main(["timeline", "--tree", SPEC, "--heads", "32:8", "--method", "pat",
+                 "--out", str(out), "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert out.read_bytes()[:8] == PNG and row["method"] == "pat" and row["occupancy"]
+
+
+def test_sweep_png_and_json(tmp_path, capsys):
+    out = tmp_path / "sw"
+    assert main(["sweep", "--knob", "gqa", "--values", "1,4", "--batch", "8", "--prefix", "256",
+                 "--methods", "pat,query", "--out", str(out)]) == 0
+    res = json.loads((tmp_path / "sw.json").read_text())
+    assert (tmp_path / "sw.png").read_bytes()[:8] == PNG
+    assert res["values"] == [1, 4] and res["heads"] == [[8, 8], [32, 8]]
+    assert set(res["methods"]) == {"pat", "query"}
+    assert all(len(v) == 2 and min(v) > 0 for v in res["methods"].values())
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("knob", ["batch", "prefix", "depth"])
+def test_sweep_knobs(tmp_path, knob, capsys):
+    vals = {"batch": "4,8", "prefix": "0,64", "depth": "1,3"}[knob]
+    assert main(["sweep", "--knob", knob, "--values", vals, "--batch", "4", "--prefix", "64",
+                 "--methods", "pat", "--out", str(tmp_path / knob)]) == 0
+    res = json.loads((tmp_path / f"{knob}.json").read_text())
+    assert len(res["specs"]) == 2
+    capsys.readouterr()
+
+
+def test_tree_spec():
+    assert tree_spec(8, 0, 32, 3) == "8_32"
+    assert tree_spec(8, 300, 32, 1) == "8_332"
+    assert tree_spec(8, 300, 32, 2) == "1,8_300,32"
+    assert tree_spec(8, 301, 32, 3) == "1,2,8_151,150,32"
+
+
+def test_plots_render_with_agg(tmp_path):
+    assert matplotlib.get_backend().lower() == "agg"
+    batch = load_batch("1,2,8_64,100,37", 16)
+    res = [simulate(make_plan(batch, m, 32, 8, 128)) for m in ("pat", "pat-serial")]
+    for i, r in enumerate(res):
+        assert open(gantt(r, str(tmp_path / f"g{i}.png")), "rb").read(8) == PNG
+    rows = [dict(method=m, bytes=r.bytes) for m, r in zip(("pat", "pat-serial"), res)]
+    assert open(bytes_plot(rows, str(tmp_path / "b.png")), "rb").read(8) == PNG
+    sw = {"knob": "batch", "values": [1, 2], "methods": {"pat": [1.0, 2.0]}}
+    assert open(sweep_plot(sw, str(tmp_path / "s.png")), "rb").read(8) == PNG
+
+
+def test_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        main(["compare", "--tree", SPEC, "--heads", "32:5"])
+    with pytest.raises(SystemExit):
+        main(["compare", "--tree", SPEC, "--methods", "nope"])
+    assert main(["compare", "--tree", "1,2_3"]) == 2       # malformed spec: clear error
+    assert "error" in capsys.readouterr().err
