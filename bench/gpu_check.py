@@ -135,6 +135,7 @@ def main(argv=None):
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--bench-workloads", nargs="*", default=None)
     ap.add_argument("--bench-iters", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="time forced tiles x (warps, stages)")
     ap.add_argument("--sanitize-case", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.sanitize_case:
@@ -182,6 +183,12 @@ def main(argv=None):
         if isinstance(res, dict) and "rows" in res:
             report["steps"]["bench"] = {"summary": res["summary"]}
             gpu_kernels.print_table(res["rows"])
+    if args.sweep:
+        import gpu_kernels
+        res = step("sweep", gpu_kernels.sweep, be)
+        if isinstance(res, dict):
+            (out / "sweep.json").write_text(json.dumps(res, indent=1) + "\n")
+            report["steps"]["sweep"] = {"rows": len(res.get("rows", []))}
     report["seconds"] = time.time() - t_all
     save()
 

@@ -143,11 +143,18 @@ def bench_workload(backend, spec, hq, hk, packers=PACKERS, head_dim=128, page_si
         fn = lambda: backend.run(plan, q, k, v, out=out)  # noqa: E731
         ts = time_events(fn, iters, flush=flush)
         ms = float(np.median(ts))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            fn()
+        host_us = (time.perf_counter() - t0) / 10 * 1e6   # enqueue cost per call
+        torch.cuda.synchronize()
         st = plan.stats()
         outs[packer] = out.clone()
         row = {"workload": spec, "heads": f"{hq}:{hk}", "packer": packer, "batch": B,
                "time_us": ms * 1e3, "time_us_min": float(np.min(ts)) * 1e3,
                "time_us_p90": float(np.percentile(ts, 90)) * 1e3, "iters": iters,
+               "host_us": host_us, "tile_override": list(tile) if tile else None,
                "plan_ms": plan_ms, "unique_kv_tokens": uniq, "must_bytes": must_bytes,
                "eff_bw_gbs": must_bytes / (ms * 1e-3) / 1e9,
                "moved_bytes": st["total_bytes"],
@@ -227,6 +234,54 @@ def run(workloads=WORKLOADS, heads=HEADS, packers=PACKERS, iters=20, out=None, b
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+SWEEP = (
+    # (workload, heads, packer, tile, {(m, n): (warps, stages)})
+    ("256_4096", (32, 8), "query", (16, 128), {(16, 128): (4, 2)}),
+    ("256_4096", (32, 8), "query", (16, 128), {(16, 128): (8, 2)}),
+    ("256_4096", (32, 8), "query", (16, 128), {(16, 128): (4, 3)}),
+    ("256_4096", (32, 8), "query", (16, 128), {(16, 128): (8, 3)}),
+    ("256_4096", (32, 8), "query", (16, 64), {(16, 64): (4, 2)}),
+    ("256_4096", (32, 8), "query", (16, 64), {(16, 64): (4, 3)}),
+    ("256_4096", (32, 8), "query", (16, 64), {(16, 64): (4, 4)}),
+    ("256_4096", (32, 8), "query", (16, 32), {(16, 32): (2, 3)}),
+    ("256_4096", (32, 8), "query", (16, 32), {(16, 32): (2, 4)}),
+    ("256_4096", (32, 8), "query", (16, 16), {(16, 16): (1, 4)}),
+    ("1,4,64_256,1024,64", (32, 8), "pat", (64, 64), {(64, 64): (4, 2)}),
+    ("1,4,64_256,1024,64", (32, 8), "pat", (64, 64), {(64, 64): (8, 3)}),
+    ("1,4,64_256,1024,64", (32, 8), "pat", (64, 128), {(64, 128): (8, 3)}),
+    ("1,4,64_256,1024,64", (32, 8), "pat", (128, 64), {(128, 64): (8, 3)}),
+    ("1,4,64_256,1024,64", (32, 8), "pat", (128, 128), {(128, 128): (8, 2)}),
+    ("1,4,64_256,1024,64", (32, 8), "pat", (128, 128), {(128, 128): (8, 3)}),
+)
+
+
+def sweep(backend=None, cases=SWEEP, iters=20, copy_bw=None):
+    """Time forced tiles with chosen (warps, stages): the data behind the variant defaults."""
+    from pat_core import cuda_compile as cc
+    from pat_core.cuda_backend import CudaBackend
+    backend = backend or CudaBackend()
+    copy_bw = copy_bw or copy_bandwidth()
+    flush = _flusher()
+    rows = []
+    for spec, (hq, hk), packer, tile, over in cases:
+        cc.VARIANT_OVERRIDES.clear()
+        cc.VARIANT_OVERRIDES.update(over)
+        try:
+            r = bench_workload(backend, spec, hq, hk, (packer,), iters=iters, copy_bw=copy_bw,
+                               flush=flush, tile=tile, check=False)[0]
+            r["variant"] = cc.FwdVariant.make(tile[0], tile[1], 128, "float16").key
+        except Exception as e:
+            r = {"workload": spec, "heads": f"{hq}:{hk}", "packer": packer, "tile": tile,
+                 "error": f"{type(e).__name__}: {e}"[:400]}
+        finally:
+            cc.VARIANT_OVERRIDES.clear()
+        rows.append(r)
+        print(f"  sweep {spec} {packer} {r.get('variant', tile)}: "
+              f"{r.get('time_us', float('nan')):.1f} us "
+              f"{100 * r.get('eff_bw_frac_copy', float('nan')):.0f}% of copy", flush=True)
+    return {"copy_bw_gbs": copy_bw, "rows": rows}
 
 
 def main(argv=None):

@@ -83,7 +83,7 @@ struct KvTileLoader {
   const T* __restrict__ k_cache;
   const T* __restrict__ v_cache;
   const int* __restrict__ pages;  // indexed by absolute page number (pos / page_size)
-  int kv_start, kv_len, page_size, kv_head;
+  int kv_start, kv_len, page_size, page_shift, kv_head;  // page_shift: log2(page_size) or -1
   long long k_sp, k_st, k_sh, v_sp, v_st, v_sh;
 
   __device__ __forceinline__ void load(T* sK, T* sV, int tile, int stage, int tid) const {
@@ -105,7 +105,8 @@ struct KvTileLoader {
         int bytes = 0;
         if (tok < kv_len) {
           const int pos = kv_start + tok;
-          const int pidx = pos / page_size;
+          // power-of-two pages (the common case) avoid an integer division per row
+          const int pidx = page_shift >= 0 ? (pos >> page_shift) : pos / page_size;
           const long long page = pages[pidx];
           const long long slot = pos - pidx * page_size;
           ks = k_cache + (page * k_sp + slot * k_st + k_col);
@@ -173,8 +174,10 @@ __device__ __forceinline__ void pat_fwd_body(
   }
 
   // ---- KV tile gather: token -> page -> (K row, V row) ---------------------------------------
+  const int page_shift = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
   const KvTileLoader<Tr> loader{k_cache, v_cache, cta_pages + page_base, kv_start, kv_len,
-                                page_size, kv_head, k_sp, k_st, k_sh, v_sp, v_st, v_sh};
+                                page_size, page_shift, kv_head, k_sp, k_st, k_sh,
+                                v_sp, v_st, v_sh};
 
   // Prologue: group 0 = Q, groups 1..STAGES-1 = tiles 0..STAGES-2 (possibly empty groups).
   cp_async_commit();

@@ -76,19 +76,28 @@ def source_hash(src_dir: Path | None = None) -> str:
 def default_warps(m: int, n: int) -> int:
     """Warps of the (m, n) variant.
 
-    One warp per 16 query rows (m / 16 row blocks); when that leaves fewer than 4 warps, extra
-    warps split each KV tile's tokens (each needs >= 16 tokens), so small-m tiles still have
-    enough threads issuing loads.  m = 128 gets 8 warps: one row block each keeps the register
-    arrays (Q fragments, accumulators, scores) of a thread within budget.
+    One warp per 16 query rows (m / 16 row blocks, 8 at m = 128: one row block per warp keeps
+    a thread's register arrays within budget); while that leaves fewer than 8 warps, extra warps
+    split each KV tile's tokens, down to 16 tokens per warp.  More warps per CTA means more
+    threads issuing the tile's cp.async gathers and computing in parallel: with the large tiles
+    only one CTA fits an SM, and 4 warps left the SM alternating between issuing and computing.
     """
     wm = m // 16
-    wn = max(1, min(n // 16, 4 // wm)) if wm < 4 else 1
+    wn = max(1, min(n // 16, 8 // wm))
     return wm * wn
 
 
-def default_stages(m: int, n: int) -> int:
-    """cp.async ring depth: 3 for short tiles (more bytes in flight per CTA), else 2."""
-    return 3 if n <= 32 else 2
+def default_stages(m: int, n: int, head_dim: int = 128) -> int:
+    """cp.async ring depth: 3 (two tiles in flight while one is computed) where the ring fits
+    the sm_90 per-block shared memory, else 2."""
+    for stages in (3, 2):
+        if fwd_smem_bytes(m, n, head_dim, stages) <= SMEM_LIMIT["sm_90"]:
+            return stages
+    return 2
+
+
+# Benchmarks may override (warps, stages) per (m, n) to sweep variants; empty in normal use.
+VARIANT_OVERRIDES: dict = {}
 
 
 @dataclass(frozen=True, order=True)
@@ -102,8 +111,9 @@ class FwdVariant:
 
     @classmethod
     def make(cls, m: int, n: int, head_dim: int, dtype: str) -> "FwdVariant":
-        return cls(int(head_dim), str(dtype), int(m), int(n), default_warps(m, n),
-                   default_stages(m, n))
+        w, st = VARIANT_OVERRIDES.get((int(m), int(n)),
+                                      (default_warps(m, n), default_stages(m, n, head_dim)))
+        return cls(int(head_dim), str(dtype), int(m), int(n), int(w), int(st))
 
     @property
     def key(self) -> str:
