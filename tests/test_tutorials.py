@@ -102,15 +102,15 @@ def test_benchmark_plot_path(kernel_env, monkeypatch, tmp_path):
     src = next((p for p in SOURCES if p.stem.startswith("05_")), None)
     if src is None:
         pytest.skip("tutorial 5 not present")
+    # the layout bench/compare.py writes: device and git sha on top, one row per measurement
     result = {
-        "benchmark": "decode_attention", "device": "Example GPU (test fixture)",
-        "git_sha": "0" * 40,
-        "records": [
-            {"workload": "1,4,16_128,256,1024", "method": m, "latency_us": t}
-            for m, t in (("pat", 40.0), ("query", 95.0), ("flashinfer", 90.0))
-        ] + [
-            {"workload": "1,16_2048,128", "method": m, "latency_us": t}
-            for m, t in (("pat", 30.0), ("query", 120.0), ("flashinfer", 110.0))
+        "benchmark": "compare", "device": "Example GPU (test fixture)", "git_sha": "0" * 40,
+        "head_dim": 128,
+        "rows": [
+            {"workload": wl, "heads": [32, 8], "page_size": 16, "method": m, "latency_us": t}
+            for wl, times in (("1,4,16_128,256,1024", (40.0, 95.0, 90.0)),
+                              ("1,16_2048,128", (30.0, 120.0, 110.0)))
+            for m, t in zip(("pat", "query", "fi-decode"), times)
         ],
     }
     (tmp_path / "example.json").write_text(json.dumps(result))
