@@ -72,13 +72,14 @@ def _layout(req_indptr, reqs, src, kv_start, kv_len, order, table, page_size, ba
 
 def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_heads: int,
                   head_dim: int, sm_scale: float, packer: str, selector: TileSelector,
-                  kv_dtype: str, serial: bool = False, split: bool = True) -> Plan:
+                  kv_dtype: str, serial: bool = False, split=True) -> Plan:
     """Split, tile and lay out ``packs`` as a :class:`Plan` (no per-CTA Python)."""
     group = num_qo_heads // num_kv_heads
     gpu = selector.gpu
     length = packs.kv_end - packs.kv_start
     if split:
-        thr = split_threshold(length, num_kv_heads, gpu.num_sms)
+        rule = split if isinstance(split, str) else "sm"
+        thr = split_threshold(length, num_kv_heads, gpu.num_sms, rule=rule)
     else:
         thr = int(length.max()) if length.size else 1
     src, kv_start, kv_len = split_long_kv(packs, thr)
@@ -134,7 +135,7 @@ class Planner:
 
     def plan(self, block_tables, seq_lens, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              page_size: int, *, sm_scale: float | None = None, kv_data_type="float16",
-             q_data_type=None, tile=None, serial: bool = False, split: bool = True) -> Plan:
+             q_data_type=None, tile=None, serial: bool = False, split=True) -> Plan:
         """Make (or reuse) the Plan of one decode batch.  Arguments as
         :meth:`pat_core.PrefixAttentionWrapper.plan`."""
         check_heads(num_qo_heads, num_kv_heads, head_dim)
@@ -144,7 +145,7 @@ class Planner:
             sm_scale = 1.0 / math.sqrt(head_dim)
         params = (num_qo_heads, num_kv_heads, head_dim, page_size, float(sm_scale), kv_dtype,
                   q_dtype, None if tile is None else tuple(int(x) for x in tile), bool(serial),
-                  bool(split))
+                  split)
         raw = block_tables
         if hasattr(raw, "numpy") and hasattr(raw, "device") and str(raw.device) == "cpu":
             raw = raw.numpy()                   # CPU tensor: same memory, cacheable

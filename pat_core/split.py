@@ -1,11 +1,18 @@
-"""Long-KV split (PAT §6): cut CTAs whose KV range is much longer than the rest.
+"""Long-KV split (PAT §6): cut CTAs whose KV range would make them the last to finish.
 
-PAT's rule: any CTA whose KV length exceeds the batch's mean CTA KV length is cut into equal
-parts no longer than the mean, so the last CTAs to finish are not orders of magnitude longer
-than the others.  When the batch has too few CTAs to fill the GPU (one 100k-token request, a
-handful of long requests), the mean is no help; like FlashInfer's split-KV we then also cap the
-part length at the work per SM (``total tokens x kv heads / num_sms``), never below
-``min_part`` tokens so parts stay long enough to hide their merge.
+PAT's rule cuts any CTA longer than the batch's mean CTA KV length into equal parts no longer
+than the mean (``rule="mean"``).  Measured on the simulator that rule over-splits batches with
+many short leaf CTAs: on ``1,1024_1024,16`` (heads 32:8) the mean is ~47 tokens, every
+1024-token chunk of the shared root is cut in 22 parts, and the partial results of each request
+(written and read back in fp32) outweigh the KV they were meant to balance.
+
+The default rule (``rule="sm"``) asks the question the split exists for: is this CTA longer
+than the average work of an SM?  Thread blocks (CTA x KV head) are spread over ``num_sms``
+SMs, so the batch's work per SM is ``sum(kv_len) x num_kv_heads / num_sms`` tokens; a CTA longer
+than that is a straggler whatever the mean says, and one shorter than that is not.  It still
+splits one 100k-token request over the SMs (as split-KV does) and leaves a no-sharing batch
+that already fills the GPU alone.  Parts are never shorter than ``min_part`` tokens so that
+each one's partial write stays small next to its KV.
 
 Parts are multiples of 16 tokens (the smallest KV tile) except the last one.
 """
@@ -16,16 +23,20 @@ from numba import njit
 
 from .packers import Packs
 
+SPLIT_RULES = ("sm", "mean")
+
 
 def split_threshold(kv_len: np.ndarray, num_kv_heads: int, num_sms: int,
-                    min_part: int = 256) -> int:
-    """Longest KV range a CTA may keep (tokens)."""
+                    min_part: int = 256, rule: str = "sm") -> int:
+    """Longest KV range a CTA may keep (tokens) under ``rule`` (see module docstring)."""
+    if rule not in SPLIT_RULES:
+        raise ValueError(f"split must be one of {SPLIT_RULES} (or True/False), got {rule!r}")
     if kv_len.size == 0:
         return 1
-    mean = float(kv_len.mean())
+    if rule == "mean":
+        return max(1, int(np.ceil(kv_len.mean())))
     per_sm = float(kv_len.astype(np.int64).sum()) * num_kv_heads / max(num_sms, 1)
-    cap = max(float(min_part), per_sm)
-    return max(1, int(np.ceil(min(mean, cap))))
+    return max(1, int(np.ceil(max(float(min_part), per_sm))))
 
 
 def split_long_kv(packs: Packs, threshold: int):

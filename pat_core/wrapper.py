@@ -61,7 +61,7 @@ class PrefixAttentionWrapper:
     # ------------------------------------------------------------------ plan
     def plan(self, block_tables, seq_lens, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              page_size: int, *, sm_scale: float | None = None, kv_data_type="float16",
-             q_data_type=None, tile=None, serial: bool = False, split: bool = True) -> Plan:
+             q_data_type=None, tile=None, serial: bool = False, split=True) -> Plan:
         """Pack the batch into CTAs and pick tiles.  Host arrays only; no device copies back.
 
         Parameters
@@ -77,7 +77,8 @@ class PrefixAttentionWrapper:
             used by the byte accounting and the tile solver.
         tile : force one ``(m, n)`` for every CTA (the fixed-tile ablation).
         serial : launch tile groups one after another on one stream (ablation).
-        split : apply the long-KV split (default True).
+        split : long-KV split: ``True``/``"sm"`` (default: split CTAs longer than an SM's
+            share of the work), ``"mean"`` (the PAT paper's mean rule) or ``False``.
 
         Returns the :class:`~pat_core.plan.Plan` (also kept for :meth:`run`).
         """
