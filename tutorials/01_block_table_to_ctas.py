@@ -58,11 +58,12 @@ print(forest.describe())
 
 # %% [markdown]
 # Each line is a **node**: a run of token positions `[start, end)` read by exactly the same set of
-# requests. Reading it top down: all four requests share tokens 0-7 (pages 7 and 3). Requests
-# 0, 1 and 2 go on together over pages 9 and 1. Request 0 has only 15 tokens, so it *ends* inside
-# that node; requests 1 and 2 continue into page 12 and then split. The forest is
-# token-accurate: page 1 holds tokens 12-15, but request 0 only uses tokens 12-14 of it, and the
-# forest records that.
+# requests. Reading it top down: all four requests share tokens 0-7 (pages 7 and 3); request 3
+# then goes its own way (page 4). Requests 0, 1 and 2 go on together over pages 9 and 1. Request
+# 0 has only 15 tokens, so it *ends* at token 14, in the middle of page 1; requests 1 and 2 still
+# share the last token of page 1 and all of page 12 (tokens 15-19), then split. The forest is
+# token-accurate: it cuts at token 15 although no page boundary is there, because that is where
+# the set of readers changes.
 #
 # The nodes are numbered in construction order; the numbers themselves mean nothing.
 #
