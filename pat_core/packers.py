@@ -13,8 +13,8 @@ keeps ``c``'s requests; each of them gets one more partial result to merge).
              traffic saved beats the KV re-read, counting one re-read per CTA the child's rows
              need (rows = requests x group, capped by the largest tile).
 ``compute``  compute-oriented model (as FastTree): minimise padded tile rows x KV tokens,
-             ignoring bytes; merges only when the child's rows would push the parent's CTA
-             over a tile boundary.
+             ignoring bytes; merges a child when taking its rows out of the parent's CTA drops
+             that CTA to a smaller tile by more than the child's own padded tile costs.
 ``node``     never merge: one CTA per tree node holding every request below it.
 ``cascade``  ``node`` packing, one launch group per tree level, levels run one after another
              (multi-level cascade inference).
@@ -111,12 +111,8 @@ def _tree_heuristic(start, end, lo, hi, child_indptr, children, order, level,
         L = end[u] - acc                    # tokens this node's CTA reads (own + inherited)
         nrem = 0
         pos = lo[u]
-        rows_u = 0
-        # requests ending at u sit in the gaps between children ranges
-        for k in range(child_indptr[u], child_indptr[u + 1]):
-            rows_u += (lo[children[k]] - pos) * group
-            pos = hi[children[k]]
-        rows_u += (hi[u] - pos) * group
+        # compute model: rows u's CTA would hold if every child split; shrinks as children merge
+        rows_u = (hi[u] - lo[u]) * group
         pos = lo[u]
         for k in range(child_indptr[u], child_indptr[u + 1]):
             c = children[k]
@@ -129,9 +125,9 @@ def _tree_heuristic(start, end, lo, hi, child_indptr, children, order, level,
             if mode == 0:       # pat: bytes of partials saved vs bytes of KV re-read
                 chunks = (rows_c + max_rows - 1) // max_rows
                 merge = rows_c * row_slot_bytes > L * kv_tok_bytes * chunks
-            elif mode == 1:     # compute: padded rows x tokens
-                cost_split = _pad_rows(rows_u + rows_c, max_rows) - _pad_rows(rows_u, max_rows)
-                merge = _pad_rows(rows_c, max_rows) < cost_split
+            elif mode == 1:     # compute: padded rows x L with and without c in u's CTA
+                merge = (_pad_rows(rows_u - rows_c, max_rows) + _pad_rows(rows_c, max_rows)
+                         < _pad_rows(rows_u, max_rows))
             elif mode == 2:
                 merge = False
             else:
@@ -139,9 +135,9 @@ def _tree_heuristic(start, end, lo, hi, child_indptr, children, order, level,
             st_node[sp] = c
             if merge:
                 st_acc[sp] = acc
+                rows_u -= rows_c
             else:
                 st_acc[sp] = start[c]
-                rows_u += rows_c
                 for q in range(lo[c], hi[c]):
                     rem[nrem] = q
                     nrem += 1
