@@ -1,7 +1,8 @@
 """``python -m pat_core demo``: plan one batch with every packer, run it, check it, print a table.
 
 On a machine without a GPU the forward pass is the tile-faithful CPU executor; with a CUDA
-device and CuPy (``--backend cuda``) it is the real kernels.
+device and CuPy (``--backend cuda``) it is the real kernels.  The simulator's view of the same
+batch is ``python -m sim compare`` (the simulator imports pat_core, never the reverse).
 """
 from __future__ import annotations
 
@@ -83,20 +84,6 @@ def demo(args) -> int:
         kvb = 2 * args.head_dim * hk * (2 if args.dtype == "float16" else 4)
         print(f"unique KV (each shared token once): {forest.unique_tokens() * kvb / 1e6:.2f} MB;"
               f" dense reference {t_ref:.2f} s; tolerance {tol_note}")
-    if args.sim:
-        try:
-            from sim import simulate  # optional: the simulator package in a checkout
-        except ImportError:
-            simulate = None
-        if simulate is not None:
-            print("\nsimulated on", args.gpu or "h100", "(python -m sim compare for details)")
-            for packer, _, _ in rows:
-                from . import Planner
-                p = Planner(packer, args.gpu or "h100").plan(
-                    batch.block_tables, batch.seq_lens, hq, hk, args.head_dim, args.page_size,
-                    kv_data_type=args.dtype)
-                res = simulate(p, args.gpu or "h100")
-                print(f"  {packer:<8} predicted {res.latency_us:8.1f} us")
     return 1 if failed else 0
 
 
@@ -114,7 +101,6 @@ def main(argv=None) -> int:
     d.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
     d.add_argument("--gpu", default=None, help="GPU model to plan for (h100, h200, a100)")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--sim", action="store_true", help="also print the simulator's prediction")
     args = ap.parse_args(argv)
     if args.cmd == "demo":
         return demo(args)

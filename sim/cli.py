@@ -63,8 +63,11 @@ def _ints(s: str):
 
 
 def _common(p: argparse.ArgumentParser, tree_required: bool = True) -> None:
-    p.add_argument("--tree", required=tree_required,
-                   help="tree spec like 1,4,16_128,256,1024, or a JSON file of block tables")
+    """Options every subcommand shares; ``tree_required=False``: no default tree (sweep)."""
+    p.add_argument("--tree", required=False,
+                   default="1,4,16_128,256,1024" if tree_required else None,
+                   help="tree spec like 1,4,16_128,256,1024 (the default), or a JSON file of "
+                        "block tables")
     p.add_argument("--heads", type=_heads, default=(32, 8), help="query:KV heads (default 32:8)")
     p.add_argument("--gpu", default="h100", help="a100, h100 or h200 (default h100)")
     p.add_argument("--page-size", type=int, default=16)
