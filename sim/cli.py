@@ -219,6 +219,9 @@ def _default_measurements() -> str | None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    import matplotlib
+    if "matplotlib.pyplot" not in sys.modules:
+        matplotlib.use("Agg")            # files only: no display needed
     try:
         return _dispatch(args)
     except (ValueError, TypeError, FileNotFoundError) as exc:

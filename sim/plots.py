@@ -1,17 +1,15 @@
-"""Plots: per-SM Gantt timeline, method sweeps, bytes per method.  Matplotlib, Agg backend.
+"""Plots: per-SM Gantt timeline, method sweeps, bytes per method (matplotlib).
 
-Every function takes already-computed results and a file name and returns the path written, so
-they run on a headless CI machine.
+Every function takes already-computed results and a file name and returns the path written.
+Importing this module leaves matplotlib's backend alone (notebooks keep inline figures); the
+command line selects the headless Agg backend before it imports this module.
 """
 from __future__ import annotations
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.collections import PolyCollection  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.collections import PolyCollection
+from matplotlib.patches import Patch
 
 _MERGE_COLOUR = "#7f7f7f"
 
