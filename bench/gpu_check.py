@@ -136,6 +136,7 @@ def main(argv=None):
     ap.add_argument("--bench-workloads", nargs="*", default=None)
     ap.add_argument("--bench-iters", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="time forced tiles x (warps, stages)")
+    ap.add_argument("--host", action="store_true", help="profile the launch path on the host")
     ap.add_argument("--sanitize-case", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.sanitize_case:
@@ -183,6 +184,12 @@ def main(argv=None):
         if isinstance(res, dict) and "rows" in res:
             report["steps"]["bench"] = {"summary": res["summary"]}
             gpu_kernels.print_table(res["rows"])
+    if args.host:
+        import gpu_kernels
+        res = step("host", gpu_kernels.host_overhead, be)
+        if isinstance(res, dict) and "profile" in res:
+            (out / "host_profile.txt").write_text(res.pop("profile"))
+            report["steps"]["host"] = res
     if args.sweep:
         import gpu_kernels
         res = step("sweep", gpu_kernels.sweep, be)
@@ -213,6 +220,11 @@ def main(argv=None):
     if "sanitizer" in st:
         for tool, r in st["sanitizer"].items():
             print(f"{tool:9s}: rc={r.get('rc')} {'; '.join(r.get('summary', []))}")
+    if "host" in st and "run_us" in st["host"]:
+        h = st["host"]
+        print(f"host    : run() {h['run_us']:.1f} us/call ({h['groups']} groups); bare launches: "
+              f"forward {h['fwd_launch_us']:.1f} us ({h['fwd_args']} args), merge "
+              f"{h['merge_launch_us']:.1f} us")
     if "bench" in st and "summary" in st["bench"]:
         print("bench   :", json.dumps(st["bench"]["summary"]))
     print(f"total {report['seconds']:.0f}s")

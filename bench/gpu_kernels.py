@@ -237,23 +237,24 @@ def run(workloads=WORKLOADS, heads=HEADS, packers=PACKERS, iters=20, out=None, b
 
 
 SWEEP = (
-    # (workload, heads, packer, tile, {(m, n): (warps, stages)})
-    ("256_4096", (32, 8), "query", (16, 128), {(16, 128): (4, 2)}),
-    ("256_4096", (32, 8), "query", (16, 128), {(16, 128): (8, 2)}),
-    ("256_4096", (32, 8), "query", (16, 128), {(16, 128): (4, 3)}),
-    ("256_4096", (32, 8), "query", (16, 128), {(16, 128): (8, 3)}),
-    ("256_4096", (32, 8), "query", (16, 64), {(16, 64): (4, 2)}),
-    ("256_4096", (32, 8), "query", (16, 64), {(16, 64): (4, 3)}),
-    ("256_4096", (32, 8), "query", (16, 64), {(16, 64): (4, 4)}),
-    ("256_4096", (32, 8), "query", (16, 32), {(16, 32): (2, 3)}),
-    ("256_4096", (32, 8), "query", (16, 32), {(16, 32): (2, 4)}),
-    ("256_4096", (32, 8), "query", (16, 16), {(16, 16): (1, 4)}),
-    ("1,4,64_256,1024,64", (32, 8), "pat", (64, 64), {(64, 64): (4, 2)}),
-    ("1,4,64_256,1024,64", (32, 8), "pat", (64, 64), {(64, 64): (8, 3)}),
-    ("1,4,64_256,1024,64", (32, 8), "pat", (64, 128), {(64, 128): (8, 3)}),
-    ("1,4,64_256,1024,64", (32, 8), "pat", (128, 64), {(128, 64): (8, 3)}),
-    ("1,4,64_256,1024,64", (32, 8), "pat", (128, 128), {(128, 128): (8, 2)}),
-    ("1,4,64_256,1024,64", (32, 8), "pat", (128, 128), {(128, 128): (8, 3)}),
+    # (workload, heads, packer, tile or None, {(m, n): (warps, stages)}, head_minor)
+    ("256_4096", (32, 8), "query", (16, 128), {(16, 128): (8, 3)}, True),
+    ("256_4096", (32, 8), "query", (16, 128), {(16, 128): (8, 3)}, False),
+    ("256_4096", (32, 8), "query", (16, 128), {(16, 128): (8, 2)}, True),
+    ("256_4096", (32, 8), "query", (16, 64), {(16, 64): (4, 3)}, True),
+    ("256_4096", (32, 8), "query", (16, 64), {(16, 64): (4, 3)}, False),
+    ("256_4096", (32, 8), "query", (16, 64), {(16, 64): (4, 2)}, True),
+    ("256_4096", (32, 8), "query", (16, 32), {(16, 32): (2, 3)}, True),
+    ("256_4096", (32, 8), "query", (16, 32), {(16, 32): (2, 3)}, False),
+    ("256_4096", (32, 8), "query", (16, 32), {(16, 32): (2, 2)}, True),
+    ("256_4096", (32, 8), "query", (16, 16), {(16, 16): (1, 3)}, True),
+    ("256_4096", (32, 8), "query", (16, 16), {(16, 16): (1, 4)}, True),
+    ("1,32,256_64,64,1024", (32, 8), "pat", None, {}, True),
+    ("1,32,256_64,64,1024", (32, 8), "pat", None, {}, False),
+    ("1,8,64,512_128,512,64,32", (32, 8), "pat", None, {}, True),
+    ("1,8,64,512_128,512,64,32", (32, 8), "pat", (128, 32), {}, True),
+    ("1,8,64,512_128,512,64,32", (32, 8), "pat", (128, 64), {}, True),
+    ("256_4096", (32, 8), "query", (16, 128), {(16, 128): (8, 3)}, True),   # repeat: noise
 )
 
 
@@ -265,23 +266,87 @@ def sweep(backend=None, cases=SWEEP, iters=20, copy_bw=None):
     copy_bw = copy_bw or copy_bandwidth()
     flush = _flusher()
     rows = []
-    for spec, (hq, hk), packer, tile, over in cases:
+    saved = backend.head_minor
+    for spec, (hq, hk), packer, tile, over, head_minor in cases:
         cc.VARIANT_OVERRIDES.clear()
         cc.VARIANT_OVERRIDES.update(over)
+        backend.head_minor = head_minor
         try:
             r = bench_workload(backend, spec, hq, hk, (packer,), iters=iters, copy_bw=copy_bw,
                                flush=flush, tile=tile, check=False)[0]
-            r["variant"] = cc.FwdVariant.make(tile[0], tile[1], 128, "float16").key
+            r["variant"] = (cc.FwdVariant.make(tile[0], tile[1], 128, "float16").key if tile
+                            else "default")
         except Exception as e:
             r = {"workload": spec, "heads": f"{hq}:{hk}", "packer": packer, "tile": tile,
                  "error": f"{type(e).__name__}: {e}"[:400]}
         finally:
             cc.VARIANT_OVERRIDES.clear()
+            backend.head_minor = saved
+        r["head_minor"] = head_minor
         rows.append(r)
-        print(f"  sweep {spec} {packer} {r.get('variant', tile)}: "
+        print(f"  sweep {spec} {packer} {r.get('variant', tile)} head_minor={int(head_minor)}: "
               f"{r.get('time_us', float('nan')):.1f} us "
-              f"{100 * r.get('eff_bw_frac_copy', float('nan')):.0f}% of copy", flush=True)
+              f"{100 * r.get('eff_bw_frac_copy', float('nan')):.0f}% of copy "
+              f"host {r.get('host_us', float('nan')):.0f} us {r.get('tiles', '')}", flush=True)
     return {"copy_bw_gbs": copy_bw, "rows": rows}
+
+
+def host_overhead(backend=None, spec="1,4,64_256,1024,64", heads=(32, 8), calls=200):
+    """Enqueue cost of backend.run on a small plan, a profile of it, and one bare launch."""
+    import cProfile
+    import io
+    import pstats
+    import torch
+    from pat_core import PrefixAttentionWrapper
+    from pat_core.workloads import build_tree_batch
+    from pat_core.cuda_backend import CudaBackend
+    backend = backend or CudaBackend()
+    b = build_tree_batch(spec, page_size=16, seed=0)
+    hq, hk = heads
+    w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+    w._gpu_backend = backend
+    plan = w.plan(b.block_tables, b.seq_lens, hq, hk, 128, 16)
+    k = torch.randn((b.num_pages, 16, hk, 128), device="cuda", dtype=torch.float16)
+    v = torch.randn_like(k)
+    q = torch.randn((b.batch_size, hq, 128), device="cuda", dtype=torch.float16)
+    out = torch.empty_like(q)
+    for _ in range(10):
+        backend.run(plan, q, k, v, out=out)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        backend.run(plan, q, k, v, out=out)
+    run_us = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        backend.run(plan, q, k, v, out=out)
+    prof.disable()
+    torch.cuda.synchronize()
+    sio = io.StringIO()
+    pstats.Stats(prof, stream=sio).sort_stats("tottime").print_stats(25)
+    # one bare merge launch with its arguments prepared (CuPy's own per-launch cost)
+    rec = backend._uploads[id(plan)]
+    prep = next(iter(rec["prepared"].values()))
+    mfn, mv = prep["merge"]
+    o_part, l_part = prep["partials"]
+    args = (o_part, l_part, prep["slot_indptr"], np.uint64(out.data_ptr()), np.uint64(0),
+            np.int32(plan.batch_size), np.int32(hq), np.int64(out.stride(0)),
+            np.int64(out.stride(1)), np.int64(0), np.int64(0))
+    fn_launch = prep["launches"][0]
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        mfn((1, 1, 1), (mv.threads, 1, 1), args, shared_mem=0)
+    merge_launch_us = (time.perf_counter() - t0) / calls * 1e6
+    fn, grid, block, fargs, smem = fn_launch
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn(grid, block, fargs, shared_mem=smem)
+    fwd_launch_us = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return {"run_us": run_us, "groups": plan.num_groups, "merge_launch_us": merge_launch_us,
+            "fwd_launch_us": fwd_launch_us, "fwd_args": len(fargs), "profile": sio.getvalue()}
 
 
 def main(argv=None):

@@ -1,7 +1,9 @@
 // Multi-tile prefix-aware decode forward kernel.
 //
-// One thread block = one Plan CTA (blockIdx.x, offset by the launch group's first CTA) for one KV
-// head (blockIdx.y).  The CTA's query rows are its requests x the GQA group: row i * group + j is
+// One thread block = one Plan CTA of the launch group for one KV head.  The grid is 1-D with
+// n_ctas * num_kv_heads blocks; by default (head_minor = 1) the KV heads of one CTA are adjacent
+// in launch order, so blocks running at the same time read neighbouring heads of the same tokens
+// (one contiguous row per token in the NHD layout) instead of one head's slice of many tokens.  The CTA's query rows are its requests x the GQA group: row i * group + j is
 // request i of the CTA, query head kv_head * group + j.  The rows are packed at run time, so one
 // compiled variant serves every group size that fits m.
 //
@@ -128,9 +130,9 @@ __device__ __forceinline__ void pat_fwd_body(
     const int* __restrict__ cta_req, const int* __restrict__ cta_slot,
     const int* __restrict__ cta_kv_start, const int* __restrict__ cta_kv_len,
     const int* __restrict__ cta_page_indptr, const int* __restrict__ cta_pages, int cta_offset,
-    int group, int num_qo_heads, long long q_sb, long long q_sh, long long k_sp, long long k_st,
-    long long k_sh, long long v_sp, long long v_st, long long v_sh, int page_size,
-    float scale_log2) {
+    int n_ctas, int num_kv_heads, int head_minor, int group, int num_qo_heads, long long q_sb,
+    long long q_sh, long long k_sp, long long k_st, long long k_sh, long long v_sp,
+    long long v_st, long long v_sh, int page_size, float scale_log2) {
   using T = typename Tr::T;
   constexpr int D = Tr::D, M = Tr::M, N = Tr::N, THREADS = Tr::THREADS, STAGES = Tr::STAGES;
   constexpr int CHUNKS = Tr::CHUNKS, MI = Tr::MI, NW = Tr::NW, KC = Tr::KC;
@@ -145,8 +147,15 @@ __device__ __forceinline__ void pat_fwd_body(
   const int wm = warp / Tr::WARPS_N;  // row group of this warp
   const int wn = warp % Tr::WARPS_N;  // token slice of this warp
 
-  const int cta = cta_offset + blockIdx.x;
-  const int kv_head = blockIdx.y;
+  int cta_local, kv_head;
+  if (head_minor) {
+    cta_local = blockIdx.x / num_kv_heads;
+    kv_head = blockIdx.x - cta_local * num_kv_heads;
+  } else {
+    kv_head = blockIdx.x / n_ctas;
+    cta_local = blockIdx.x - kv_head * n_ctas;
+  }
+  const int cta = cta_offset + cta_local;
   const int req_begin = cta_req_indptr[cta];
   int n_rows = (cta_req_indptr[cta + 1] - req_begin) * group;
   n_rows = n_rows < M ? n_rows : M;  // the planner guarantees rows <= m; never overrun smem
@@ -434,11 +443,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pat_fwd_kernel(
     const int* __restrict__ cta_req_indptr, const int* __restrict__ cta_req,
     const int* __restrict__ cta_slot, const int* __restrict__ cta_kv_start,
     const int* __restrict__ cta_kv_len, const int* __restrict__ cta_page_indptr,
-    const int* __restrict__ cta_pages, int cta_offset, int group, int num_qo_heads,
+    const int* __restrict__ cta_pages, int cta_offset, int n_ctas, int num_kv_heads,
+    int head_minor, int group, int num_qo_heads,
     long long q_sb, long long q_sh, long long k_sp, long long k_st, long long k_sh,
     long long v_sp, long long v_st, long long v_sh, int page_size, float scale_log2) {
   pat::pat_fwd_body<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES>>(
       q, k_cache, v_cache, o_partial, lse_partial, cta_req_indptr, cta_req, cta_slot,
-      cta_kv_start, cta_kv_len, cta_page_indptr, cta_pages, cta_offset, group, num_qo_heads, q_sb,
+      cta_kv_start, cta_kv_len, cta_page_indptr, cta_pages, cta_offset, n_ctas, num_kv_heads,
+      head_minor, group, num_qo_heads, q_sb,
       q_sh, k_sp, k_st, k_sh, v_sp, v_st, v_sh, page_size, scale_log2);
 }

@@ -137,7 +137,7 @@ class FwdVariant:
         t = DTYPE_CTYPE[self.dtype]
         return (f"template __global__ void {self.name_expression}(const {t}*, const {t}*, "
                 f"const {t}*, float*, float*, const int*, const int*, const int*, const int*, "
-                f"const int*, const int*, const int*, int, int, int, long long, long long, "
+                f"const int*, const int*, const int*, int, int, int, int, int, int, long long, long long, "
                 f"long long, long long, long long, long long, long long, long long, int, float);")
 
 
