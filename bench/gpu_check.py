@@ -223,8 +223,8 @@ def main(argv=None):
     if "host" in st and "run_us" in st["host"]:
         h = st["host"]
         print(f"host    : run() {h['run_us']:.1f} us/call ({h['groups']} groups); bare launches: "
-              f"forward {h['fwd_launch_us']:.1f} us ({h['fwd_args']} args), merge "
-              f"{h['merge_launch_us']:.1f} us")
+              f"forward packed {h['fwd_launch_us']:.1f} us, CuPy call {h['cupy_launch_us']:.1f} us "
+              f"({h['fwd_args']} args)")
     if "bench" in st and "summary" in st["bench"]:
         print("bench   :", json.dumps(st["bench"]["summary"]))
     print(f"total {report['seconds']:.0f}s")
