@@ -3,21 +3,24 @@
 // One thread block = one Plan CTA of the launch group for one KV head.  The grid is 1-D with
 // n_ctas * num_kv_heads blocks; by default (head_minor = 1) the KV heads of one CTA are adjacent
 // in launch order, so blocks running at the same time read neighbouring heads of the same tokens
-// (one contiguous row per token in the NHD layout) instead of one head's slice of many tokens.  The CTA's query rows are its requests x the GQA group: row i * group + j is
-// request i of the CTA, query head kv_head * group + j.  The rows are packed at run time, so one
-// compiled variant serves every group size that fits m.
+// (one contiguous row per token in the NHD layout).  The CTA's query rows are its requests x the
+// GQA group: row i * group + j is request i of the CTA, query head kv_head * group + j.  The rows
+// are packed at run time, so one compiled variant serves every group size that fits m.
 //
 // Per CTA:
 //   1. cp.async the Q rows (zero-padded to M) and the first KV tile(s) into shared memory.
 //   2. Walk the KV range [kv_start, kv_start + kv_len) in tiles of N tokens, gathering each token's
-//      K and V row through the CTA's page list (16-byte cp.async, STAGES-deep ring: tile t + 1 is
-//      in flight while tile t is computed).  Tokens past kv_len are zero-filled and masked.
-//   3. Each warp owns 16 * MI query rows and NW = N / WARPS_N tokens of every tile.  S = Q K^T and
-//      O += P V run on the tensor cores (mma.sync m16n8k16, fp32 accumulate) with the online
-//      softmax kept in registers (running max and sum per row, log2 domain).
-//   4. Warps that split the tile's tokens combine their states through shared memory; the first
-//      warp of each row group normalises and writes o_partial[slot, head, :] and the natural-log
-//      LSE of the scaled scores to lse_partial[slot, head].
+//      K and V row through the CTA's page list (16-byte cp.async, STAGES-deep ring: tiles t + 1
+//      .. t + STAGES - 1 are in flight while tile t is computed).  Tokens past kv_len are
+//      zero-filled and masked.
+//   3. Each warp owns 16 * MI query rows and one token slice: NW = N / WARPS_N tokens of every
+//      tile.  The warps of a slice gather that slice themselves and synchronise only with each
+//      other, so slices are independent pipelines (no CTA-wide barrier in the KV walk).
+//      S = Q K^T and O += P V run on the tensor cores (mma.sync m16n8k16, fp32 accumulate) with
+//      the online softmax kept in registers (running max and sum per row, log2 domain).
+//   4. Slices combine their states through shared memory; the first warp of each row group
+//      normalises and writes o_partial[slot, head, :] and the natural-log LSE of the scaled
+//      scores to lse_partial[slot, head].
 #pragma once
 
 #include "pat_common.cuh"
@@ -55,8 +58,12 @@ struct FwdTraits {
   static constexpr int STATE_REGS = ACC_REGS + MI * 4;
   static constexpr int COMB_BYTES = (WARPS_N - 1) * WARPS_M * STATE_REGS * 32 * 4;
 
+  // Token slices: the WARPS_M warps with the same wn read the same NW tokens of every tile and
+  // nothing else, so each slice group gathers its own rows and synchronises only among itself
+  // (a warp-level or named barrier): the slices run as independent pipelines.
+  static constexpr int SLICE_THREADS = WARPS_M * 32;
   static constexpr int Q_LOADS = (M * CHUNKS + THREADS - 1) / THREADS;
-  static constexpr int KV_LOADS = (N * CHUNKS + THREADS - 1) / THREADS;
+  static constexpr int KV_LOADS = (NW * CHUNKS + SLICE_THREADS - 1) / SLICE_THREADS;
 
   static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
   static_assert(M % 16 == 0 && M >= 16 && M <= 128, "m must be a multiple of 16 in [16, 128]");
@@ -66,7 +73,8 @@ struct FwdTraits {
   static_assert(N % WARPS_N == 0 && NW % 16 == 0, "each warp needs whole k16 token blocks");
   static_assert(NW % KC == 0 && KC % 16 == 0, "softmax steps must tile a warp's tokens");
   static_assert(STAGES >= 2 && STAGES <= 4, "2..4 pipeline stages");
-  static_assert(THREADS % CHUNKS == 0, "a thread keeps one 16-byte column across rows");
+  static_assert(SLICE_THREADS % CHUNKS == 0, "a thread keeps one 16-byte column across rows");
+  static_assert(WARPS_N <= 15, "one named barrier per token slice");
   static_assert(COMB_BYTES <= KV_BYTES, "combine buffer must fit in the KV ring it reuses");
   static_assert(SMEM_BYTES <= 227 * 1024, "exceeds the per-block shared-memory limit");
   static_assert(MI * (D / 8) * 4 + MI * (D / 16) * 4 + MI * (KC / 8) * 4 <= 192,
@@ -75,10 +83,11 @@ struct FwdTraits {
 
 extern __shared__ __align__(128) unsigned char pat_dyn_smem[];
 
-// Gathers one KV tile (N tokens of the CTA's range) into a shared-memory stage: token ->
-// page id (through the CTA's page list) -> K row and V row of this KV head.  Layouts are plain
-// strides in elements (page, token, head), so NHD, HND and strided views share one code path.
-// A thread keeps one 16-byte column `ch` and strides over rows (THREADS % CHUNKS == 0).
+// Gathers one token slice (NW tokens starting at row0) of a KV tile into a shared-memory stage:
+// token -> page id (through the CTA's page list) -> K row and V row of this KV head.  Layouts are
+// plain strides in elements (page, token, head), so NHD, HND and strided views share one code
+// path.  A thread keeps one 16-byte column `ch` and strides over rows
+// (SLICE_THREADS % CHUNKS == 0).
 template <typename Tr>
 struct KvTileLoader {
   using T = typename Tr::T;
@@ -88,8 +97,10 @@ struct KvTileLoader {
   int kv_start, kv_len, page_size, page_shift, kv_head;  // page_shift: log2(page_size) or -1
   long long k_sp, k_st, k_sh, v_sp, v_st, v_sh;
 
-  __device__ __forceinline__ void load(T* sK, T* sV, int tile, int stage, int tid) const {
-    constexpr int D = Tr::D, N = Tr::N, CHUNKS = Tr::CHUNKS, THREADS = Tr::THREADS;
+  __device__ __forceinline__ void load(T* sK, T* sV, int tile, int stage, int row0,
+                                      int tid) const {
+    constexpr int D = Tr::D, N = Tr::N, CHUNKS = Tr::CHUNKS, THREADS = Tr::SLICE_THREADS;
+    constexpr int NW = Tr::NW;
     T* dK = sK + stage * Tr::KV_TILE_ELEMS;
     T* dV = sV + stage * Tr::KV_TILE_ELEMS;
     const int tile_base = tile * N;
@@ -99,8 +110,8 @@ struct KvTileLoader {
 #pragma unroll
     for (int it = 0; it < Tr::KV_LOADS; ++it) {
       const int id = tid + it * THREADS;
-      if ((N * CHUNKS) % THREADS == 0 || id < N * CHUNKS) {
-        const int row = id / CHUNKS;
+      if ((NW * CHUNKS) % THREADS == 0 || id < NW * CHUNKS) {
+        const int row = row0 + id / CHUNKS;
         const int tok = tile_base + row;
         const T* ks = k_cache;
         const T* vs = v_cache;
@@ -121,6 +132,18 @@ struct KvTileLoader {
     }
   }
 };
+
+// Barrier among the warps of one token slice (they share that slice's K/V rows).
+template <typename Tr>
+__device__ __forceinline__ void slice_sync(int wn) {
+  if constexpr (Tr::WARPS_M == 1) {
+    __syncwarp();
+  } else if constexpr (Tr::WARPS_N == 1) {
+    __syncthreads();
+  } else {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + wn), "n"(Tr::SLICE_THREADS) : "memory");
+  }
+}
 
 template <typename Tr>
 __device__ __forceinline__ void pat_fwd_body(
@@ -188,11 +211,14 @@ __device__ __forceinline__ void pat_fwd_body(
                                 page_size, page_shift, kv_head, k_sp, k_st, k_sh,
                                 v_sp, v_st, v_sh};
 
+  const int slice_row0 = wn * NW;  // this warp's token slice within every tile
+  const int stid = wm * 32 + lane;  // thread index within the slice group
+
   // Prologue: group 0 = Q, groups 1..STAGES-1 = tiles 0..STAGES-2 (possibly empty groups).
   cp_async_commit();
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < num_tiles) loader.load(sK, sV, s, s, tid);
+    if (s < num_tiles) loader.load(sK, sV, s, s, slice_row0, stid);
     cp_async_commit();
   }
 
@@ -225,16 +251,16 @@ __device__ __forceinline__ void pat_fwd_body(
   }
 
   for (int t = 0; t < num_tiles; ++t) {
-    // Keep STAGES - 1 tiles in flight: issue tile t + STAGES - 1 into the stage read during
-    // iteration t - 1 (released by that iteration's trailing barrier).  Always commit, even an
-    // empty group, so that the wait below counts groups uniformly.
+    // Keep STAGES - 1 tiles in flight: issue (this slice of) tile t + STAGES - 1 into the stage
+    // read during iteration t - 1 (released by that iteration's trailing barrier).  Always
+    // commit, even an empty group, so that the wait below counts groups uniformly.
     const int tn = t + STAGES - 1;
-    if (tn < num_tiles) loader.load(sK, sV, tn, tn % STAGES, tid);
+    if (tn < num_tiles) loader.load(sK, sV, tn, tn % STAGES, slice_row0, stid);
     cp_async_commit();
     cp_async_wait<STAGES - 1>();
-    // Barrier: every thread's copies of tile t have landed; make them visible to all warps
-    // before anyone reads the stage.
-    __syncthreads();
+    // Slice barrier: every copy of this slice of tile t has landed (each thread waited for its
+    // own); make them visible to the slice's warps before any of them reads the rows.
+    slice_sync<Tr>(wn);
 
     const T* cK = sK + (t % STAGES) * Tr::KV_TILE_ELEMS;
     const T* cV = sV + (t % STAGES) * Tr::KV_TILE_ELEMS;
@@ -243,7 +269,7 @@ __device__ __forceinline__ void pat_fwd_body(
 #pragma unroll
     for (int c = 0; c < NW / KC; ++c) {
       const int tok0 = wn * NW + c * KC;  // first tile token of this softmax step
-      if (tok0 >= valid) break;           // warp-uniform: the rest of this warp's slice is past the end
+      if (tok0 >= valid) break;  // warp-uniform: the rest of this slice is past the end
 
       // S = Q K^T for KC tokens.
       float s[MI][KC / 8][4];
@@ -335,10 +361,9 @@ __device__ __forceinline__ void pat_fwd_body(
         }
       }
     }
-    // Barrier: all warps are done reading stage t % STAGES before iteration t + 1 issues
-    // cp.async into the stage it frees (and, after the last tile, before the KV ring is reused
-    // as the combine buffer).
-    __syncthreads();
+    // Slice barrier: the slice's warps are done reading their rows of stage t % STAGES before
+    // iteration t + 1 issues cp.async into the stage it frees.
+    slice_sync<Tr>(wn);
   }
   cp_async_wait<0>();  // only empty groups can remain; drain them before smem is reused
 
@@ -357,6 +382,9 @@ __device__ __forceinline__ void pat_fwd_body(
     // partner warp wrote, so no fragment re-layout is needed and accesses are conflict-free.
     float* comb = reinterpret_cast<float*>(pat_dyn_smem + Tr::Q_BYTES);
     constexpr int SR = Tr::STATE_REGS;
+    // Barrier: every slice has finished its KV walk, so the KV ring (which the combine buffer
+    // reuses) is no longer read by anyone.
+    __syncthreads();
     if (wn > 0) {
       float* dst = comb + ((wm * (Tr::WARPS_N - 1) + (wn - 1)) * SR) * 32 + lane;
 #pragma unroll
@@ -373,7 +401,6 @@ __device__ __forceinline__ void pat_fwd_body(
       }
     }
     // Barrier: the states of warps wn > 0 are in shared memory before warp wn == 0 reads them.
-    // (The KV ring it overwrites was released by the last loop iteration's trailing barrier.)
     __syncthreads();
     if (wn == 0) {
 #pragma unroll 1

@@ -7,16 +7,17 @@ their device pointers and element strides); outputs are returned as the same kin
 
 Execution of one batch::
 
-    caller stream ── fork event ──┬─ pool stream 0: forward launch of tile group 0 ─┐
-                                  ├─ pool stream 1: forward launch of tile group 1 ─┤ join events
-                                  └─ ...                                            ┘
+    caller stream ── fork event ──┬─ (caller stream itself): forward launch of tile group 0 ─┐
+                                  ├─ pool stream 0: forward launch of tile group 1 ──────────┤
+                                  └─ ...                                  join events ───────┘
     caller stream ── (waits on the joins) ── merge kernel ── out [, lse]
 
 With ``plan.serial`` (or a single group) every launch goes on the caller's stream in order.  The
 pool of streams and events is created once per backend.  Everything is enqueued on the caller's
 current stream (``torch.cuda.current_stream()`` for torch inputs, CuPy's current stream for CuPy
 inputs) or ordered after it through events; nothing uses the legacy default stream unless that is
-the caller's current stream.
+the caller's current stream.  The sequence is stream-ordered and allocation-free once the
+partial buffers exist, so it can be captured in a CUDA graph (``torch.cuda.graph``).
 
 Example::
 
