@@ -323,7 +323,7 @@ def sweep(backend=None, cases=SWEEP, iters=20, copy_bw=None):
         r["head_minor"] = head_minor
         rows.append(r)
         print(f"  sweep {spec} {packer} {r.get('variant', tile)} head_minor={int(head_minor)}: "
-              f"{r.get('time_us', float('nan')):.1f} us "
+              f"{r.get('time_us', float('nan')):.1f} us (graph {r.get('graph_us', float('nan')):.1f}) "
               f"{100 * r.get('eff_bw_frac_copy', float('nan')):.0f}% of copy "
               f"host {r.get('host_us', float('nan')):.0f} us {r.get('tiles', '')}", flush=True)
     return {"copy_bw_gbs": copy_bw, "rows": rows}
