@@ -83,6 +83,14 @@ struct FwdTraits {
 
 extern __shared__ __align__(128) unsigned char pat_dyn_smem[];
 
+#ifndef PAT_LOAD_UNROLL
+#define PAT_LOAD_UNROLL 16
+#endif
+// Unroll of a thread's gather loop (at most 8 rows per thread in every variant, so the default
+// unrolls fully).  A smaller value bounds how many 64-bit gather addresses the compiler keeps live
+// (4: ~167 instead of ~205 registers for the 16-row tiles); a tuning knob, see bench/NOTES.md.
+constexpr int kLoadUnroll = PAT_LOAD_UNROLL;
+
 // Gathers one token slice (NW tokens starting at row0) of a KV tile into a shared-memory stage:
 // token -> page id (through the CTA's page list) -> K row and V row of this KV head.  Layouts are
 // plain strides in elements (page, token, head), so NHD, HND and strided views share one code
@@ -107,7 +115,7 @@ struct KvTileLoader {
     const int ch = tid % CHUNKS;
     const long long k_col = (long long)kv_head * k_sh + ch * 8;
     const long long v_col = (long long)kv_head * v_sh + ch * 8;
-#pragma unroll
+#pragma unroll kLoadUnroll
     for (int it = 0; it < Tr::KV_LOADS; ++it) {
       const int id = tid + it * THREADS;
       if ((NW * CHUNKS) % THREADS == 0 || id < NW * CHUNKS) {

@@ -260,6 +260,7 @@ class CudaBackend:
     def upload(self, plan: Plan) -> None:
         """Copy the Plan's int32 arrays to the current device once (kept per plan and version)."""
         cp = self.cp
+        _check_plan_tiles(plan)
         dev = cp.cuda.runtime.getDevice()
         rec = {"version": plan.version, "device": dev, "prepared": {},
                "max_page": int(plan.cta_pages.max()) if plan.cta_pages.size else -1}
@@ -585,6 +586,21 @@ class _StreamHandle:
 
     def __cuda_stream__(self):
         return (0, self.handle)
+
+
+def _check_plan_tiles(plan: Plan) -> None:
+    """Every launch group's tile has a kernel and every CTA's rows fit its tile's m."""
+    for _, (m, n), b, e in plan.groups():
+        if e > b and not cc.fwd_variant_supported(m, n, plan.head_dim):
+            raise ValueError(f"plan: no CUDA kernel for tile (m={m}, n={n}) at head_dim "
+                             f"{plan.head_dim}")
+    if plan.num_ctas:
+        rows = plan.cta_rows()
+        m = plan.tile_configs[plan.cta_tile][:, 0]
+        if np.any(rows > m):
+            c = int(np.argmax(rows > m))
+            raise ValueError(f"plan: CTA {c} has {int(rows[c])} query rows but its tile has "
+                             f"m={int(m[c])}")
 
 
 def _variant_from(v):

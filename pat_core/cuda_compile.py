@@ -223,9 +223,20 @@ def module_source(variant) -> str:
 
 
 def nvrtc_options(src_dir: Path | None = None) -> tuple:
+    """NVRTC options of every module: C++17, the source directory, the source hash (so an edited
+    header never reuses a stale cached binary) and fast math.  ``PAT_NVRTC_DEFINES`` (space
+    separated ``NAME=VALUE``) adds tuning macros such as ``PAT_LOAD_UNROLL=4`` for experiments."""
     src_dir = Path(src_dir) if src_dir is not None else cuda_src_dir()
+    extra = tuple(f"-D{d}" for d in os.environ.get("PAT_NVRTC_DEFINES", "").split() if d)
     return ("-std=c++17", f"-I{src_dir}", f"-DPAT_SOURCE_HASH=0x{source_hash(src_dir)}ULL",
-            "--use_fast_math")
+            "--use_fast_math") + extra
+
+
+def fwd_variant_supported(m: int, n: int, head_dim: int) -> bool:
+    """Whether a forward kernel variant exists (and fits sm_90 shared memory) for (m, n, d)."""
+    if head_dim not in HEAD_DIMS or m not in TILE_MS or n not in TILE_NS:
+        return False
+    return fwd_variant_feasible(FwdVariant.make(m, n, head_dim, "float16"))
 
 
 def nvcc_source(variants) -> str:

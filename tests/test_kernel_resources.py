@@ -89,3 +89,28 @@ def test_recompile_subset_matches(data):
         if same_nvcc:
             rec = data["variants"][v.key][arch]
             assert r["registers"] == rec["registers"], (v.key, arch, r, rec)
+
+
+def test_backend_plan_checks_without_gpu():
+    """The CUDA backend module imports without CuPy; its plan checks run on the CPU."""
+    import numpy as np
+    from pat_core import cuda_backend
+    from pat_core.planner import Planner
+    from pat_core.workloads import build_tree_batch
+    assert isinstance(cuda_backend.is_available(), bool)
+    b = build_tree_batch("1,4_40,20", page_size=16)
+    plan = Planner("pat", "h100").plan(b.block_tables, b.seq_lens, 8, 2, 128, 16)
+    cuda_backend._check_plan_tiles(plan)            # a planner's plan passes
+    bad = Planner("pat", "h100").plan(b.block_tables, b.seq_lens, 8, 2, 128, 16)
+    bad.cta_req_indptr = np.array([0, len(bad.cta_req)] + [len(bad.cta_req)] * (bad.num_ctas - 1),
+                                  dtype=np.int32)
+    bad.tile_configs = np.full_like(bad.tile_configs, 16)
+    bad.tile_configs[:, 1] = 16
+    if len(bad.cta_req) * bad.group_size > 16:
+        with pytest.raises(ValueError, match="rows"):
+            cuda_backend._check_plan_tiles(bad)
+    odd = Planner("pat", "h100").plan(b.block_tables, b.seq_lens, 8, 2, 128, 16)
+    odd.tile_configs = np.full_like(odd.tile_configs, 48)
+    with pytest.raises(ValueError, match="no CUDA kernel"):
+        cuda_backend._check_plan_tiles(odd)
+    assert cc.fwd_variant_supported(16, 64, 128) and not cc.fwd_variant_supported(16, 256, 128)
