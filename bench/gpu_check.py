@@ -1,6 +1,11 @@
 """One-call GPU check: compile, correctness, GPU tests, sanitizer, timings.
 
-    python3 bench/gpu_check.py --out $OUT [--jobs 16] [--no-pytest] [--no-bench] [--sanitizer]
+    python3 bench/gpu_check.py --out $OUT [--jobs 16] [--no-smoke] [--no-pytest] [--no-bench]
+                               [--sanitizer] [--host] [--sweep]
+
+On the lent GPU machine (numba and hypothesis may need to be carried as wheels):
+
+    export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD; python3 bench/gpu_check.py --out $OUT --sanitizer
 
 Steps (each optional, in this order; a failing step is recorded and the next still runs):
 
@@ -12,6 +17,8 @@ Steps (each optional, in this order; a failing step is recorded and the next sti
 4. ``sanitizer``: ``compute-sanitizer`` memcheck and racecheck on a small plan
    (``--sanitize-case``), summaries to ``$OUT/sanitizer_*.txt``.
 5. ``bench``: ``bench/gpu_kernels.py`` (JSON to ``$OUT/gpu_kernels.json``).
+6. ``host`` (``--host``): enqueue cost of ``run()`` and a cProfile of it (``host_profile.txt``).
+7. ``sweep`` (``--sweep``): forced tiles / variant overrides (``sweep.json``).
 
 A short table is printed last; everything goes to ``$OUT/gpu_check.json``.
 """
