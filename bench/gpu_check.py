@@ -1,11 +1,11 @@
 """One-call GPU check: compile, correctness, GPU tests, sanitizer, timings.
 
-    python3 bench/gpu_check.py --out $OUT [--jobs 16] [--no-smoke] [--no-pytest] [--no-bench]
+    python3 bench/gpu_check.py --out DIR [--jobs 16] [--no-smoke] [--no-pytest] [--no-bench]
                                [--sanitizer] [--host] [--sweep]
 
-On the lent GPU machine (numba and hypothesis may need to be carried as wheels):
+Needs CuPy, torch, pytest and hypothesis on the GPU machine; run from the repository root, e.g.
 
-    export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD; python3 bench/gpu_check.py --out $OUT --sanitizer
+    export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD; python3 bench/gpu_check.py --out results --sanitizer
 
 Steps (each optional, in this order; a failing step is recorded and the next still runs):
 
@@ -13,14 +13,14 @@ Steps (each optional, in this order; a failing step is recorded and the next sti
    CuPy's cache), with the wall time.
 2. ``smoke``: a few workloads x packers x dtypes x head_dims against the float64 reference,
    printing each relative error next to the plain same-dtype implementation's.
-3. ``pytest``: ``tests/test_gpu_kernels.py`` (log to ``$OUT/pytest.log``).
+3. ``pytest``: ``tests/test_gpu_kernels.py`` (log to ``DIR/pytest.log``).
 4. ``sanitizer``: ``compute-sanitizer`` memcheck and racecheck on a small plan
-   (``--sanitize-case``), summaries to ``$OUT/sanitizer_*.txt``.
-5. ``bench``: ``bench/gpu_kernels.py`` (JSON to ``$OUT/gpu_kernels.json``).
+   (``--sanitize-case``), summaries to ``DIR/sanitizer_*.txt``.
+5. ``bench``: ``bench/gpu_kernels.py`` (JSON to ``DIR/gpu_kernels.json``).
 6. ``host`` (``--host``): enqueue cost of ``run()`` and a cProfile of it (``host_profile.txt``).
 7. ``sweep`` (``--sweep``): forced tiles / variant overrides (``sweep.json``).
 
-A short table is printed last; everything goes to ``$OUT/gpu_check.json``.
+A short table is printed last; everything goes to ``DIR/gpu_check.json``.
 """
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def step_sanitizer(out_dir):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
+    ap.add_argument("--out", default="gpu_check_out", help="directory for logs and JSON")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--no-smoke", action="store_true")
     ap.add_argument("--no-pytest", action="store_true")
