@@ -261,6 +261,11 @@ def main(argv=None):
             print("flashinfer unavailable:", e, flush=True)
             flashinfer = None
     dev = torch.cuda.get_device_properties(0)
+    if any(m in OUR_METHODS for m in args.methods):
+        from pat_core.cuda_backend import CudaBackend
+        t0 = time.time()
+        CudaBackend().warmup(jobs=min(16, os.cpu_count() or 1))   # fills the kernel cache
+        print(f"compiled our kernels in {time.time() - t0:.1f}s", flush=True)
     bw = copy_bandwidth(torch)
     print(f"device {dev.name}; copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
     flush = L2Flusher(torch, 2 * 64 << 20)
@@ -332,6 +337,8 @@ def main(argv=None):
                 row["error"] = f"{type(e).__name__}: {e}"
                 print(f"  ERROR {method} on {wl} {heads} ps{ps}: {row['error']}", flush=True)
             rows.append(row)
+        with open(os.path.join(args.out, "partial_rows.json"), "w") as fh:
+            json.dump(rows, fh)                      # survives a run cut short
         done = ci + 1
         el = time.time() - t_start
         bar = "#" * int(30 * done / len(configs))

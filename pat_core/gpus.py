@@ -10,6 +10,9 @@ It and ``achieved_bw_fraction`` are estimates until a calibration run on that GP
 of ``(max_kv_len, n)`` pairs, scanned in order; the first pair whose ``max_kv_len`` is ``>=`` the
 CTA's KV length gives the preferred ``n``.  Short KV gets a small ``n`` (less compute in the last,
 partly empty tile); long KV gets a large ``n`` (fewer, fatter CTAs per SM, smaller tail bubble).
+The boundaries were measured on an H100 with 16-row tiles (query packer, 32:8 heads, % of copy
+bandwidth): at 256 tokens n = 128 reaches 66% against 82-84% for n <= 64; at 1024 tokens
+n = 32/64 reach 94% against 88% for n = 128; at 4096 all reach 98-100%.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ class GPUSpec:
     l2_bytes: int
     sm_clock_ghz: float
     achieved_bw_fraction: float = 0.85  # copy-kernel bandwidth / datasheet bandwidth (estimate)
-    kv_tile_table: tuple = field(default=((96, 32), (384, 64), (1 << 62, 128)))
+    kv_tile_table: tuple = field(default=((96, 32), (1024, 64), (1 << 62, 128)))
 
     @property
     def bytes_per_ns(self) -> float:

@@ -11,7 +11,8 @@ Terminology
   slot ``t % page_size``.
 * **CTA**: one unit of work of the forward kernel for *one KV head*: a set of requests that share
   a contiguous token range ``[kv_start, kv_start + kv_len)`` (same page ids for all of them).  The
-  kernel launches ``num_kv_heads`` thread blocks per Plan CTA (``gridDim.y``).  Its query rows are
+  kernel launches ``num_kv_heads`` thread blocks per Plan CTA (a 1-D grid, the KV heads of one
+  CTA adjacent, so blocks reading the same pages run close together).  Its query rows are
   ``len(requests) * group`` where ``group = num_qo_heads // num_kv_heads``; row
   ``i * group + j`` is request ``i`` of the CTA, query head ``kv_head * group + j``.
 * **partial slot**: one fp32 partial result of one request from one CTA: ``o_partial[slot, h, :]``

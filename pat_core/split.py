@@ -6,10 +6,13 @@ many short leaf CTAs: on ``1,1024_1024,16`` (heads 32:8) the mean is ~47 tokens,
 1024-token chunk of the shared root is cut in 22 parts, and the partial results of each request
 (written and read back in fp32) outweigh the KV they were meant to balance.
 
-The default rule (``rule="sm"``) asks the question the split exists for: is this CTA longer
-than the average work of an SM?  Thread blocks (CTA x KV head) are spread over ``num_sms``
-SMs, so the batch's work per SM is ``sum(kv_len) x num_kv_heads / num_sms`` tokens; a CTA longer
-than that is a straggler whatever the mean says, and one shorter than that is not.  It still
+The default rule (``rule="sm"``) asks the question the split exists for: will this CTA finish
+long after the others?  Thread blocks (CTA x KV head) are spread over ``num_sms`` SMs, each
+running at least two at a time, so a block's fair share is
+``sum(kv_len) x num_kv_heads / (2 x num_sms)`` tokens; a CTA longer than that is a straggler
+whatever the mean says, and one shorter than that is not.  (Half an SM's work rather than a
+whole one: small batches are latency bound, and on an H100 a 1,4,64_256,1024,64 batch left
+most SMs idle while 64 blocks walked 8 tiles each.)  It still
 splits one 100k-token request over the SMs (as split-KV does) and leaves a no-sharing batch
 that already fills the GPU alone.  Parts are never shorter than ``min_part`` tokens so that
 each one's partial write stays small next to its KV.
@@ -35,7 +38,7 @@ def split_threshold(kv_len: np.ndarray, num_kv_heads: int, num_sms: int,
         return 1
     if rule == "mean":
         return max(1, int(np.ceil(kv_len.mean())))
-    per_sm = float(kv_len.astype(np.int64).sum()) * num_kv_heads / max(num_sms, 1)
+    per_sm = float(kv_len.astype(np.int64).sum()) * num_kv_heads / max(2 * num_sms, 1)
     return max(1, int(np.ceil(max(float(min_part), per_sm))))
 
 

@@ -6,8 +6,10 @@ pipeline step.  The solver keeps the configs that satisfy, on a given GPU, head_
 1. **shared memory**: Q tile + ``stages`` double-buffered K and V tiles fit one CTA's limit;
 2. **registers**: the compiled kernel's registers per thread stay within the hardware limit
    (and at least one CTA fits an SM's register file);
-3. **bandwidth**: enough bytes in flight to cover memory latency,
-   ``n >= ceil(L * B / (S * C * d * b))`` with ``C`` resident CTAs per SM;
+3. **bandwidth**: enough bytes in flight to cover memory latency (PAT's
+   ``n >= ceil(L * B / (S * C * d * b))`` with ``C`` resident CTAs per SM, counting what our
+   pipeline really keeps in flight: ``stages - 1`` tiles of both K and V per CTA, so
+   ``n >= ceil(L * B / (S * C * (stages - 1) * 2 * d * b))``);
 4. ``m, n`` powers of two, at least 16.
 
 Per-variant registers and shared memory come from ``pat_core/data/kernel_resources.json``,
@@ -48,6 +50,7 @@ class TileResources:
     registers: int          # per thread
     smem: int               # bytes per CTA (static + dynamic)
     source: str             # "nvcc" (measured) or "estimate"
+    stages: int = STAGES    # K/V pipeline stages (stages - 1 tiles of K and V in flight)
 
     def ctas_per_sm(self, gpu: GPUSpec) -> int:
         """Resident CTAs per SM allowed by shared memory, registers, threads and the CTA cap."""
@@ -76,7 +79,8 @@ def estimate_resources(m: int, n: int, head_dim: int, dtype: str = "float16") ->
     threads = 32 * warps_for(m)
     smem = m * head_dim * b + 2 * STAGES * n * head_dim * b
     regs = int(math.ceil((m * head_dim + m * n) / threads)) + 40
-    return TileResources(m=m, n=n, threads=threads, registers=regs, smem=smem, source="estimate")
+    return TileResources(m=m, n=n, threads=threads, registers=regs, smem=smem, source="estimate",
+                         stages=STAGES)
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,7 +119,8 @@ def kernel_resources(m: int, n: int, head_dim: int, dtype: str, gpu: GPUSpec,
                 return None
             smem = int(rep.get("smem_static", 0)) + int(rep.get("smem_dynamic", 0))
             return TileResources(m=m, n=n, threads=int(v["threads"]),
-                                 registers=int(rep["registers"]), smem=smem, source="nvcc")
+                                 registers=int(rep["registers"]), smem=smem, source="nvcc",
+                                 stages=int(v.get("stages", STAGES)))
     return None
 
 
@@ -149,8 +154,11 @@ def check_tile(m: int, n: int, head_dim: int, dtype: str, gpu) -> TileCheck:
     if C < 1:
         violated.append("occupancy")
     b = DTYPE_BYTES[dtype_name(dtype)]
-    in_flight = gpu.mem_latency_ns * gpu.bytes_per_ns          # bytes needed in flight
-    n_min = int(math.ceil(in_flight / (gpu.num_sms * max(C, 1) * head_dim * b)))
+    # bytes that must be in flight to cover the latency, against what the resident CTAs keep in
+    # flight: each has stages - 1 tiles of both K and V loading while it computes one
+    in_flight = gpu.mem_latency_ns * gpu.bytes_per_ns
+    per_token = gpu.num_sms * max(C, 1) * max(res.stages - 1, 1) * 2 * head_dim * b
+    n_min = int(math.ceil(in_flight / per_token))
     if n < n_min:
         violated.append("bandwidth")
     return TileCheck(m, n, not violated, C, n_min, tuple(violated), res)
