@@ -34,6 +34,8 @@ METHODS = ("pat", "node", "compute", "query", "cascade", "pat-fixed", "pat-seria
 
 
 def git_sha() -> str:
+    if os.environ.get("PAT_GIT_SHA"):          # a copy of the tree without .git
+        return os.environ["PAT_GIT_SHA"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
                                        cwd=os.path.dirname(os.path.abspath(__file__))).strip()
