@@ -1,6 +1,6 @@
 """Measure our kernels for the simulator's calibration (run on a GPU with the CUDA backend).
 
-For every DESIGN workload x method x head config, plan with
+For every standard workload (``pat_core.workloads.DESIGN_WORKLOADS``) x method x head config, plan with
 ``pat_core.PrefixAttentionWrapper(backend="cuda", packer=...)``, then time ``run`` with CUDA
 events: warm-up first (compiles happen there), L2 flushed before every timed run, median of
 ``--reps`` (>= 20).  Each record holds the measured latency next to the simulator's prediction

@@ -10,7 +10,7 @@ Methods
 ``fi-cascade``                                 FlashInfer MultiLevelCascadeAttentionWrapper,
                                                one level per tree level
 
-Method (DESIGN §10): every method's output is compared with a float64 reference computed on the
+Method: every method's output is compared with a float64 reference computed on the
 GPU; a method whose error exceeds twice that of a plain same-dtype PyTorch implementation is
 reported as wrong and not timed.  Timing: CUDA events around ``run`` only, warm-up first
 (FlashInfer's JIT and our compiles happen there), L2 flushed before every timed run, median of

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="$1"; shift
-site="${PAT_BENCH_SITE:-/tmp/pat-bench-site}"
+site="${PAT_BENCH_SITE:-$(mktemp -d)}"
 if ls .whl/flashinfer_python-*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
         .whl/flashinfer_python-*.whl

@@ -2,7 +2,7 @@
 
     python3 bench/gpu_kernels.py --out bench/results/gpu_kernels_h100.json
 
-For each workload spec (DESIGN §10 format), head config and packer: plan once, then time
+For each workload spec (tree-spec format, see pat_core.workloads), head config and packer: plan once, then time
 ``backend.run`` (forward launches + merge) with CUDA events, after warm-up, median of ``--iters``
 runs, the L2 flushed (a 256 MB buffer rewritten) before every timed run.  Reported:
 

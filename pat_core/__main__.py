@@ -16,9 +16,13 @@ import numpy as np
 def _parse_heads(s: str):
     try:
         a, b = s.split(":")
-        return int(a), int(b)
+        hq, hk = int(a), int(b)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--heads must look like 32:8, got {s!r}") from None
+    if hq < 1 or hk < 1 or hq % hk:
+        raise argparse.ArgumentTypeError(f"--heads {s}: both >= 1 and the first a multiple of "
+                                         f"the second")
+    return hq, hk
 
 
 def demo(args) -> int:
@@ -27,6 +31,8 @@ def demo(args) -> int:
     from .workloads import build_tree_batch, random_kv_cache
 
     hq, hk = args.heads
+    if args.head_dim < 1 or args.page_size < 1:
+        raise SystemExit("--head-dim and --page-size must be >= 1")
     batch = build_tree_batch(args.tree, args.page_size, seed=args.seed)
     dtype = {"float16": np.float16, "float32": np.float32}[args.dtype]
     k, v = random_kv_cache(batch.num_pages, args.page_size, hk, args.head_dim, dtype=dtype,

@@ -258,15 +258,27 @@ class CudaBackend:
 
     # ------------------------------------------------------------------ plan upload
     def upload(self, plan: Plan) -> None:
-        """Copy the Plan's int32 arrays to the current device once (kept per plan and version)."""
+        """Copy the Plan's int32 arrays to the current device once (kept per plan and version).
+
+        A plan already on this device at this version is not copied again (the planner hands
+        back the same object for an identical batch).  Otherwise the device is synchronised
+        first, so no kernel of an earlier step still reads memory that the allocator may hand
+        out again, and the copies are complete before this returns, whatever stream the
+        kernels later run on.
+        """
         cp = self.cp
-        _check_plan_tiles(plan)
         dev = cp.cuda.runtime.getDevice()
+        old = self._uploads.get(id(plan))
+        if old is not None and old["version"] == plan.version and old["device"] == dev:
+            return
+        _check_plan_tiles(plan)
+        cp.cuda.Device(dev).synchronize()
         rec = {"version": plan.version, "device": dev, "prepared": {},
                "max_page": int(plan.cta_pages.max()) if plan.cta_pages.size else -1}
         for name in _UPLOAD_FIELDS:
             arr = np.ascontiguousarray(getattr(plan, name), dtype=np.int32)
             rec[name] = cp.asarray(arr) if arr.size else cp.zeros(1, dtype=cp.int32)
+        cp.cuda.get_current_stream().synchronize()
         pid = id(plan)
         first = pid not in self._uploads
         self._uploads[pid] = rec

@@ -93,4 +93,7 @@ def detect_gpu_name(device_name: str) -> str:
     for short in ("h200", "h100", "a100"):
         if short in low:
             return short
+    import warnings
+    warnings.warn(f"no GPU spec for {device_name!r}; planning with the H100's (pass gpu= to "
+                  f"choose)", stacklevel=2)
     return "h100"

@@ -56,15 +56,19 @@ DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 PARTIAL_BYTES = 4  # partial outputs and LSEs are fp32
 
 
-def dtype_name(dtype) -> str:
-    """Canonical name (``"float16"``, ``"bfloat16"``, ``"float32"``) of a NumPy/torch dtype or str."""
+def dtype_name(dtype, name: str = "dtype") -> str:
+    """Canonical name (``"float16"``, ``"bfloat16"``, ``"float32"``) of a NumPy/torch dtype, a
+    NumPy scalar type or a string; ``TypeError`` naming ``name`` otherwise."""
+    if isinstance(dtype, type) and issubclass(dtype, np.generic):
+        dtype = np.dtype(dtype)
     s = str(dtype).replace("torch.", "").replace("numpy.", "")
     aliases = {"half": "float16", "fp16": "float16", "f16": "float16", "bf16": "bfloat16",
                "float": "float32", "fp32": "float32", "f32": "float32", "<f2": "float16",
                "<f4": "float32"}
     s = aliases.get(s, s)
     if s not in DTYPE_BYTES:
-        raise TypeError(f"unsupported dtype {dtype!r}; expected float16, bfloat16 or float32")
+        raise TypeError(f"{name}: unsupported dtype {dtype!r}; expected float16, bfloat16 or "
+                        f"float32")
     return s
 
 
@@ -101,6 +105,7 @@ class Plan:
     # cached an upload of this Plan knows to upload again
     version: int = 0
     extra: dict = field(default_factory=dict)
+    q_dtype: str | None = None      # query/output dtype when it differs from kv_dtype
 
     ARRAY_FIELDS = ("tile_configs", "group_indptr", "group_tile", "cta_tile", "cta_req_indptr",
                     "cta_req", "cta_slot", "cta_kv_start", "cta_kv_len", "cta_page_indptr",
@@ -149,7 +154,7 @@ class Plan:
         * ``out_bytes``: the final output written by the merge kernel.
         """
         kvb = DTYPE_BYTES[dtype_name(kv_dtype or self.kv_dtype)]
-        qb = DTYPE_BYTES[dtype_name(q_dtype or kv_dtype or self.kv_dtype)]
+        qb = DTYPE_BYTES[dtype_name(q_dtype or self.q_dtype or kv_dtype or self.kv_dtype)]
         d, hq, hk = self.head_dim, self.num_qo_heads, self.num_kv_heads
         kv_tokens = int(self.cta_kv_len.astype(np.int64).sum())
         kv_bytes = kv_tokens * hk * 2 * d * kvb

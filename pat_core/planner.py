@@ -19,7 +19,7 @@ from numba import njit
 
 from .forest import PrefixForest
 from .gpus import get_gpu
-from .inputs import BlockTable, as_block_table, check_heads
+from .inputs import BlockTable, _check_seq_lens, as_block_table, check_heads
 from .packers import PACKERS, Packs, pack
 from .plan import DTYPE_BYTES, Plan, dtype_name
 from .split import split_long_kv, split_threshold
@@ -102,6 +102,13 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
     tile_idx = tile_idx[order]
     group_tile = tile_idx[group_indptr[:-1]].astype(np.int32)
     B = bt.batch_size
+    # the Plan's arrays are int32: refuse a batch whose lists would not fit rather than wrap
+    n_pages = int(((kv_start.astype(np.int64) + kv_len - 1) // bt.page_size
+                   - kv_start // bt.page_size + 1).sum())
+    n_pairs = int(nreq.astype(np.int64).sum())
+    if max(n_pages, n_pairs) > np.iinfo(np.int32).max:
+        raise ValueError(f"block_tables: the plan would list {n_pages} page entries and "
+                         f"{n_pairs} (CTA, request) pairs; the int32 Plan holds at most 2^31 - 1")
     req_ptr, cta_req, cta_slot, page_ptr, pages, req_slot_indptr = _layout(
         packs.req_indptr, packs.reqs, src, kv_start, kv_len, order, bt.table, bt.page_size, B)
     return Plan(
@@ -139,10 +146,20 @@ class Planner:
         """Make (or reuse) the Plan of one decode batch.  Arguments as
         :meth:`pat_core.PrefixAttentionWrapper.plan`."""
         check_heads(num_qo_heads, num_kv_heads, head_dim)
-        kv_dtype = dtype_name(kv_data_type)
-        q_dtype = dtype_name(q_data_type or kv_dtype)
+        kv_dtype = dtype_name(kv_data_type, "kv_data_type")
+        q_dtype = dtype_name(q_data_type or kv_dtype, "q_data_type")
         if sm_scale is None:
             sm_scale = 1.0 / math.sqrt(head_dim)
+        try:
+            sm_scale = float(sm_scale)
+        except (TypeError, ValueError):
+            raise TypeError(f"sm_scale must be a number, got {sm_scale!r}") from None
+        if not math.isfinite(sm_scale) or sm_scale <= 0:
+            raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale}")
+        if tile is not None:
+            if len(tuple(tile)) != 2 or not all(isinstance(x, (int, np.integer))
+                                                for x in tile):
+                raise ValueError(f"tile must be a pair of ints (m, n), got {tile!r}")
         params = (num_qo_heads, num_kv_heads, head_dim, page_size, float(sm_scale), kv_dtype,
                   q_dtype, None if tile is None else tuple(int(x) for x in tile), bool(serial),
                   split)
@@ -154,7 +171,7 @@ class Planner:
         if c is not None and raw is not None and c["params"] == params \
                 and c["raw"].shape == raw.shape and c["raw"].dtype == raw.dtype \
                 and np.array_equal(c["raw"], raw):
-            sl = np.asarray(seq_lens)
+            sl = _check_seq_lens(seq_lens, raw.shape[0])
             if sl.shape == c["seq_lens"].shape and np.array_equal(sl, c["seq_lens"]):
                 self.last_path = "reuse"
                 return c["plan"]
@@ -170,6 +187,7 @@ class Planner:
         plan = assemble_plan(bt, packs, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                              head_dim=head_dim, sm_scale=sm_scale, packer=self.packer,
                              selector=selector, kv_dtype=kv_dtype, serial=serial, split=split)
+        plan.q_dtype = q_dtype
         plan.extra["forest"] = forest
         plan.extra["block_table"] = bt
         self._cache = dict(params=params, raw=None if raw is None else raw.copy(),
@@ -207,6 +225,7 @@ class Planner:
                              sm_scale=p.sm_scale, packer=self.packer, selector=c["selector"],
                              kv_dtype=p.kv_dtype, serial=c["params"][8], split=c["params"][9])
         plan.version = p.version + 1
+        plan.q_dtype = p.q_dtype
         plan.extra["block_table"] = nbt
         c.update(seq_lens=nbt.seq_lens.copy(), bt=nbt, packs=packs, plan=plan)
         return plan

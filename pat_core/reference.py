@@ -85,6 +85,12 @@ def _run_reference(q, paged_kv_cache, block_tables, seq_lens, page_size, kv_layo
     vc = to_numpy_f32(v_cache, "v_cache") if dtype is not np.float16 else np.asarray(v_cache)
     qq = to_numpy_f32(q, "q") if dtype is not np.float16 else np.asarray(q)
     bt = as_block_table(block_tables, seq_lens, page_size)
+    if qq.ndim != 3 or qq.shape[0] != bt.batch_size:
+        raise ValueError(f"q must be [batch={bt.batch_size}, num_qo_heads, head_dim], got "
+                         f"{tuple(qq.shape)}")
+    from .inputs import check_heads
+    check_heads(int(qq.shape[1]), int(kc.shape[2] if kv_layout == "NHD" else kc.shape[1]),
+                int(qq.shape[2]))
     d = qq.shape[-1]
     scale = 1.0 / np.sqrt(d) if sm_scale is None else sm_scale
     out = np.empty(qq.shape, dtype=np.float64)

@@ -75,6 +75,7 @@ class PrefixAttentionWrapper:
         sm_scale : softmax scale, default ``1 / sqrt(head_dim)``.
         kv_data_type : dtype of the KV cache (``"float16"``, ``"bfloat16"``, ``"float32"``),
             used by the byte accounting and the tile solver.
+        q_data_type : dtype of the queries and output when it differs (byte accounting).
         tile : force one ``(m, n)`` for every CTA (the fixed-tile ablation).
         serial : launch tile groups one after another on one stream (ablation).
         split : long-KV split: ``True``/``"sm"`` (default: split CTAs longer than an SM's
@@ -151,7 +152,8 @@ class PrefixAttentionWrapper:
         if hk != plan.num_kv_heads or d != plan.head_dim:
             raise ValueError(f"paged_kv_cache has {hk} KV heads of dim {d}, the plan expects "
                              f"{plan.num_kv_heads} of dim {plan.head_dim}")
-        qdt, kdt, vdt = _dtype_of(q), _dtype_of(k_cache), _dtype_of(v_cache)
+        qdt, kdt, vdt = (_dtype_of(q, "q"), _dtype_of(k_cache, "paged_kv_cache"),
+                         _dtype_of(v_cache, "paged_kv_cache"))
         if not (qdt == kdt == vdt):
             raise TypeError(f"q ({qdt}) and paged_kv_cache ({kdt}, {vdt}) must share a dtype")
         if plan.cta_pages.size and int(plan.cta_pages.max()) >= num_pages:
@@ -160,5 +162,5 @@ class PrefixAttentionWrapper:
                              f"{num_pages} pages")
 
 
-def _dtype_of(x) -> str:
-    return dtype_name(getattr(x, "dtype", None))
+def _dtype_of(x, name: str = "q") -> str:
+    return dtype_name(getattr(x, "dtype", None), name)

@@ -1,7 +1,7 @@
 """Memory traffic and padding waste of a Plan, per thread block and by kind.
 
-One Plan CTA runs as ``num_kv_heads`` thread blocks (``gridDim.y``).  The thread block of CTA
-``c`` for one KV head moves:
+One Plan CTA runs as ``num_kv_heads`` thread blocks (adjacent in a 1-D grid).  The thread
+block of CTA ``c`` for one KV head moves:
 
 * KV: ``kv_len[c]`` tokens of K and V, ``2 * head_dim * b`` bytes each;
 * Q: its ``rows = requests x group`` query rows, ``head_dim * b`` bytes each;

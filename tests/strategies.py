@@ -1,4 +1,4 @@
-"""Hypothesis strategies that draw random prefix forests as paged block tables (DESIGN §9).
+"""Hypothesis strategies that draw random prefix forests as paged block tables.
 
 A drawn batch has 1-3 roots, up to 6 levels, branching 1-8, node token counts that are rarely
 multiples of the page size (1 included), requests that end at internal nodes, identical

@@ -2,7 +2,7 @@
 import itertools
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import given
 
 from pat_core.forest import PrefixForest
 from pat_core.inputs import BlockTable
@@ -66,7 +66,6 @@ def check_forest(bt: BlockTable):
 
 
 @given(prefix_batches(max_requests=12, page_sizes=(1, 2, 3, 16)))
-@settings(max_examples=40)
 def test_forest_matches_brute_force(b):
     bt = BlockTable.from_padded(b.block_tables, b.seq_lens, b.page_size)
     check_forest(bt)

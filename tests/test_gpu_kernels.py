@@ -1,7 +1,7 @@
 """GPU kernel tests: the CUDA backend against the float64 dense reference.
 
 Every test here is ``@pytest.mark.gpu`` and is skipped without CuPy and a CUDA device (importing
-this module needs neither).  Tolerance (DESIGN §9): the kernel's norm-wise relative error against
+this module needs neither).  Tolerance: the kernel's norm-wise relative error against
 the float64 reference may be at most twice the error of a plain same-dtype implementation (torch
 attention computed entirely in fp16/bf16) on the same inputs.
 

@@ -122,3 +122,64 @@ def test_five_d_cache_and_bad_constructor_args():
         PrefixAttentionWrapper("cpu", kv_layout="NDH")
     with pytest.raises(ValueError, match="tree spec"):
         build_tree_batch("1,2,3")
+
+
+def test_plan_keyword_validation():
+    w = PrefixAttentionWrapper("cpu")
+    t = np.array([[0, 1]], dtype=np.int32)
+    with pytest.raises(TypeError, match="sm_scale must be a number"):
+        w.plan(t, [20], 4, 4, 64, 16, sm_scale="x")
+    with pytest.raises(ValueError, match="sm_scale must be a positive finite"):
+        w.plan(t, [20], 4, 4, 64, 16, sm_scale=float("nan"))
+    with pytest.raises(ValueError, match=r"tile must be a pair of ints"):
+        w.plan(t, [20], 4, 4, 64, 16, tile=(16,))
+    with pytest.raises(TypeError, match="kv_data_type: unsupported dtype"):
+        w.plan(t, [20], 4, 4, 64, 16, kv_data_type="int8")
+    p = w.plan(t, [20], 4, 4, 64, 16, kv_data_type=np.float16)   # NumPy scalar types work
+    assert p.kv_dtype == "float16"
+    # the cached path still validates seq_lens
+    with pytest.raises(TypeError, match="seq_lens must hold integers"):
+        w.plan(t, np.array([20.5]), 4, 4, 64, 16, kv_data_type=np.float16)
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 0"):
+        w.plan(t, [0], 4, 4, 64, 16, kv_data_type=np.float16)
+
+
+def test_q_dtype_in_stats():
+    t = np.array([[0, 1]], dtype=np.int32)
+    a = PrefixAttentionWrapper("cpu").plan(t, [20], 4, 4, 64, 16, kv_data_type="float16")
+    b = PrefixAttentionWrapper("cpu").plan(t, [20], 4, 4, 64, 16, kv_data_type="float16",
+                                           q_data_type="float32")
+    assert b.stats()["q_bytes"] == 2 * a.stats()["q_bytes"]
+    assert b.stats()["kv_bytes"] == a.stats()["kv_bytes"]
+
+
+def test_executor_and_reference_check_their_inputs():
+    from pat_core.executor import execute
+    from pat_core.reference import dense_attention
+    b = build_tree_batch("1,2_20,5", page_size=16)
+    k, v = random_kv_cache(b.num_pages, 16, 2, 64)
+    q = np.zeros((2, 4, 64), np.float32)
+    plan = PrefixAttentionWrapper("cpu").plan(b.block_tables, b.seq_lens, 4, 2, 64, 16)
+    with pytest.raises(ValueError, match="but k_cache holds only 1 pages"):
+        execute(plan, q, k[:1], v[:1])
+    with pytest.raises(ValueError, match="q has shape"):
+        execute(plan, q[:1], k, v)
+    with pytest.raises(ValueError, match="num_qo_heads = 3 is not a multiple"):
+        dense_attention(np.zeros((2, 3, 64), np.float32), (k, v), b.block_tables, b.seq_lens, 16)
+
+
+def test_demo_rejects_bad_heads(capsys):
+    from pat_core.__main__ import main
+    with pytest.raises(SystemExit):
+        main(["demo", "--heads", "30:8"])
+    assert "--heads 30:8" in capsys.readouterr().err
+
+
+def test_demo_runs_and_checks_every_packer(capsys):
+    from pat_core.__main__ import main
+    assert main(["demo", "--tree", "1,3_40,21", "--heads", "8:2", "--head-dim", "64",
+                 "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    for packer in ("query", "pat", "node", "compute", "cascade"):
+        assert f"\n{packer} " in out
+    assert " NO " not in out

@@ -1,7 +1,7 @@
 """Plan invariants and CPU-executor correctness on random prefix forests, for every packer."""
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from pat_core import PACKERS, Planner, PrefixAttentionWrapper
@@ -55,7 +55,6 @@ def test_coverage_slots_and_bytes(b, heads, d, gpu):
 
 @given(prefix_batches(max_requests=10, max_node_pages=2), head_configs(),
        st.sampled_from(PACKERS), st.sampled_from(["NHD", "HND"]), st.data())
-@settings(max_examples=30)
 def test_cpu_executor_matches_dense_fp32(b, heads, packer, layout, data):
     hq, hk = heads
     d = 64
@@ -75,7 +74,6 @@ def test_cpu_executor_matches_dense_fp32(b, heads, packer, layout, data):
 
 @given(prefix_batches(max_requests=8, max_node_pages=2), head_configs(),
        st.sampled_from(PACKERS))
-@settings(max_examples=20)
 def test_cpu_executor_fp16_within_twice_plain_fp16(b, heads, packer):
     hq, hk = heads
     d = 64
