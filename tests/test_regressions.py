@@ -100,3 +100,27 @@ def test_torch_cpu_tensors_bf16_and_fp16():
         # bf16 keeps 8 significant bits: its outputs round at 2^-8 relative
         assert relative_error(out.float().numpy(), ref) <= (2.0 ** -8 if name == "bfloat16"
                                                               else 2.0 ** -10)
+
+
+def _to_bf16_values(x):
+    """float32 array rounded to the nearest bfloat16 value (round half to even), as float32."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.astype(np.uint32).view(np.float32)
+
+
+def test_bf16_path_without_torch():
+    from pat_core.executor import execute
+    table = [[0, 1, 2], [0, 1, 3], [0, 4, -1]]
+    lens = [40, 37, 20]
+    k, v = (_to_bf16_values(x) for x in random_kv_cache(5, 16, 2, 64, np.float32, seed=8))
+    q = _to_bf16_values(np.random.default_rng(9).standard_normal((3, 8, 64)))
+    plan = PrefixAttentionWrapper("cpu", "pat").plan(table, lens, 8, 2, 64, 16,
+                                                      kv_data_type="bfloat16")
+    ref = dense_attention(q, (k, v), table, lens, 16)
+    out32 = execute(plan, q, k, v, input_dtype="float32")
+    outbf = execute(plan, q, k, v, input_dtype="bfloat16")
+    assert relative_error(out32, ref) <= 1e-5
+    err = relative_error(outbf, ref)
+    # P rounded to 8 significant bits before P.V: visible, and bounded by bf16's unit
+    assert 1e-6 < err <= 2.0 ** -8
