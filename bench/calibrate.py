@@ -22,25 +22,17 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import copy_bandwidth, git_sha, time_events  # noqa: E402
 
 METHODS = ("pat", "node", "compute", "query", "cascade", "pat-fixed", "pat-serial")
-
-
-def git_sha() -> str:
-    if os.environ.get("PAT_GIT_SHA"):          # a copy of the tree without .git
-        return os.environ["PAT_GIT_SHA"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                       cwd=os.path.dirname(os.path.abspath(__file__))).strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
 
 
 def versions() -> dict:
@@ -58,39 +50,9 @@ def versions() -> dict:
     return out
 
 
-def copy_bandwidth_gbps(torch, nbytes: int = 1 << 30, reps: int = 20) -> float:
-    """Device-to-device copy bandwidth, bytes read plus written, in GB/s (== bytes/ns)."""
-    a = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) * 1e6)      # ns
-    del a, b
-    return 2 * (nbytes // 2) * 2 / statistics.median(ts)
-
-
-def time_run(torch, fn, flush, warmup: int, reps: int) -> list:
+def time_us(fn, flush, warmup: int, reps: int) -> list:
     """Latencies (us) of ``fn`` with CUDA events, L2 flushed before each timed run."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        flush()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        out.append(s.elapsed_time(e) * 1e3)
-    return out
+    return [t * 1e3 for t in time_events(fn, reps, warmup=warmup, flush=flush)]
 
 
 def planner_kwargs(method: str) -> tuple:
@@ -131,7 +93,7 @@ def main(argv=None) -> int:
     gpu = detect_gpu_name(dev.name)
     consts = load_constants(gpu)
     dtype = getattr(torch, args.dtype)
-    bw = copy_bandwidth_gbps(torch)
+    bw = copy_bandwidth(1 << 30, 20) / 1e9          # GB/s == bytes/ns
     print(f"device {dev.name} ({gpu}), copy bandwidth {bw:.0f} GB/s", flush=True)
     l2 = int(getattr(dev, "L2_cache_size", 50 << 20) or (50 << 20))
     scratch = torch.empty(2 * l2 // 4 + 1, dtype=torch.float32, device="cuda")
@@ -158,7 +120,7 @@ def main(argv=None) -> int:
                     w = pat_core.PrefixAttentionWrapper(backend="cuda", packer=packer, gpu=gpu)
                     plan = w.plan(batch.block_tables, batch.seq_lens, hq, hk, args.head_dim,
                                   args.page_size, kv_data_type=args.dtype, **kw)
-                    runs = time_run(torch, lambda: w.run(q, (k, v)), flush, args.warmup,
+                    runs = time_us(lambda: w.run(q, (k, v)), flush, args.warmup,
                                     args.reps)
                     rec["measured_us"] = statistics.median(runs)
                     rec["runs_us"] = [round(x, 3) for x in runs]

@@ -29,100 +29,44 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import copy_bandwidth, git_sha, l2_flusher, time_events, unique_kv_tokens  # noqa: E402
 
 OUR_METHODS = ("pat", "query", "node", "compute", "pat-fixed", "pat-serial")
 FI_METHODS = ("fi-decode", "fi-cascade")
 
 
-def git_sha() -> str:
-    if os.environ.get("PAT_GIT_SHA"):          # a copy of the tree without .git
-        return os.environ["PAT_GIT_SHA"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                       cwd=os.path.dirname(os.path.abspath(__file__))).strip()
-    except Exception:
-        return "unknown"
-
-
 # ---------------------------------------------------------------------------- GPU helpers
-def copy_bandwidth(torch, nbytes=2 << 30, reps=10) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
-    a = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) * 1e-3)
-    del a, b
-    return 2 * nbytes / float(np.median(ts))
-
-
-class L2Flusher:
-    def __init__(self, torch, nbytes: int):
-        self.buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-
-    def __call__(self):
-        self.buf.zero_()
-
-
-def time_fn(torch, fn, flush, reps: int) -> list:
-    ts = []
-    for _ in range(reps):
-        flush()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3)          # microseconds
-    return ts
+def torch_attention(torch, q, k, v, table, seq_lens, page_size, dtype=None):
+    """Decode attention in torch on the GPU (NHD caches), one request at a time, computed in
+    ``dtype`` throughout: ``torch.float64`` for the reference, ``None`` for q's own dtype (the
+    plain same-dtype implementation whose error sets the tolerance)."""
+    dtype = dtype or q.dtype
+    B, hq, d = q.shape
+    hk = k.shape[2]
+    g = hq // hk
+    out = torch.empty((B, hq, d), dtype=dtype, device="cuda")
+    scale = 1.0 / math.sqrt(d)
+    for r in range(B):
+        L = int(seq_lens[r])
+        pages = torch.as_tensor(table[r, : -(-L // page_size)], device="cuda", dtype=torch.long)
+        kk = k[pages].reshape(-1, hk, d)[:L].to(dtype).transpose(0, 1)      # [hk, L, d]
+        vv = v[pages].reshape(-1, hk, d)[:L].to(dtype).transpose(0, 1)
+        s = torch.matmul(q[r].to(dtype).reshape(hk, g, d), kk.transpose(1, 2)) * scale
+        out[r] = torch.matmul(torch.softmax(s, dim=-1), vv).reshape(hq, d)
+    return out
 
 
 def reference_fp64(torch, q, k, v, table, seq_lens, page_size):
-    """Float64 decode attention on the GPU (NHD caches), one request at a time."""
-    B, hq, d = q.shape
-    hk = k.shape[2]
-    g = hq // hk
-    out = torch.empty((B, hq, d), dtype=torch.float64, device="cuda")
-    scale = 1.0 / math.sqrt(d)
-    for r in range(B):
-        L = int(seq_lens[r])
-        pages = torch.as_tensor(table[r, : -(-L // page_size)], device="cuda", dtype=torch.long)
-        kk = k[pages].reshape(-1, hk, d)[:L].double().transpose(0, 1)      # [hk, L, d]
-        vv = v[pages].reshape(-1, hk, d)[:L].double().transpose(0, 1)
-        qq = q[r].double().reshape(hk, g, d)
-        s = torch.matmul(qq, kk.transpose(1, 2)) * scale
-        out[r] = torch.matmul(torch.softmax(s, dim=-1), vv).reshape(hq, d)
-    return out
-
-
-def plain_lowp(torch, q, k, v, table, seq_lens, page_size):
-    """The same computation in q's dtype throughout (the tolerance yardstick)."""
-    B, hq, d = q.shape
-    hk = k.shape[2]
-    g = hq // hk
-    out = torch.empty_like(q)
-    scale = 1.0 / math.sqrt(d)
-    for r in range(B):
-        L = int(seq_lens[r])
-        pages = torch.as_tensor(table[r, : -(-L // page_size)], device="cuda", dtype=torch.long)
-        kk = k[pages].reshape(-1, hk, d)[:L].transpose(0, 1)
-        vv = v[pages].reshape(-1, hk, d)[:L].transpose(0, 1)
-        s = torch.matmul(q[r].reshape(hk, g, d), kk.transpose(1, 2)) * scale
-        out[r] = torch.matmul(torch.softmax(s, dim=-1), vv).reshape(hq, d)
-    return out
+    """Float64 decode attention on the GPU: the ground truth of every check here."""
+    return torch_attention(torch, q, k, v, table, seq_lens, page_size, torch.float64)
 
 
 def rel_err(torch, x, ref) -> float:
@@ -208,13 +152,9 @@ def cascade_levels(batch):
 
 # ---------------------------------------------------------------------------- methods
 def make_ours(torch, pat_core, method, batch, hq, hk, d, ps, dtype_name):
-    packer = {"pat-fixed": "pat", "pat-serial": "pat"}.get(method, method)
+    from sim.methods import METHODS          # method -> (packer, planner keywords)
+    packer, kw = METHODS[method]
     w = pat_core.PrefixAttentionWrapper(backend="cuda", packer=packer)
-    kw = {}
-    if method == "pat-fixed":
-        kw["tile"] = (64, 128)
-    if method == "pat-serial":
-        kw["serial"] = True
     plan = w.plan(batch.block_tables, batch.seq_lens, hq, hk, d, ps, kv_data_type=dtype_name,
                   **kw)
     return w, plan
@@ -249,10 +189,7 @@ def make_fi_cascade(torch, flashinfer, batch, hq, hk, d, ps, dtype):
 
 # ---------------------------------------------------------------------------- main loop
 def bytes_floor(batch, hq, hk, d, elem):
-    from pat_core.forest import PrefixForest
-    from pat_core.inputs import BlockTable
-    bt = BlockTable.from_padded(batch.block_tables, batch.seq_lens, batch.page_size)
-    uniq = PrefixForest(bt).unique_tokens()
+    uniq = unique_kv_tokens(batch.block_tables, batch.seq_lens, batch.page_size)
     return uniq * hk * 2 * d * elem + 2 * batch.batch_size * hq * d * elem
 
 
@@ -292,9 +229,9 @@ def main(argv=None):
         t0 = time.time()
         CudaBackend().warmup(jobs=min(16, os.cpu_count() or 1))   # fills the kernel cache
         print(f"compiled our kernels in {time.time() - t0:.1f}s", flush=True)
-    bw = copy_bandwidth(torch)
+    bw = copy_bandwidth(2 << 30, 10)
     print(f"device {dev.name}; copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
-    flush = L2Flusher(torch, 2 * 64 << 20)
+    flush = l2_flusher(128 << 20)
     elem = 2
     rows = []
     configs = [(wl, h, ps) for wl in args.workloads for h in args.heads for ps in args.page_sizes]
@@ -309,8 +246,8 @@ def main(argv=None):
         q = torch.randn((batch.batch_size, hq, d), generator=gen, device="cuda",
                         dtype=torch.float32).to(dtype)
         ref = reference_fp64(torch, q, k, v, batch.block_tables, batch.seq_lens, ps)
-        base_err = rel_err(torch, plain_lowp(torch, q, k, v, batch.block_tables,
-                                             batch.seq_lens, ps), ref)
+        base_err = rel_err(torch, torch_attention(torch, q, k, v, batch.block_tables,
+                                                  batch.seq_lens, ps), ref)
         tol = 2 * base_err
         floor_bytes = bytes_floor(batch, hq, hk, d, elem)
         floor_us = floor_bytes / bw * 1e6
@@ -351,9 +288,7 @@ def main(argv=None):
                           flush=True)
                     rows.append(row)
                     continue
-                for _ in range(3):
-                    fn()
-                ts = time_fn(torch, fn, flush, args.reps)
+                ts = [t * 1e3 for t in time_events(fn, args.reps, warmup=3, flush=flush)]
                 lat = float(np.median(ts))
                 row.update(latency_eager_us=lat, latency_p10_us=float(np.percentile(ts, 10)),
                            latency_p90_us=float(np.percentile(ts, 90)))
@@ -363,7 +298,8 @@ def main(argv=None):
                 if isinstance(gr, str):
                     row["graph"] = gr
                 else:
-                    tg = time_fn(torch, gr.replay, flush, args.reps)
+                    tg = [t * 1e3 for t in time_events(gr.replay, args.reps, warmup=0,
+                                                       flush=flush)]
                     row["latency_graph_us"] = float(np.median(tg))
                     lat = row["latency_graph_us"]
                 row.update(latency_us=lat, timing="graph" if "latency_graph_us" in row
@@ -422,5 +358,4 @@ def _cupy_version():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     main()

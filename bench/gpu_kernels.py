@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,23 +30,22 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-WORKLOADS = ("1,16_2048,128", "1,4,64_256,1024,64", "1,2,8,128_512,128,256,32",
-             "3,24,96_1024,64,512", "1,32,256_64,64,1024", "1,1024_1024,16",
-             "1,8,64,512_128,512,64,32", "128_2048", "256_4096")
-HEADS = ((32, 32), (16, 8), (32, 8), (64, 8))
+from common import git_sha, graph_times, l2_flusher, time_events, unique_kv_tokens  # noqa: E402
+from common import copy_bandwidth as _copy_bandwidth_bytes  # noqa: E402
+
+from pat_core.workloads import DESIGN_WORKLOADS, HEAD_CONFIGS  # noqa: E402
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read plus written)."""
+    return _copy_bandwidth_bytes(nbytes, iters) / 1e9
+
+
+WORKLOADS = DESIGN_WORKLOADS
+HEADS = HEAD_CONFIGS
 PACKERS = ("pat", "query")
-
-
-def git_sha() -> str:
-    env = os.environ.get("PAT_GIT_SHA")
-    if env:
-        return env
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except Exception:
-        return "unknown"
 
 
 def environment() -> dict:
@@ -62,75 +59,6 @@ def environment() -> dict:
     except Exception:
         pass
     return info
-
-
-def time_events(fn, iters: int, warmup: int = 3, flush=None) -> list:
-    """Per-run milliseconds (CUDA events), `flush()` before each timed run, after warm-up."""
-    import torch
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        if flush is not None:
-            flush()
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return times
-
-
-def graph_times(fn, iters: int, flush=None) -> list:
-    """Capture `fn` once in a CUDA graph and time its replays (no host launch gaps)."""
-    import torch
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return time_events(g.replay, iters, flush=flush)
-
-
-def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
-    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
-    import torch
-    x = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
-    y = torch.empty_like(x)
-    t = time_events(lambda: y.copy_(x), iters)
-    ms = float(np.median(t))
-    del x, y
-    torch.cuda.empty_cache()
-    return 2 * nbytes / (ms * 1e-3) / 1e9
-
-
-def unique_kv_tokens(block_tables, seq_lens, page_size: int) -> int:
-    """Distinct (page, slot) positions the batch reads: each shared token counted once."""
-    best = {}
-    for r in range(len(seq_lens)):
-        L = int(seq_lens[r])
-        npg = -(-L // page_size)
-        row = np.asarray(block_tables[r][:npg])
-        for i, p in enumerate(row.tolist()):
-            cnt = min(page_size, L - i * page_size)
-            if best.get(p, 0) < cnt:
-                best[p] = cnt
-    return int(sum(best.values()))
-
-
-def _flusher():
-    import torch
-    buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    return lambda: buf.fill_(1)
 
 
 def bench_workload(backend, spec, hq, hk, packers=PACKERS, head_dim=128, page_size=16,
@@ -256,7 +184,7 @@ def run(workloads=WORKLOADS, heads=HEADS, packers=PACKERS, iters=20, out=None, b
     backend = backend or CudaBackend()
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth: {copy_bw:.0f} GB/s", flush=True)
-    flush = _flusher()
+    flush = l2_flusher()
     rows = []
     for spec in workloads:
         for hq, hk in heads:
@@ -311,7 +239,7 @@ def sweep(backend=None, cases=SWEEP, iters=20, copy_bw=None):
     from pat_core.cuda_backend import CudaBackend
     backend = backend or CudaBackend()
     copy_bw = copy_bw or copy_bandwidth()
-    flush = _flusher()
+    flush = l2_flusher()
     rows = []
     saved = backend.head_minor
     for spec, (hq, hk), packer, tile, over, head_minor in cases:

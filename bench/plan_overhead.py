@@ -15,13 +15,15 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import git_sha  # noqa: E402
 
 import numba  # noqa: E402
 
@@ -43,14 +45,6 @@ def median_time(fn, reps: int) -> float:
         fn()
         ts.append(time.perf_counter() - t0)
     return float(np.median(ts))
-
-
-def git_sha() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                       cwd=os.path.dirname(__file__)).strip()
-    except Exception:
-        return "unknown"
 
 
 def cpu_name() -> str:

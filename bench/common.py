@@ -1,0 +1,89 @@
+"""What every benchmark script shares: the code version, GPU event timing, the L2 flush and
+the device's copy bandwidth.  Torch is imported inside the GPU helpers so that CPU-only
+scripts (plan_overhead.py) can use :func:`git_sha` without it.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def git_sha() -> str:
+    """Commit of the measured tree: ``PAT_GIT_SHA`` when set (a copy without .git), else git."""
+    if os.environ.get("PAT_GIT_SHA"):
+        return os.environ["PAT_GIT_SHA"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, cwd=ROOT,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+def time_events(fn, iters: int, warmup: int = 3, flush=None) -> list:
+    """Per-run milliseconds of ``fn`` between two CUDA events, after ``warmup`` untimed calls;
+    ``flush()`` (if given) runs before each timed call, outside the events."""
+    import torch
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        if flush is not None:
+            flush()
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return times
+
+
+def graph_times(fn, iters: int, flush=None) -> list:
+    """Capture ``fn`` once in a CUDA graph and time its replays (no host launch gaps), ms."""
+    import torch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return time_events(g.replay, iters, flush=flush)
+
+
+def l2_flusher(nbytes: int = 256 << 20):
+    """A function that overwrites a buffer larger than L2, so the next run starts cold."""
+    import torch
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    return lambda: buf.fill_(1)
+
+
+def unique_kv_tokens(block_tables, seq_lens, page_size: int) -> int:
+    """Distinct tokens the batch reads, each shared token once (from the prefix forest)."""
+    import sys
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    from pat_core.forest import PrefixForest
+    from pat_core.inputs import BlockTable
+    return PrefixForest(BlockTable.from_padded(block_tables, seq_lens, page_size)).unique_tokens()
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    import torch
+    x = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    ms = float(np.median(time_events(lambda: y.copy_(x), iters)))
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * (nbytes // 2) * 2 / (ms * 1e-3)
