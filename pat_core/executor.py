@@ -127,20 +127,10 @@ def execute_partials(plan: Plan, q, k_cache, v_cache, kv_layout: str = "NHD",
     ``q``: ``[batch, num_qo_heads, head_dim]``; caches 4-D in ``kv_layout``.  ``input_dtype``
     selects the rounding of P before P.V (default: the plan's ``kv_dtype``).
     """
+    plan.check_inputs(q, k_cache, v_cache, kv_layout)
     q32 = np.ascontiguousarray(_as_f32(q, "q"))
     kc = nhd_view(_as_f32(k_cache, "k_cache"), kv_layout)
     vc = nhd_view(_as_f32(v_cache, "v_cache"), kv_layout)
-    if plan.cta_pages.size and int(plan.cta_pages.max()) >= kc.shape[0]:
-        raise ValueError(f"block_tables uses page {int(plan.cta_pages.max())} but k_cache holds "
-                         f"only {kc.shape[0]} pages")
-    if kc.shape != vc.shape or kc.shape[1:] != (plan.page_size, plan.num_kv_heads,
-                                                 plan.head_dim):
-        raise ValueError(f"k_cache/v_cache shapes {kc.shape}/{vc.shape} do not match the plan "
-                         f"(page_size {plan.page_size}, {plan.num_kv_heads} KV heads, head_dim "
-                         f"{plan.head_dim})")
-    if q32.shape != (plan.batch_size, plan.num_qo_heads, plan.head_dim):
-        raise ValueError(f"q has shape {q32.shape}, the plan expects "
-                         f"{(plan.batch_size, plan.num_qo_heads, plan.head_dim)}")
     bits, min_exp = _ROUND[input_dtype or plan.kv_dtype]
     S = plan.num_slots
     o_part = np.full((S, plan.num_qo_heads, plan.head_dim), np.nan, dtype=np.float32)

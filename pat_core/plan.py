@@ -215,6 +215,37 @@ class Plan:
         end = self.cta_kv_start[cta_of].astype(np.int64) + self.cta_kv_len[cta_of]
         assert np.all(end <= self.seq_lens[req_of]), "CTA reads past a request's end"
 
+    def check_inputs(self, q, k_cache, v_cache, kv_layout: str = "NHD") -> None:
+        """Raise ``ValueError``/``TypeError`` naming the argument unless ``q`` and the 4-D caches
+        fit this plan: shapes, page size, head counts, a shared dtype, and every page id the
+        plan reads inside the cache.  Every executor calls it once per run."""
+        if len(q.shape) != 3:
+            raise ValueError(f"q must be [batch, num_qo_heads, head_dim], got shape "
+                             f"{tuple(q.shape)}")
+        want = (self.batch_size, self.num_qo_heads, self.head_dim)
+        if tuple(int(x) for x in q.shape) != want:
+            raise ValueError(f"q has shape {tuple(q.shape)}, the plan expects {want}")
+        if len(k_cache.shape) != 4 or tuple(k_cache.shape) != tuple(v_cache.shape):
+            raise ValueError("paged_kv_cache: k_cache and v_cache must be 4-D with equal shapes, "
+                             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        n, a, b, d = (int(x) for x in k_cache.shape)
+        num_pages, ps, hk = (n, a, b) if kv_layout == "NHD" else (n, b, a)
+        if ps != self.page_size:
+            raise ValueError(f"paged_kv_cache has page_size {ps}, the plan expects "
+                             f"{self.page_size} (kv_layout={kv_layout!r})")
+        if hk != self.num_kv_heads or d != self.head_dim:
+            raise ValueError(f"paged_kv_cache has {hk} KV heads of dim {d}, the plan expects "
+                             f"{self.num_kv_heads} of dim {self.head_dim}")
+        qdt = dtype_name(getattr(q, "dtype", None), "q")
+        kdt = dtype_name(getattr(k_cache, "dtype", None), "paged_kv_cache")
+        vdt = dtype_name(getattr(v_cache, "dtype", None), "paged_kv_cache")
+        if not (qdt == kdt == vdt):
+            raise TypeError(f"q ({qdt}) and paged_kv_cache ({kdt}, {vdt}) must share a dtype")
+        if self.cta_pages.size and int(self.cta_pages.max()) >= num_pages:
+            bad = int(self.cta_pages.max())
+            raise ValueError(f"block_tables uses page {bad} but paged_kv_cache holds only "
+                             f"{num_pages} pages")
+
     def coverage_counts(self) -> list:
         """For each request, an int array ``[seq_len]`` counting the CTAs that read each token.
 

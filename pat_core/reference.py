@@ -47,12 +47,6 @@ def split_kv_cache(paged_kv_cache, kv_layout: str = "NHD"):
     return k, v
 
 
-def cache_dims(k_cache, kv_layout: str):
-    """``(num_pages, page_size, num_kv_heads, head_dim)`` of a 4-D cache in either layout."""
-    n, a, b, d = (int(x) for x in k_cache.shape)
-    return (n, a, b, d) if kv_layout == "NHD" else (n, b, a, d)
-
-
 def gather_kv(cache: np.ndarray, pages: np.ndarray, seq_len: int, kv_layout: str) -> np.ndarray:
     """One request's tokens ``[seq_len, num_kv_heads, head_dim]`` from a 4-D paged cache."""
     blocks = cache[pages]                                # [P, ps, H, d] or [P, H, ps, d]

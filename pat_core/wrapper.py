@@ -19,7 +19,7 @@ from .inputs import BlockTable
 from .packers import PACKERS
 from .plan import Plan, dtype_name
 from .planner import Planner
-from .reference import cache_dims, split_kv_cache
+from .reference import split_kv_cache
 
 BACKENDS = ("cpu", "cuda")
 
@@ -123,11 +123,11 @@ class PrefixAttentionWrapper:
         """
         plan = self.current_plan
         k_cache, v_cache = split_kv_cache(paged_kv_cache, self.kv_layout)
-        self._check_inputs(plan, q, k_cache, v_cache)
         if self._gpu_backend is not None:
+            plan.check_inputs(q, k_cache, v_cache, self.kv_layout)
             return self._gpu_backend.run(plan, q, k_cache, v_cache, kv_layout=self.kv_layout,
                                          return_lse=return_lse)
-        from .executor import execute
+        from .executor import execute             # checks its inputs against the plan
         qdt = _dtype_of(q)
         out_dtype = np.float16 if qdt == "float16" else np.float32
         out, lse = execute(plan, q, k_cache, v_cache, kv_layout=self.kv_layout,
@@ -137,29 +137,6 @@ class PrefixAttentionWrapper:
             out = torch.from_numpy(out).to(q.dtype)
             lse = torch.from_numpy(lse)
         return (out, lse) if return_lse else out
-
-    def _check_inputs(self, plan: Plan, q, k_cache, v_cache) -> None:
-        if len(q.shape) != 3:
-            raise ValueError(f"q must be [batch, num_qo_heads, head_dim], got shape "
-                             f"{tuple(q.shape)}")
-        want = (plan.batch_size, plan.num_qo_heads, plan.head_dim)
-        if tuple(int(x) for x in q.shape) != want:
-            raise ValueError(f"q has shape {tuple(q.shape)}, the plan expects {want}")
-        num_pages, ps, hk, d = cache_dims(k_cache, self.kv_layout)
-        if ps != plan.page_size:
-            raise ValueError(f"paged_kv_cache has page_size {ps}, the plan expects "
-                             f"{plan.page_size} (kv_layout={self.kv_layout!r})")
-        if hk != plan.num_kv_heads or d != plan.head_dim:
-            raise ValueError(f"paged_kv_cache has {hk} KV heads of dim {d}, the plan expects "
-                             f"{plan.num_kv_heads} of dim {plan.head_dim}")
-        qdt, kdt, vdt = (_dtype_of(q, "q"), _dtype_of(k_cache, "paged_kv_cache"),
-                         _dtype_of(v_cache, "paged_kv_cache"))
-        if not (qdt == kdt == vdt):
-            raise TypeError(f"q ({qdt}) and paged_kv_cache ({kdt}, {vdt}) must share a dtype")
-        if plan.cta_pages.size and int(plan.cta_pages.max()) >= num_pages:
-            bad = int(plan.cta_pages.max())
-            raise ValueError(f"block_tables uses page {bad} but paged_kv_cache holds only "
-                             f"{num_pages} pages")
 
 
 def _dtype_of(x, name: str = "q") -> str:

@@ -160,7 +160,7 @@ def test_executor_and_reference_check_their_inputs():
     k, v = random_kv_cache(b.num_pages, 16, 2, 64)
     q = np.zeros((2, 4, 64), np.float32)
     plan = PrefixAttentionWrapper("cpu").plan(b.block_tables, b.seq_lens, 4, 2, 64, 16)
-    with pytest.raises(ValueError, match="but k_cache holds only 1 pages"):
+    with pytest.raises(ValueError, match=r"uses page \d+ but paged_kv_cache holds only 1 pages"):
         execute(plan, q, k[:1], v[:1])
     with pytest.raises(ValueError, match="q has shape"):
         execute(plan, q[:1], k, v)
