@@ -190,7 +190,8 @@ class Planner:
         plan.q_dtype = q_dtype
         plan.extra["forest"] = forest
         plan.extra["block_table"] = bt
-        self._cache = dict(params=params, raw=None if raw is None else raw.copy(),
+        self._cache = dict(params=params, serial=serial, split=split,
+                           raw=None if raw is None else raw.copy(),
                            seq_lens=bt.seq_lens.copy(), bt=bt, packs=packs, plan=plan,
                            selector=selector)
         self.last_path = "full"
@@ -223,7 +224,7 @@ class Planner:
         plan = assemble_plan(nbt, packs, num_qo_heads=p.num_qo_heads,
                              num_kv_heads=p.num_kv_heads, head_dim=p.head_dim,
                              sm_scale=p.sm_scale, packer=self.packer, selector=c["selector"],
-                             kv_dtype=p.kv_dtype, serial=c["params"][8], split=c["params"][9])
+                             kv_dtype=p.kv_dtype, serial=c["serial"], split=c["split"])
         plan.version = p.version + 1
         plan.q_dtype = p.q_dtype
         plan.extra["block_table"] = nbt
