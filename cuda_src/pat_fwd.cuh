@@ -111,6 +111,7 @@ struct KvTileLoader {
     constexpr int NW = Tr::NW;
     T* dK = sK + stage * Tr::KV_TILE_ELEMS;
     T* dV = sV + stage * Tr::KV_TILE_ELEMS;
+// <tutorial:gather>
     const int tile_base = tile * N;
     const int ch = tid % CHUNKS;
     const long long k_col = (long long)kv_head * k_sh + ch * 8;
@@ -136,6 +137,7 @@ struct KvTileLoader {
         }
         cp_async_16(smem_u32(dK + swz<D>(row, ch)), ks, bytes);
         cp_async_16(smem_u32(dV + swz<D>(row, ch)), vs, bytes);
+// </tutorial:gather>
       }
     }
   }
@@ -222,6 +224,7 @@ __device__ __forceinline__ void pat_fwd_body(
   const int slice_row0 = wn * NW;  // this warp's token slice within every tile
   const int stid = wm * 32 + lane;  // thread index within the slice group
 
+// <tutorial:prologue>
   // Prologue: group 0 = Q, groups 1..STAGES-1 = tiles 0..STAGES-2 (possibly empty groups).
   cp_async_commit();
 #pragma unroll
@@ -229,6 +232,7 @@ __device__ __forceinline__ void pat_fwd_body(
     if (s < num_tiles) loader.load(sK, sV, s, s, slice_row0, stid);
     cp_async_commit();
   }
+// </tutorial:prologue>
 
   unsigned qf[MI][D / 16][4];
   float acc[MI][D / 8][4];
@@ -259,6 +263,7 @@ __device__ __forceinline__ void pat_fwd_body(
   }
 
   for (int t = 0; t < num_tiles; ++t) {
+// <tutorial:loop-top>
     // Keep STAGES - 1 tiles in flight: issue (this slice of) tile t + STAGES - 1 into the stage
     // read during iteration t - 1 (released by that iteration's trailing barrier).  Always
     // commit, even an empty group, so that the wait below counts groups uniformly.
@@ -269,6 +274,7 @@ __device__ __forceinline__ void pat_fwd_body(
     // Slice barrier: every copy of this slice of tile t has landed (each thread waited for its
     // own); make them visible to the slice's warps before any of them reads the rows.
     slice_sync<Tr>(wn);
+// </tutorial:loop-top>
 
     const T* cK = sK + (t % STAGES) * Tr::KV_TILE_ELEMS;
     const T* cV = sV + (t % STAGES) * Tr::KV_TILE_ELEMS;
@@ -313,6 +319,7 @@ __device__ __forceinline__ void pat_fwd_body(
             s[mi][j][e] = tok < valid ? s[mi][j][e] * scale_log2 : neg_inf();
           }
 
+// <tutorial:online-softmax>
       // Online softmax update, per row (hr = 0: row g, hr = 1: row g + 8).
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi) {
@@ -344,6 +351,7 @@ __device__ __forceinline__ void pat_fwd_body(
         }
       }
 
+// </tutorial:online-softmax>
       // O += P V: P (rounded to the input dtype) comes straight from the S accumulators, two
       // adjacent n8 blocks forming one k16 A fragment.
 #pragma unroll
@@ -369,11 +377,13 @@ __device__ __forceinline__ void pat_fwd_body(
         }
       }
     }
+// <tutorial:loop-end>
     // Slice barrier: the slice's warps are done reading their rows of stage t % STAGES before
     // iteration t + 1 issues cp.async into the stage it frees.
     slice_sync<Tr>(wn);
   }
   cp_async_wait<0>();  // only empty groups can remain; drain them before smem is reused
+// </tutorial:loop-end>
 
   // Full row sums: reduce the per-thread partial sums over the quad.
 #pragma unroll
