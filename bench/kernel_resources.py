@@ -59,7 +59,7 @@ def variant_record(v) -> dict:
     rec = {"kind": "merge" if isinstance(v, cc.MergeVariant) else "forward",
            "head_dim": v.head_dim, "dtype": v.dtype, "warps": v.warps, "threads": v.threads}
     if isinstance(v, cc.FwdVariant):
-        rec = {"m": v.m, "n": v.n, **rec, "stages": v.stages}
+        rec = {"m": v.m, "n": v.n, **rec, "stages": v.stages, "rows_per_warp": v.rows_per_warp}
     return rec
 
 

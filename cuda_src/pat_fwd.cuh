@@ -27,9 +27,22 @@
 
 namespace pat {
 
+#ifndef PAT_LOAD_UNROLL
+#define PAT_LOAD_UNROLL 16
+#endif
+// Unroll of a thread's gather loop (at most 8 rows per thread in every variant, so the default
+// unrolls fully).  A smaller value bounds how many 64-bit gather addresses the compiler keeps live
+// (4: ~167 instead of ~205 registers for the 16-row tiles); a tuning knob, see bench/NOTES.md.
+constexpr int kLoadUnroll = PAT_LOAD_UNROLL;
+
 // One traits struct per tile configuration.  Everything the kernel and the launcher need to agree
 // on (threads, shared memory) is derived here; pat_core/cuda_compile.py mirrors the formulas.
-template <int HEAD_DIM_, typename T_, int M_, int N_, int WARPS_, int STAGES_>
+//
+// RW_ is the number of query rows one warp owns: 16 (one MMA row block; its Q fragments stay in
+// registers for the whole KV walk) or 32 (two row blocks; every K/V fragment read from shared
+// memory by ldmatrix feeds two MMAs, halving shared-memory traffic per FLOP, and the Q fragments
+// are re-read from shared memory per k-step to keep the accumulators within the register budget).
+template <int HEAD_DIM_, typename T_, int M_, int N_, int WARPS_, int STAGES_, int RW_ = 16>
 struct FwdTraits {
   using T = T_;
   static constexpr int D = HEAD_DIM_;
@@ -37,14 +50,19 @@ struct FwdTraits {
   static constexpr int N = N_;
   static constexpr int WARPS = WARPS_;
   static constexpr int STAGES = STAGES_;
+  static constexpr int RW = RW_;
   static constexpr int THREADS = WARPS * 32;
 
-  static constexpr int ROW_BLOCKS = M / 16;                       // 16-row MMA blocks of Q
-  static constexpr int WARPS_M = ROW_BLOCKS < WARPS ? ROW_BLOCKS : WARPS;
+  static constexpr int MI = RW / 16;                              // 16-row MMA blocks per warp
+  static constexpr bool Q_IN_REGS = MI == 1;
+  static constexpr int WARPS_M = M / RW;                          // warps splitting the rows
   static constexpr int WARPS_N = WARPS / WARPS_M;                 // warps splitting a tile's tokens
-  static constexpr int MI = ROW_BLOCKS / WARPS_M;                 // row blocks per warp
   static constexpr int NW = N / WARPS_N;                          // tokens per warp per tile
-  static constexpr int KC = NW < 64 ? NW : 64;                    // tokens per softmax step
+#ifndef PAT_KC_RW32
+#define PAT_KC_RW32 32
+#endif
+  static constexpr int KC_MAX = MI == 1 ? 64 : PAT_KC_RW32;       // tokens per softmax step
+  static constexpr int KC = NW < KC_MAX ? NW : KC_MAX;
   static constexpr int CHUNKS = D / 8;                            // 16-byte chunks per row
 
   static constexpr int Q_BYTES = M * D * 2;
@@ -52,11 +70,15 @@ struct FwdTraits {
   static constexpr int KV_BYTES = STAGES * 2 * KV_TILE_ELEMS * 2;
   static constexpr int SMEM_BYTES = Q_BYTES + KV_BYTES;           // dynamic shared memory
 
-  // Cross-warp combine buffer (aliases the KV ring after the main loop): per warp with wn > 0,
-  // the accumulator fragment plus running max and sum, stored [register][lane].
+  // Cross-warp combine buffer (aliases the KV ring after the main loop): per writing warp, the
+  // accumulator fragment plus running max and sum, stored [register][lane].  When the states of
+  // all WARPS_N - 1 token slices do not fit the ring at once, they are combined in rounds.
   static constexpr int ACC_REGS = MI * (D / 8) * 4;
   static constexpr int STATE_REGS = ACC_REGS + MI * 4;
-  static constexpr int COMB_BYTES = (WARPS_N - 1) * WARPS_M * STATE_REGS * 32 * 4;
+  static constexpr int COMB_SLOT_BYTES = WARPS_M * STATE_REGS * 32 * 4;  // one token slice
+  static constexpr int COMB_FIT = KV_BYTES / COMB_SLOT_BYTES;
+  static constexpr int COMB_PER_ROUND =
+      WARPS_N - 1 < COMB_FIT ? (WARPS_N > 1 ? WARPS_N - 1 : 1) : COMB_FIT;
 
   // Token slices: the WARPS_M warps with the same wn read the same NW tokens of every tile and
   // nothing else, so each slice group gathers its own rows and synchronises only among itself
@@ -66,30 +88,31 @@ struct FwdTraits {
   static constexpr int KV_LOADS = (NW * CHUNKS + SLICE_THREADS - 1) / SLICE_THREADS;
 
   static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
-  static_assert(M % 16 == 0 && M >= 16 && M <= 128, "m must be a multiple of 16 in [16, 128]");
+  static_assert(RW == 16 || RW == 32, "a warp owns 16 or 32 query rows");
+  static_assert(M % RW == 0 && M >= 16 && M <= 128, "m must be a multiple of the warp rows, <= 128");
   static_assert(N % 16 == 0 && N >= 16 && N <= 256, "n must be a multiple of 16 in [16, 256]");
   static_assert(WARPS >= 1 && WARPS <= 8, "1..8 warps");
-  static_assert(WARPS % WARPS_M == 0 && ROW_BLOCKS % WARPS_M == 0, "warps must tile the rows");
+  static_assert(WARPS % WARPS_M == 0, "warps must tile the rows");
   static_assert(N % WARPS_N == 0 && NW % 16 == 0, "each warp needs whole k16 token blocks");
   static_assert(NW % KC == 0 && KC % 16 == 0, "softmax steps must tile a warp's tokens");
   static_assert(STAGES >= 2 && STAGES <= 4, "2..4 pipeline stages");
   static_assert(SLICE_THREADS % CHUNKS == 0, "a thread keeps one 16-byte column across rows");
   static_assert(WARPS_N <= 15, "one named barrier per token slice");
-  static_assert(COMB_BYTES <= KV_BYTES, "combine buffer must fit in the KV ring it reuses");
+  static_assert(WARPS_N == 1 || COMB_FIT >= 1,
+                "one token slice's state must fit in the KV ring it reuses");
+
+  // Unroll of a thread's gather loop: full for 16-row warps; 2 for 32-row warps, whose
+  // accumulators leave no room for many live 64-bit gather addresses (full unroll spills).
+  static constexpr int LOAD_UNROLL = Q_IN_REGS ? kLoadUnroll : 2;
+  // Softmax steps of a tile are unrolled for 16-row warps; rolled for 32-row warps (registers).
+  static constexpr int STEP_UNROLL = Q_IN_REGS ? 8 : 1;
   static_assert(SMEM_BYTES <= 227 * 1024, "exceeds the per-block shared-memory limit");
-  static_assert(MI * (D / 8) * 4 + MI * (D / 16) * 4 + MI * (KC / 8) * 4 <= 192,
+  static_assert(ACC_REGS + (Q_IN_REGS ? MI * (D / 16) * 4 : 0) + MI * (KC / 8) * 4 <= 200,
                 "register arrays too large for one thread");
 };
 
 extern __shared__ __align__(128) unsigned char pat_dyn_smem[];
 
-#ifndef PAT_LOAD_UNROLL
-#define PAT_LOAD_UNROLL 16
-#endif
-// Unroll of a thread's gather loop (at most 8 rows per thread in every variant, so the default
-// unrolls fully).  A smaller value bounds how many 64-bit gather addresses the compiler keeps live
-// (4: ~167 instead of ~205 registers for the 16-row tiles); a tuning knob, see bench/NOTES.md.
-constexpr int kLoadUnroll = PAT_LOAD_UNROLL;
 
 // Gathers one token slice (NW tokens starting at row0) of a KV tile into a shared-memory stage:
 // token -> page id (through the CTA's page list) -> K row and V row of this KV head.  Layouts are
@@ -116,7 +139,7 @@ struct KvTileLoader {
     const int ch = tid % CHUNKS;
     const long long k_col = (long long)kv_head * k_sh + ch * 8;
     const long long v_col = (long long)kv_head * v_sh + ch * 8;
-#pragma unroll kLoadUnroll
+#pragma unroll Tr::LOAD_UNROLL
     for (int it = 0; it < Tr::KV_LOADS; ++it) {
       const int id = tid + it * THREADS;
       if ((NW * CHUNKS) % THREADS == 0 || id < NW * CHUNKS) {
@@ -143,16 +166,35 @@ struct KvTileLoader {
   }
 };
 
+// Barrier over the variant's own THREADS threads (bar.sync 0 with an explicit count, so a kernel
+// that dispatches several variants in one launch can let the warps a variant does not use exit).
+template <typename Tr>
+__device__ __forceinline__ void cta_sync() {
+  asm volatile("bar.sync 0, %0;\n" ::"n"(Tr::THREADS) : "memory");
+}
+
 // Barrier among the warps of one token slice (they share that slice's K/V rows).
 template <typename Tr>
 __device__ __forceinline__ void slice_sync(int wn) {
   if constexpr (Tr::WARPS_M == 1) {
     __syncwarp();
   } else if constexpr (Tr::WARPS_N == 1) {
-    __syncthreads();
+    cta_sync<Tr>();
   } else {
     asm volatile("bar.sync %0, %1;\n" ::"r"(1 + wn), "n"(Tr::SLICE_THREADS) : "memory");
   }
+}
+
+// The one online-softmax rule, used per KV step and when token slices combine: raise the running
+// max m_run (log2 domain) to cover a candidate max; returns the max to subtract from new scores
+// (0 while everything is masked, so (-inf) - (-inf) never happens) and sets alpha, the factor that
+// rescales the old sum and accumulator.  A state with max m_b joins with factor exp2(m_b - m_use).
+__device__ __forceinline__ float raise_max(float& m_run, float m_cand, float& alpha) {
+  const float mx = fmaxf(m_run, m_cand);
+  const float m_use = mx == neg_inf() ? 0.f : mx;
+  alpha = exp2f(m_run - m_use);
+  m_run = mx;
+  return m_use;
 }
 
 template <typename Tr>
@@ -234,7 +276,11 @@ __device__ __forceinline__ void pat_fwd_body(
   }
 // </tutorial:prologue>
 
-  unsigned qf[MI][D / 16][4];
+  // Q fragments of the 16-row warps stay in registers for the whole KV walk; 32-row warps
+  // re-read theirs from shared memory per k-step (FlashAttention-2's layout).
+  constexpr int QF_MI = Tr::Q_IN_REGS ? MI : 1;
+  constexpr int QF_K = Tr::Q_IN_REGS ? D / 16 : 1;
+  unsigned qf[QF_MI][QF_K][4];
   float acc[MI][D / 8][4];
   float m_run[MI][2];  // running max of the scaled scores (log2 domain), rows g and g + 8
   float l_run[MI][2];  // running sum of exponentials (this thread's columns only until the end)
@@ -248,18 +294,16 @@ __device__ __forceinline__ void pat_fwd_body(
     l_run[mi][0] = l_run[mi][1] = 0.f;
   }
 
-  // Q fragments stay in registers for the whole KV walk.  Wait for the Q group only (the
-  // STAGES - 1 tile groups behind it may still be in flight).
+  // Wait for the Q group only (the STAGES - 1 tile groups behind it may still be in flight).
   cp_async_wait<STAGES - 1>();
   // Barrier: every thread's Q copies have landed and are visible before any warp reads Q rows
   // that other threads fetched.
-  __syncthreads();
-#pragma unroll
-  for (int mi = 0; mi < MI; ++mi) {
-    const int row = (wm * MI + mi) * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+  cta_sync<Tr>();
+  const int q_lrow = (lane & 7) + ((lane >> 3) & 1) * 8;  // ldmatrix row of this lane (A operand)
+  if constexpr (Tr::Q_IN_REGS) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-      ldmatrix_x4(qf[mi][kk], smem_u32(sQ + swz<D>(row, kk * 2 + (lane >> 4))));
+      ldmatrix_x4(qf[0][kk], smem_u32(sQ + swz<D>(wm * 16 + q_lrow, kk * 2 + (lane >> 4))));
   }
 
   for (int t = 0; t < num_tiles; ++t) {
@@ -280,12 +324,12 @@ __device__ __forceinline__ void pat_fwd_body(
     const T* cV = sV + (t % STAGES) * Tr::KV_TILE_ELEMS;
     const int valid = kv_len - t * N;  // tokens of this tile inside the range (may exceed N)
 
-#pragma unroll
+#pragma unroll Tr::STEP_UNROLL
     for (int c = 0; c < NW / KC; ++c) {
       const int tok0 = wn * NW + c * KC;  // first tile token of this softmax step
       if (tok0 >= valid) break;  // warp-uniform: the rest of this slice is past the end
 
-      // S = Q K^T for KC tokens.
+      // S = Q K^T for KC tokens (raw scores; the scale is folded into the exponent below).
       float s[MI][KC / 8][4];
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
@@ -295,63 +339,86 @@ __device__ __forceinline__ void pat_fwd_body(
           for (int e = 0; e < 4; ++e) s[mi][j][e] = 0.f;
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
+        unsigned qs[Tr::Q_IN_REGS ? 1 : MI][4];
+        if constexpr (!Tr::Q_IN_REGS) {
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi)
+            ldmatrix_x4(qs[mi], smem_u32(sQ + swz<D>((wm * MI + mi) * 16 + q_lrow,
+                                                     kk * 2 + (lane >> 4))));
+        }
 #pragma unroll
         for (int j = 0; j < KC / 16; ++j) {
           unsigned b[4];
           const int row = tok0 + j * 16 + ((lane >> 4) << 3) + (lane & 7);
           ldmatrix_x4(b, smem_u32(cK + swz<D>(row, kk * 2 + ((lane >> 3) & 1))));
+          if constexpr (Tr::Q_IN_REGS) {
+            mma_16816<T>(s[0][2 * j], qf[0][kk], b[0], b[1]);
+            mma_16816<T>(s[0][2 * j + 1], qf[0][kk], b[2], b[3]);
+          } else {
 #pragma unroll
-          for (int mi = 0; mi < MI; ++mi) {
-            mma_16816<T>(s[mi][2 * j], qf[mi][kk], b[0], b[1]);
-            mma_16816<T>(s[mi][2 * j + 1], qf[mi][kk], b[2], b[3]);
+            for (int mi = 0; mi < MI; ++mi) {
+              mma_16816<T>(s[mi][2 * j], qs[mi], b[0], b[1]);
+              mma_16816<T>(s[mi][2 * j + 1], qs[mi], b[2], b[3]);
+            }
           }
         }
       }
 
-      // Scale into the log2 domain and mask tokens past the range.
+      // Mask tokens past the range (only the last step of a range has any: warp-uniform test).
+      if (tok0 + KC > valid) {
 #pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
+        for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int j = 0; j < KC / 8; ++j)
+          for (int j = 0; j < KC / 8; ++j)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int tok = tok0 + j * 8 + ((lane & 3) << 1) + (e & 1);
-            s[mi][j][e] = tok < valid ? s[mi][j][e] * scale_log2 : neg_inf();
-          }
+            for (int e = 0; e < 4; ++e) {
+              const int tok = tok0 + j * 8 + ((lane & 3) << 1) + (e & 1);
+              if (tok >= valid) s[mi][j][e] = neg_inf();
+            }
+      }
 
 // <tutorial:online-softmax>
-      // Online softmax update, per row (hr = 0: row g, hr = 1: row g + 8).
+      // Online softmax, per row (hr = 0: row g, hr = 1: row g + 8): raise the running max, turn
+      // the scores into exp2(score * scale - max) with one FFMA each, rescale the running sum.
+      float alpha[MI][2];
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
-          float mx = m_run[mi][hr];
+          float mx = neg_inf();
 #pragma unroll
           for (int j = 0; j < KC / 8; ++j)
             mx = fmaxf(mx, fmaxf(s[mi][j][2 * hr], s[mi][j][2 * hr + 1]));
           // the four lanes of a quad hold the same row
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          const float m_use = mx == neg_inf() ? 0.f : mx;  // all masked: avoid (-inf) - (-inf)
-          const float alpha = exp2f(m_run[mi][hr] - m_use);
-          m_run[mi][hr] = mx;
+          // scale > 0, so max(raw) * scale is the max of the scaled scores (-inf stays -inf)
+          const float neg_m = -raise_max(m_run[mi][hr], mx * scale_log2, alpha[mi][hr]);
           float sum = 0.f;
 #pragma unroll
           for (int j = 0; j < KC / 8; ++j) {
-            s[mi][j][2 * hr] = exp2f(s[mi][j][2 * hr] - m_use);
-            s[mi][j][2 * hr + 1] = exp2f(s[mi][j][2 * hr + 1] - m_use);
+            s[mi][j][2 * hr] = exp2f(fmaf(s[mi][j][2 * hr], scale_log2, neg_m));
+            s[mi][j][2 * hr + 1] = exp2f(fmaf(s[mi][j][2 * hr + 1], scale_log2, neg_m));
             sum += s[mi][j][2 * hr] + s[mi][j][2 * hr + 1];
           }
-          l_run[mi][hr] = l_run[mi][hr] * alpha + sum;
-#pragma unroll
-          for (int dt = 0; dt < D / 8; ++dt) {
-            acc[mi][dt][2 * hr] *= alpha;
-            acc[mi][dt][2 * hr + 1] *= alpha;
-          }
+          l_run[mi][hr] = l_run[mi][hr] * alpha[mi][hr] + sum;
         }
       }
-
+      // Rescale the accumulator only when some row's max moved (once the max has settled, most
+      // steps skip these MI * D / 2 multiplies); warp-uniform vote.
+      bool moved = false;
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) moved |= (alpha[mi][0] != 1.f) | (alpha[mi][1] != 1.f);
+      if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+          for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mi][dt][e] *= alpha[mi][e >> 1];
+      }
 // </tutorial:online-softmax>
+
       // O += P V: P (rounded to the input dtype) comes straight from the S accumulators, two
       // adjacent n8 blocks forming one k16 A fragment.
 #pragma unroll
@@ -395,52 +462,56 @@ __device__ __forceinline__ void pat_fwd_body(
     }
 
   if constexpr (Tr::WARPS_N > 1) {
-    // Warps that split the tile's tokens combine (max, sum, acc) with the log-sum-exp rule.
-    // Layout [warp][register][lane]: each lane reads back exactly what the same lane of the
+    // Warps that split the tile's tokens combine (max, sum, acc) with the same rule
+    // (raise_max), in rounds of COMB_PER_ROUND token slices when not all fit the KV ring.
+    // Layout [slot][register][lane]: each lane reads back exactly what the same lane of the
     // partner warp wrote, so no fragment re-layout is needed and accesses are conflict-free.
     float* comb = reinterpret_cast<float*>(pat_dyn_smem + Tr::Q_BYTES);
     constexpr int SR = Tr::STATE_REGS;
-    // Barrier: every slice has finished its KV walk, so the KV ring (which the combine buffer
-    // reuses) is no longer read by anyone.
-    __syncthreads();
-    if (wn > 0) {
-      float* dst = comb + ((wm * (Tr::WARPS_N - 1) + (wn - 1)) * SR) * 32 + lane;
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi) {
-#pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) dst[((mi * (D / 8) + dt) * 4 + e) * 32] = acc[mi][dt][e];
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          dst[(Tr::ACC_REGS + mi * 4 + hr) * 32] = m_run[mi][hr];
-          dst[(Tr::ACC_REGS + mi * 4 + 2 + hr) * 32] = l_run[mi][hr];
-        }
-      }
-    }
-    // Barrier: the states of warps wn > 0 are in shared memory before warp wn == 0 reads them.
-    __syncthreads();
-    if (wn == 0) {
+    constexpr int PR = Tr::COMB_PER_ROUND;
 #pragma unroll 1
-      for (int w = 1; w < Tr::WARPS_N; ++w) {
-        const float* src = comb + ((wm * (Tr::WARPS_N - 1) + (w - 1)) * SR) * 32 + lane;
+    for (int base = 1; base < Tr::WARPS_N; base += PR) {
+      // Barrier: every slice has finished its KV walk (first round) or warp wn == 0 has read
+      // the previous round's states (later rounds), so the buffer is free to overwrite.
+      cta_sync<Tr>();
+      if (wn >= base && wn < base + PR) {
+        float* dst = comb + ((wm * PR + (wn - base)) * SR) * 32 + lane;
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
+          for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dst[((mi * (D / 8) + dt) * 4 + e) * 32] = acc[mi][dt][e];
+#pragma unroll
           for (int hr = 0; hr < 2; ++hr) {
-            const float mo = src[(Tr::ACC_REGS + mi * 4 + hr) * 32];
-            const float lo = src[(Tr::ACC_REGS + mi * 4 + 2 + hr) * 32];
-            const float mx = fmaxf(m_run[mi][hr], mo);
-            const float m_use = mx == neg_inf() ? 0.f : mx;
-            const float a = exp2f(m_run[mi][hr] - m_use);
-            const float b = exp2f(mo - m_use);
-            m_run[mi][hr] = mx;
-            l_run[mi][hr] = l_run[mi][hr] * a + lo * b;
+            dst[(Tr::ACC_REGS + mi * 4 + hr) * 32] = m_run[mi][hr];
+            dst[(Tr::ACC_REGS + mi * 4 + 2 + hr) * 32] = l_run[mi][hr];
+          }
+        }
+      }
+      // Barrier: this round's states are in shared memory before warp wn == 0 reads them.
+      cta_sync<Tr>();
+      if (wn == 0) {
+        const int end = base + PR < Tr::WARPS_N ? base + PR : Tr::WARPS_N;
+#pragma unroll 1
+        for (int w = base; w < end; ++w) {
+          const float* src = comb + ((wm * PR + (w - base)) * SR) * 32 + lane;
 #pragma unroll
-            for (int dt = 0; dt < D / 8; ++dt)
+          for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
-              for (int e = 2 * hr; e < 2 * hr + 2; ++e)
-                acc[mi][dt][e] = acc[mi][dt][e] * a + src[((mi * (D / 8) + dt) * 4 + e) * 32] * b;
+            for (int hr = 0; hr < 2; ++hr) {
+              const float mo = src[(Tr::ACC_REGS + mi * 4 + hr) * 32];
+              const float lo = src[(Tr::ACC_REGS + mi * 4 + 2 + hr) * 32];
+              float a;
+              const float m_use = raise_max(m_run[mi][hr], mo, a);
+              const float b = exp2f(mo - m_use);
+              l_run[mi][hr] = l_run[mi][hr] * a + lo * b;
+#pragma unroll
+              for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+                for (int e = 2 * hr; e < 2 * hr + 2; ++e)
+                  acc[mi][dt][e] = acc[mi][dt][e] * a + src[((mi * (D / 8) + dt) * 4 + e) * 32] * b;
+            }
           }
         }
       }
@@ -479,9 +550,9 @@ __device__ __forceinline__ void pat_fwd_body(
 
 }  // namespace pat
 
-// Kernel entry point.  Template arguments: head_dim, element type, m, n, warps, stages; the
-// Python side names each instantiation pat_fwd_d{D}_{dtype}_m{M}_n{N}_w{W}_s{S}.
-template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES>
+// Kernel entry point.  Template arguments: head_dim, element type, m, n, warps, stages, rows per
+// warp; the Python side names each instantiation pat_fwd_d{D}_{dtype}_m{M}_n{N}_w{W}_s{S}_r{RW}.
+template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES, int RW>
 __global__ void __launch_bounds__(WARPS * 32, 1) pat_fwd_kernel(
     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
     float* __restrict__ o_partial, float* __restrict__ lse_partial,
@@ -492,7 +563,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pat_fwd_kernel(
     int head_minor, int group, int num_qo_heads,
     long long q_sb, long long q_sh, long long k_sp, long long k_st, long long k_sh,
     long long v_sp, long long v_st, long long v_sh, int page_size, float scale_log2) {
-  pat::pat_fwd_body<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES>>(
+  pat::pat_fwd_body<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW>>(
       q, k_cache, v_cache, o_partial, lse_partial, cta_req_indptr, cta_req, cta_slot,
       cta_kv_start, cta_kv_len, cta_page_indptr, cta_pages, cta_offset, n_ctas, num_kv_heads,
       head_minor, group, num_qo_heads, q_sb,

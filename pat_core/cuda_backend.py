@@ -641,7 +641,7 @@ def _compile_in_workers(variants, jobs: int) -> None:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
     fields = [("fwd" if isinstance(v, cc.FwdVariant) else "merge",
-               (v.head_dim, v.dtype, v.m, v.n, v.warps, v.stages) if isinstance(v, cc.FwdVariant)
+               (v.head_dim, v.dtype, v.m, v.n, v.warps, v.stages, v.rows_per_warp) if isinstance(v, cc.FwdVariant)
                else (v.head_dim, v.dtype, v.warps)) for v in variants]
     ctx = mp.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(jobs, len(fields)), mp_context=ctx) as ex:

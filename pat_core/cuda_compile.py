@@ -73,17 +73,30 @@ def source_hash(src_dir: Path | None = None) -> str:
 
 
 # ------------------------------------------------------------------------------ variant rules
+def default_rows_per_warp(m: int) -> int:
+    """Query rows one warp owns: 32 for tiles of 64 rows or more, else 16.
+
+    Large-row tiles are the compute-heavy ones (a 128-row tile does 128 FLOP per KV byte): with
+    32 rows per warp every K/V fragment read from shared memory by ``ldmatrix`` feeds two MMAs,
+    halving shared-memory reads per FLOP (FlashAttention-2's layout).  Small tiles are memory
+    bound and keep 16 rows per warp with Q in registers.
+    """
+    return 32 if m >= 64 else 16
+
+
 def default_warps(m: int, n: int) -> int:
     """Warps of the (m, n) variant.
 
-    One warp per 16 query rows (m / 16 row blocks, 8 at m = 128: one row block per warp keeps
-    a thread's register arrays within budget); while that leaves fewer than 8 warps, extra warps
-    split each KV tile's tokens, down to 16 tokens per warp.  More warps per CTA means more
-    threads issuing the tile's cp.async gathers and computing in parallel: with the large tiles
-    only one CTA fits an SM, and 4 warps left the SM alternating between issuing and computing.
+    ``m / rows_per_warp`` warps split the rows; while that leaves fewer than 8 warps, extra warps
+    split each KV tile's tokens, down to 16 tokens per warp for 16-row warps and 32 for 32-row
+    warps (fewer tokens would make the per-k-step Q re-read as costly as the K read it saves).
+    More warps per CTA means more threads issuing the tile's cp.async gathers and computing in
+    parallel: with the large tiles only one CTA fits an SM.
     """
-    wm = m // 16
-    wn = max(1, min(n // 16, 8 // wm))
+    rw = default_rows_per_warp(m)
+    wm = m // rw
+    min_tokens = 16 if rw == 16 else min(32, n)
+    wn = max(1, min(n // min_tokens, 8 // wm))
     return wm * wn
 
 
@@ -96,7 +109,8 @@ def default_stages(m: int, n: int, head_dim: int = 128) -> int:
     return 2
 
 
-# Benchmarks may override (warps, stages) per (m, n) to sweep variants; empty in normal use.
+# Benchmarks may override (warps, stages[, rows_per_warp]) per (m, n) to sweep variants; empty in
+# normal use.
 VARIANT_OVERRIDES: dict = {}
 
 
@@ -108,22 +122,27 @@ class FwdVariant:
     n: int
     warps: int
     stages: int
+    rows_per_warp: int = 16
 
     @classmethod
     def make(cls, m: int, n: int, head_dim: int, dtype: str) -> "FwdVariant":
-        w, st = VARIANT_OVERRIDES.get((int(m), int(n)),
-                                      (default_warps(m, n), default_stages(m, n, head_dim)))
-        return cls(int(head_dim), str(dtype), int(m), int(n), int(w), int(st))
+        over = VARIANT_OVERRIDES.get((int(m), int(n)))
+        if over is None:
+            w, st, rw = default_warps(m, n), default_stages(m, n, head_dim), default_rows_per_warp(m)
+        else:
+            w, st = over[0], over[1]
+            rw = over[2] if len(over) > 2 else default_rows_per_warp(m)
+        return cls(int(head_dim), str(dtype), int(m), int(n), int(w), int(st), int(rw))
 
     @property
     def key(self) -> str:
         return (f"pat_fwd_d{self.head_dim}_{DTYPE_SHORT[self.dtype]}_m{self.m}_n{self.n}"
-                f"_w{self.warps}_s{self.stages}")
+                f"_w{self.warps}_s{self.stages}_r{self.rows_per_warp}")
 
     @property
     def name_expression(self) -> str:
         return (f"pat_fwd_kernel<{self.head_dim}, {DTYPE_CTYPE[self.dtype]}, {self.m}, {self.n}, "
-                f"{self.warps}, {self.stages}>")
+                f"{self.warps}, {self.stages}, {self.rows_per_warp}>")
 
     @property
     def threads(self) -> int:

@@ -26,9 +26,14 @@ def test_feasible_set_respects_constraints(gpu, d, dtype):
 
 
 def test_bandwidth_constraint_bites():
-    # a huge CTA leaves few resident CTAs per SM, so a small n cannot keep enough in flight
-    chk = check_tile(128, 16, 128, "float16", "h100")
-    assert not chk.feasible
+    # with a long memory latency, the bytes the resident CTAs keep in flight at a small n no
+    # longer cover it: the bandwidth constraint rejects the tile, and only that constraint
+    import dataclasses
+    slow = dataclasses.replace(GPUS["h100"], mem_latency_ns=GPUS["h100"].mem_latency_ns * 64)
+    chk = check_tile(128, 16, 128, "float16", slow)
+    assert not chk.feasible and chk.violated == ("bandwidth",)
+    assert chk.n_min > 16
+    assert check_tile(128, 16, 128, "float16", "h100").n_min < chk.n_min
 
 
 @given(st.integers(1, 64), st.integers(1, 200_000))

@@ -1,0 +1,206 @@
+"""Kernel lab: build, check and time forward-kernel variants side by side in one GPU call.
+
+    python3 bench/kernel_lab.py --out DIR [--cases forced,long,sharing] [--iters 20]
+
+Each case plans one workload (tree-spec format, see :mod:`pat_core.workloads`) with one packer,
+optionally forcing every CTA onto one tile ``(m, n)`` and one variant layout
+``(warps, stages, rows_per_warp)``; runs it; checks the output against float64 attention on the
+GPU (relative error at most twice that of a plain same-dtype torch implementation, or 2**-11,
+whichever is larger); then times it (CUDA events, L2 flushed before every run, median of
+``--iters``; eager and CUDA-graph replay).  Reported per case: time, time / floor (the floor
+is the bytes any kernel must move, unique KV once + q + out, at the copy bandwidth measured in
+the same run) and the fraction of copy bandwidth the plan's own bytes move at.
+
+Case sets:
+
+* ``forced``: no-sharing ``256_4096`` (32:8) with every CTA forced onto a 64- or 128-row tile,
+  so each 4096-token CTA computes a full tile of rows: the throughput of the compute-heavy
+  tiles, layout A/B (16 vs 32 rows per warp).
+* ``long``: one shared 16k-token prefix, 64 and 128 rows (``1,16_16384,16``, ``1,32_16384,16``).
+* ``sharing``: the development sharing batches, pat and query.
+
+Writes ``DIR/kernel_lab.json`` (environment, copy bandwidth, every row) and prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (str(ROOT), str(ROOT / "bench")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+# (workload, (hq, hk), packer, tile or None, variant override (warps, stages, rw) or None, label)
+FORCED = tuple(
+    ("256_4096", (32, 8), "query", (m, n), over, label)
+    for m, n in ((64, 64), (64, 128), (128, 64), (128, 128))
+    for over, label in ((None, "default"), ((8, 3, 16), "rw16-w8")))
+LONG = tuple(
+    (spec, (32, 8), "pat", None, None, "default")
+    for spec in ("1,16_16384,16", "1,32_16384,16"))
+SHARING_SPECS = ("1,16_2048,128", "1,4,64_256,1024,64", "1,2,8,128_512,128,256,32",
+                 "1,1024_1024,16", "1,8,64,512_128,512,64,32", "3,24,96_1024,64,512",
+                 "1,4,16,64,256,1024_1024,256,128,64,32,32")
+SHARING = tuple(
+    (spec, heads, packer, None, None, "default")
+    for spec in SHARING_SPECS for heads in ((32, 8), (32, 32)) for packer in ("pat", "query"))
+CASE_SETS = {"forced": FORCED, "long": LONG, "sharing": SHARING,
+             "nosharing": tuple(("256_4096", (32, 8), p, None, None, "default")
+                                for p in ("query", "pat"))}
+
+
+def run_case(backend, case, iters, copy_bw, flush, seed=0) -> dict:
+    import torch
+    from compare import rel_err, torch_attention
+    from common import graph_times, time_events, unique_kv_tokens
+    from pat_core import PrefixAttentionWrapper
+    from pat_core import cuda_compile as cc
+    from pat_core.workloads import build_tree_batch
+
+    spec, (hq, hk), packer, tile, over, label = case
+    d, ps = 128, 16
+    row = {"workload": spec, "heads": f"{hq}:{hk}", "packer": packer,
+           "tile": list(tile) if tile else None, "override": list(over) if over else None,
+           "label": label}
+    cc.VARIANT_OVERRIDES.clear()
+    if over is not None and tile is not None:
+        cc.VARIANT_OVERRIDES[tuple(tile)] = tuple(over)
+    try:
+        b = build_tree_batch(spec, page_size=ps, seed=seed)
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        k = torch.randn((b.num_pages, ps, hk, d), generator=g, device="cuda", dtype=torch.float16)
+        v = torch.randn_like(k)
+        q = torch.randn((b.batch_size, hq, d), generator=g, device="cuda", dtype=torch.float16)
+        w = PrefixAttentionWrapper(backend="cuda", packer=packer)
+        w._gpu_backend = backend
+        plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16",
+                      tile=tile)
+        row["variants"] = [v_.key for v_ in backend.variants_for(plan)]
+        backend.warmup(plan)
+        out = torch.full((b.batch_size, hq, d), float("nan"), dtype=torch.float16, device="cuda")
+        fn = lambda: backend.run(plan, q, k, v, out=out)  # noqa: E731
+        fn()
+        torch.cuda.synchronize()
+        ref = torch_attention(torch, q, k, v, b.block_tables, b.seq_lens, ps, torch.float64)
+        plain = torch_attention(torch, q, k, v, b.block_tables, b.seq_lens, ps)
+        err, err_plain = rel_err(torch, out, ref), rel_err(torch, plain, ref)
+        row.update(rel_err=err, rel_err_plain=err_plain,
+                   correct=bool(err <= max(2 * err_plain, 2.0 ** -11)))
+        # a second run must give bit-identical output (a moving result is a race)
+        first = out.clone()
+        out.fill_(float("nan"))
+        fn()
+        torch.cuda.synchronize()
+        row["bit_identical"] = bool(torch.equal(first, out))
+        if not row["correct"]:
+            return row
+        ts = time_events(fn, iters, flush=flush)
+        row["eager_us"] = float(np.median(ts)) * 1e3
+        try:
+            row["graph_us"] = float(np.median(graph_times(fn, iters, flush))) * 1e3
+        except Exception as e:  # not capturable: eager stands
+            row["graph_us"] = float("nan")
+            row["graph_error"] = f"{type(e).__name__}: {e}"[:200]
+        uniq = unique_kv_tokens(b.block_tables, b.seq_lens, ps)
+        must = uniq * hk * d * 2 * 2 + 2 * b.batch_size * hq * d * 2
+        st = plan.stats()
+        row.update(batch=b.batch_size, must_bytes=must, moved_bytes=st["total_bytes"],
+                   num_ctas=st["num_ctas"], tiles=st["tiles"], groups=plan.num_groups,
+                   floor_us=must / copy_bw * 1e6)
+        best = min(row["eager_us"], row["graph_us"]) if row["graph_us"] == row["graph_us"] \
+            else row["eager_us"]
+        row["graph_over_floor"] = row["graph_us"] / row["floor_us"]
+        row["eager_over_floor"] = row["eager_us"] / row["floor_us"]
+        row["moved_frac_copy"] = st["total_bytes"] / (best * 1e-6) / copy_bw
+        del k, v, q, out, ref, plain
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"[:500]
+    finally:
+        cc.VARIANT_OVERRIDES.clear()
+        torch.cuda.empty_cache()
+    return row
+
+
+def environment() -> dict:
+    import platform
+    import cupy
+    import torch
+    from common import git_sha
+    return {"device": torch.cuda.get_device_name(), "git_sha": git_sha(),
+            "torch": torch.__version__, "cupy": cupy.__version__,
+            "python": platform.python_version(), "cuda_runtime": torch.version.cuda,
+            "nvrtc_defines": __import__("os").environ.get("PAT_NVRTC_DEFINES", "")}
+
+
+def print_table(rows) -> None:
+    print(f"{'workload':30s} {'heads':6s} {'packer':6s} {'tile':9s} {'label':10s} {'eager':>8s} "
+          f"{'graph':>8s} {'floor':>8s} {'x':>5s} {'%copy':>6s} {'err':>8s} ok")
+    for r in rows:
+        tile = "x".join(map(str, r["tile"])) if r.get("tile") else "-"
+        if "error" in r:
+            print(f"{r['workload']:30s} {r['heads']:6s} {r['packer']:6s} {tile:9s} "
+                  f"{r['label']:10s} ERROR {r['error'][:80]}")
+            continue
+        print(f"{r['workload']:30s} {r['heads']:6s} {r['packer']:6s} {tile:9s} {r['label']:10s} "
+              f"{r.get('eager_us', math.nan):8.1f} {r.get('graph_us', math.nan):8.1f} "
+              f"{r.get('floor_us', math.nan):8.1f} {r.get('graph_over_floor', math.nan):5.2f} "
+              f"{100 * r.get('moved_frac_copy', math.nan):6.1f} {r.get('rel_err', math.nan):8.1e} "
+              f"{'ok' if r.get('correct') and r.get('bit_identical') else 'WRONG'}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--cases", default="forced,long,sharing",
+                    help=f"comma-separated case sets of {sorted(CASE_SETS)}")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--tag", default="", help="suffix of the output file name")
+    ap.add_argument("--filter", default="",
+                    help="run only cases whose 'workload heads packer MxN label' contains this")
+    args = ap.parse_args(argv)
+    names = [c for c in args.cases.split(",") if c]
+    bad = [c for c in names if c not in CASE_SETS]
+    if bad:
+        ap.error(f"--cases: unknown case set(s) {bad}; choose from {sorted(CASE_SETS)}")
+    import torch
+    from common import copy_bandwidth, l2_flusher
+    from pat_core.cuda_backend import CudaBackend
+    backend = CudaBackend()
+    t0 = time.perf_counter()
+    backend.warmup(jobs=16)
+    print(f"compiled all variants in {time.perf_counter() - t0:.1f} s", flush=True)
+    copy_bw = copy_bandwidth()
+    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
+    flush = l2_flusher()
+    rows = []
+    for name in names:
+        for case in CASE_SETS[name]:
+            spec, (hq, hk), packer, tile, _, label = case
+            desc = f"{spec} {hq}:{hk} {packer} {'x'.join(map(str, tile)) if tile else '-'} {label}"
+            if args.filter and args.filter not in desc:
+                continue
+            r = run_case(backend, case, args.iters, copy_bw, flush)
+            r["set"] = name
+            rows.append(r)
+            print_table([r])
+            sys.stdout.flush()
+    res = {"env": environment(), "copy_bw_gbs": copy_bw / 1e9, "iters": args.iters,
+           "method": "CUDA events, L2 flushed before each run, median; graph = one capture "
+                     "replayed", "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"kernel_lab{args.tag}.json").write_text(json.dumps(res, indent=1) + "\n")
+    print("\n== summary ==")
+    print_table(rows)
+    return 0 if all(r.get("correct") and r.get("bit_identical") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
