@@ -39,9 +39,15 @@ for p in (str(ROOT), str(ROOT / "bench")):
 
 # (workload, (hq, hk), packer, tile or None, variant override (warps, stages, rw) or None, label)
 FORCED = tuple(
-    ("256_4096", (32, 8), "query", (m, n), over, label)
-    for m, n in ((64, 64), (64, 128), (128, 64), (128, 128))
-    for over, label in ((None, "default"), ((8, 3, 16), "rw16-w8")))
+    ("256_4096", (32, 8), "query", tile, over, label)
+    for tile, over, label in (
+        ((64, 64), None, "default"), ((64, 64), (8, 3, 16), "rw16-w8"),
+        ((64, 128), None, "default"), ((64, 128), (4, 2, 32), "w4-s2"),
+        ((64, 32), None, "default"), ((64, 32), (2, 2, 32), "w2-s2"),
+        ((128, 32), None, "default"), ((128, 32), (4, 2, 32), "w4-s2"),
+        ((128, 64), None, "default"), ((128, 64), (4, 2, 32), "w4-s2"),
+        ((128, 64), (8, 3, 16), "rw16-w8"),
+        ((128, 128), None, "default"), ((128, 128), (4, 2, 32), "w4-s2")))
 LONG = tuple(
     (spec, (32, 8), "pat", None, None, "default")
     for spec in ("1,16_16384,16", "1,32_16384,16"))
@@ -51,9 +57,34 @@ SHARING_SPECS = ("1,16_2048,128", "1,4,64_256,1024,64", "1,2,8,128_512,128,256,3
 SHARING = tuple(
     (spec, heads, packer, None, None, "default")
     for spec in SHARING_SPECS for heads in ((32, 8), (32, 32)) for packer in ("pat", "query"))
-CASE_SETS = {"forced": FORCED, "long": LONG, "sharing": SHARING,
+
+
+def _layout_candidates():
+    """Per (m, n) at head_dim 128: the default layout and the other ring depth (2 vs 3 stages),
+    each forced onto every CTA of the no-sharing batch: the data behind variant_speed.json."""
+    import importlib
+    cc = importlib.import_module("pat_core.cuda_compile")
+    out = []
+    for m in cc.TILE_MS:
+        for n in (16, 32, 64, 128):
+            rw = cc.default_rows_per_warp(m)
+            warps = {cc.rule_warps(m, n)}
+            if m == 128 and n >= 64:
+                warps.add(4)   # one token slice: half the threads, the same rows per warp
+            for w in sorted(warps):
+                for st in (2, 3):
+                    if cc.fwd_smem_bytes(m, n, 128, st) <= cc.SMEM_LIMIT["sm_90"]:
+                        out.append(("256_4096", (32, 8), "query", (m, n), (w, st, rw),
+                                    f"w{w}-s{st}-r{rw}"))
+    return tuple(out)
+
+
+CASE_SETS = {"forced": FORCED, "long": LONG, "sharing": SHARING, "layouts": _layout_candidates(),
              "nosharing": tuple(("256_4096", (32, 8), p, None, None, "default")
                                 for p in ("query", "pat"))}
+
+
+_REFS: dict = {}
 
 
 def run_case(backend, case, iters, copy_bw, flush, seed=0) -> dict:
@@ -88,8 +119,13 @@ def run_case(backend, case, iters, copy_bw, flush, seed=0) -> dict:
         fn = lambda: backend.run(plan, q, k, v, out=out)  # noqa: E731
         fn()
         torch.cuda.synchronize()
-        ref = torch_attention(torch, q, k, v, b.block_tables, b.seq_lens, ps, torch.float64)
-        plain = torch_attention(torch, q, k, v, b.block_tables, b.seq_lens, ps)
+        key = (spec, hq, hk, seed)
+        if key not in _REFS:   # same inputs for every case of a workload: compute once
+            _REFS.clear()
+            _REFS[key] = (
+                torch_attention(torch, q, k, v, b.block_tables, b.seq_lens, ps, torch.float64),
+                torch_attention(torch, q, k, v, b.block_tables, b.seq_lens, ps))
+        ref, plain = _REFS[key]
         err, err_plain = rel_err(torch, out, ref), rel_err(torch, plain, ref)
         row.update(rel_err=err, rel_err_plain=err_plain,
                    correct=bool(err <= max(2 * err_plain, 2.0 ** -11)))
@@ -119,13 +155,38 @@ def run_case(backend, case, iters, copy_bw, flush, seed=0) -> dict:
         row["graph_over_floor"] = row["graph_us"] / row["floor_us"]
         row["eager_over_floor"] = row["eager_us"] / row["floor_us"]
         row["moved_frac_copy"] = st["total_bytes"] / (best * 1e-6) / copy_bw
-        del k, v, q, out, ref, plain
+        del k, v, q, out
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {e}"[:500]
     finally:
         cc.VARIANT_OVERRIDES.clear()
         torch.cuda.empty_cache()
     return row
+
+
+def variant_speed_table(rows, res) -> dict:
+    """Fastest measured layout per (m, n) and its fraction of copy bandwidth (see
+    pat_core.cuda_compile.variant_speed), from the 'layouts' rows of one run."""
+    import platform
+    from pat_core import cuda_compile as cc
+    best = {}
+    for r in rows:
+        if not (r.get("correct") and r.get("bit_identical")) or "graph_us" not in r:
+            continue
+        t = r["graph_us"] if r["graph_us"] == r["graph_us"] else r["eager_us"]
+        frac = r["must_bytes"] / (t * 1e-6) / (res["copy_bw_gbs"] * 1e9)
+        key = f"{r['tile'][0]}x{r['tile'][1]}"
+        cand = {"m": r["tile"][0], "n": r["tile"][1], "warps": r["override"][0],
+                "stages": r["override"][1], "rows_per_warp": r["override"][2],
+                "frac_copy": round(frac, 4), "time_us": round(t, 1)}
+        if key not in best or cand["frac_copy"] > best[key]["frac_copy"]:
+            best[key] = cand
+    return {"generator": "bench/kernel_lab.py --cases layouts --write-table",
+            "device": res["env"]["device"], "git_sha": res["env"]["git_sha"],
+            "source_hash": cc.source_hash(), "copy_bw_gbs": round(res["copy_bw_gbs"], 1),
+            "workload": "256_4096, 32:8 heads, query packer, every CTA forced onto the tile",
+            "head_dim": 128, "dtype": "float16", "python": platform.python_version(),
+            "tiles": dict(sorted(best.items(), key=lambda kv: (kv[1]["m"], kv[1]["n"])))}
 
 
 def environment() -> dict:
@@ -162,6 +223,9 @@ def main(argv=None) -> int:
                     help=f"comma-separated case sets of {sorted(CASE_SETS)}")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--tag", default="", help="suffix of the output file name")
+    ap.add_argument("--write-table", default=None, metavar="PATH",
+                    help="with the 'layouts' set: write the measured speed of every (m, n) and "
+                         "the fastest layout per (m, n) as a variant-speed table (JSON)")
     ap.add_argument("--filter", default="",
                     help="run only cases whose 'workload heads packer MxN label' contains this")
     args = ap.parse_args(argv)
@@ -197,6 +261,12 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"kernel_lab{args.tag}.json").write_text(json.dumps(res, indent=1) + "\n")
+    if args.write_table:
+        table = variant_speed_table([r for r in rows if r.get("set") == "layouts"], res)
+        Path(args.write_table).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.write_table).write_text(json.dumps(table, indent=1) + "\n")
+        (out / Path(args.write_table).name).write_text(json.dumps(table, indent=1) + "\n")
+        print(f"wrote {args.write_table}: {len(table['tiles'])} tiles")
     print("\n== summary ==")
     print_table(rows)
     return 0 if all(r.get("correct") and r.get("bit_identical") for r in rows) else 1

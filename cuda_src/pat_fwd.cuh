@@ -219,8 +219,11 @@ __device__ __forceinline__ void pat_fwd_body(
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int wm = warp / Tr::WARPS_N;  // row group of this warp
-  const int wn = warp % Tr::WARPS_N;  // token slice of this warp
+  // Token slice outermost: warps w and w + 4 share an SM sub-partition (scheduler), so with more
+  // than one slice the two warps a scheduler holds belong to different slices, which are
+  // independent pipelines and drift apart: one computes softmax while the other issues MMAs.
+  const int wn = warp / Tr::WARPS_M;  // token slice of this warp
+  const int wm = warp - wn * Tr::WARPS_M;  // row group of this warp
 
   int cta_local, kv_head;
   if (head_minor) {

@@ -12,7 +12,9 @@ cache key and the log line.  A merge variant is ``pat_merge_kernel<HEAD_DIM, TO,
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,8 +86,8 @@ def default_rows_per_warp(m: int) -> int:
     return 32 if m >= 64 else 16
 
 
-def default_warps(m: int, n: int) -> int:
-    """Warps of the (m, n) variant.
+def rule_warps(m: int, n: int) -> int:
+    """Warps of the (m, n) variant by rule (before any measured layout, see default_warps).
 
     ``m / rows_per_warp`` warps split the rows; while that leaves fewer than 8 warps, extra warps
     split each KV tile's tokens, down to 16 tokens per warp for 16-row warps and 32 for 32-row
@@ -100,13 +102,53 @@ def default_warps(m: int, n: int) -> int:
     return wm * wn
 
 
-def default_stages(m: int, n: int, head_dim: int = 128) -> int:
-    """cp.async ring depth: 3 (two tiles in flight while one is computed) where the ring fits
-    the sm_90 per-block shared memory, else 2."""
+def rule_stages(m: int, n: int, head_dim: int = 128) -> int:
+    """cp.async ring depth by rule: 3 (two tiles in flight while one is computed) where the ring
+    fits the sm_90 per-block shared memory, else 2."""
     for stages in (3, 2):
         if fwd_smem_bytes(m, n, head_dim, stages) <= SMEM_LIMIT["sm_90"]:
             return stages
     return 2
+
+
+def variant_speed_path() -> Path:
+    return Path(__file__).resolve().parent / "data" / "variant_speed_h100.json"
+
+
+@functools.lru_cache(maxsize=None)
+def variant_speed() -> dict:
+    """Measured speed of every tile ``(m, n)`` at head_dim 128: ``{(m, n): record}``.
+
+    Written by ``bench/kernel_lab.py --cases layouts --write-table`` on an H100: each (m, n) with
+    its candidate layouts (warps, stages, rows per warp) forced onto every CTA of a no-sharing
+    batch (4096 KV tokens per CTA), the fastest layout kept with its fraction of copy bandwidth
+    (``frac_copy``).  Empty when the file is absent.
+    """
+    p = variant_speed_path()
+    if not p.is_file():
+        return {}
+    data = json.loads(p.read_text())
+    return {(int(r["m"]), int(r["n"])): r for r in data.get("tiles", {}).values()}
+
+
+def default_layout(m: int, n: int, head_dim: int = 128) -> tuple:
+    """``(warps, stages, rows_per_warp)`` of the (m, n) variant: the fastest measured layout
+    (:func:`variant_speed`, head_dim 128, where it fits this head_dim's shared memory), else the
+    rules (:func:`rule_warps`, :func:`rule_stages`, :func:`default_rows_per_warp`)."""
+    rec = variant_speed().get((int(m), int(n)))
+    if rec is not None and head_dim == 128:
+        w, st, rw = int(rec["warps"]), int(rec["stages"]), int(rec["rows_per_warp"])
+        if fwd_smem_bytes(m, n, head_dim, st) <= SMEM_LIMIT["sm_90"]:
+            return w, st, rw
+    return rule_warps(m, n), rule_stages(m, n, head_dim), default_rows_per_warp(m)
+
+
+def default_warps(m: int, n: int, head_dim: int = 128) -> int:
+    return default_layout(m, n, head_dim)[0]
+
+
+def default_stages(m: int, n: int, head_dim: int = 128) -> int:
+    return default_layout(m, n, head_dim)[1]
 
 
 # Benchmarks may override (warps, stages[, rows_per_warp]) per (m, n) to sweep variants; empty in
@@ -128,7 +170,7 @@ class FwdVariant:
     def make(cls, m: int, n: int, head_dim: int, dtype: str) -> "FwdVariant":
         over = VARIANT_OVERRIDES.get((int(m), int(n)))
         if over is None:
-            w, st, rw = default_warps(m, n), default_stages(m, n, head_dim), default_rows_per_warp(m)
+            w, st, rw = default_layout(m, n, head_dim)
         else:
             w, st = over[0], over[1]
             rw = over[2] if len(over) > 2 else default_rows_per_warp(m)

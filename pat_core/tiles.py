@@ -18,8 +18,11 @@ missing from that file (or the file does not exist), :func:`estimate_resources` 
 formula is documented there.
 
 The selector then assigns each CTA: ``m`` = smallest feasible ``m >= rows`` (round up; never
-split a CTA because its ``m`` is too small) and ``n`` from the GPU's piecewise KV-length table,
-moved to the nearest feasible ``n`` for that ``m``.
+split a CTA because its ``m`` is too small) and ``n`` from the GPU's piecewise KV-length table
+(an upper bound: short KV gets small ``n``), choosing among the feasible ``n`` below it the one
+that measured fastest for that ``m`` (``pat_core/data/variant_speed_h100.json``, written on the
+GPU by ``bench/kernel_lab.py``): the 64- and 128-row tiles are compute heavy, and for them a
+smaller ``n`` (more resident CTAs per SM) can run faster than a large one.
 """
 from __future__ import annotations
 
@@ -31,12 +34,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import cuda_compile as cc
 from .gpus import GPUSpec, get_gpu
 from .plan import DTYPE_BYTES, dtype_name
 
 M_CANDIDATES = (16, 32, 64, 128)
 N_CANDIDATES = (16, 32, 64, 128)
-STAGES = 2
+STAGES = 2   # ring depth assumed for a variant the resource file does not list
 _DATA = os.path.join(os.path.dirname(__file__), "data", "kernel_resources.json")
 
 
@@ -62,25 +66,22 @@ class TileResources:
         return int(max(0, min(by_smem, by_regs, by_threads, gpu.max_ctas_per_sm)))
 
 
-def warps_for(m: int) -> int:
-    """Warps per CTA of the ``m``-row variant: one warp per 16 rows, at least 4 (so the KV tile
-    has enough warps to split the columns of a 16-row tile)."""
-    return max(4, m // 16)
-
-
 def estimate_resources(m: int, n: int, head_dim: int, dtype: str = "float16") -> TileResources:
     """Resource estimate used until the compiler's report exists.
 
-    Shared memory: Q tile (``m*d*b``) plus ``STAGES`` K and V tiles (``2*STAGES*n*d*b``).
-    Registers per thread: the fp32 output accumulator and score tile spread over the CTA's
-    threads (``(m*d + m*n) / threads``), plus 40 for addresses, softmax state and loop counters.
+    Threads and stages: the variant's layout (:func:`pat_core.cuda_compile.default_layout`, the
+    one home of the variant rules).  Shared memory: Q tile (``m*d*b``) plus ``stages`` K and V
+    tiles (``2*stages*n*d*b``).  Registers per thread: the fp32 output accumulator and score tile
+    spread over the CTA's threads (``(m*d + m*n) / threads``), plus 40 for addresses, softmax
+    state and loop counters.
     """
     b = DTYPE_BYTES[dtype_name(dtype)]
-    threads = 32 * warps_for(m)
-    smem = m * head_dim * b + 2 * STAGES * n * head_dim * b
+    warps, stages, _ = cc.default_layout(m, n, head_dim)
+    threads = 32 * warps
+    smem = m * head_dim * b + 2 * stages * n * head_dim * b
     regs = int(math.ceil((m * head_dim + m * n) / threads)) + 40
     return TileResources(m=m, n=n, threads=threads, registers=regs, smem=smem, source="estimate",
-                         stages=STAGES)
+                         stages=stages)
 
 
 @functools.lru_cache(maxsize=None)
@@ -202,12 +203,32 @@ class TileSelector:
         self.n_by_m = {int(m): sorted(n for mm, n in self.feasible if mm == m)
                        for m in self.m_values}
 
+    def measured_speed(self, m: int, n: int):
+        """Measured fraction of copy bandwidth of tile ``(m, n)`` (``None`` if not measured).
+
+        From :func:`pat_core.cuda_compile.variant_speed` (an H100, head_dim 128, float16; used
+        for every sm_90 GPU at head_dim 128, either dtype: bf16 runs the same instructions)."""
+        if self.head_dim != 128 or _arch_of(self.gpu) != "sm_90":
+            return None
+        rec = cc.variant_speed().get((int(m), int(n)))
+        return None if rec is None else float(rec["frac_copy"])
+
     def pick_n(self, m: int, kv_len: int) -> int:
-        """Largest feasible ``n <= preferred`` for this ``m``, else the smallest feasible."""
+        """``n`` for a CTA of ``m`` rows and ``kv_len`` tokens.
+
+        Candidates: the feasible ``n <= preferred`` (the KV-length table), else the smallest
+        feasible.  Where every candidate has a measured speed, the fastest wins (the largest
+        ``n`` among those within 3 points of the fastest: fewer, fatter steps when they tie);
+        otherwise the largest candidate.
+        """
         pref = self.gpu.preferred_n(int(kv_len))
         ns = self.n_by_m[m]
-        below = [n for n in ns if n <= pref]
-        return below[-1] if below else ns[0]
+        below = [n for n in ns if n <= pref] or [ns[0]]
+        speeds = [self.measured_speed(m, n) for n in below]
+        if any(sp is None for sp in speeds):
+            return below[-1]
+        best = max(speeds)
+        return max(n for n, sp in zip(below, speeds) if sp >= best - 0.03)
 
     def select(self, rows: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
         rows = np.asarray(rows)
