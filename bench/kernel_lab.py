@@ -107,7 +107,7 @@ def run_case(backend, case, iters, copy_bw, flush, seed=0) -> dict:
         b = build_tree_batch(spec, page_size=ps, seed=seed)
         g = torch.Generator(device="cuda").manual_seed(seed)
         k = torch.randn((b.num_pages, ps, hk, d), generator=g, device="cuda", dtype=torch.float16)
-        v = torch.randn_like(k)
+        v = torch.randn(k.shape, generator=g, device="cuda", dtype=torch.float16)
         q = torch.randn((b.batch_size, hq, d), generator=g, device="cuda", dtype=torch.float16)
         w = PrefixAttentionWrapper(backend="cuda", packer=packer)
         w._gpu_backend = backend

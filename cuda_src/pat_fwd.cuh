@@ -70,13 +70,13 @@ struct FwdTraits {
   static constexpr int KV_BYTES = STAGES * 2 * KV_TILE_ELEMS * 2;
   static constexpr int SMEM_BYTES = Q_BYTES + KV_BYTES;           // dynamic shared memory
 
-  // Cross-warp combine buffer (aliases the KV ring after the main loop): per writing warp, the
-  // accumulator fragment plus running max and sum, stored [register][lane].  When the states of
-  // all WARPS_N - 1 token slices do not fit the ring at once, they are combined in rounds.
+  // Cross-warp combine buffer (aliases the Q tile and KV ring after the main loop): per writing
+  // warp, the accumulator fragment plus running max and sum, stored [register][lane].  When the
+  // states of all WARPS_N - 1 token slices do not fit at once, they are combined in rounds.
   static constexpr int ACC_REGS = MI * (D / 8) * 4;
   static constexpr int STATE_REGS = ACC_REGS + MI * 4;
   static constexpr int COMB_SLOT_BYTES = WARPS_M * STATE_REGS * 32 * 4;  // one token slice
-  static constexpr int COMB_FIT = KV_BYTES / COMB_SLOT_BYTES;
+  static constexpr int COMB_FIT = SMEM_BYTES / COMB_SLOT_BYTES;
   static constexpr int COMB_PER_ROUND =
       WARPS_N - 1 < COMB_FIT ? (WARPS_N > 1 ? WARPS_N - 1 : 1) : COMB_FIT;
 
@@ -99,7 +99,7 @@ struct FwdTraits {
   static_assert(SLICE_THREADS % CHUNKS == 0, "a thread keeps one 16-byte column across rows");
   static_assert(WARPS_N <= 15, "one named barrier per token slice");
   static_assert(WARPS_N == 1 || COMB_FIT >= 1,
-                "one token slice's state must fit in the KV ring it reuses");
+                "one token slice's state must fit in the shared memory it reuses");
 
   // Unroll of a thread's gather loop: full for 16-row warps; 2 for 32-row warps, whose
   // accumulators leave no room for many live 64-bit gather addresses (full unroll spills).
@@ -469,13 +469,13 @@ __device__ __forceinline__ void pat_fwd_body(
     // (raise_max), in rounds of COMB_PER_ROUND token slices when not all fit the KV ring.
     // Layout [slot][register][lane]: each lane reads back exactly what the same lane of the
     // partner warp wrote, so no fragment re-layout is needed and accesses are conflict-free.
-    float* comb = reinterpret_cast<float*>(pat_dyn_smem + Tr::Q_BYTES);
+    float* comb = reinterpret_cast<float*>(pat_dyn_smem);
     constexpr int SR = Tr::STATE_REGS;
     constexpr int PR = Tr::COMB_PER_ROUND;
 #pragma unroll 1
     for (int base = 1; base < Tr::WARPS_N; base += PR) {
-      // Barrier: every slice has finished its KV walk (first round) or warp wn == 0 has read
-      // the previous round's states (later rounds), so the buffer is free to overwrite.
+      // Barrier: every slice has finished its KV walk and its Q reads (first round) or warp
+      // wn == 0 has read the previous round's states (later rounds), so the buffer is free.
       cta_sync<Tr>();
       if (wn >= base && wn < base + PR) {
         float* dst = comb + ((wm * PR + (wn - base)) * SR) * 32 + lane;
