@@ -226,7 +226,11 @@ def main(argv=None) -> int:
     ap.add_argument("--fasttree", required=True, help="folder holding FastTree.py")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--launch-mode", default="auto", choices=("auto", "fused", "streams"),
+                    help="CudaBackend.launch_mode: one launch per tile group on pool streams, "
+                         "every forward CTA in one launch, or chosen per plan")
     ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    ap.add_argument("--tag", default="", help="suffix of the output file name")
     args = ap.parse_args(argv)
     ft = load_fasttree(args.fasttree)
     import platform
@@ -235,6 +239,7 @@ def main(argv=None) -> int:
     from common import copy_bandwidth, git_sha, l2_flusher
     from pat_core.cuda_backend import CudaBackend
     backend = CudaBackend()
+    backend.launch_mode = args.launch_mode
     t0 = time.perf_counter()
     backend.warmup(jobs=16)
     print(f"compiled pat variants in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -259,7 +264,8 @@ def main(argv=None) -> int:
            "iters": args.iters, "summary": summarize(rows), "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "fasttree_compare.json").write_text(json.dumps(res, indent=1) + "\n")
+    res["launch_mode"] = args.launch_mode
+    (out / f"fasttree_compare{args.tag}.json").write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps(res["summary"], indent=1))
     return 0
 

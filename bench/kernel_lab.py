@@ -222,6 +222,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="forced,long,sharing",
                     help=f"comma-separated case sets of {sorted(CASE_SETS)}")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--launch-mode", default="auto", choices=("auto", "fused", "streams"),
+                    help="CudaBackend.launch_mode: one launch per tile group on pool streams, "
+                         "every forward CTA in one launch, or chosen per plan")
     ap.add_argument("--tag", default="", help="suffix of the output file name")
     ap.add_argument("--write-table", default=None, metavar="PATH",
                     help="with the 'layouts' set: write the measured speed of every (m, n) and "
@@ -237,6 +240,7 @@ def main(argv=None) -> int:
     from common import copy_bandwidth, l2_flusher
     from pat_core.cuda_backend import CudaBackend
     backend = CudaBackend()
+    backend.launch_mode = args.launch_mode
     t0 = time.perf_counter()
     backend.warmup(jobs=16)
     print(f"compiled all variants in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -260,6 +264,7 @@ def main(argv=None) -> int:
                      "replayed", "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    res["launch_mode"] = args.launch_mode
     (out / f"kernel_lab{args.tag}.json").write_text(json.dumps(res, indent=1) + "\n")
     if args.write_table:
         table = variant_speed_table([r for r in rows if r.get("set") == "layouts"], res)

@@ -572,3 +572,57 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pat_fwd_kernel(
       head_minor, group, num_qo_heads, q_sb,
       q_sh, k_sp, k_st, k_sh, v_sp, v_st, v_sh, page_size, scale_log2);
 }
+
+// One launch for every forward CTA of a plan, whatever its tile.  Template arguments: head_dim,
+// element type, threads per block (the largest variant's), then the variants' traits in the
+// order of the per-CTA variant index cta_variant[cta].  Each block runs its CTA's variant; the
+// warps that variant does not use exit at once (its barriers count only its own threads).  The
+// block gets the largest variant's shared memory, so small tiles lose occupancy: the launcher
+// uses this path when launches, not occupancy, dominate (see pat_core/cuda_backend.py).
+namespace pat {
+template <typename Tr>
+__device__ __forceinline__ bool run_if(int want, int& idx, const typename Tr::T* q,
+                                       const typename Tr::T* k_cache,
+                                       const typename Tr::T* v_cache, float* o_partial,
+                                       float* lse_partial, const int* cta_req_indptr,
+                                       const int* cta_req, const int* cta_slot,
+                                       const int* cta_kv_start, const int* cta_kv_len,
+                                       const int* cta_page_indptr, const int* cta_pages,
+                                       int n_ctas, int num_kv_heads, int head_minor, int group,
+                                       int num_qo_heads, long long q_sb, long long q_sh,
+                                       long long k_sp, long long k_st, long long k_sh,
+                                       long long v_sp, long long v_st, long long v_sh,
+                                       int page_size, float scale_log2) {
+  if (idx++ != want) return false;
+  if ((int)threadIdx.x < Tr::THREADS)
+    pat_fwd_body<Tr>(q, k_cache, v_cache, o_partial, lse_partial, cta_req_indptr, cta_req,
+                     cta_slot, cta_kv_start, cta_kv_len, cta_page_indptr, cta_pages, 0, n_ctas,
+                     num_kv_heads, head_minor, group, num_qo_heads, q_sb, q_sh, k_sp, k_st,
+                     k_sh, v_sp, v_st, v_sh, page_size, scale_log2);
+  return true;
+}
+}  // namespace pat
+
+template <int HEAD_DIM, typename T, int THREADS, typename... Trs>
+__global__ void __launch_bounds__(THREADS, 1) pat_fwd_fused_kernel(
+    const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    float* __restrict__ o_partial, float* __restrict__ lse_partial,
+    const int* __restrict__ cta_req_indptr, const int* __restrict__ cta_req,
+    const int* __restrict__ cta_slot, const int* __restrict__ cta_kv_start,
+    const int* __restrict__ cta_kv_len, const int* __restrict__ cta_page_indptr,
+    const int* __restrict__ cta_pages, const int* __restrict__ cta_variant, int n_ctas,
+    int num_kv_heads, int head_minor, int group, int num_qo_heads,
+    long long q_sb, long long q_sh, long long k_sp, long long k_st, long long k_sh,
+    long long v_sp, long long v_st, long long v_sh, int page_size, float scale_log2) {
+  static_assert(((Trs::THREADS <= THREADS) && ...), "block too small for a variant");
+  static_assert(((Trs::D == HEAD_DIM) && ...), "variants of one head_dim");
+  const int cta = head_minor ? (int)blockIdx.x / num_kv_heads
+                             : (int)blockIdx.x - ((int)blockIdx.x / n_ctas) * n_ctas;
+  const int want = cta_variant[cta];
+  int idx = 0;
+  (void)(pat::run_if<Trs>(want, idx, q, k_cache, v_cache, o_partial, lse_partial,
+                          cta_req_indptr, cta_req, cta_slot, cta_kv_start, cta_kv_len,
+                          cta_page_indptr, cta_pages, n_ctas, num_kv_heads, head_minor, group,
+                          num_qo_heads, q_sb, q_sh, k_sp, k_st, k_sh, v_sp, v_st, v_sh,
+                          page_size, scale_log2) || ...);
+}

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 import weakref
 
@@ -198,6 +199,11 @@ class CudaBackend:
         self.head_minor = True
         # launch through cuLaunchKernel with pre-packed arguments (False: CuPy's generic call)
         self.fast_launch = True
+        # "streams": one launch per tile group, groups on pool streams; "fused": every forward
+        # CTA in one launch (per-CTA variant index); "auto": fused when the plan has several
+        # groups and few blocks (launch latency dominates), else streams.  See _use_fused.
+        self.launch_mode = os.environ.get("PAT_LAUNCH_MODE", "auto")
+        self.fused_max_blocks_per_sm = 4
         self._buffers: dict = {}      # device -> (num_floats, o_partial memptr, lse memptr)
 
     # ------------------------------------------------------------------ compile
@@ -368,7 +374,8 @@ class CudaBackend:
         vd = _Dev(v_cache, "v_cache")
         want_lse = bool(return_lse or lse is not None)
         rec = self._uploads.get(id(plan))
-        sig = (kv_layout, qd.sig(), kd.sig(), vd.sig())
+        sig = (kv_layout, qd.sig(), kd.sig(), vd.sig(), self.launch_mode,
+               self.fused_max_blocks_per_sm)
         prep = None
         if rec is not None and rec["version"] == plan.version:
             prep = rec["prepared"].get(sig)
@@ -437,7 +444,20 @@ class CudaBackend:
                     i32(plan.page_size), np.float32(plan.sm_scale * _LOG2E))
             head_minor = i32(1 if self.head_minor else 0)
             launches = []
-            for _, (m, n), b, e in plan.groups():
+            members = [cc.FwdVariant.make(m, n, D, dtype) for _, (m, n), b, e in plan.groups()
+                       if e > b]
+            if self._use_fused(plan, members):
+                fv = cc.FusedVariant(D, dtype, tuple(dict.fromkeys(members)))
+                pos = {(v.m, v.n): i for i, v in enumerate(fv.members)}
+                idx = np.array([pos[(int(m), int(n))] for m, n in plan.tile_configs],
+                               dtype=np.int32)[plan.cta_tile]
+                cta_variant = cp.asarray(np.ascontiguousarray(idx, dtype=np.int32))
+                args = head + (cta_variant, i32(plan.num_ctas), i32(Hk), head_minor) + tail
+                launches.append(_Launch(self._function(fv), (plan.num_ctas * Hk, 1, 1),
+                                        (fv.threads, 1, 1), args, fv.smem_bytes,
+                                        self.fast_launch, keep=cta_variant))
+                members = []
+            for _, (m, n), b, e in (plan.groups() if members else ()):
                 if e <= b:
                     continue
                 v = cc.FwdVariant.make(m, n, D, dtype)
@@ -452,6 +472,25 @@ class CudaBackend:
                             (mv.threads, 1, 1), merge_args, 0, self.fast_launch)
             return {"device": dev, "dtype": dtype, "launches": launches, "merge": merge,
                     "buf_gen": self._buffer_generation(dev)}
+
+    def _use_fused(self, plan: Plan, members) -> bool:
+        """Whether to run every forward CTA in one launch (see ``launch_mode``).
+
+        ``auto``: with two or more tile groups, fused when the plan's blocks (CTAs x KV heads)
+        are at most ``fused_max_blocks_per_sm`` per SM: such a step is bound by launch latency
+        and the tail of the slowest group, not by occupancy, which the fused block (the largest
+        variant's shared memory and threads for every CTA) costs the small tiles.
+        """
+        if self.launch_mode not in ("auto", "fused", "streams"):
+            raise ValueError(f"launch_mode must be 'auto', 'fused' or 'streams', got "
+                             f"{self.launch_mode!r}")
+        if self.launch_mode == "fused":
+            return bool(members)
+        if self.launch_mode == "streams" or len(set(members)) < 2:
+            return False
+        sms = self.cp.cuda.runtime.getDeviceProperties(
+            self.cp.cuda.runtime.getDevice())["multiProcessorCount"]
+        return plan.num_ctas * plan.num_kv_heads <= self.fused_max_blocks_per_sm * sms
 
     def _alloc_like(self, qd: _Dev, shape, dtype: str):
         if qd.kind == "torch":
@@ -523,10 +562,11 @@ class _Launch:
     """
 
     __slots__ = ("fn", "grid", "block", "args", "smem", "fast", "vals", "ptrs", "params", "fptr",
-                 "launch")
+                 "launch", "keep")
 
-    def __init__(self, fn, grid, block, args, smem, fast=True):
+    def __init__(self, fn, grid, block, args, smem, fast=True, keep=None):
         self.fn, self.grid, self.block, self.smem = fn, grid, block, int(smem)
+        self.keep = keep   # device arrays the arguments point to (kept alive with the launch)
         self.args = list(args)
         self.fast = bool(fast) and hasattr(fn, "ptr")
         if self.fast:

@@ -202,6 +202,38 @@ class FwdVariant:
                 f"long long, long long, long long, long long, long long, long long, int, float);")
 
 
+@dataclass(frozen=True)
+class FusedVariant:
+    """One kernel running several forward variants, chosen per CTA (``pat_fwd_fused_kernel``).
+
+    ``members`` are the variants in the order of the per-CTA variant index; the block has the
+    largest member's threads and shared memory."""
+
+    head_dim: int
+    dtype: str
+    members: tuple
+
+    @property
+    def threads(self) -> int:
+        return max(v.threads for v in self.members)
+
+    @property
+    def smem_bytes(self) -> int:
+        return max(v.smem_bytes for v in self.members)
+
+    @property
+    def key(self) -> str:
+        return (f"pat_fwd_fused_d{self.head_dim}_{DTYPE_SHORT[self.dtype]}_" + "_".join(
+            f"m{v.m}n{v.n}w{v.warps}s{v.stages}r{v.rows_per_warp}" for v in self.members))
+
+    @property
+    def name_expression(self) -> str:
+        ct = DTYPE_CTYPE[self.dtype]
+        tr = ", ".join(f"pat::FwdTraits<{v.head_dim}, {ct}, {v.m}, {v.n}, {v.warps}, {v.stages}, "
+                       f"{v.rows_per_warp}>" for v in self.members)
+        return f"pat_fwd_fused_kernel<{self.head_dim}, {ct}, {self.threads}, {tr}>"
+
+
 @dataclass(frozen=True, order=True)
 class MergeVariant:
     head_dim: int
