@@ -12,7 +12,10 @@ Execution of one batch::
                                   └─ ...                                  join events ───────┘
     caller stream ── (waits on the joins) ── merge kernel ── out [, lse]
 
-With ``plan.serial`` (or a single group) every launch goes on the caller's stream in order.  The
+With ``plan.serial`` (or a single group) every launch goes on the caller's stream in order.
+With ``launch_mode`` "fused" (or "auto" on a small multi-group plan) every forward CTA goes into
+one launch of ``pat_fwd_fused_kernel`` on the caller's stream, each block running its CTA's
+tile variant, then the merge.  The
 pool of streams and events is created once per backend.  Everything is enqueued on the caller's
 current stream (``torch.cuda.current_stream()`` for torch inputs, CuPy's current stream for CuPy
 inputs) or ordered after it through events; nothing uses the legacy default stream unless that is

@@ -5,9 +5,13 @@ report (``bench/kernel_resources.py``) and the CPU tests share these functions, 
 shared-memory size a variant is launched with and the one recorded in
 ``pat_core/data/kernel_resources.json`` come from one formula.
 
-A forward variant is one instantiation of ``pat_fwd_kernel<HEAD_DIM, T, M, N, WARPS, STAGES>``
-(``cuda_src/pat_fwd.cuh``); its key names every template parameter, e.g.
-``pat_fwd_d128_f16_m16_n64_w4_s2``.  The key is the CuPy name expression's label, the compile
+A forward variant is one instantiation of
+``pat_fwd_kernel<HEAD_DIM, T, M, N, WARPS, STAGES, ROWS_PER_WARP>`` (``cuda_src/pat_fwd.cuh``); its
+key names every template parameter, e.g. ``pat_fwd_d128_f16_m16_n64_w4_s2_r16``.  This module is
+the one home of the variant rules (rows per warp, warps, stages; the measured layouts of
+``pat_core/data/variant_speed_h100.json``): the launcher, the nvcc resource report, the tile
+solver and the tutorials read them from here.  A fused variant (``pat_fwd_fused_kernel``) runs
+several forward variants in one launch, chosen per CTA.  The key is the CuPy name expression's label, the compile
 cache key and the log line.  A merge variant is ``pat_merge_kernel<HEAD_DIM, TO, WARPS>``.
 """
 from __future__ import annotations
