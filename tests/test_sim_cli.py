@@ -101,3 +101,34 @@ def test_bad_arguments(capsys):
         main(["compare", "--tree", SPEC, "--methods", "nope"])
     assert main(["compare", "--tree", "1,2_3"]) == 2       # malformed spec: clear error
     assert "error" in capsys.readouterr().err
+
+
+def test_plot_helpers_name_what_the_reader_sees(tmp_path):
+    """Idle spans of the timeline are the gaps between blocks; coinciding sweep curves are named
+    in the legend; long titles are wrapped."""
+    import numpy as np
+    import matplotlib.pyplot as plt
+    from sim.plots import _idle_intervals, _title
+    start = np.array([5.0, 6.0, 20.0])
+    end = np.array([10.0, 8.0, 25.0])
+    assert _idle_intervals(start, end, 0.0, 30.0) == [(0.0, 5.0), (10.0, 20.0), (25.0, 30.0)]
+    assert _idle_intervals(start, end, 0.0, 25.0) == [(0.0, 5.0), (10.0, 20.0)]
+    fig, ax = plt.subplots()
+    _title(ax, "x" * 30 + " " + "y" * 30, 40)
+    assert ax.get_title().count("\n") == 1
+    plt.close(fig)
+    sw = {"knob": "batch", "values": [1, 2],
+          "methods": {"pat": [1.0, 2.0], "node": [1.0, 2.0], "query": [3.0, 4.0]}}
+    captured = {}
+    real_savefig = plt.Figure.savefig
+
+    def grab(fig, path, **kw):
+        captured["labels"] = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+        return real_savefig(fig, path, **kw)
+
+    plt.Figure.savefig = grab
+    try:
+        sweep_plot(sw, str(tmp_path / "s.png"))
+    finally:
+        plt.Figure.savefig = real_savefig
+    assert captured["labels"] == ["pat (= node)", "node (= pat)", "query"]
