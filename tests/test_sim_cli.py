@@ -71,7 +71,14 @@ def test_sweep_knobs(tmp_path, knob, capsys):
     assert main(["sweep", "--knob", knob, "--values", vals, "--batch", "4", "--prefix", "64",
                  "--methods", "pat", "--out", str(tmp_path / knob)]) == 0
     res = json.loads((tmp_path / f"{knob}.json").read_text())
-    assert len(res["specs"]) == 2
+    values = [int(x) for x in vals.split(",")]
+    want = [tree_spec(v if knob == "batch" else 4, v if knob == "prefix" else 64, 128,
+                      v if knob == "depth" else 2) for v in values]
+    assert res["specs"] == want
+    for spec, us in zip(want, res["methods"]["pat"]):
+        r = simulate(make_plan(load_batch(spec, 16), "pat", 32, 8, 128))
+        assert us == pytest.approx(r.latency_us, abs=1e-3)
+    assert (tmp_path / f"{knob}.png").read_bytes()[:8] == PNG
     capsys.readouterr()
 
 
