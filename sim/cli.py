@@ -62,6 +62,16 @@ def _ints(s: str):
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
 
+def _positive(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+    return v
+
+
 def _common(p: argparse.ArgumentParser, tree_required: bool = True) -> None:
     """Options every subcommand shares; ``tree_required=False``: no default tree (sweep)."""
     p.add_argument("--tree", required=False,
@@ -70,8 +80,8 @@ def _common(p: argparse.ArgumentParser, tree_required: bool = True) -> None:
                         "block tables")
     p.add_argument("--heads", type=_heads, default=(32, 8), help="query:KV heads (default 32:8)")
     p.add_argument("--gpu", default="h100", help="a100, h100 or h200 (default h100)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page-size", type=_positive, default=16)
+    p.add_argument("--head-dim", type=_positive, default=128)
     p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     p.add_argument("--constants", default=None,
                    help="constants JSON (default sim/data/<gpu>.json)")
@@ -107,7 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", type=_methods, default=list(ALL_METHODS))
     p.add_argument("--out", required=True, help="output prefix: writes OUT.png and OUT.json")
 
-    p = sub.add_parser("calibration-report", help="predicted vs measured latency")
+    p = sub.add_parser("calibration-report", help="predicted vs measured latency (the default "
+                       "measurements are those in a checkout's bench/results/)",
+                       description="Predicted vs measured latency.  Measurements come from "
+                       "bench/calibrate.py, which runs on a GPU from a checkout; without "
+                       "--measurements the newest bench/results/calibration*.json of the "
+                       "checkout is used, so an installed package needs --measurements.")
     p.add_argument("--measurements", default=None,
                    help="measurements JSON from bench/calibrate.py (default: the newest "
                         "bench/results/calibration*.json)")
@@ -116,7 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, help="also write a predicted-vs-measured PNG")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("fit", help="fit the model constants to measurements")
+    p = sub.add_parser("fit", help="fit the model constants to measurements (from "
+                       "bench/calibrate.py, which needs a checkout and a GPU)",
+                       description="Fit the model constants to measurements written by "
+                       "bench/calibrate.py (run from a checkout, on a GPU).")
     p.add_argument("--measurements", required=True)
     p.add_argument("--gpu", default=None)
     p.add_argument("--out", default=None, help="constants file (default sim/data/<gpu>.json)")
@@ -217,14 +235,26 @@ def _default_measurements() -> str | None:
     return found[-1] if found else None
 
 
+def _plots():
+    """:mod:`sim.plots`, imported only by the subcommands that draw, with matplotlib's headless
+    Agg backend (files only) unless pyplot is already in use (a notebook).  matplotlib is not a
+    dependency of the base install: without it, the error says how to get it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("drawing a PNG needs matplotlib: pip install matplotlib "
+                          "(or the package's [plots] extra)") from None
+    if "matplotlib.pyplot" not in sys.modules:
+        matplotlib.use("Agg")
+    from . import plots
+    return plots
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    import matplotlib
-    if "matplotlib.pyplot" not in sys.modules:
-        matplotlib.use("Agg")            # files only: no display needed
     try:
         return _dispatch(args)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
@@ -235,12 +265,11 @@ def _dispatch(args) -> int:
         res = compare(batch, args.methods, args.heads, args.head_dim, args.gpu, args.dtype,
                       args.constants)
         if args.bytes_plot:
-            from .plots import bytes_plot
-            bytes_plot(res["rows"], args.bytes_plot, title=f"HBM bytes: {res['batch']}")
+            _plots().bytes_plot(res["rows"], args.bytes_plot, title=f"HBM bytes: {res['batch']}")
         print(json.dumps(res, indent=2) if args.json else format_compare(res))
         return 0
     if args.cmd == "timeline":
-        from .plots import gantt
+        gantt = _plots().gantt
         batch = load_batch(args.tree, args.page_size, seed=args.seed)
         plan = make_plan(batch, args.method, args.heads[0], args.heads[1], args.head_dim,
                          gpu=args.gpu, kv_data_type=args.dtype)
@@ -262,7 +291,7 @@ def _dispatch(args) -> int:
                       f"({o.limiter}), {o.waves:.2f} waves")
         return 0
     if args.cmd == "sweep":
-        from .plots import sweep_plot
+        sweep_plot = _plots().sweep_plot
         values = args.values or SWEEP_DEFAULTS[args.knob]
         res = run_sweep(args.knob, values, args.methods, batch=args.batch, prefix=args.prefix,
                         suffix=args.suffix, depth=args.depth, heads=args.heads,
@@ -289,8 +318,7 @@ def _dispatch(args) -> int:
         gpu = args.gpu or data.get("gpu", "h100")
         rep = report(data, load_constants(gpu, args.constants), gpu)
         if args.plot:
-            from .plots import calibration_plot
-            calibration_plot(rep["predicted_us"], rep["measured_us"],
+            _plots().calibration_plot(rep["predicted_us"], rep["measured_us"],
                              [r["method"] for r in data["records"]], args.plot,
                              title=f"{data.get('device', gpu)}: rho {rep['spearman']:.3f}")
         print(json.dumps(rep, indent=2) if args.json else

@@ -6,12 +6,37 @@ command line selects the headless Agg backend before it imports this module.
 """
 from __future__ import annotations
 
+import textwrap
+
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.collections import PolyCollection
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 _MERGE_COLOUR = "#7f7f7f"
+_IDLE_COLOUR = "#f7e4e2"
+# one marker and dash pattern per series, so that curves lying on top of each other stay visible
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+_DASHES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1)), (0, (3, 1)), (0, (1, 1)))
+
+
+def _title(ax, text: str, width: int = 80) -> None:
+    """A title wrapped to ``width`` characters, so it fits the figure."""
+    ax.set_title("\n".join(textwrap.wrap(text, width)), fontsize=10)
+
+
+def _idle_intervals(start, end, t0: float, t1: float) -> list:
+    """Intervals of ``[t0, t1]`` during which no block runs (``start``/``end``: float [N])."""
+    order = np.argsort(start)
+    out, cur = [], t0
+    for s, e in zip(start[order], end[order]):
+        if s > cur:
+            out.append((cur, float(s)))
+        cur = max(cur, float(e))
+    if cur < t1:
+        out.append((cur, t1))
+    return out
 
 
 def _rects(x0, x1, y0, h):
@@ -26,7 +51,9 @@ def gantt(result, path: str, title: str | None = None, max_sms: int | None = Non
     One row per SM; a row is split into lanes, one per resident block, so blocks that share the
     SM are drawn one above the other.  Forward blocks are coloured by launch (one stream per
     launch group, labelled with its tile config); merge blocks are grey.  Dashed lines mark each
-    launch's host issue time.
+    launch's host issue time; shaded spans are times when no block runs on any SM (waiting for
+    a launch to be issued or for the previous kernel to finish).  The legend sits outside the
+    axes.
     """
     tl = result.timeline
     nsm = tl.num_sms if max_sms is None else min(max_sms, tl.num_sms)
@@ -52,17 +79,34 @@ def gantt(result, path: str, title: str | None = None, max_sms: int | None = Non
         pc = PolyCollection(_rects(x0, x1, y0, 0.9 / lanes), facecolors=colour,
                             edgecolors="black", linewidths=0.1)
         ax.add_collection(pc)
-    for ln in tl.launches:
-        ax.axvline(ln.issue_ns / 1e3, color="black", lw=0.5, ls="--", alpha=0.4)
-    ax.set_xlim(0, max(result.latency_us * 1.02, 1e-3))
+    t_end = max(result.latency_us, 1e-3)
+    if tl.num_blocks:
+        idle = _idle_intervals(tl.block_start / 1e3, tl.block_end / 1e3, 0.0, t_end)
+        for a, b in idle:
+            ax.axvspan(a, b, color=_IDLE_COLOUR, zorder=0, lw=0)
+            if b - a > 0.04 * t_end:
+                ax.text((a + b) / 2, nsm * 0.5, f"no block running\n{b - a:.1f} us",
+                        ha="center", va="center", fontsize=7, rotation=90, color="#7b241c")
+        if idle:
+            handles.append(Patch(facecolor=_IDLE_COLOUR, edgecolor="none",
+                                 label="no block running"))
+    for i, ln in enumerate(tl.launches):
+        x = ln.issue_ns / 1e3
+        ax.axvline(x, color="black", lw=0.7, ls="--", alpha=0.6)
+        ax.text(x, 0.99, f"issue {'merge' if ln.kind == 'merge' else f'stream {i}'} ",
+                rotation=90, va="top", ha="right", fontsize=6.5, color="black",
+                transform=ax.get_xaxis_transform())
+    handles.append(Line2D([0], [0], color="black", lw=0.7, ls="--",
+                          label="host issues a launch"))
+    ax.set_xlim(0, t_end * 1.02)
     ax.set_ylim(nsm, 0)
     ax.set_xlabel("time (us)")
     ax.set_ylabel("SM")
-    ax.set_title(title or (f"{result.plan.packer} on {result.gpu.name}: "
-                           f"{result.latency_us:.1f} us predicted, "
-                           f"bubble {100 * result.bubble:.1f} %, "
-                           f"{tl.num_blocks} blocks"), fontsize=10)
-    ax.legend(handles=handles[:20], loc="upper right", fontsize=7, framealpha=0.85)
+    _title(ax, title or (f"{result.plan.packer} on {result.gpu.name}: "
+                         f"{result.latency_us:.1f} us predicted, "
+                         f"bubble {100 * result.bubble:.1f} %, {tl.num_blocks} blocks"), 110)
+    ax.legend(handles=handles[:22], loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7,
+              borderaxespad=0.0)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -71,19 +115,29 @@ def gantt(result, path: str, title: str | None = None, max_sms: int | None = Non
 
 def sweep_plot(sweep: dict, path: str) -> str:
     """Predicted time per method against the swept knob (``sweep`` as :func:`sim.cli.run_sweep`
-    returns it: ``{"knob", "values", "methods": {method: [us, ...]}, ...}``)."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    returns it: ``{"knob", "values", "methods": {method: [us, ...]}, ...}``).
+
+    Methods with identical predictions would hide each other: each series has its own marker
+    and dash pattern, markers shrink from the first series to the last so coinciding ones show
+    as nested shapes, and the legend names the methods a curve coincides with.
+    """
+    fig, ax = plt.subplots(figsize=(8.5, 4.8))
     xs = list(range(len(sweep["values"])))
-    for method, ys in sweep["methods"].items():
-        ax.plot(xs, ys, marker="o", label=method)
+    series = list(sweep["methods"].items())
+    same = {m: [o for o, ys2 in series if o != m and list(ys2) == list(ys)] for m, ys in series}
+    for i, (method, ys) in enumerate(series):
+        label = method + (f" (= {', '.join(same[method])})" if same[method] else "")
+        ax.plot(xs, ys, marker=_MARKERS[i % len(_MARKERS)], ms=max(3.0, 10.0 - 1.2 * i),
+                ls=_DASHES[i % len(_DASHES)], lw=1.4, mfc="none", mew=1.3, label=label,
+                zorder=2 + i)
     ax.set_xticks(xs)
     ax.set_xticklabels([str(v) for v in sweep["values"]])
     ax.set_xlabel(sweep.get("knob_label", sweep["knob"]))
     ax.set_ylabel("predicted latency (us)")
     ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
-    ax.set_title(sweep.get("title", f"sweep over {sweep['knob']}"), fontsize=10)
-    ax.legend(fontsize=8)
+    _title(ax, sweep.get("title", f"sweep over {sweep['knob']}"), 75)
+    ax.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -94,15 +148,15 @@ def bytes_plot(rows: list, path: str, title: str = "HBM bytes per method") -> st
     """Stacked bars of bytes by kind per method; ``rows``: dicts with ``method`` and ``bytes``
     (``{"kv", "q", "partial_write", "partial_read", "out"}``)."""
     kinds = ("kv", "q", "partial_write", "partial_read", "out")
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
     bottom = np.zeros(len(rows))
     for kind in kinds:
         vals = np.array([r["bytes"][kind] for r in rows], dtype=float) / 1e6
         ax.bar([r["method"] for r in rows], vals, bottom=bottom, label=kind)
         bottom += vals
     ax.set_ylabel("MB")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
+    _title(ax, title, 75)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -277,24 +277,45 @@ def test_bad_inputs(backend):
 
 
 @requires_gpu
-def test_launch_paths_agree(backend):
-    """Packed cuLaunchKernel launches and CuPy's generic launches give identical results."""
+def test_launch_paths_agree(backend, monkeypatch):
+    """Packed cuLaunchKernel launches and CuPy's generic launches give identical results.
+
+    The launch path is fixed when a plan's launches are prepared (``CudaBackend.fast_launch`` at
+    that moment), and the prepared launches are cached per plan object; so each path gets its
+    own Plan object (two Planner instances: no plan cache in common), and a spy on the launch
+    object records which path every launch of each run really took.
+    """
     import torch
-    from pat_core import PrefixAttentionWrapper
+    from pat_core import Planner
+    from pat_core import cuda_backend as cb
     from pat_core.workloads import build_tree_batch
     b = build_tree_batch("1,4,16_200,37,61", page_size=16, seed=7)
-    w = PrefixAttentionWrapper(backend="cuda", packer="pat")
-    w._gpu_backend = backend
-    plan = w.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
-    assert plan.num_groups > 1
     q, k, v = make_inputs(b.num_pages, 16, b.batch_size, 32, 8, 128, "float16", "NHD", 8)
-    outs = []
+
+    taken = []
+    real_call = cb._Launch.__call__
+
+    def spy(self, stream_ptr):
+        taken.append(bool(self.fast))
+        return real_call(self, stream_ptr)
+
+    monkeypatch.setattr(cb._Launch, "__call__", spy)
+    outs, paths, plans = [], [], []
     for fast in (True, False):
+        plan = Planner("pat", backend.gpu_name).plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
+        plans.append(plan)
         backend.fast_launch = fast
-        w.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)   # fresh upload, fresh launches
         try:
-            outs.append(w.run(q, (k, v), return_lse=True))
+            taken.clear()
+            outs.append(backend.run(plan, q, k, v, return_lse=True))
+            torch.cuda.synchronize()
+            paths.append(list(taken))
         finally:
             backend.fast_launch = True
-    torch.cuda.synchronize()
+    assert plans[0] is not plans[1]
+    assert plans[0].num_groups > 1, "the batch should need several launch groups"
+    # every launch of the first run took the packed path, every launch of the second the
+    # generic one (at least one forward launch and the merge each time)
+    assert len(paths[0]) >= 2 and all(paths[0]), paths[0]
+    assert len(paths[1]) >= 2 and not any(paths[1]), paths[1]
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -106,9 +106,10 @@ def test_backend_plan_checks_without_gpu():
                                   dtype=np.int32)
     bad.tile_configs = np.full_like(bad.tile_configs, 16)
     bad.tile_configs[:, 1] = 16
-    if len(bad.cta_req) * bad.group_size > 16:
-        with pytest.raises(ValueError, match="rows"):
-            cuda_backend._check_plan_tiles(bad)
+    # every request in CTA 0 now: more rows than its 16-row tile holds
+    assert len(bad.cta_req) * bad.group_size > 16
+    with pytest.raises(ValueError, match="rows"):
+        cuda_backend._check_plan_tiles(bad)
     odd = Planner("pat", "h100").plan(b.block_tables, b.seq_lens, 8, 2, 128, 16)
     odd.tile_configs = np.full_like(odd.tile_configs, 48)
     with pytest.raises(ValueError, match="no CUDA kernel"):

@@ -71,7 +71,14 @@ def test_sweep_knobs(tmp_path, knob, capsys):
     assert main(["sweep", "--knob", knob, "--values", vals, "--batch", "4", "--prefix", "64",
                  "--methods", "pat", "--out", str(tmp_path / knob)]) == 0
     res = json.loads((tmp_path / f"{knob}.json").read_text())
-    assert len(res["specs"]) == 2
+    values = [int(x) for x in vals.split(",")]
+    want = [tree_spec(v if knob == "batch" else 4, v if knob == "prefix" else 64, 128,
+                      v if knob == "depth" else 2) for v in values]
+    assert res["specs"] == want
+    for spec, us in zip(want, res["methods"]["pat"]):
+        r = simulate(make_plan(load_batch(spec, 16), "pat", 32, 8, 128))
+        assert us == pytest.approx(r.latency_us, abs=1e-3)
+    assert (tmp_path / f"{knob}.png").read_bytes()[:8] == PNG
     capsys.readouterr()
 
 
@@ -101,3 +108,34 @@ def test_bad_arguments(capsys):
         main(["compare", "--tree", SPEC, "--methods", "nope"])
     assert main(["compare", "--tree", "1,2_3"]) == 2       # malformed spec: clear error
     assert "error" in capsys.readouterr().err
+
+
+def test_plot_helpers_name_what_the_reader_sees(tmp_path):
+    """Idle spans of the timeline are the gaps between blocks; coinciding sweep curves are named
+    in the legend; long titles are wrapped."""
+    import numpy as np
+    import matplotlib.pyplot as plt
+    from sim.plots import _idle_intervals, _title
+    start = np.array([5.0, 6.0, 20.0])
+    end = np.array([10.0, 8.0, 25.0])
+    assert _idle_intervals(start, end, 0.0, 30.0) == [(0.0, 5.0), (10.0, 20.0), (25.0, 30.0)]
+    assert _idle_intervals(start, end, 0.0, 25.0) == [(0.0, 5.0), (10.0, 20.0)]
+    fig, ax = plt.subplots()
+    _title(ax, "x" * 30 + " " + "y" * 30, 40)
+    assert ax.get_title().count("\n") == 1
+    plt.close(fig)
+    sw = {"knob": "batch", "values": [1, 2],
+          "methods": {"pat": [1.0, 2.0], "node": [1.0, 2.0], "query": [3.0, 4.0]}}
+    captured = {}
+    real_savefig = plt.Figure.savefig
+
+    def grab(fig, path, **kw):
+        captured["labels"] = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+        return real_savefig(fig, path, **kw)
+
+    plt.Figure.savefig = grab
+    try:
+        sweep_plot(sw, str(tmp_path / "s.png"))
+    finally:
+        plt.Figure.savefig = real_savefig
+    assert captured["labels"] == ["pat (= node)", "node (= pat)", "query"]

@@ -2,7 +2,9 @@
 
 Every tutorial is executed top to bottom on the CPU in a fresh kernel (the interpreter running
 pytest, with the checkout first on ``PYTHONPATH`` and ``MPLBACKEND=Agg``); any cell error fails
-the test.  GPU cells branch on ``pat_core.cuda_backend.is_available()`` inside the notebooks.
+the test.  The tutorials assert the quantitative claims of their prose in the cells next to
+them, so a claim that stops being true fails here; the kernel excerpts they print are cut at
+named markers in ``cuda_src/``, which a test requires to exist.  GPU cells branch on ``pat_core.cuda_backend.is_available()`` inside the notebooks.
 """
 from __future__ import annotations
 
@@ -50,6 +52,27 @@ def test_notebook_in_sync_and_stripped(src):
     first = nb.cells[0]
     assert first.cell_type == "markdown" and "What you will learn" in first.source, (
         f"{src.stem} must open with what the reader will learn")
+
+
+def test_kernel_excerpt_markers_exist():
+    """Every kernel excerpt a tutorial prints (``excerpt("NAME")`` / ``show("NAME")``) has one
+    ``// <tutorial:NAME>`` line and one ``// </tutorial:NAME>`` line after it in the kernel
+    source, with code between them; tutorial 2 shows at least the five passages its prose
+    walks through."""
+    import re
+    kernel = (ROOT / "cuda_src" / "pat_fwd.cuh").read_text().splitlines()
+    used = set()
+    for src in SOURCES:
+        used |= set(re.findall(r'(?:excerpt|show)\("([a-z0-9-]+)"\)', src.read_text()))
+    assert {"prologue", "loop-top", "online-softmax", "loop-end", "gather"} <= used
+    for name in sorted(used):
+        opens = [i for i, s in enumerate(kernel) if s.strip() == f"// <tutorial:{name}>"]
+        closes = [i for i, s in enumerate(kernel) if s.strip() == f"// </tutorial:{name}>"]
+        assert len(opens) == 1 and len(closes) == 1, (
+            f"cuda_src/pat_fwd.cuh: tutorial excerpt {name!r} needs exactly one opening and one "
+            f"closing marker, found {len(opens)} and {len(closes)}")
+        body = [s for s in kernel[opens[0] + 1:closes[0]] if s.strip()]
+        assert opens[0] < closes[0] and body, f"excerpt {name!r} is empty or reversed"
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,8 @@ import numpy as np
 import pat_core
 from pat_core.inputs import as_block_table
 from pat_core.packers import cost_constants
+from pat_core.split import split_threshold
+from pat_core.tiles import TileSelector
 from pat_core.workloads import build_tree_batch
 
 # %% [markdown]
@@ -170,9 +172,18 @@ for u in range(1, forest.num_nodes):
     print(f"{u:>4} {lens[u]:>4} {sizes[u]:>4} {saved:>15,} {cost:>14,}  "
           f"{'share' if saved > cost else 'do not share'}")
 
+# %%
+middle = [u for u in range(1, forest.num_nodes) if sizes[u] >= 2 and lens[u] == 8]
+assert len(middle) == 2
+for u in middle:
+    saved = (sizes[u] - 1) * lens[u] * kv_tok_bytes
+    cost = sizes[u] * group * row_slot_bytes
+    assert saved == 4 * 1024 and round(cost / 1024, 1) == 7.6
+    print(f"node {u}: saves {saved / 1024:.1f} KiB per KV head, costs {cost / 1024:.1f} KiB")
+
 # %% [markdown]
 # The root shares plainly. The two 8-token middle nodes are the interesting case: sharing them
-# saves 4 KiB per KV head, but costs 7.6 KiB of partial traffic.
+# saves 4 KiB per KV head, but costs 7.6 KiB of partial traffic (the cell above checks both).
 #
 # **Merge or split, edge by edge.** pat's packer (TreeHeuristic, PAT Algorithm 1) walks each tree
 # once from the root. At every edge from a node `u` to a child `c` it asks one question: should
@@ -183,11 +194,13 @@ for u in range(1, forest.num_nodes):
 # `rows_c * row_slot_bytes  >  L * kv_tok_bytes * chunks_c`
 #
 # where `chunks_c` is how many CTAs `c`'s rows fill (a CTA has at most as many rows as the
-# largest tile, 64 on an H100 for head_dim 64 in fp16). In this batch no node merges into its
-# parent at the top, so `L` is simply `u`'s own length:
+# largest feasible tile has, `max_rows`, which the tile solver of tutorial 2 gives for the GPU,
+# head_dim and dtype). In this batch no node merges into its parent at the top, so `L` is simply
+# `u`'s own length:
 
 # %%
-max_rows = 64
+max_rows = TileSelector(head_dim, "float16", "h100").max_rows
+print(f"max_rows = {max_rows} (H100, head_dim {head_dim}, fp16)")
 print(f"{'edge':>8} {'L':>3} {'rows_c':>6} {'partials if split':>18} {'re-read if merged':>18}"
       "  decision")
 for u in range(1, forest.num_nodes):
@@ -215,9 +228,15 @@ for c in range(plan.num_ctas):
     s, n = int(plan.cta_kv_start[c]), int(plan.cta_kv_len[c])
     print(f"CTA {c}: tokens [{s:>3}, {s + n:>3})  requests {reqs.tolist()}  "
           f"tile m x n = {tuple(int(x) for x in plan.cta_mn()[c])}")
+# the hand calculation: one CTA for the root with all six requests, one per leaf from token 64
+ctas = sorted((int(plan.cta_kv_start[c]), int(plan.cta_kv_len[c]),
+               int(plan.cta_req_indptr[c + 1] - plan.cta_req_indptr[c]))
+              for c in range(plan.num_ctas))
+assert plan.num_ctas == 7
+assert ctas == [(0, 64, 6)] + [(64, 36, 1)] * 6
 
 # %% [markdown]
-# That is exactly the hand calculation. (The `m x n` tile shape is the subject of tutorial 2.)
+# That is exactly the hand calculation (the cell checks it). (The `m x n` tile shape is the subject of tutorial 2.)
 #
 # ## Every packer on the same batch
 #
@@ -257,6 +276,17 @@ packers = ["query", "node", "compute", "cascade", "pat"]
 plans = {p: pat_core.Planner(p, "h100").plan(batch.block_tables, batch.seq_lens, num_qo_heads,
                                              num_kv_heads, head_dim, 4, split=False)
          for p in packers}
+
+
+def packing(pl):
+    """The CTAs of a plan as (first token, tokens, requests) triples, sorted."""
+    return sorted((int(pl.cta_kv_start[c]), int(pl.cta_kv_len[c]),
+                   tuple(sorted(pl.cta_req[pl.cta_req_indptr[c]:pl.cta_req_indptr[c + 1]])))
+                  for c in range(pl.num_ctas))
+
+
+assert packing(plans["node"]) == packing(plans["compute"]) == packing(plans["cascade"])
+assert plans["cascade"].num_groups > plans["node"].num_groups
 fig, axes = plt.subplots(len(packers), 1, figsize=(10, 9), sharex=True)
 for ax, p in zip(axes, packers):
     draw_ctas(plans[p], forest, ax, p)
@@ -300,10 +330,16 @@ for p, pl in plans.items():
     st = pl.stats()
     print(f"{p:>8}: {st['total_bytes']:>8,} bytes  ({st['num_ctas']} CTAs, "
           f"{st['num_slots']} partial slots)")
+st_ = {p: pl.stats() for p, pl in plans.items()}
+assert st_["node"]["kv_bytes"] == min(s["kv_bytes"] for s in st_.values())
+assert st_["node"]["num_slots"] - st_["query"]["num_slots"] == 12
+assert st_["pat"]["kv_bytes"] > st_["node"]["kv_bytes"]
+assert st_["pat"]["total_bytes"] == min(s["total_bytes"] for s in st_.values())
 
 # %% [markdown]
-# `node` reads the fewest KV bytes but pays for twelve extra partial slots; `pat` spends a few
-# more KV bytes to avoid them and moves the fewest bytes overall. On this toy batch the margins
+# `node` reads the fewest KV bytes but pays for twelve more partial slots than `query`; `pat`
+# spends a few more KV bytes to avoid most of them and moves the fewest bytes overall (checked
+# in the cell above). On this toy batch the margins
 # are small. A realistic batch tells a clearer story: one 1024-token system prompt, four
 # 256-token documents, 16 requests with 64 tokens of their own, 32 query heads over 8 KV heads,
 # head_dim 128.
@@ -317,20 +353,49 @@ q_total = big_plans["query"].stats()["total_bytes"]
 for p, pl in big_plans.items():
     print(f"{p:>8}: {pl.stats()['total_bytes'] / 1e6:6.2f} MB  "
           f"({q_total / pl.stats()['total_bytes']:.2f}x less than query)")
+big_totals = {p: pl.stats()["total_bytes"] for p, pl in big_plans.items()}
+assert big_totals["pat"] == min(big_totals.values())
+# a clearer story: pat's saving over query is larger here than on the toy batch
+assert q_total / big_totals["pat"] > st_["query"]["total_bytes"] / st_["pat"]["total_bytes"]
+
+# %% [markdown]
+# Here every prefix-aware packer finds the same plan (the packers part ways on less regular
+# trees; `python -m pat_core demo` shows one), and all of them move several times fewer bytes
+# than `query`.
 
 # %% [markdown]
 # ## The last step: long-KV split
 #
 # One more rule runs after packing. A CTA whose KV range is much longer than the others would
-# keep one SM busy long after the rest finished. The planner cuts every CTA longer than the
-# batch's mean CTA length into equal parts (each one more partial to merge). It is on by
-# default; above we turned it off on the small batch to keep the picture one CTA per pack.
+# keep one SM busy long after the rest finished. The planner cuts every CTA longer than a
+# threshold into parts no longer than it (each part one more partial result to merge). The
+# default rule (`split=True`, the same as `split="sm"`) sets the threshold to an SM's fair share
+# of the work: all CTAs' tokens times the KV heads, over twice the number of SMs, and never
+# below a minimum part length (`pat_core.split.split_threshold`). The PAT paper's rule, the
+# batch's mean CTA length, is `split="mean"`. The split is on by default; above we turned it off
+# to keep the picture one CTA per pack. Below, the threshold of each rule and what it does, on
+# the small batch and on the big one:
 
 # %%
-for split in (False, True):
-    pl = pat_core.Planner("pat", "h100").plan(batch.block_tables, batch.seq_lens, num_qo_heads,
-                                              num_kv_heads, head_dim, 4, split=split)
-    print(f"split={split!s:<5}: {pl.num_ctas} CTAs, KV lengths {sorted(pl.cta_kv_len.tolist())}")
+gpu = pat_core.get_gpu("h100")
+for name, b, heads, d_ in (("small", batch, (num_qo_heads, num_kv_heads), head_dim),
+                           ("big", big, (32, 8), 128)):
+    ps = b.page_size if hasattr(b, "page_size") else 4
+    off = pat_core.Planner("pat", "h100").plan(b.block_tables, b.seq_lens, *heads, d_, ps,
+                                               split=False)
+    plans_by_rule = {}
+    for rule in ("sm", "mean"):
+        thr = split_threshold(off.cta_kv_len, heads[1], gpu.num_sms, rule=rule)
+        pl = pat_core.Planner("pat", "h100").plan(b.block_tables, b.seq_lens, *heads, d_, ps,
+                                                  split=rule)
+        print(f"{name} batch, split={rule!r}: threshold {thr} tokens; {off.num_ctas} CTAs -> "
+              f"{pl.num_ctas}, longest CTA {int(off.cta_kv_len.max())} -> "
+              f"{int(pl.cta_kv_len.max())} tokens")
+        # every CTA longer than the threshold became ceil(length / threshold) parts
+        assert pl.num_ctas - off.num_ctas == sum(-(-int(n) // thr) - 1 for n in off.cta_kv_len)
+        plans_by_rule[rule] = pl
+    default = pat_core.Planner("pat", "h100").plan(b.block_tables, b.seq_lens, *heads, d_, ps)
+    assert np.array_equal(default.cta_kv_len, plans_by_rule["sm"].cta_kv_len)   # the default
 
 # %% [markdown]
 # **Try your own batch.** Change `spec` (more levels, longer or shorter nodes), the head counts

@@ -12,23 +12,28 @@
 #   instead of one;
 # * one CTA walked tile by tile on the CPU executor (`pat_core.executor.trace_cta`), with the
 #   online-softmax state after each tile;
-# * how the CUDA kernel overlaps loading the next tile with computing the current one
-#   (`cp.async` double buffering), next to the kernel source.
+# * how the CUDA kernel overlaps loading the next tiles with computing the current one
+#   (a `cp.async` ring of shared-memory buffers), next to excerpts of the kernel source.
 #
-# Tutorial 1 (CTAs and packers) is assumed. No GPU is needed.
+# Tutorial 1 (CTAs and packers) is assumed. No GPU is needed. Every number in the text below is
+# computed and checked (`assert`) in the cell next to it, from the package's own data: the
+# compile rules in `pat_core.cuda_compile`, the compiler's resource report
+# `pat_core/data/kernel_resources.json` and the tile solver.
 
 # %%
+import json
 import math
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
 
 import pat_core
+from pat_core import cuda_compile
 from pat_core.executor import execute_partials, trace_cta
-from pat_core.tiles import (M_CANDIDATES, N_CANDIDATES, STAGES, TileSelector, check_tile,
-                            feasible_tiles)
+from pat_core.tiles import M_CANDIDATES, N_CANDIDATES, TileSelector, check_tile, feasible_tiles
 from pat_core.workloads import build_tree_batch, random_kv_cache
+
+resources = json.loads(cuda_compile.resources_path().read_text())   # the compiler's report
 
 # %% [markdown]
 # ## What a tile is
@@ -56,44 +61,64 @@ print(f"{h100.name}: {h100.num_sms} SMs, {h100.smem_per_sm // 1024} KiB shared m
       f"{h100.hbm_bandwidth:.0f} GB/s HBM, ~{h100.mem_latency_ns:.0f} ns memory latency")
 
 # %% [markdown]
-# **1. Shared memory.** A CTA keeps its query tile (`m x d` elements) and `STAGES` copies of a
-# K tile and a V tile (`n x d` each) in shared memory. With fp16 (`b = 2` bytes) and
-# `d = 128`, `m = 64`, `n = 128`, two stages:
+# **1. Shared memory.** A CTA keeps its query tile (`m x d` elements) and `stages` copies of a
+# K tile and a V tile (`n x d` each) in shared memory, a ring the loads cycle through. How many
+# stages a variant gets is a compile rule (`cuda_compile.FwdVariant.make`), so we ask it rather
+# than assume a number. With fp16 (`b = 2` bytes), `d = 128`, `m = 64`, `n = 128`:
 
 # %%
 d, b = 128, 2
 m, n = 64, 128
-smem = m * d * b + 2 * STAGES * n * d * b
-print(f"Q tile {m * d * b:,} B + {STAGES} stages x (K + V) {2 * STAGES * n * d * b:,} B "
+variant = cuda_compile.FwdVariant.make(m, n, d, "float16")
+stages = variant.stages
+smem = m * d * b + 2 * stages * n * d * b
+print(f"variant {variant.key}: {stages} stages, {variant.warps} warps")
+print(f"Q tile {m * d * b:,} B + {stages} stages x (K + V) {2 * stages * n * d * b:,} B "
       f"= {smem:,} B  (limit {h100.smem_per_block:,} B per CTA)")
+report = resources["variants"][variant.key]["sm_90"]
+reported = report["smem_static"] + report["smem_dynamic"]
 chk = check_tile(m, n, d, "float16", "h100")
-print(f"the compiled kernel reports {chk.resources.smem:,} B "
+print(f"the compiler's report: {reported:,} B; the tile solver uses {chk.resources.smem:,} B "
       f"(source: {chk.resources.source})")
+assert smem == reported == chk.resources.smem and chk.resources.source == "nvcc"
+assert smem <= h100.smem_per_block
 
 # %% [markdown]
-# The solver trusts the compiler's number rather than the formula: the two agree here, but a
-# kernel may reserve extra shared memory (for example a buffer where warps combine results).
+# The formula, the compiler's report and the number the solver uses agree (the cell asserts
+# it). The solver still reads the report rather than the formula: a kernel may reserve extra
+# shared memory (for example a buffer where warps combine results), and the report would show
+# it.
 #
 # **2. Registers.** Each thread holds its share of the fp32 output accumulator and of the score
 # tile in registers. The numbers come from the compiler's resource report, stored with the
 # package, not from a guess; with no report the solver falls back to an estimate and says so.
 # Registers and shared memory together decide how many CTAs can sit on one SM at once, `C`.
 #
-# **3. Bandwidth in flight.** HBM answers a request only after roughly `L = 650 ns`. To keep the
-# memory system busy, every SM needs enough bytes requested and not yet delivered to cover that
-# latency: by Little's law, `latency x bandwidth` bytes in flight over the whole GPU. With `S`
-# SMs each holding `C` CTAs, each CTA loading one `n`-token tile of `d` elements of `b` bytes:
+# **3. Bandwidth in flight.** HBM answers a request only after roughly `L` nanoseconds (the
+# latency printed above). To keep the memory system busy, the GPU needs enough bytes requested
+# and not yet delivered to cover that latency: by Little's law, `L x B` bytes in flight (`B` the
+# bandwidth). With `S` SMs each holding `C` CTAs, and each CTA keeping `stages - 1` tiles of K
+# *and* V in flight while it computes on one (`n` tokens of `d` elements of `b` bytes each):
 #
-# `n >= ceil(L * B / (S * C * d * b))`
+# `n >= n_min = ceil(L * B / (S * C * (stages - 1) * 2 * d * b))`
+#
+# Below, that formula by hand for a few shapes next to what the solver computes.
 
 # %%
-for m, n in [(64, 128), (64, 32)]:
+for m, n in [(16, 64), (64, 32), (64, 128), (128, 16)]:
     chk = check_tile(m, n, d, "float16", "h100")
-    C = chk.ctas_per_sm
-    n_min = math.ceil(h100.mem_latency_ns * h100.bytes_per_ns / (h100.num_sms * C * d * b))
-    print(f"(m={m:>3}, n={n:>3}): C = {C} CTAs/SM -> n_min = ceil({h100.mem_latency_ns:.0f} * "
-          f"{h100.bytes_per_ns:.0f} / ({h100.num_sms} * {C} * {d} * {b})) = {n_min}; "
-          f"solver: n_min {chk.n_min}, feasible {chk.feasible}, violated {chk.violated}")
+    if chk.resources is None:
+        print(f"(m={m:>3}, n={n:>3}): no compiled variant")
+        continue
+    C, st = chk.ctas_per_sm, chk.resources.stages
+    n_min = math.ceil(h100.mem_latency_ns * h100.bytes_per_ns
+                      / (h100.num_sms * max(C, 1) * (st - 1) * 2 * d * b))
+    print(f"(m={m:>3}, n={n:>3}): C = {C} CTAs/SM, {st} stages -> n_min = "
+          f"ceil({h100.mem_latency_ns:.0f} * {h100.bytes_per_ns:.0f} / ({h100.num_sms} * {C} * "
+          f"{st - 1} * 2 * {d} * {b})) = {n_min}; solver: n_min {chk.n_min}, "
+          f"feasible {chk.feasible}, violated {chk.violated}")
+    assert n_min == chk.n_min
+    assert ("bandwidth" in chk.violated) == (n < n_min)
 
 # %% [markdown]
 # **4.** `m` and `n` are powers of two, at least 16 (the tensor-core instruction works on 16-row
@@ -131,9 +156,30 @@ for gpu in ("h100", "a100"):
     print(gpu, "head_dim 128:", feasible_tiles(128, "float16", gpu))
 
 # %% [markdown]
-# The pattern to notice: big `m` with small `n` fails on bandwidth (a big tile uses many
-# registers, so few CTAs fit per SM, so each one must keep more bytes in flight), and the A100,
-# with fewer SMs and less bandwidth to cover, accepts shapes the H100 rejects.
+# The rule that fails is named in each red cell. The bandwidth rule bites where the fewest CTAs
+# fit on an SM (a big tile uses many registers and much shared memory), so each must keep more
+# bytes in flight; the A100, with fewer SMs and less bandwidth to cover, needs fewer bytes in
+# flight but has less shared memory. So each GPU runs shapes the other rejects: the H100 ones
+# fail the A100's shared-memory limit, the A100 ones the H100's bandwidth rule (checked below).
+
+# %%
+sets = {g: set(feasible_tiles(128, "float16", g)) for g in ("h100", "a100")}
+only = {g: sorted(sets[g] - sets[o]) for g, o in (("h100", "a100"), ("a100", "h100"))}
+for g, o in (("h100", "a100"), ("a100", "h100")):
+    why = {t: check_tile(*t, 128, "float16", o).violated for t in only[g]}
+    print(f"feasible on {g} only: {only[g]}; on {o} they fail {why}")
+checks = [check_tile(m, n, 128, "float16", "h100") for m in M_CANDIDATES for n in N_CANDIDATES]
+built = [c for c in checks if c.resources is not None]
+starved = [c for c in built if "bandwidth" in c.violated]
+print("bandwidth failures on the H100:", [(c.m, c.n) for c in starved],
+      "with C =", sorted({c.ctas_per_sm for c in starved}), "CTAs per SM; C over all shapes:",
+      sorted({c.ctas_per_sm for c in built}))
+# the statements above: bandwidth fails only where the fewest CTAs fit; the sets differ both ways
+assert all(c.ctas_per_sm == min(x.ctas_per_sm for x in built) for c in starved)
+assert only["h100"] and all("smem" in check_tile(*t, 128, "float16", "a100").violated
+                            for t in only["h100"])
+assert only["a100"] and all("bandwidth" in check_tile(*t, 128, "float16", "h100").violated
+                            for t in only["a100"])
 #
 # ## Picking a tile per CTA
 #
@@ -142,8 +188,9 @@ for gpu in ("h100", "a100"):
 # * `m` = the smallest feasible `m >= rows` (round up; never split a CTA because its `m` is too
 #   small);
 # * `n` from a per-GPU table of KV length: small `n` for short ranges (less waste in the last,
-#   partly empty step), large `n` for long ones (fewer steps, fewer CTAs per SM to schedule),
-#   moved to the nearest shape that is feasible for that `m`.
+#   partly empty step), large `n` for long ones (fewer steps, fewer CTAs per SM to schedule);
+#   if the preferred `n` is not feasible for that `m`, the largest feasible `n` below it, else
+#   the smallest feasible `n`.
 
 # %%
 sel = TileSelector(128, "float16", "h100")
@@ -167,10 +214,27 @@ ax.set_title("tile m x n chosen per CTA (H100, head_dim 128, fp16); shade = m", 
 fig.tight_layout()
 plt.show()
 
+# every choice follows the two rules above
+moved = set()
+for i, r in enumerate(rows):
+    for j, L in enumerate(kv_lens):
+        m_sel, n_sel = (int(x) for x in mn[i, j])
+        assert m_sel == min(m for m in sel.m_values if m >= r)
+        pref = h100.preferred_n(int(L))
+        ns = sel.n_by_m[m_sel]
+        assert n_sel == max([n for n in ns if n <= pref], default=ns[0])
+        if n_sel != pref:
+            moved.add((m_sel, pref, n_sel))
+for m_sel, pref, n_sel in sorted(moved):
+    print(f"m = {m_sel}: preferred n = {pref} is not feasible (feasible n: "
+          f"{sel.n_by_m[m_sel]}), chose n = {n_sel}")
+if not moved:
+    print("every CTA got its preferred n: it is feasible for every m on this GPU")
+
 # %% [markdown]
-# Where `n` is not what the table asked for, the preferred shape was not feasible for that `m`
-# (a 64-row tile cannot use `n = 32` on an H100, so it gets 64; a 32-row tile has no `n = 32`
-# either and drops to 16).
+# The printout under the picture lists the cells where the preferred `n` was not feasible for
+# the chosen `m`, and what the selector took instead (nothing, if every preferred `n` is
+# feasible).
 #
 # In a real plan the tiles mix. The batch of tutorial 1's last example, on an H100:
 
@@ -182,10 +246,14 @@ for g, (m, n), b0, b1 in plan.groups():
     print(f"launch group {g}: {b1 - b0} CTAs with tile {m}x{n}, "
           f"rows {sorted(set(plan.cta_rows()[b0:b1].tolist()))}, "
           f"KV lengths {sorted(set(plan.cta_kv_len[b0:b1].tolist()))}")
+    assert (plan.cta_mn()[b0:b1] == (m, n)).all()
+tiles_used = {tuple(int(x) for x in t) for t in plan.cta_mn()}
+assert plan.num_groups == len(tiles_used)      # pat: one group per tile shape
 
 # %% [markdown]
-# Each launch group is one kernel launch of one compiled variant; on the GPU the groups run
-# concurrently on separate CUDA streams.
+# A launch group is the set of CTAs that run the same compiled variant (for `pat`, one group
+# per tile shape; `cascade` also separates tree levels). How the CUDA backend issues the groups
+# (launches, streams) is its own business; tutorial 4 shows the simulator's picture of it.
 #
 # ## One CTA, tile by tile
 #
@@ -208,6 +276,8 @@ m_tile, n_tile = (int(x) for x in plan.cta_mn()[c])
 print(f"CTA {c}: requests {reqs.tolist()}, tokens [{plan.cta_kv_start[c]}, "
       f"{plan.cta_kv_start[c] + plan.cta_kv_len[c]}), {plan.cta_rows()[c]} rows, "
       f"tile {m_tile}x{n_tile}")
+assert len(reqs) == 4 and plan.cta_rows()[c] == 4 * (hq // hk)
+assert plan.cta_kv_start[c] == 0 and plan.cta_kv_len[c] == 320
 trace = trace_cta(plan, c, q, k_cache, v_cache, kv_head=0)
 for t, st in enumerate(trace):
     print(f"after tile {t} (tokens {st['tokens'][0]:>3}-{st['tokens'][1] - 1:>3}): "
@@ -255,13 +325,31 @@ plt.show()
 
 # %% [markdown]
 # The running maximum only ever climbs, and it climbs exactly when a tile holds a larger score
-# than any before it. The running sum `l` is not monotone: when `m` jumps, everything summed
-# so far is rescaled by `exp(m_old - m_new) < 1` (look at the second row's `l` at tile 4 in the
-# printout above). The running output wanders while tiles arrive and lands on the final
-# value at the last tile.
-#
+# than any before it. The running sum `l` need not grow: when `m` jumps, everything summed so
+# far is rescaled by `exp(m_old - m_new) < 1`, and if the new tile adds less than that takes
+# away, `l` shrinks. The running output wanders while tiles arrive and lands on the final value
+# at the last tile. The next cell checks each of these statements on the trace and names the
+# places where `l` shrank.
+
+# %%
+ms = np.stack([st["m"] for st in trace])           # [tiles, rows]
+ls = np.stack([st["l"] for st in trace])
+tile_max = np.stack([st["scores"].max(axis=1) for st in trace])
+assert (np.diff(ms, axis=0) >= 0).all()                                # never falls
+assert (ms[0] == tile_max[0]).all()
+assert ((np.diff(ms, axis=0) > 0) == (tile_max[1:] > ms[:-1])).all()   # climbs iff a new max
+shrunk = np.argwhere(np.diff(ls, axis=0) < 0)
+for t, row in shrunk:
+    print(f"row {row}: m rose {ms[t, row]:.3f} -> {ms[t + 1, row]:.3f} at tile {t + 1}, "
+          f"l went {ls[t, row]:.2f} -> {ls[t + 1, row]:.2f}")
+assert all(ms[t + 1, row] > ms[t, row] for t, row in shrunk)            # only when m jumps
+assert np.allclose(trace[-1]["o"], final_o)
+print(f"l shrank {len(shrunk)} times in {ls.size - ls.shape[1]} tile steps")
+
+# %% [markdown]
 # The trace is the executor's arithmetic, not a separate model: its final state equals the
-# partial result the full executor writes for this CTA's slots.
+# partial result the full executor writes for this CTA's slots (to float32 rounding; the cell
+# asserts agreement within 1e-5).
 
 # %%
 o_part, lse_part = execute_partials(plan, q, k_cache, v_cache)
@@ -270,27 +358,31 @@ g = plan.group_size
 rows_o = np.stack([o_part[s, h] for s in slots for h in range(g)])   # KV head 0: q heads 0..g-1
 rows_lse = np.array([lse_part[s, h] for s in slots for h in range(g)])
 last = trace[-1]
-print("max |o_trace - o_executor|    :", float(np.abs(last["o"] - rows_o).max()))
-print("max |lse_trace - lse_executor|:", float(np.abs(last["m"] + np.log(last["l"])
-                                                       - rows_lse).max()))
+d_o = float(np.abs(last["o"] - rows_o).max())
+d_lse = float(np.abs(last["m"] + np.log(last["l"]) - rows_lse).max())
+print("max |o_trace - o_executor|    :", d_o)
+print("max |lse_trace - lse_executor|:", d_lse)
+assert d_o < 1e-5 and d_lse < 1e-5
 
 # %% [markdown]
-# ## Hiding the memory latency: the cp.async double buffer
+# ## Hiding the memory latency: the cp.async ring
 #
 # The trace above is sequential: load tile `t`, compute with it, load tile `t + 1`... On a GPU
 # that would leave the tensor cores idle during every load and the memory system idle during
 # every compute. Decode attention is memory bound, so what matters is that **a load is always in
 # flight**.
 #
-# The kernel keeps `STAGES = 2` shared-memory buffers for K and V. While it computes on the tile
-# in one buffer, the next tile is already being copied into the other by `cp.async`, an
-# instruction that starts a global-to-shared copy and returns immediately (the copy completes in
-# the background; `cp.async.wait_group` waits for it later). The timing picture, with a load
-# taking three times as long as the compute on it:
+# The kernel keeps `stages` shared-memory buffers for K and V (section 1: the number is a
+# per-variant compile rule). While it computes on the tile in one buffer, the next tiles are
+# already being copied into the others by `cp.async`, an instruction that starts a
+# global-to-shared copy and returns immediately (the copy completes in the background;
+# `cp.async.wait_group` waits for it later). The timing picture, with a load taking three times
+# as long as the compute on it, for one buffer and for two:
 
 # %%
 def draw_pipeline(ax, stages, tiles=5, load=3.0, compute=1.0):
-    """Schematic: load and compute intervals of each tile with 1 or 2 buffers."""
+    """Schematic: load and compute intervals of each tile with `stages` buffers; returns the
+    time the last compute ends."""
     load_end, comp_end = [], []
     for t in range(tiles):
         if stages == 1:
@@ -312,93 +404,97 @@ def draw_pipeline(ax, stages, tiles=5, load=3.0, compute=1.0):
     return comp_end[-1]
 
 
+tiles_, load_, compute_ = 5, 3.0, 1.0
 fig, axes = plt.subplots(2, 1, figsize=(11, 3.8), sharex=True)
-draw_pipeline(axes[0], 1)
-draw_pipeline(axes[1], 2)
+t_one = draw_pipeline(axes[0], 1, tiles_, load_, compute_)
+t_two = draw_pipeline(axes[1], 2, tiles_, load_, compute_)
 axes[1].set_xlabel("time")
 fig.tight_layout()
 plt.show()
+assert t_one == tiles_ * (load_ + compute_)          # every load waits for the compute before
+assert t_two == tiles_ * load_ + compute_            # loads back to back, one compute at the end
 
 # %% [markdown]
-# With two buffers the memory system never waits for the tensor cores; the run takes about
-# `tiles x load` instead of `tiles x (load + compute)`. Now the real thing. The CUDA sources ship
-# with the package; the cell below finds them (installed package data or a checkout) and prints
-# the prologue and the main loop of the forward kernel.
+# With one buffer each tile costs `load + compute`; with two or more, loads run back to back and
+# the run takes `tiles x load + compute` (the cell asserts both). More stages help when a load's
+# latency varies or exceeds the compute time by more than one tile, at the price of shared
+# memory.
+#
+# ## The kernel source
+#
+# The CUDA sources ship with the package (`pat_core.cuda_compile.cuda_src_dir()` finds them in
+# an installation or a checkout). The kernel marks the passages this tutorial shows with
+# `// <tutorial:NAME>` and `// </tutorial:NAME>` comment lines; the cell below prints them by
+# name and fails if a marker has gone (the test suite checks the markers too), so what you read
+# here is always the current kernel.
 
 # %%
-def find_cuda_sources():
-    """The directory of pat's CUDA sources, or None when this installation has none."""
-    finders = []
-    try:
-        from pat_core.cuda_backend import cuda_src_dir as f1
-        finders.append(f1)
-    except Exception:
-        pass
-    try:
-        from pat_core.cuda_compile import cuda_src_dir as f2
-        finders.append(f2)
-    except Exception:
-        pass
-    for f in finders:
-        try:
-            return Path(f())
-        except Exception:
-            pass
-    for cand in (Path.cwd().parent / "cuda_src", Path.cwd() / "cuda_src"):
-        if cand.is_dir():
-            return cand
-    return None
+KERNEL = cuda_compile.cuda_src_dir() / "pat_fwd.cuh"
+KERNEL_LINES = KERNEL.read_text().splitlines()
 
 
-def show_lines(path, start_marker, end_marker):
-    """Print the lines of ``path`` from the first line containing ``start_marker`` to the first
-    following line containing ``end_marker`` (with line numbers); False when not found."""
-    lines = path.read_text().splitlines()
-    i0 = next((i for i, s in enumerate(lines) if start_marker in s), None)
-    if i0 is None:
-        return False
-    i1 = next((i for i in range(i0 + 1, len(lines)) if end_marker in lines[i]), None)
-    if i1 is None:
-        return False
-    for i in range(i0, i1 + 1):
-        print(f"{i + 1:4d}  {lines[i]}")
-    return True
+def excerpt(name):
+    """The lines of the kernel between ``// <tutorial:name>`` and ``// </tutorial:name>``,
+    numbered as in the file."""
+    opens = [i for i, s in enumerate(KERNEL_LINES) if s.strip() == f"// <tutorial:{name}>"]
+    closes = [i for i, s in enumerate(KERNEL_LINES) if s.strip() == f"// </tutorial:{name}>"]
+    assert len(opens) == 1 and len(closes) == 1 and opens[0] < closes[0], (
+        f"{KERNEL.name}: the excerpt markers for {name!r} are missing or repeated")
+    return [(i + 1, KERNEL_LINES[i]) for i in range(opens[0] + 1, closes[0])]
 
 
-src_dir = find_cuda_sources()
-fwd = src_dir / "pat_fwd.cuh" if src_dir is not None else None
-if fwd is None or not fwd.is_file():
-    print("The CUDA sources are not part of this installation; see cuda_src/pat_fwd.cuh in the "
-          "repository.")
-else:
-    print(f"--- {fwd.name}: the prologue ---")
-    ok = show_lines(fwd, "Prologue", "}")
-    print(f"\n--- {fwd.name}: the main loop, up to the first barrier ---")
-    ok2 = show_lines(fwd, "for (int t = 0; t < num_tiles; ++t)", "__syncthreads();")
-    print("   ...   (S = Q K^T, online softmax, O += P V on the tensor cores)")
-    ok3 = show_lines(fwd, "Barrier: all warps are done reading stage", "cp_async_wait<0>")
-    if not (ok and ok2 and ok3):
-        print("\n(The kernel's layout changed since this tutorial was written; every line that "
-              "touches the pipeline:)")
-        for i, s in enumerate(fwd.read_text().splitlines()):
-            if "cp_async" in s or "__syncthreads" in s or "STAGES" in s:
-                print(f"{i + 1:4d}  {s}")
+def show(name):
+    print(f"--- {KERNEL.name}: {name} ---")
+    for num, line in excerpt(name):
+        print(f"{num:4d}  {line}")
+    print()
+
+
+show("prologue")
+show("loop-top")
 
 # %% [markdown]
-# Reading the loop with the picture in mind:
+# Reading these with the picture in mind:
 #
-# * the **prologue** issues the query rows and the first `STAGES - 1` tiles before the loop, each
-#   as a *commit group*;
-# * at the top of iteration `t` the kernel issues tile `t + STAGES - 1` into the buffer that
-#   iteration `t - 1` has just finished with, then `cp_async_wait<STAGES - 1>` waits until at most
-#   `STAGES - 1` groups are still in flight, which means tile `t` has landed;
-# * the first `__syncthreads()` makes every thread's copies of tile `t` visible to all warps
-#   before any warp reads them (each thread copied a different part of the tile);
-# * the barrier at the end of the iteration keeps the next iteration from overwriting a buffer
-#   that a slower warp is still reading.
+# * the **prologue** runs before the KV loop: it issues copies of the query rows and of the first
+#   `STAGES - 1` tiles, and closes each batch of copies with `cp_async_commit()`, which makes it
+#   one *commit group* the kernel can later wait for;
+# * at the **top of iteration `t`** the kernel issues tile `t + STAGES - 1` into the buffer
+#   (`% STAGES`) that an earlier iteration has finished with, commits it, and waits with
+#   `cp_async_wait<STAGES - 1>()` until at most `STAGES - 1` groups are still in flight: the
+#   oldest one, tile `t`, has landed. Each thread copied a different part of the tile, so a
+#   barrier follows before any warp reads rows that other threads fetched (its scope, the whole
+#   CTA or only the warps that share those rows, is in the excerpt's comments).
 #
+# Then comes the arithmetic of the trace above: `S = Q K^T` on the tensor cores, and the
+# online-softmax update of the running maximum `m`, the running sum `l` and the accumulator,
+# kept in registers (the kernel works in base 2, `exp2f`, with the scale folded into the scores):
+
+# %%
+show("online-softmax")
+
+# %% [markdown]
+# After `O += P V`, the **end of the iteration** holds the barrier that keeps the next
+# iteration from overwriting a buffer that a slower warp is still reading, and after the loop
+# the kernel drains the remaining (empty) commit groups:
+
+# %%
+show("loop-end")
+kernel_text = "\n".join(line for _, line in excerpt("prologue") + excerpt("loop-top")
+                        + excerpt("loop-end"))
+for call in ("cp_async_commit", "cp_async_wait<STAGES - 1>", "cp_async_wait<0>"):
+    assert call in kernel_text, call
+
+# %% [markdown]
 # The gather itself is where paging shows up: each 16-byte `cp.async` copies part of one token's
-# K or V row, and the token's address comes from the CTA's page list (`token -> page id -> row`),
-# so a CTA can read a prefix scattered over any pages of the cache.
-#
+# K or V row, and the token's address comes from the CTA's page list
+# (`token -> page id -> row`), so a CTA can read a prefix scattered over any pages of the cache.
+# Tokens past the CTA's range are copied as zero bytes (`bytes = 0`) and masked later.
+
+# %%
+show("gather")
+gather = "\n".join(line for _, line in excerpt("gather"))
+assert "pages[" in gather and "cp_async_16" in gather
+
+# %% [markdown]
 # Next: [tutorial 3](03_merge.ipynb) puts the partial results back together.

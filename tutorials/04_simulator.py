@@ -5,8 +5,8 @@
 #
 # * how the simulator (`sim`) turns a `Plan` into bytes, SM occupancy, a per-SM timeline and a
 #   predicted latency, on a laptop;
-# * how to read a per-SM timeline: waves, concurrent tile groups on separate streams, the merge
-#   kernel, and idle "bubbles";
+# * how to read a per-SM timeline: waves, launch groups (one stream each), the merge kernel,
+#   and idle "bubbles";
 # * how the packers compare on several batch shapes;
 # * sweeps over shared-prefix length, batch size, tree depth and GQA ratio, and where prefix-aware
 #   packing stops paying off.
@@ -30,8 +30,8 @@ import sim
 import sim.plots
 from pat_core.workloads import build_tree_batch
 
-# sim.plots writes image files and selects Matplotlib's file-only backend when imported; give
-# this notebook its inline figures back (a plain comment when run as a script)
+# sim.plots writes image files (shown below with `Image`); the notebook's own figures are drawn
+# inline (a plain comment when run as a script)
 # %matplotlib inline
 
 # %% [markdown]
@@ -65,14 +65,24 @@ for o in res.occupancy:
           f"(limited by {o.limiter}), {o.waves:.2f} waves")
 
 # %% [markdown]
-# A few definitions the printout uses:
+# A few definitions the printout uses (the cell below computes each for this plan):
 #
-# * a **thread block** is one CTA for one KV head (the kernel launches `num_kv_heads` copies of
-#   each Plan CTA), so 37 CTAs x 8 KV heads = 296 blocks;
-# * a **wave** is one SM-full round of blocks: with 132 SMs holding one 16x128 block each, 256
-#   such blocks need about two rounds;
+# * a **thread block** is one CTA for one KV head (the kernel runs `num_kv_heads` copies of
+#   each Plan CTA), so the plan's CTAs times its KV heads give the blocks;
+# * a **wave** is one SM-full round of blocks: `blocks / (SMs x blocks that fit per SM)`, per
+#   tile shape;
 # * the **bubble** is the share of SM time, between the first block starting and the last one
 #   ending, in which an SM has nothing to run.
+
+# %%
+n_blocks = sum(o.blocks for o in res.occupancy)
+print(f"{plan.num_ctas} CTAs x {HK} KV heads = {plan.num_ctas * HK} thread blocks")
+assert n_blocks == plan.num_ctas * HK == res.num_blocks - res.timeline.blocks_of("merge").sum()
+for o in res.occupancy:
+    waves = o.blocks / (res.gpu.num_sms * o.ctas_per_sm)
+    print(f"tile {o.m}x{o.n}: {o.blocks} blocks / ({res.gpu.num_sms} SMs x {o.ctas_per_sm} "
+          f"per SM) = {waves:.2f} waves")
+    assert abs(waves - o.waves) < 1e-9
 #
 # ## The per-SM timeline
 #
@@ -95,22 +105,44 @@ for name, r in runs.items():
     display(Image(filename=path))
 
 # %% [markdown]
-# What to look for:
+# What to look for (the cell below prints the numbers behind each point and checks them):
 #
-# * **query** reads the 384 shared tokens 16 times over, so its blocks are longer; with one
-#   request per CTA it also has the fewest blocks, so most SMs run a single long block.
-# * **pat** runs three tile groups at once on separate streams: the long per-request CTAs, and the
-#   short shared-prefix CTAs that fill SMs the long ones leave free. The merge kernel at the end
-#   is the price of splitting each request over several CTAs.
-# * launching the same groups **serially** leaves SMs idle at the end of each launch (a tail
-#   where a few blocks finish while the rest of the GPU waits) and pays each launch's overhead
-#   in turn.
+# * **query** reads the 384 shared tokens once per request, so its blocks are longer; it has
+#   one launch group and no partial results beyond one per request.
+# * **pat** has one launch group per tile shape, each on its own stream; the host issues the
+#   launches one after another (dashed lines), so a group starts only once it is issued, and
+#   whether groups overlap depends on how long each runs against the issue interval. The merge
+#   kernel at the end is the price of splitting requests over several CTAs.
+# * launching the same groups **serially** makes each group wait for the one before it: never
+#   faster than the streams.
+
+# %%
+r_pat, r_ser, r_q = (runs[k] for k in ("pat", "pat, groups launched serially", "query"))
+q_plan = plan_for(spec, "query")
+print(f"query: {q_plan.num_groups} launch group; pat: {plan.num_groups} launch groups "
+      f"(tiles {plan.stats()['tiles']})")
+assert q_plan.num_groups == 1 and plan.num_groups == len(plan.stats()["tiles"])
+tl = r_pat.timeline
+spans = []
+for ln in tl.launches:
+    sel = slice(ln.begin, ln.end)
+    spans.append((ln.name, ln.issue_ns / 1e3, float(tl.block_start[sel].min()) / 1e3,
+                  float(tl.block_end[sel].max()) / 1e3))
+    print(f"  {ln.name:<14} issued at {spans[-1][1]:6.1f} us, blocks run "
+          f"{spans[-1][2]:6.1f} - {spans[-1][3]:6.1f} us")
+    assert spans[-1][2] >= spans[-1][1]                 # nothing runs before it is issued
+fwd = [s for s in spans if not s[0].startswith("merge")]
+overlap = any(a[2] < b[3] and b[2] < a[3] for i, a in enumerate(fwd) for b in fwd[i + 1:])
+print(f"forward groups overlap in time: {overlap}; serial launch: {r_ser.latency_us:.1f} us "
+      f"vs streams {r_pat.latency_us:.1f} us")
+assert r_ser.latency_us >= r_pat.latency_us - 1e-6
+assert r_q.bytes["kv"] > r_pat.bytes["kv"]
 #
 # ## Several trees, every packer
 #
 # The shapes from the PAT paper's evaluation cover one big shared document, a deep
-# few-shot/tool tree, and a batch with no sharing at all (the last one: every packer should tie
-# with `query` there, not lose).
+# few-shot/tool tree, and a batch with no sharing at all (the last one: every packer ties with
+# `query` there, and the cell checks that it does not lose).
 
 # %%
 trees = ["1,16_2048,128", "1,4,64_256,1024,64", "1,2,8,128_512,128,256,32", "128_2048"]
@@ -132,6 +164,7 @@ fig.tight_layout()
 plt.show()
 for t in trees:
     print(f"{t:<28}" + "  ".join(f"{p} {lat[t][p]:7.1f} us" for p in packers))
+assert all(abs(lat["128_2048"][p] - lat["128_2048"]["query"]) < 1e-6 for p in packers)
 
 # %% [markdown]
 # ## Sweeps: when does sharing pay?
@@ -228,33 +261,49 @@ fig.colorbar(im, ax=ax)
 fig.tight_layout()
 plt.show()
 print(f"smallest predicted speed-up: {grid.min():.3f}x, largest: {grid.max():.2f}x")
+ib, jb = np.unravel_index(np.argmax(grid), grid.shape)
+print(f"largest at {batches[jb]} requests sharing {prefixes[ib]} tokens")
+# the statements below: the largest gain is at the longest prefix and the largest batch of the
+# grid, and the shortest prefix is where pat can lose
+assert (ib, jb) == (len(prefixes) - 1, len(batches) - 1)
+assert grid.min() < 1.0 and np.unravel_index(np.argmin(grid), grid.shape)[0] == 0
 
 # %% [markdown]
-# The gain grows with both knobs, roughly as the bytes the shared prefix would have cost
-# (`(requests - 1) x prefix`) compare with the bytes every request reads anyway. The top rows
-# are where pat stops paying off. Let us take the worst cell apart: what does each plan move,
+# The gain is largest where many requests share a long prefix (the bottom-right corner),
+# roughly as the bytes the shared prefix would have cost (`(requests - 1) x prefix`) compare
+# with the bytes every request reads anyway. The top row, the shortest prefix, is where pat stops
+# paying off (the cell checks both). Let us take the worst cell apart: what does each plan move,
 # and what changes without the long-KV split (tutorial 1's last step)?
 
 # %%
 i, j = np.unravel_index(np.argmin(grid), grid.shape)
 worst = tree(batch=batches[j], prefix=prefixes[i])
 print(f"worst cell: {worst} ({batches[j]} requests, {prefixes[i]} shared tokens)")
+cell = {}
 for name, pl in [("query", plan_for(worst, "query")), ("pat", plan_for(worst, "pat")),
                  ("pat, no long-KV split", plan_for(worst, "pat", split=False))]:
     r = sim.simulate(pl)
     st = pl.stats()
-    print(f"{name:<22} {st['num_ctas']:>4} CTAs  {len(pl.tile_configs)} tile groups  "
+    cell[name] = (pl, st, r)
+    print(f"{name:<22} {st['num_ctas']:>4} CTAs  {pl.num_groups} launch groups  "
           f"KV {st['kv_bytes'] / 1e6:5.2f} MB  partials {st['partial_bytes'] / 1e6:5.2f} MB  "
           f"total {st['total_bytes'] / 1e6:5.2f} MB  -> {r.latency_us:6.2f} us")
+(qp, qs, qr), (pp, ps_, pr), (np_, ns, nr) = cell.values()
+split_changes = not np.array_equal(pp.cta_kv_len, np_.cta_kv_len)
+print("the default long-KV split changes this plan:", split_changes)
+# the statements below
+assert pr.latency_us > qr.latency_us and pp.num_groups > qp.num_groups
+assert ps_["partial_bytes"] > qs["partial_bytes"]
 
 # %% [markdown]
 # The profit model (tutorial 1) decides to share a node by comparing bytes, one edge at a time.
-# Two things it does not see show up here: each extra tile group is one more kernel launch
-# (microseconds of fixed cost when the whole step takes ten), and the long-KV split that runs
-# after packing cuts every CTA longer than the batch's mean; a tiny shared-prefix CTA pulls that
-# mean down, so the requests' own ranges get cut too, each cut adding partial results. For such
-# batches the simple rule "use the query plan when the shared bytes are small" would do better;
-# the simulator is the place to find that threshold for your own traffic.
+# Here pat's plan is predicted slower than query's, and the printout shows what the byte count
+# leaves out: pat's plan has more launch groups than query's, each one more kernel launch with a
+# fixed cost (large next to a step this short), and it writes and reads back more partial
+# results. The last line says whether the long-KV split (tutorial 1's last step, default rule)
+# had any part in it. For such batches the simple rule "use the query plan when the shared bytes
+# are small" would do better; the simulator is the place to find that threshold for your own
+# traffic.
 #
 # **Try your own batch.** The simulator takes any `Plan`, so a block table from your own server
 # works the same way:
