@@ -10,6 +10,20 @@ Example (CPU)::
     w = pat_core.PrefixAttentionWrapper(backend="cpu", packer="pat")
     w.plan(batch.block_tables, batch.seq_lens, 32, 8, 128, 16, kv_data_type="float32")
     out, lse = w.run(q, (k, v), return_lse=True)      # [16, 32, 128], [16, 32]
+
+Backend limits
+--------------
+==========  ==========================================  =====================================
+backend     dtypes (``q`` and the KV cache alike)        ``head_dim``
+==========  ==========================================  =====================================
+``"cpu"``   float16, float32 (NumPy or CPU torch);       any ``>= 1``
+            bfloat16 (CPU torch tensors only)
+``"cuda"``  float16, bfloat16 (torch CUDA or CuPy;       64 or 128 (one compiled kernel family
+            bfloat16 needs torch or ``out=``)            per head_dim)
+==========  ==========================================  =====================================
+
+Both backends take any GQA ratio and page size.  ``q`` and the KV cache share one dtype, fixed
+at :meth:`PrefixAttentionWrapper.plan`.
 """
 from __future__ import annotations
 
@@ -24,13 +38,35 @@ from .reference import split_kv_cache
 BACKENDS = ("cpu", "cuda")
 
 
+def _not_supported(method: str, name: str, value, default) -> None:
+    raise ValueError(f"{method}(): {name}={value!r} is not supported by pat (accepted for "
+                     f"FlashInfer compatibility; only the default {default!r} works)")
+
+
+def _check_off(method: str, name: str, value, off: tuple) -> None:
+    """Raise the named "not supported" error unless ``value`` is one of the ``off`` values."""
+    for o in off:
+        if value is o or (o is not None and value is not None and not isinstance(value, bool)
+                          and _equal(value, o)):
+            return
+    _not_supported(method, name, value, off[0])
+
+
+def _equal(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
 class PrefixAttentionWrapper:
     """Prefix-aware paged decode attention.
 
     Parameters
     ----------
     backend : ``"cpu"`` (tile-faithful Numba executor, NumPy / CPU tensors) or ``"cuda"``
-        (hand-written kernels through CuPy; torch CUDA tensors or CuPy arrays).
+        (hand-written kernels through CuPy; torch CUDA tensors or CuPy arrays).  Dtype and
+        head_dim limits of each are in the module docstring.
     packer : ``"pat"`` (default), ``"query"``, ``"node"``, ``"compute"`` or ``"cascade"``.
     kv_layout : ``"NHD"`` (``[num_pages, page_size, num_kv_heads, head_dim]``) or ``"HND"``
         (``[num_pages, num_kv_heads, page_size, head_dim]``).
@@ -60,40 +96,98 @@ class PrefixAttentionWrapper:
 
     # ------------------------------------------------------------------ plan
     def plan(self, block_tables, seq_lens, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-             page_size: int, *, sm_scale: float | None = None, kv_data_type="float16",
-             q_data_type=None, tile=None, serial: bool = False, split=True) -> Plan:
+             page_size: int, *, sm_scale: float | None = None, kv_data_type=None,
+             q_data_type=None, tile=None, serial: bool = False, split=True,
+             pos_encoding_mode: str = "NONE", window_left: int = -1, logits_soft_cap=None,
+             rope_scale=None, rope_theta=None, non_blocking: bool = True,
+             disable_split_kv: bool = False, data_type=None, o_data_type=None,
+             fixed_split_size=None, q_len_per_req=None) -> Plan:
         """Pack the batch into CTAs and pick tiles.  Host arrays only; no device copies back.
 
         Parameters
         ----------
         block_tables : int ``[batch, max_blocks]`` (padding past ``ceil(seq_len/page_size)``
             ignored), a list of page lists, or a :class:`~pat_core.inputs.BlockTable` (for
-            FlashInfer's CSR form use ``BlockTable.from_csr`` and pass ``seq_lens=None``).
+            FlashInfer's CSR form use :meth:`plan_csr`).
         seq_lens : int ``[batch]``, every entry ``>= 1``.
         num_qo_heads, num_kv_heads : head counts; ``num_qo_heads % num_kv_heads == 0``.
-        head_dim, page_size : ints.
+        head_dim, page_size : ints (CUDA backend: head_dim 64 or 128).
         sm_scale : softmax scale, default ``1 / sqrt(head_dim)``.
-        kv_data_type : dtype of the KV cache (``"float16"``, ``"bfloat16"``, ``"float32"``),
-            used by the byte accounting and the tile solver.
-        q_data_type : dtype of the queries and output when it differs (byte accounting).
+        kv_data_type : dtype of the KV cache (``"float16"``, ``"bfloat16"``, ``"float32"``, or a
+            NumPy/torch dtype).  Default: ``q_data_type``, else ``"float16"``.  Fixed for the
+            plan: :meth:`stats` prices bytes in it and :meth:`run` refuses a cache of another
+            dtype.  ``data_type`` is FlashInfer's older name for it.
+        q_data_type : dtype of ``q`` and the output; default ``kv_data_type``.  Both
+            executors need it equal to ``kv_data_type`` (mixed precision is refused; the
+            :class:`~pat_core.planner.Planner` alone accepts it, for byte accounting).
         tile : force one ``(m, n)`` for every CTA (the fixed-tile ablation).
         serial : launch tile groups one after another on one stream (ablation).
         split : long-KV split: ``True``/``"sm"`` (default: split CTAs longer than an SM's
             share of the work), ``"mean"`` (the PAT paper's mean rule) or ``False``.
+        disable_split_kv : FlashInfer's switch; ``True`` means ``split=False``.
+        non_blocking : accepted and ignored (planning is synchronous host work; the CUDA
+            backend's upload completes before ``plan`` returns).
+
+        FlashInfer options pat does not implement are accepted by name and raise
+        ``ValueError("... is not supported ...")`` when set to anything but their default:
+        ``pos_encoding_mode`` (only ``"NONE"``: apply RoPE before calling), ``window_left``
+        (only ``-1``), ``logits_soft_cap`` (only ``None``/``0``), ``rope_scale``,
+        ``rope_theta``, ``fixed_split_size`` (only ``None``), ``q_len_per_req`` (only
+        ``None``/``1``: decode is one query token per request) and ``o_data_type`` (only
+        ``None`` or ``q_data_type``).
 
         Returns the :class:`~pat_core.plan.Plan` (also kept for :meth:`run`).
         """
+        _check_off("plan", "pos_encoding_mode", pos_encoding_mode, ("NONE",))
+        _check_off("plan", "window_left", window_left, (-1, None))
+        _check_off("plan", "logits_soft_cap", logits_soft_cap, (None, 0.0))
+        _check_off("plan", "rope_scale", rope_scale, (None,))
+        _check_off("plan", "rope_theta", rope_theta, (None,))
+        _check_off("plan", "fixed_split_size", fixed_split_size, (None,))
+        _check_off("plan", "q_len_per_req", q_len_per_req, (None, 1))
+        if not isinstance(disable_split_kv, (bool, np.bool_)):
+            raise TypeError(f"disable_split_kv must be a bool, got {disable_split_kv!r}")
+        if disable_split_kv:
+            split = False
+        if data_type is not None:
+            if kv_data_type is not None and \
+                    dtype_name(kv_data_type, "kv_data_type") != dtype_name(data_type, "data_type"):
+                raise ValueError(f"data_type={data_type!r} (FlashInfer's older name for "
+                                 f"kv_data_type) disagrees with kv_data_type={kv_data_type!r}")
+            kv_data_type = data_type
+        q_dtype = dtype_name(q_data_type, "q_data_type") if q_data_type is not None else None
+        kv_dtype = (dtype_name(kv_data_type, "kv_data_type") if kv_data_type is not None
+                    else q_dtype or "float16")
+        q_dtype = q_dtype or kv_dtype
+        if q_dtype != kv_dtype:
+            raise ValueError(f"q_data_type={q_dtype!r} differs from kv_data_type={kv_dtype!r}: "
+                             "mixed-precision attention is not supported (q and the KV cache "
+                             "share one dtype)")
+        if o_data_type is not None and dtype_name(o_data_type, "o_data_type") != q_dtype:
+            _not_supported("plan", "o_data_type", o_data_type, None)
+        self._check_backend_limits(head_dim, kv_dtype)
         plan = self.planner.plan(block_tables, seq_lens, num_qo_heads, num_kv_heads, head_dim,
-                                 page_size, sm_scale=sm_scale, kv_data_type=kv_data_type,
-                                 q_data_type=q_data_type, tile=tile, serial=serial, split=split)
+                                 page_size, sm_scale=sm_scale, kv_data_type=kv_dtype,
+                                 q_data_type=q_dtype, tile=tile, serial=serial, split=split)
         if self._gpu_backend is not None:
             self._gpu_backend.upload(plan)
         self._plan = plan
         return plan
 
+    def _check_backend_limits(self, head_dim, kv_dtype: str) -> None:
+        if self.backend == "cuda":
+            from .cuda_compile import DTYPE_CTYPE, HEAD_DIMS     # the compiled kernel families
+            if kv_dtype not in DTYPE_CTYPE:
+                raise ValueError(f"kv_data_type={kv_dtype!r} is not supported by the CUDA "
+                                 f"backend (its kernels take {', '.join(DTYPE_CTYPE)})")
+            if isinstance(head_dim, (int, np.integer)) and head_dim not in HEAD_DIMS:
+                raise ValueError(f"head_dim={head_dim} is not supported by the CUDA backend "
+                                 f"(kernels exist for head_dim {', '.join(map(str, HEAD_DIMS))})")
+
     def plan_csr(self, indptr, indices, last_page_len, num_qo_heads: int, num_kv_heads: int,
                  head_dim: int, page_size: int, **kwargs) -> Plan:
-        """:meth:`plan` from FlashInfer's CSR form (``indptr``, ``indices``, ``last_page_len``)."""
+        """:meth:`plan` from FlashInfer's CSR form (``indptr [batch + 1]``, ``indices [nnz]``,
+        ``last_page_len [batch]``, int host arrays); keyword options as :meth:`plan`."""
         bt = BlockTable.from_csr(indptr, indices, last_page_len, page_size)
         return self.plan(bt, None, num_qo_heads, num_kv_heads, head_dim, page_size, **kwargs)
 
@@ -104,40 +198,125 @@ class PrefixAttentionWrapper:
         return self._plan
 
     def stats(self) -> dict:
-        """Byte accounting and tile histogram of the current plan (:meth:`Plan.stats`)."""
+        """Byte accounting and tile histogram of the current plan (:meth:`Plan.stats`), priced
+        in the dtypes fixed at :meth:`plan`."""
         return self.current_plan.stats()
 
     # ------------------------------------------------------------------ run
-    def run(self, q, paged_kv_cache, return_lse: bool = False):
+    def run(self, q, paged_kv_cache, return_lse: bool = False, *, out=None, lse=None,
+            q_scale=None, k_scale=None, v_scale=None, window_left=None, enable_pdl=None,
+            sinks=None):
         """Attention of every request's query against its paged KV cache.
 
         Parameters
         ----------
-        q : ``[batch, num_qo_heads, head_dim]``.
+        q : ``[batch, num_qo_heads, head_dim]`` in the plan's ``q_data_type``.
         paged_kv_cache : ``(k_cache, v_cache)`` 4-D in ``kv_layout``, or the 5-D single tensor
-            ``[num_pages, 2, ...]``.
+            ``[num_pages, 2, ...]``, in the plan's ``kv_data_type``.
+        return_lse : also return the log-sum-exp.
+        out : optional ``[batch, num_qo_heads, head_dim]`` buffer in q's dtype, written in
+            place and returned (CPU backend: a writable NumPy array or CPU torch tensor, any
+            strides; CUDA backend: a device array with a contiguous last dimension).
+        lse : optional float32 ``[batch, num_qo_heads]`` buffer, written in place; implies
+            ``return_lse``.
 
-        Returns ``out [batch, num_qo_heads, head_dim]`` in q's dtype (float32 on the CPU backend
-        for float32 inputs) and, with ``return_lse``, float32 ``lse [batch, num_qo_heads]``
-        (natural log of the sum of exponentials of the scaled scores).
+        FlashInfer's run options ``q_scale``, ``k_scale``, ``v_scale`` (only ``None``/``1``),
+        ``window_left`` (only ``None``/``-1``), ``enable_pdl`` (only ``None``/``False``) and
+        ``sinks`` (only ``None``) are accepted by name; other values raise
+        ``ValueError("... is not supported ...")``.
+
+        Returns ``out [batch, num_qo_heads, head_dim]`` in q's dtype and, with ``return_lse``
+        (or ``lse``), float32 ``lse [batch, num_qo_heads]`` (natural log of the sum of
+        exponentials of the scaled scores).
         """
+        for name, val in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+            _check_off("run", name, val, (None, 1.0))
+        _check_off("run", "window_left", window_left, (None, -1))
+        _check_off("run", "enable_pdl", enable_pdl, (None, False))
+        _check_off("run", "sinks", sinks, (None,))
         plan = self.current_plan
         k_cache, v_cache = split_kv_cache(paged_kv_cache, self.kv_layout)
+        self._check_run_dtypes(plan, q, k_cache, v_cache)
+        want_lse = bool(return_lse or lse is not None)
         if self._gpu_backend is not None:
             plan.check_inputs(q, k_cache, v_cache, self.kv_layout)
             return self._gpu_backend.run(plan, q, k_cache, v_cache, kv_layout=self.kv_layout,
-                                         return_lse=return_lse)
-        from .executor import execute             # checks its inputs against the plan
+                                         return_lse=want_lse, out=out, lse=lse)
         qdt = _dtype_of(q)
+        B, Hq, D = plan.batch_size, plan.num_qo_heads, plan.head_dim
+        # check the caller's buffers before the work, so a bad one costs nothing
+        if out is not None:
+            _check_host_buffer(out, "out", (B, Hq, D), qdt)
+        if lse is not None:
+            _check_host_buffer(lse, "lse", (B, Hq), "float32")
+        from .executor import execute             # checks its inputs against the plan
         out_dtype = np.float16 if qdt == "float16" else np.float32
-        out, lse = execute(plan, q, k_cache, v_cache, kv_layout=self.kv_layout,
-                           return_lse=True, input_dtype=qdt, out_dtype=out_dtype)
-        if hasattr(q, "detach"):               # CPU torch in, CPU torch out (q's dtype)
+        res, res_lse = execute(plan, q, k_cache, v_cache, kv_layout=self.kv_layout,
+                               return_lse=True, input_dtype=qdt, out_dtype=out_dtype)
+        torch_in = hasattr(q, "detach")
+        if out is not None:
+            _write_host(out, res)
+        elif torch_in:                        # CPU torch in, CPU torch out (q's dtype)
             import torch
-            out = torch.from_numpy(out).to(q.dtype)
-            lse = torch.from_numpy(lse)
-        return (out, lse) if return_lse else out
+            out = torch.from_numpy(res).to(q.dtype)
+        else:
+            out = res
+        if not want_lse:
+            return out
+        if lse is not None:
+            _write_host(lse, res_lse)
+        elif torch_in:
+            import torch
+            lse = torch.from_numpy(res_lse)
+        else:
+            lse = res_lse
+        return out, lse
+
+    @staticmethod
+    def _check_run_dtypes(plan: Plan, q, k_cache, v_cache) -> None:
+        qdt = _dtype_of(q)
+        want_q = plan.q_dtype or plan.kv_dtype
+        if qdt != want_q:
+            raise TypeError(f"q is {qdt} but plan() fixed q_data_type={want_q!r}; plan again "
+                            f"with q_data_type={qdt!r} (stats() prices bytes in the plan's "
+                            "dtypes)")
+        for t in (k_cache, v_cache):
+            kdt = dtype_name(getattr(t, "dtype", None), "paged_kv_cache")
+            if kdt != plan.kv_dtype:
+                raise TypeError(f"paged_kv_cache is {kdt} but plan() fixed "
+                                f"kv_data_type={plan.kv_dtype!r}; plan again with "
+                                f"kv_data_type={kdt!r}")
 
 
 def _dtype_of(x, name: str = "q") -> str:
     return dtype_name(getattr(x, "dtype", None), name)
+
+
+def _check_host_buffer(buf, name: str, shape: tuple, dtype: str) -> None:
+    """``buf`` must be a writable host array (NumPy or CPU torch) of ``shape`` and ``dtype``."""
+    if hasattr(buf, "detach") and hasattr(buf, "device"):        # torch tensor
+        if str(buf.device) != "cpu":
+            raise TypeError(f"{name} is on {buf.device}; the CPU backend writes host buffers "
+                            "(NumPy arrays or CPU tensors)")
+        if buf.requires_grad:
+            raise ValueError(f"{name} requires grad; pass a tensor that can be written in place")
+    elif not isinstance(buf, np.ndarray):
+        raise TypeError(f"{name} must be a NumPy array or CPU tensor for backend='cpu', got "
+                        f"{type(buf).__name__}")
+    elif not buf.flags.writeable:
+        raise ValueError(f"{name} is read-only")
+    if tuple(int(x) for x in buf.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(buf.shape)}, expected {shape}")
+    bdt = dtype_name(getattr(buf, "dtype", None), name)
+    if bdt != dtype:
+        raise TypeError(f"{name} is {bdt}, expected {dtype}")
+
+
+def _write_host(buf, values: np.ndarray) -> None:
+    """Copy ``values`` into the checked host buffer ``buf`` (any strides)."""
+    if isinstance(buf, np.ndarray):
+        np.copyto(buf, values, casting="unsafe")
+    else:
+        import torch
+        with torch.no_grad():
+            buf.copy_(torch.from_numpy(np.ascontiguousarray(values)))

@@ -1,4 +1,4 @@
-"""Command line: ``python -m sim {compare,timeline,sweep,calibration-report,fit}``.
+"""Command line: ``python -m sim {compare,timeline,sweep,calibration-report,fit,trace}``.
 
 Examples::
 
@@ -8,6 +8,7 @@ Examples::
     python -m sim sweep --knob prefix --values 128,512,2048 --out prefix_sweep
     python -m sim calibration-report --measurements bench/results/calibration_h100.json
     python -m sim fit --measurements bench/results/calibration_h100.json
+    python -m sim trace --trace conversation_trace.jsonl --duration-s 600 --out trace
 
 ``--tree`` takes a tree spec or a JSON file ``{"block_tables": [[...], ...], "seq_lens": [...],
 "page_size": 16}``.
@@ -139,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default=None)
     p.add_argument("--out", default=None, help="constants file (default sim/data/<gpu>.json)")
     p.add_argument("--max-evals", type=int, default=400)
+
+    from .trace import add_parser as add_trace_parser      # python -m sim trace
+    add_trace_parser(sub)
     return ap
 
 
@@ -331,6 +335,9 @@ def _dispatch(args) -> int:
               f"loss {info['loss_before']:.4f} -> {info['loss_after']:.4f}; wrote {path}")
         print(format_report(info["report"]))
         return 0
+    if args.cmd == "trace":
+        from .trace import run_cli as run_trace
+        return run_trace(args)
     raise AssertionError(args.cmd)
 
 

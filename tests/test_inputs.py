@@ -93,7 +93,7 @@ def test_run_input_mismatches():
         w.run(np.zeros((2, 4, 32), np.float32), (k, v))
     with pytest.raises(ValueError, match="q must be"):
         w.run(np.zeros((2, 4), np.float32), (k, v))
-    with pytest.raises(TypeError, match="must share a dtype"):
+    with pytest.raises(TypeError, match=r"q is float16 but plan\(\) fixed q_data_type"):
         w.run(q.astype(np.float16), (k, v))
     with pytest.raises(ValueError, match="paged_kv_cache has page_size 8"):
         w.run(q, (k[:, :8], v[:, :8]))
@@ -145,10 +145,11 @@ def test_plan_keyword_validation():
 
 
 def test_q_dtype_in_stats():
+    from pat_core import Planner          # the wrapper refuses mixed dtypes; the planner prices them
     t = np.array([[0, 1]], dtype=np.int32)
-    a = PrefixAttentionWrapper("cpu").plan(t, [20], 4, 4, 64, 16, kv_data_type="float16")
-    b = PrefixAttentionWrapper("cpu").plan(t, [20], 4, 4, 64, 16, kv_data_type="float16",
-                                           q_data_type="float32")
+    a = Planner("pat").plan(t, [20], 4, 4, 64, 16, kv_data_type="float16")
+    b = Planner("pat").plan(t, [20], 4, 4, 64, 16, kv_data_type="float16",
+                            q_data_type="float32")
     assert b.stats()["q_bytes"] == 2 * a.stats()["q_bytes"]
     assert b.stats()["kv_bytes"] == a.stats()["kv_bytes"]
 
