@@ -1,15 +1,24 @@
 """Measure our kernels for the simulator's calibration (run on a GPU with the CUDA backend).
 
-For every standard workload (``pat_core.workloads.DESIGN_WORKLOADS``) x method x head config, plan with
+Workloads: the standard ones (``pat_core.workloads.DESIGN_WORKLOADS``, page 16) form the fit
+set; :data:`VALIDATION_WORKLOADS` are unlike them (deep trees of many 32-token nodes, multi-root
+forests, page size 32) and form the validation set.  The file records that split, so
+``python -m sim fit`` fits on the first and ``calibration-report`` judges on the second.
+
+For every workload x method x head config (``HEAD_CONFIGS``, GQA 1 to 8), plan with
 ``pat_core.PrefixAttentionWrapper(backend="cuda", packer=...)``, then time ``run`` with CUDA
-events: warm-up first (compiles happen there), L2 flushed before every timed run, median of
-``--reps`` (>= 20).  Each record holds the measured latency next to the simulator's prediction
-under the constants it had at the time; the file also holds the device name, git sha, versions
-and the device's copy bandwidth (which the fit uses as ``hbm_bandwidth``).
+events, twice: eagerly (``run()`` from Python, each launch paying the host's cost) and as a
+CUDA-graph replay of the same call (what a serving loop that captures decode sees).  Warm-up
+first (compiles happen there), L2 flushed before every timed run, median of ``--reps`` (>= 20).
+Each record holds both measured latencies next to the simulator's predictions under the
+constants it had at the time; the file also holds the device name, its L2 size, git sha,
+versions, the split and the device's copy bandwidth (which the fit uses as ``hbm_bandwidth``).
 
     python bench/calibrate.py --out bench/results            # writes calibration_<gpu>.json
-    python -m sim fit --measurements bench/results/calibration_h100.json
+    python -m sim fit --measurements bench/results/calibration_h100.json --out sim/data/h100.json
     python -m sim calibration-report --measurements bench/results/calibration_h100.json
+
+``--workloads`` takes tree specs, ``SPEC@PAGE`` for another page size than ``--page-size``.
 
 Methods: the packers ``pat``, ``node``, ``compute``, ``query``, ``cascade`` and the ablations
 ``pat-fixed`` (one 64x128 tile) and ``pat-serial`` (tile groups one after another).
@@ -30,9 +39,30 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import copy_bandwidth, git_sha, time_events  # noqa: E402
+from common import copy_bandwidth, git_sha, graph_times, time_events  # noqa: E402
 
 METHODS = ("pat", "node", "compute", "query", "cascade", "pat-fixed", "pat-serial")
+
+# workloads unlike the design set, measured for out-of-sample validation: (tree spec, page size)
+VALIDATION_WORKLOADS = (
+    ("1,2,4,8,16,32_32,32,32,32,32,32", 16),                 # deep: six levels of 32 tokens
+    ("1,2,4,8,16,32,64,128_32,32,32,32,32,32,32,32", 16),    # deeper: eight levels, 128 requests
+    ("1,4,16,64_32,32,32,32", 16),                           # wide and deep, 32-token nodes
+    ("4,32_1024,128", 16),                                   # forest of four roots
+    ("8,64_512,256", 16),                                    # forest of eight roots
+    ("2,8,64_256,512,64", 32),                               # page size 32
+    ("1,16,128_1024,64,32", 32),
+    ("1,64_2048,64", 32),
+)
+
+
+def parse_workload(text: str, page_size: int) -> tuple:
+    """``"SPEC"`` or ``"SPEC@PAGE"`` -> ``(spec, page_size)``."""
+    spec, _, ps = text.partition("@")
+    try:
+        return spec, int(ps) if ps else page_size
+    except ValueError:
+        raise ValueError(f"--workloads: bad page size in {text!r}") from None
 
 
 def versions() -> dict:
@@ -66,7 +96,9 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results", help="output directory")
-    ap.add_argument("--workloads", nargs="*", default=list(DESIGN_WORKLOADS))
+    ap.add_argument("--workloads", nargs="*", default=None,
+                    help="tree specs (SPEC or SPEC@PAGE); default: the design workloads (fit "
+                         "set) and VALIDATION_WORKLOADS")
     ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
     ap.add_argument("--heads", nargs="*", default=[f"{a}:{b}" for a, b in HEAD_CONFIGS])
     ap.add_argument("--head-dim", type=int, default=128)
@@ -74,9 +106,17 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--no-graph", action="store_true", help="time eagerly only")
     args = ap.parse_args(argv)
     if args.reps < 20:
         ap.error("--reps must be >= 20 (median of at least 20 runs)")
+    if args.workloads is None:
+        fit_set = [(w, args.page_size) for w in DESIGN_WORKLOADS]
+        val_set = list(VALIDATION_WORKLOADS)
+    else:
+        fit_set = [parse_workload(w, args.page_size) for w in args.workloads]
+        val_set = []
+    todo = fit_set + val_set
 
     import torch
 
@@ -101,12 +141,12 @@ def main(argv=None) -> int:
 
     records = []
     t_start = time.time()
-    for wl in args.workloads:
-        batch = build_tree_batch(wl, args.page_size)
+    for wl, page_size in todo:
+        batch = build_tree_batch(wl, page_size)
         for heads in args.heads:
             hq, hk = (int(x) for x in heads.split(":"))
             gen = torch.Generator(device="cuda").manual_seed(0)
-            shape = (batch.num_pages, args.page_size, hk, args.head_dim)
+            shape = (batch.num_pages, page_size, hk, args.head_dim)
             k = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
             v = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
             q = torch.randn((batch.batch_size, hq, args.head_dim), generator=gen, device="cuda",
@@ -114,34 +154,54 @@ def main(argv=None) -> int:
             for method in args.methods:
                 packer, kw = planner_kwargs(method)
                 rec = {"workload": wl, "method": method, "num_qo_heads": hq, "num_kv_heads": hk,
-                       "head_dim": args.head_dim, "page_size": args.page_size,
-                       "dtype": args.dtype}
+                       "head_dim": args.head_dim, "page_size": page_size,
+                       "dtype": args.dtype,
+                       "set": "fit" if (wl, page_size) in fit_set else "validation"}
                 try:
                     w = pat_core.PrefixAttentionWrapper(backend="cuda", packer=packer, gpu=gpu)
                     plan = w.plan(batch.block_tables, batch.seq_lens, hq, hk, args.head_dim,
-                                  args.page_size, kv_data_type=args.dtype, **kw)
-                    runs = time_us(lambda: w.run(q, (k, v)), flush, args.warmup,
-                                    args.reps)
-                    rec["measured_us"] = statistics.median(runs)
-                    rec["runs_us"] = [round(x, 3) for x in runs]
-                    rec["predicted_us"] = simulate(plan, gpu, consts).latency_us
+                                  page_size, kv_data_type=args.dtype, **kw)
+                    fn = lambda: w.run(q, (k, v))  # noqa: E731
+                    runs = time_us(fn, flush, args.warmup, args.reps)
+                    rec["measured_eager_us"] = statistics.median(runs)
+                    rec["runs_eager_us"] = [round(x, 3) for x in runs]
+                    rec["predicted_eager_us"] = simulate(plan, gpu, consts,
+                                                         timing="eager").latency_us
+                    if not args.no_graph:
+                        try:
+                            g = [t * 1e3 for t in graph_times(fn, args.reps, flush=flush)]
+                            rec["measured_graph_us"] = statistics.median(g)
+                            rec["runs_graph_us"] = [round(x, 3) for x in g]
+                            rec["predicted_graph_us"] = simulate(plan, gpu, consts,
+                                                                 timing="graph").latency_us
+                        except Exception as exc:  # noqa: BLE001 - eager timing stands
+                            rec["graph_error"] = f"{type(exc).__name__}: {exc}"[:200]
                     rec["stats"] = {kk: vv for kk, vv in plan.stats().items() if kk != "tiles"}
                     rec["tiles"] = plan.stats()["tiles"]
-                    print(f"{wl:28s} {heads:>6s} {method:11s} measured {rec['measured_us']:9.2f}"
-                          f" us  predicted {rec['predicted_us']:9.2f} us", flush=True)
+                    print(f"{wl:28s}@{page_size} {heads:>6s} {method:11s} eager "
+                          f"{rec['measured_eager_us']:9.2f} us (pred "
+                          f"{rec['predicted_eager_us']:9.2f})  graph "
+                          f"{rec.get('measured_graph_us', float('nan')):9.2f} us (pred "
+                          f"{rec.get('predicted_graph_us', float('nan')):9.2f})", flush=True)
                 except Exception as exc:  # noqa: BLE001 - keep going, record the failure
                     rec["error"] = f"{type(exc).__name__}: {exc}"
-                    print(f"{wl:28s} {heads:>6s} {method:11s} ERROR {rec['error']}", flush=True)
+                    print(f"{wl:28s}@{page_size} {heads:>6s} {method:11s} ERROR {rec['error']}",
+                          flush=True)
                 records.append(rec)
             del k, v, q
             torch.cuda.empty_cache()
 
-    good = [r for r in records if "measured_us" in r]
+    good = [r for r in records if "measured_eager_us" in r]
+    fit_names = sorted({w for w, _ in fit_set})
     out = {
         "device": dev.name, "gpu": gpu, "git_sha": git_sha(), "versions": versions(),
+        "sm_count": dev.multi_processor_count, "l2_cache_bytes": l2,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "copy_bandwidth_gbps": bw, "warmup": args.warmup, "reps": args.reps,
-        "timing": "CUDA events around run(), L2 flushed before each run, median",
+        "timing": "CUDA events around run() (eager) and around a CUDA-graph replay of it "
+                  "(graph), L2 flushed before each run, median",
+        "split": {"unit": "tree spec", "fit": fit_names,
+                  "validation": sorted({w for w, _ in val_set} - set(fit_names))},
         "constants_used": {"source": consts.source, **consts.as_dict()},
         "records": good, "failed": [r for r in records if "error" in r],
         "elapsed_s": round(time.time() - t_start, 1),
@@ -152,8 +212,9 @@ def main(argv=None) -> int:
         json.dump(out, fh, indent=1)
     print(f"wrote {path}: {len(good)} measurements, {len(out['failed'])} failures", flush=True)
     if good:
-        from sim.calibration import format_report, report
-        print(format_report(report(out, consts, gpu)))
+        from sim.calibration import format_report, load_measurements, report
+        data = load_measurements(path)
+        print(format_report(report(data, consts, out["split"]["fit"], gpu)))
     return 0
 
 

@@ -6,6 +6,13 @@ latency curve (PAT Fig. 7a): the time a small ``cp.async`` batch takes before ba
 It and ``achieved_bw_fraction`` are estimates until a calibration run on that GPU replaces them
 (the simulator stores its fitted constants separately and does not edit these).
 
+L2: ``l2_bytes`` is the size the driver reports (``torch.cuda.get_device_properties().
+L2_cache_size``: 40 MB A100, 50 MB H100 SXM, 60 MB on the H200s measured here).
+``l2_bandwidth`` is an estimate, not a measurement: NVIDIA's A100 whitepaper gives the L2 read
+width as 5120 bytes per clock; the H100 and H200 are assumed to have the same width at their own
+clock.  The simulator fits its own L2 bandwidth constant (``sim/data/<gpu>.json``) starting from
+this figure.
+
 ``kv_tile_table`` is the piecewise "KV length -> n" rule of the tile selector (PAT §5.2): a list
 of ``(max_kv_len, n)`` pairs, scanned in order; the first pair whose ``max_kv_len`` is ``>=`` the
 CTA's KV length gives the preferred ``n``.  Short KV gets a small ``n`` (less compute in the last,
@@ -35,6 +42,7 @@ class GPUSpec:
     mem_latency_ns: float       # inherent global-memory latency seen by a tile load
     l2_bytes: int
     sm_clock_ghz: float
+    l2_bandwidth: float = 0.0   # bytes / ns, L2 hits to the SMs (estimate, see module docstring)
     achieved_bw_fraction: float = 0.85  # copy-kernel bandwidth / datasheet bandwidth (estimate)
     kv_tile_table: tuple = field(default=((96, 32), (1024, 64), (1 << 62, 128)))
 
@@ -57,18 +65,21 @@ A100 = GPUSpec(
     name="A100-SXM4-80GB", num_sms=108, smem_per_sm=164 * _KIB, smem_per_block=163 * _KIB,
     regs_per_sm=65536, regs_per_thread=255, max_threads_per_sm=2048, max_ctas_per_sm=32,
     hbm_bandwidth=2039.0, mem_latency_ns=700.0, l2_bytes=40 * 1024 * _KIB, sm_clock_ghz=1.41,
+    l2_bandwidth=round(5120 * 1.41, 1),
 )
 
 H100 = GPUSpec(
     name="H100-SXM5-80GB", num_sms=132, smem_per_sm=228 * _KIB, smem_per_block=227 * _KIB,
     regs_per_sm=65536, regs_per_thread=255, max_threads_per_sm=2048, max_ctas_per_sm=32,
     hbm_bandwidth=3350.0, mem_latency_ns=650.0, l2_bytes=50 * 1024 * _KIB, sm_clock_ghz=1.755,
+    l2_bandwidth=round(5120 * 1.755, 1),
 )
 
 H200 = GPUSpec(
     name="H200-SXM-141GB", num_sms=132, smem_per_sm=228 * _KIB, smem_per_block=227 * _KIB,
     regs_per_sm=65536, regs_per_thread=255, max_threads_per_sm=2048, max_ctas_per_sm=32,
-    hbm_bandwidth=4800.0, mem_latency_ns=650.0, l2_bytes=50 * 1024 * _KIB, sm_clock_ghz=1.755,
+    hbm_bandwidth=4800.0, mem_latency_ns=650.0, l2_bytes=60 * 1024 * _KIB, sm_clock_ghz=1.755,
+    l2_bandwidth=round(5120 * 1.755, 1),
 )
 
 GPUS = {"a100": A100, "h100": H100, "h200": H200}

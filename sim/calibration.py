@@ -1,169 +1,312 @@
-"""Calibration: fit the model constants to GPU measurements, and say how good the fit is.
+"""Calibration: fit the model constants on one set of workloads, judge them on another.
 
-``bench/calibrate.py`` (on a GPU) writes a measurements file::
+Measurement files
+-----------------
+Two layouts are read (a path may also be a folder: every ``*.json`` in it, and in its
+sub-folders, that has one of these layouts):
 
-    {"device": "NVIDIA H100 80GB HBM3", "gpu": "h100", "git_sha": "...", "versions": {...},
-     "copy_bandwidth_gbps": 2950.0,            # optional: measured device-to-device copy
+* ``bench/calibrate.py``::
+
+    {"device": "NVIDIA H100 80GB HBM3", "gpu": "h100", "git_sha": "...",
+     "copy_bandwidth_gbps": 2970.0,
+     "split": {"fit": [...], "validation": [...]},          # optional, see below
      "records": [{"workload": "1,16_2048,128", "method": "pat", "num_qo_heads": 32,
                   "num_kv_heads": 8, "head_dim": 128, "page_size": 16, "dtype": "float16",
-                  "measured_us": 21.4, "predicted_us": 17.1}, ...]}
+                  "measured_eager_us": 21.4, "measured_graph_us": 15.0}, ...]}
 
-:func:`fit` re-plans every record on the CPU (same planner, same packers), then searches the
-constants that minimise the mean squared error of ``log(predicted / measured)`` with a
-Nelder-Mead simplex over the logarithms of the constants (NumPy only; positivity comes free).
-The measured copy bandwidth, when present, fixes ``hbm_bandwidth`` instead of fitting it.
-:func:`report` gives the two numbers the simulator is judged by: Spearman rank correlation
-between predicted and measured latency (target >= 0.9) and the median of
-``|predicted / measured - 1|`` (target <= 20 %).
+  (older files hold one ``measured_us`` per record, timed eagerly);
+* ``bench/compare.py``'s ``results.json``: ``{"benchmark": "compare", "rows": [{"workload",
+  "heads": [32, 8], "page_size", "method", "latency_eager_us", "latency_graph_us"}, ...]}``
+  (FlashInfer rows and rows that failed their check are skipped).
+
+Every measurement becomes one record per timing mode (``"eager"``: ``run()`` from Python;
+``"graph"``: a CUDA-graph replay of it).
+
+Split by workload
+-----------------
+The unit of the split is the *workload*, the tree spec: every record of a tree (all head
+configurations, page sizes, methods, timing modes and repetitions) is either in the fit set or in
+the validation set, never both.  :func:`split_workloads` decides, first rule that applies:
+
+1. an explicit list of validation workloads (``sim fit --validation``);
+2. the ``split`` the measurement files carry (``bench/calibrate.py`` marks the workloads it
+   added to be unlike the fit set as ``validation``);
+3. otherwise, workloads in the order they first appear in the files, every second one (the 2nd,
+   4th, ...) held out for validation.
+
+Fit and report
+--------------
+:func:`fit` re-plans every fit-set record on the CPU (same planner, same packers), then minimises
+the mean soft-L1 loss of ``log(predicted / measured)`` (scale :data:`LOSS_SCALE`: squared error
+for small misses, linear for outliers such as a host-side hiccup) with SciPy's Nelder-Mead over
+the logarithms of the constants.  The kernel constants are shared by both timing modes; each mode
+has its own launch constants (``launch_ns``/``gap_ns`` eager, ``graph_launch_ns``/
+``graph_gap_ns`` graph).  The measured copy bandwidth, when present, fixes ``hbm_bandwidth``.
+:func:`report` prints in-sample (fit workloads) and out-of-sample (all other workloads) numbers
+side by side, per timing mode and per method: the median of ``|predicted / measured - 1|``,
+Spearman rank correlation, and on sharing workloads the rate at which the faster of ``pat`` and
+``query`` is predicted correctly.
 """
 from __future__ import annotations
 
 import datetime as _dt
+import glob
 import json
 import math
 import os
 
 import numpy as np
+from scipy import optimize, stats
 
-from .constants import SimConstants, load_constants, save_constants
-from .methods import load_batch, make_plan
+from .constants import TIMINGS, SimConstants, load_constants, save_constants
+from .methods import METHODS, load_batch, make_plan
 from .model import predict, prepare
 
-TARGET_SPEARMAN = 0.9
-TARGET_MEDIAN_ERR = 0.20
-DEFAULT_FIT = ("sm_bandwidth", "block_ns", "tile_ns", "sm_flops", "launch_ns", "gap_ns",
-               "merge_slot_ns")
+TARGET_SPEARMAN = 0.95
+TARGET_MEDIAN_ERR = 0.15
+TARGET_ORDER = 0.95
+LOSS_SCALE = 0.2
+KERNEL_FIT = ("sm_bandwidth", "block_ns", "tile_ns", "sm_flops", "merge_slot_ns",
+              "l2_bandwidth")
+TIMING_FIT = {"eager": ("launch_ns", "gap_ns"), "graph": ("graph_launch_ns", "graph_gap_ns")}
+DEFAULT_FIT = KERNEL_FIT + TIMING_FIT["eager"] + TIMING_FIT["graph"]
 
 
 # ---------------------------------------------------------------------------- statistics
-def rankdata(x) -> np.ndarray:
-    """Ranks 1..n with ties given their average rank (as ``scipy.stats.rankdata``)."""
-    x = np.asarray(x, dtype=np.float64)
-    order = np.argsort(x, kind="mergesort")
-    ranks = np.empty(x.shape[0], dtype=np.float64)
-    xs = x[order]
-    i = 0
-    n = x.shape[0]
-    while i < n:
-        j = i
-        while j + 1 < n and xs[j + 1] == xs[i]:
-            j += 1
-        ranks[order[i:j + 1]] = 0.5 * (i + j) + 1.0
-        i = j + 1
-    return ranks
-
-
 def spearman(a, b) -> float:
-    """Spearman rank correlation (Pearson correlation of the average ranks)."""
-    ra, rb = rankdata(a), rankdata(b)
-    if ra.shape[0] < 2:
+    """Spearman rank correlation (``scipy.stats.spearmanr``); ``nan`` below 2 points."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.shape[0] < 2 or np.all(a == a[0]) or np.all(b == b[0]):
         return float("nan")
-    ra -= ra.mean()
-    rb -= rb.mean()
-    den = math.sqrt(float((ra * ra).sum() * (rb * rb).sum()))
-    return float((ra * rb).sum() / den) if den > 0 else float("nan")
-
-
-def nelder_mead(f, x0, step=0.3, max_evals: int = 400, tol: float = 1e-6):
-    """Minimise ``f`` from ``x0`` with the Nelder-Mead simplex; returns ``(x, f(x), evals)``."""
-    x0 = np.asarray(x0, dtype=np.float64)
-    n = x0.shape[0]
-    pts = [x0] + [x0 + step * np.eye(n)[i] for i in range(n)]
-    vals = [f(p) for p in pts]
-    evals = n + 1
-    while evals < max_evals:
-        order = np.argsort(vals)
-        pts = [pts[i] for i in order]
-        vals = [vals[i] for i in order]
-        if abs(vals[-1] - vals[0]) <= tol * (abs(vals[0]) + tol):
-            break
-        centroid = np.mean(pts[:-1], axis=0)
-        xr = centroid + (centroid - pts[-1])
-        fr = f(xr)
-        evals += 1
-        if fr < vals[0]:
-            xe = centroid + 2.0 * (centroid - pts[-1])
-            fe = f(xe)
-            evals += 1
-            pts[-1], vals[-1] = (xe, fe) if fe < fr else (xr, fr)
-        elif fr < vals[-2]:
-            pts[-1], vals[-1] = xr, fr
-        else:
-            xc = centroid + 0.5 * (pts[-1] - centroid)
-            fc = f(xc)
-            evals += 1
-            if fc < vals[-1]:
-                pts[-1], vals[-1] = xc, fc
-            else:                                   # shrink towards the best point
-                for i in range(1, n + 1):
-                    pts[i] = pts[0] + 0.5 * (pts[i] - pts[0])
-                    vals[i] = f(pts[i])
-                    evals += 1
-    best = int(np.argmin(vals))
-    return pts[best], float(vals[best]), evals
+    return float(stats.spearmanr(a, b).statistic)
 
 
 # ---------------------------------------------------------------------------- measurements
-def load_measurements(path: str) -> dict:
-    with open(path) as fh:
-        data = json.load(fh)
-    recs = data.get("records")
-    if not recs:
-        raise ValueError(f"{path}: no records")
-    need = {"workload", "method", "num_qo_heads", "num_kv_heads", "head_dim", "measured_us"}
-    for i, r in enumerate(recs):
+def _records_calibrate(data: dict, src: str) -> list:
+    need = {"workload", "method", "num_qo_heads", "num_kv_heads", "head_dim"}
+    file_timing = "graph" if "graph" in str(data.get("timing", "")).lower() else "eager"
+    out = []
+    for i, r in enumerate(data["records"]):
         missing = need - set(r)
         if missing:
-            raise ValueError(f"{path}: record {i} lacks {sorted(missing)}")
-    data["_path"] = path
-    return data
-
-
-def prepared_workloads(data: dict, gpu: str | None = None) -> list:
-    """Plan every record on the CPU and lay it out for the timeline (constant-free)."""
-    gpu = gpu or data.get("gpu", "h100")
-    out = []
-    batches = {}
-    for r in data["records"]:
-        key = (r["workload"], int(r.get("page_size", 16)))
-        if key not in batches:
-            batches[key] = load_batch(r["workload"], key[1])
-        plan = make_plan(batches[key], r["method"], int(r["num_qo_heads"]),
-                         int(r["num_kv_heads"]), int(r["head_dim"]), gpu=gpu,
-                         kv_data_type=r.get("dtype", "float16"))
-        out.append(prepare(plan, gpu))
+            raise ValueError(f"{src}: record {i} lacks {sorted(missing)}")
+        times = {}
+        if "measured_eager_us" in r or "measured_graph_us" in r:
+            for t in TIMINGS:
+                if r.get(f"measured_{t}_us") is not None:
+                    times[t] = float(r[f"measured_{t}_us"])
+        elif "measured_us" in r:
+            times[r.get("timing", file_timing)] = float(r["measured_us"])
+        else:
+            raise ValueError(f"{src}: record {i} lacks measured_us (or measured_eager_us / "
+                             f"measured_graph_us)")
+        for t, us in times.items():
+            out.append({"workload": str(r["workload"]), "method": r["method"],
+                        "num_qo_heads": int(r["num_qo_heads"]),
+                        "num_kv_heads": int(r["num_kv_heads"]), "head_dim": int(r["head_dim"]),
+                        "page_size": int(r.get("page_size", 16)),
+                        "dtype": r.get("dtype", "float16"), "timing": t, "measured_us": us,
+                        "file": os.path.basename(src)})
     return out
 
 
-def predict_all(workloads: list, c: SimConstants) -> np.ndarray:
-    """Predicted latency (us) of every prepared workload."""
-    return np.array([predict(w, c) / 1e3 for w in workloads])
+def _records_compare(data: dict, src: str) -> list:
+    out = []
+    for r in data["rows"]:
+        if r.get("method") not in METHODS or r.get("correct") is False or "error" in r:
+            continue
+        hq, hk = (int(x) for x in r["heads"])
+        for t in TIMINGS:
+            us = r.get(f"latency_{t}_us")
+            if us is None:
+                continue
+            out.append({"workload": str(r["workload"]), "method": r["method"],
+                        "num_qo_heads": hq, "num_kv_heads": hk,
+                        "head_dim": int(data.get("head_dim", 128)),
+                        "page_size": int(r.get("page_size", 16)),
+                        "dtype": data.get("dtype", "float16"), "timing": t,
+                        "measured_us": float(us), "file": os.path.basename(src)})
+    return out
 
 
-def _records_measured(data: dict) -> np.ndarray:
-    return np.array([float(r["measured_us"]) for r in data["records"]])
+def _measurement_files(path: str) -> list:
+    if os.path.isdir(path):
+        found = sorted(glob.glob(os.path.join(path, "**", "*.json"), recursive=True))
+        keep = []
+        for f in found:
+            try:
+                with open(f) as fh:
+                    d = json.load(fh)
+            except (OSError, ValueError):
+                continue
+            if isinstance(d, dict) and ("records" in d or d.get("benchmark") == "compare"):
+                keep.append(f)
+        if not keep:
+            raise ValueError(f"{path}: no measurement files in this folder")
+        return keep
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"measurements: no such file or folder: {path}")
+    return [path]
 
 
-# ---------------------------------------------------------------------------- fit and report
-def fit(data: dict, gpu: str | None = None, start: SimConstants | None = None,
-        names=DEFAULT_FIT, max_evals: int = 400, workloads: list | None = None):
-    """Fit constants ``names`` to ``data`` (see module docstring).
+def load_measurements(paths) -> dict:
+    """Read measurement files (a path, a folder, or a list of them) into one set.
 
-    Returns ``(constants, info)``; ``info`` holds the loss before and after, evaluations, and
-    the report of the fitted constants.
+    Returns ``{"records": [...], "files": [...], "device", "gpu", "git_sha": [...],
+    "copy_bandwidth_gbps", "split"}``; each record has ``workload, method, num_qo_heads,
+    num_kv_heads, head_dim, page_size, dtype, timing, measured_us, file``.
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [os.fspath(paths)]
+    files = [f for p in paths for f in _measurement_files(os.fspath(p))]
+    recs, devices, shas, bws, split = [], [], [], [], {"fit": [], "validation": []}
+    gpu = None
+    for f in files:
+        with open(f) as fh:
+            data = json.load(fh)
+        if data.get("benchmark") == "compare" and "rows" in data:
+            got = _records_compare(data, f)
+            if data.get("copy_bandwidth"):
+                bws.append(float(data["copy_bandwidth"]) / 1e9)
+        elif data.get("records"):
+            got = _records_calibrate(data, f)
+            if data.get("copy_bandwidth_gbps"):
+                bws.append(float(data["copy_bandwidth_gbps"]))
+            for k in ("fit", "validation"):
+                split[k] += [w for w in data.get("split", {}).get(k, []) if w not in split[k]]
+        else:
+            raise ValueError(f"{f}: no records (expected bench/calibrate.py or "
+                             f"bench/compare.py output)")
+        if not got:
+            raise ValueError(f"{f}: no usable measurements")
+        recs += got
+        devices.append(data.get("device", "unknown device"))
+        shas.append(data.get("git_sha", "unknown"))
+        if data.get("gpu"):
+            gpu = gpu or data["gpu"]
+    if any(r["measured_us"] <= 0 for r in recs):
+        raise ValueError("measured times must be positive")
+    if gpu is None:
+        from pat_core.gpus import detect_gpu_name
+        gpu = detect_gpu_name(devices[0])
+    return {"records": recs, "files": files, "device": sorted(set(devices)),
+            "gpu": gpu, "git_sha": sorted(set(shas)),
+            "copy_bandwidth_gbps": float(np.median(bws)) if bws else None,
+            "split": split if (split["fit"] or split["validation"]) else None}
+
+
+def workloads_in_order(records) -> list:
+    """Distinct workloads in the order they first appear."""
+    seen = {}
+    for r in records:
+        seen.setdefault(r["workload"], None)
+    return list(seen)
+
+
+def split_workloads(records, validation=None, file_split: dict | None = None) -> dict:
+    """``{"fit": [...], "validation": [...], "rule": str}``: disjoint lists of workloads.
+
+    See the module docstring for the rules.  ``validation``: explicit validation workloads.
+    """
+    names = workloads_in_order(records)
+    if validation is not None:
+        validation = list(validation)
+        unknown = [w for w in validation if w not in names]
+        if unknown:
+            raise ValueError(f"validation: workloads {unknown} are not in the measurements")
+        val, rule = validation, "explicit --validation list"
+    elif file_split and file_split.get("validation"):
+        val = [w for w in names if w in file_split["validation"]]
+        rule = "split recorded in the measurement files"
+    else:
+        val = names[1::2]
+        rule = "every second workload in order of first appearance held out"
+    fit_set = [w for w in names if w not in val]
+    if not fit_set:
+        raise ValueError("the split leaves no workload to fit on")
+    assert not set(fit_set) & set(val)
+    return {"fit": fit_set, "validation": [w for w in names if w in val], "rule": rule}
+
+
+def _plan_key(r) -> tuple:
+    return (r["workload"], r["page_size"], r["method"], r["num_qo_heads"], r["num_kv_heads"],
+            r["head_dim"], r["dtype"])
+
+
+class Prepared:
+    """Constant-free layouts of the records' plans, made once and priced many times."""
+
+    def __init__(self, records, gpu):
+        self.gpu = gpu
+        self.records = list(records)
+        self.wl = {}
+        batches = {}
+        for r in self.records:
+            key = _plan_key(r)
+            if key in self.wl:
+                continue
+            bkey = (r["workload"], r["page_size"])
+            if bkey not in batches:
+                batches[bkey] = load_batch(r["workload"], r["page_size"])
+            plan = make_plan(batches[bkey], r["method"], r["num_qo_heads"], r["num_kv_heads"],
+                             r["head_dim"], gpu=gpu, kv_data_type=r["dtype"])
+            self.wl[key] = prepare(plan, gpu)
+        self._sharing = {}
+        for (wl, ps) in batches:
+            b = batches[(wl, ps)]
+            self._sharing[(wl, ps)] = _is_sharing(b)
+
+    def predict(self, records, c: SimConstants) -> np.ndarray:
+        """Predicted latency (us) of every record (its plan, its timing mode)."""
+        cache = {}
+        out = np.empty(len(records))
+        for i, r in enumerate(records):
+            k = (_plan_key(r), r["timing"])
+            if k not in cache:
+                cache[k] = predict(self.wl[_plan_key(r)], c, r["timing"]) / 1e3
+            out[i] = cache[k]
+        return out
+
+    def sharing(self, r) -> bool:
+        return self._sharing[(r["workload"], r["page_size"])]
+
+
+def _is_sharing(batch) -> bool:
+    from pat_core.forest import PrefixForest
+    from pat_core.inputs import BlockTable
+    bt = batch.block_tables
+    if isinstance(bt, np.ndarray):
+        table = BlockTable.from_padded(bt, batch.seq_lens, batch.page_size)
+    else:
+        table = BlockTable.from_lists(bt, batch.seq_lens, batch.page_size)
+    return PrefixForest(table).unique_tokens() < int(np.sum(batch.seq_lens, dtype=np.int64))
+
+
+# ---------------------------------------------------------------------------- fit
+def fit(data: dict, split: dict, gpu: str | None = None, start: SimConstants | None = None,
+        names=DEFAULT_FIT, max_evals: int = 600, prepared: Prepared | None = None):
+    """Fit constants ``names`` on the records of ``split["fit"]`` workloads (module docstring).
+
+    Returns ``(constants, info)``; ``info`` holds the loss before and after, evaluations and the
+    names fitted.  Launch constants of a timing mode with no fit records are left as they are.
     """
     gpu = gpu or data.get("gpu", "h100")
-    wls = workloads if workloads is not None else prepared_workloads(data, gpu)
-    meas = _records_measured(data)
-    if np.any(meas <= 0):
-        raise ValueError("measured_us must be positive")
+    recs = [r for r in data["records"] if r["workload"] in set(split["fit"])]
+    if not recs:
+        raise ValueError("no records in the fit set")
+    prep = prepared or Prepared(recs, gpu)
     c0 = start or load_constants(gpu)
     bw = data.get("copy_bandwidth_gbps")
+    names = tuple(names)
     if bw:
         c0 = c0.with_values(hbm_bandwidth=float(bw))
         names = tuple(n for n in names if n != "hbm_bandwidth")
+    present = {r["timing"] for r in recs}
+    for t, tn in TIMING_FIT.items():
+        if t not in present:
+            names = tuple(n for n in names if n not in tn)
     base = c0.as_dict()
-    logm = np.log(meas)
+    logm = np.log([r["measured_us"] for r in recs])
 
     def consts(x):
         vals = dict(base)
@@ -172,79 +315,164 @@ def fit(data: dict, gpu: str | None = None, start: SimConstants | None = None,
         return SimConstants(**vals, source=c0.source)
 
     def loss(x):
-        p = predict_all(wls, consts(x))
-        return float(np.mean((np.log(np.maximum(p, 1e-9)) - logm) ** 2))
+        p = prep.predict(recs, consts(x))
+        z = (np.log(np.maximum(p, 1e-9)) - logm) / LOSS_SCALE
+        return float(np.mean(2.0 * (np.sqrt(1.0 + z * z) - 1.0))) * LOSS_SCALE ** 2
 
     x0 = np.log([max(base[n], 1e-6) for n in names])
     loss0 = loss(x0)
-    x, lbest, evals = nelder_mead(loss, x0, step=0.4, max_evals=max_evals)
-    fitted = consts(x)
-    src = data.get("_path", "measurements")
+    simplex = np.vstack([x0] + [x0 + 0.4 * np.eye(len(names))[i] for i in range(len(names))])
+    res = optimize.minimize(loss, x0, method="Nelder-Mead",
+                            options={"maxfev": max_evals, "initial_simplex": simplex,
+                                     "xatol": 1e-3, "fatol": 1e-7})
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
-    fitted = fitted.with_values(source=f"fit to {os.path.basename(src)} "
-                                       f"({data.get('device', 'unknown device')}, {stamp})")
-    rep = report(data, fitted, workloads=wls)
-    info = {"loss_before": loss0, "loss_after": lbest, "evaluations": evals,
-            "fitted": list(names), "report": rep}
+    files = ", ".join(os.path.basename(f) for f in data.get("files", [])) or "measurements"
+    fitted = consts(res.x).with_values(
+        source=f"fit to {files} ({'; '.join(data.get('device', ['unknown device']))}, {stamp}); "
+               f"fit workloads: {len(split['fit'])}, validation workloads: "
+               f"{len(split['validation'])}")
+    info = {"loss_before": loss0, "loss_after": float(res.fun), "evaluations": int(res.nfev),
+            "fitted": list(names)}
     return fitted, info
 
 
-def report(data: dict, constants: SimConstants, gpu: str | None = None,
-           workloads: list | None = None) -> dict:
-    """Agreement between predictions under ``constants`` and the measurements."""
-    gpu = gpu or data.get("gpu", "h100")
-    wls = workloads if workloads is not None else prepared_workloads(data, gpu)
-    meas = _records_measured(data)
-    pred = predict_all(wls, constants)
+# ---------------------------------------------------------------------------- report
+def _summary(recs, pred, prep: Prepared) -> dict:
+    meas = np.array([r["measured_us"] for r in recs])
+    if not recs:
+        return {"n": 0}
     ratio = pred / meas
     err = np.abs(ratio - 1.0)
-    rho = spearman(pred, meas)
-    med = float(np.median(err))
-    by_method = {}
-    methods = [r["method"] for r in data["records"]]
-    for m in sorted(set(methods)):
-        sel = np.array([x == m for x in methods])
-        by_method[m] = {"n": int(sel.sum()), "median_abs_err": float(np.median(err[sel])),
-                        "median_ratio": float(np.median(ratio[sel]))}
-    return {
-        "n": int(meas.shape[0]), "spearman": rho, "median_abs_err": med,
-        "median_ratio": float(np.median(ratio)), "max_abs_err": float(err.max()),
-        "spearman_ok": bool(rho >= TARGET_SPEARMAN), "median_err_ok": bool(med <= TARGET_MEDIAN_ERR),
-        "constants_source": constants.source, "by_method": by_method,
-        "predicted_us": pred.tolist(), "measured_us": meas.tolist(),
-    }
+    out = {"n": len(recs), "median_abs_err": float(np.median(err)),
+           "spearman": spearman(pred, meas), "median_ratio": float(np.median(ratio)),
+           "max_abs_err": float(err.max())}
+    # faster of pat and query, on sharing workloads
+    by_cfg = {}
+    for r, p, m in zip(recs, pred, meas):
+        if r["method"] in ("pat", "query") and prep.sharing(r):
+            key = (r["workload"], r["page_size"], r["num_qo_heads"], r["num_kv_heads"],
+                   r["head_dim"], r["dtype"], r["timing"], r["file"])
+            by_cfg.setdefault(key, {})[r["method"]] = (p, m)
+    pairs = [v for v in by_cfg.values() if len(v) == 2]
+    ok = [(v["pat"][0] < v["query"][0]) == (v["pat"][1] < v["query"][1]) for v in pairs]
+    out["order_n"] = len(ok)
+    out["order_ok"] = float(np.mean(ok)) if ok else float("nan")
+    return out
+
+
+def report(data: dict, constants: SimConstants, fit_workloads=(), gpu: str | None = None,
+           prepared: Prepared | None = None) -> dict:
+    """In-sample (``fit_workloads``) and out-of-sample (every other workload) agreement.
+
+    Returns ``{"in_sample": S, "out_of_sample": S, ...}``; each ``S`` maps timing mode ->
+    ``{"all": summary, "by_method": {method: summary}}``, a summary holding ``n``,
+    ``median_abs_err``, ``spearman``, ``median_ratio``, ``max_abs_err``, ``order_n`` and
+    ``order_ok`` (share of sharing configurations whose faster of pat and query is predicted).
+    """
+    gpu = gpu or data.get("gpu", "h100")
+    recs = data["records"]
+    prep = prepared or Prepared(recs, gpu)
+    pred = prep.predict(recs, constants)
+    fitw = set(fit_workloads)
+    out = {"constants_source": constants.source, "device": data.get("device"),
+           "git_sha": data.get("git_sha"),
+           "files": [os.path.basename(f) for f in data.get("files", [])],
+           "fit_workloads": [w for w in workloads_in_order(recs) if w in fitw],
+           "validation_workloads": [w for w in workloads_in_order(recs) if w not in fitw]}
+    for side, keep in (("in_sample", True), ("out_of_sample", False)):
+        sec = {}
+        for t in TIMINGS:
+            idx = [i for i, r in enumerate(recs) if (r["workload"] in fitw) == keep
+                   and r["timing"] == t]
+            if not idx:
+                continue
+            sub = [recs[i] for i in idx]
+            sec[t] = {"all": _summary(sub, pred[idx], prep), "by_method": {}}
+            for m in sorted({r["method"] for r in sub}):
+                j = [i for i in idx if recs[i]["method"] == m]
+                sec[t]["by_method"][m] = _summary([recs[i] for i in j], pred[j], prep)
+        out[side] = sec
+    out["predicted_us"] = pred.tolist()
+    out["measured_us"] = [r["measured_us"] for r in recs]
+    out["in_fit_set"] = [r["workload"] in fitw for r in recs]
+    out["labels"] = [f"{r['method']} ({r['timing']})" for r in recs]
+    return out
+
+
+def _cell(s: dict | None) -> str:
+    if not s or not s.get("n"):
+        return f"{'-':>5} {'-':>7} {'-':>6} {'-':>9}"
+    order = "-" if not s.get("order_n") else f"{100 * s['order_ok']:.0f}%/{s['order_n']}"
+    rho = "nan" if s["spearman"] != s["spearman"] else f"{s['spearman']:.3f}"
+    return f"{s['n']:>5} {100 * s['median_abs_err']:>6.1f}% {rho:>6} {order:>9}"
 
 
 def format_report(rep: dict) -> str:
-    ok = lambda b: "ok" if b else "MISSED"  # noqa: E731
-    lines = [
-        f"measurements: {rep['n']}   constants: {rep['constants_source']}",
-        f"Spearman rank correlation (predicted vs measured): {rep['spearman']:.3f}  "
-        f"(target >= {TARGET_SPEARMAN}: {ok(rep['spearman_ok'])})",
-        f"median |predicted/measured - 1|: {100 * rep['median_abs_err']:.1f} %  "
-        f"(target <= {100 * TARGET_MEDIAN_ERR:.0f} %: {ok(rep['median_err_ok'])})",
-        f"median predicted/measured: {rep['median_ratio']:.3f}   worst |error|: "
-        f"{100 * rep['max_abs_err']:.1f} %",
-        "",
-        f"{'method':<12} {'n':>4} {'median |err|':>13} {'median ratio':>13}",
-    ]
-    for m, v in rep["by_method"].items():
-        lines.append(f"{m:<12} {v['n']:>4} {100 * v['median_abs_err']:>12.1f}% "
-                     f"{v['median_ratio']:>13.3f}")
+    """Side-by-side text of :func:`report`: in-sample, then out-of-sample columns."""
+    lines = [f"constants: {rep['constants_source']}",
+             f"device: {'; '.join(rep['device'] or [])}   git sha: "
+             f"{', '.join(s[:10] for s in rep['git_sha'] or [])}   files: "
+             f"{', '.join(rep['files'])}",
+             f"fit workloads ({len(rep['fit_workloads'])}): {'  '.join(rep['fit_workloads'])}",
+             f"validation workloads ({len(rep['validation_workloads'])}): "
+             f"{'  '.join(rep['validation_workloads'])}",
+             f"targets out of sample (graph): median |pred/meas - 1| <= "
+             f"{100 * TARGET_MEDIAN_ERR:.0f}%, Spearman >= {TARGET_SPEARMAN}, faster of pat/query "
+             f"right on >= {100 * TARGET_ORDER:.0f}% of sharing configs",
+             "",
+             f"{'':<8}{'':<12} {'in sample (fit workloads)':^31} | "
+             f"{'out of sample (validation workloads)':^31}",
+             f"{'timing':<8}{'method':<12} " + " | ".join(
+                 [f"{'n':>5} {'med|err|':>7} {'rho':>6} {'pat<>q':>9}"] * 2)]
+    for t in TIMINGS:
+        ins = rep.get("in_sample", {}).get(t)
+        outs = rep.get("out_of_sample", {}).get(t)
+        if not ins and not outs:
+            continue
+        lines.append(f"{t:<8}{'ALL':<12} {_cell(ins and ins['all'])} | "
+                     f"{_cell(outs and outs['all'])}")
+        methods = sorted(set((ins or {}).get("by_method", {})) |
+                         set((outs or {}).get("by_method", {})))
+        for m in methods:
+            lines.append(f"{'':<8}{m:<12} {_cell((ins or {}).get('by_method', {}).get(m))} | "
+                         f"{_cell((outs or {}).get('by_method', {}).get(m))}")
+    lines.append("(med|err|: median |predicted/measured - 1|; rho: Spearman; pat<>q: faster of "
+                 "pat and query predicted right / sharing configs)")
     return "\n".join(lines)
 
 
-def fit_and_save(path: str, gpu: str | None = None, out: str | None = None,
-                 max_evals: int = 400):
-    """Fit to the measurements file ``path`` and write ``sim/data/<gpu>.json`` (or ``out``)."""
-    data = load_measurements(path)
-    gpu = gpu or data.get("gpu", "h100")
-    consts, info = fit(data, gpu, max_evals=max_evals)
-    rep = info["report"]
-    extra = {"fit": {"measurements": os.path.basename(path),
-                     "device": data.get("device"), "git_sha": data.get("git_sha"),
-                     "n": rep["n"], "spearman": rep["spearman"],
-                     "median_abs_err": rep["median_abs_err"], "fitted": info["fitted"],
-                     "loss_before": info["loss_before"], "loss_after": info["loss_after"]}}
+def fit_and_save(paths, out: str, gpu: str | None = None, validation=None,
+                 max_evals: int = 600):
+    """Load ``paths``, split by workload, fit, and write the constants to ``out``.
+
+    ``out`` is required: the packaged constants change only when it names them.  The file
+    records the measurement files, device, git shas, the split and the in-/out-of-sample
+    report.  Returns ``(path, constants, info, report)``.
+    """
+    if not out:
+        raise ValueError("out: a path for the fitted constants is required")
+    data = load_measurements(paths)
+    gpu = gpu or data["gpu"]
+    split = split_workloads(data["records"], validation, data.get("split"))
+    prep = Prepared(data["records"], gpu)
+    consts, info = fit(data, split, gpu, max_evals=max_evals, prepared=prep)
+    rep = report(data, consts, split["fit"], gpu, prepared=prep)
+    slim = {k: rep[k] for k in ("in_sample", "out_of_sample")}
+    extra = {"fit": {"measurements": [os.path.basename(f) for f in data["files"]],
+                     "device": data["device"], "git_sha": data["git_sha"],
+                     "split": split, "fitted": info["fitted"],
+                     "loss_before": info["loss_before"], "loss_after": info["loss_after"],
+                     "evaluations": info["evaluations"], "report": slim}}
     written = save_constants(consts, gpu, out, extra=extra)
-    return written, consts, info
+    return written, consts, info, rep
+
+
+def fit_workloads_of(constants_path: str | None) -> list:
+    """The fit-set workloads a constants file records (``[]`` when it records none)."""
+    if not constants_path or not os.path.exists(constants_path):
+        return []
+    with open(constants_path) as fh:
+        d = json.load(fh)
+    fit_info = d.get("fit", {})
+    split = fit_info.get("split") if isinstance(fit_info, dict) else None
+    return list(split.get("fit", [])) if isinstance(split, dict) else []

@@ -6,8 +6,10 @@ Examples::
     python -m sim compare --tree trace.json --heads 32:8 --gpu a100 --json
     python -m sim timeline --tree 1,4,16_128,256,1024 --heads 32:8 --method pat --out pat.png
     python -m sim sweep --knob prefix --values 128,512,2048 --out prefix_sweep
-    python -m sim calibration-report --measurements bench/results/calibration_h100.json
-    python -m sim fit --measurements bench/results/calibration_h100.json
+    python -m sim compare --timing eager          # host launch cost per launch (run() from Python)
+    python -m sim fit --measurements bench/results/calibration_h100.json \
+        bench/results/compare_h100/results.json --out my_h100.json
+    python -m sim calibration-report --measurements bench/results --constants my_h100.json
     python -m sim trace --trace conversation_trace.jsonl --duration-s 600 --out trace
 
 ``--tree`` takes a tree spec or a JSON file ``{"block_tables": [[...], ...], "seq_lens": [...],
@@ -23,7 +25,7 @@ import sys
 
 from pat_core.gpus import get_gpu
 
-from .constants import load_constants
+from .constants import TIMINGS, load_constants
 from .methods import METHODS, load_batch, make_plan
 from .model import simulate
 
@@ -87,6 +89,9 @@ def _common(p: argparse.ArgumentParser, tree_required: bool = True) -> None:
     p.add_argument("--constants", default=None,
                    help="constants JSON (default sim/data/<gpu>.json)")
     p.add_argument("--seed", type=int, default=0, help="page-id shuffle of tree specs")
+    p.add_argument("--timing", default="graph", choices=TIMINGS,
+                   help="graph (default): a CUDA-graph replay of the step, in-graph launch gaps "
+                        "of a few us; eager: run() from Python, each launch pays the host's cost")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,28 +123,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", type=_methods, default=list(ALL_METHODS))
     p.add_argument("--out", required=True, help="output prefix: writes OUT.png and OUT.json")
 
-    p = sub.add_parser("calibration-report", help="predicted vs measured latency (the default "
-                       "measurements are those in a checkout's bench/results/)",
-                       description="Predicted vs measured latency.  Measurements come from "
-                       "bench/calibrate.py, which runs on a GPU from a checkout; without "
-                       "--measurements the newest bench/results/calibration*.json of the "
-                       "checkout is used, so an installed package needs --measurements.")
-    p.add_argument("--measurements", default=None,
-                   help="measurements JSON from bench/calibrate.py (default: the newest "
-                        "bench/results/calibration*.json)")
+    p = sub.add_parser(
+        "calibration-report", help="predicted vs measured latency, in and out of sample",
+        description="Predicted vs measured latency.  Records of the workloads the constants were "
+                    "fitted on (the split recorded in the constants file, or --fit-workloads) "
+                    "are in-sample; all others out-of-sample.  Works from an installed package "
+                    "with explicit --measurements; only the default measurements (the newest "
+                    "bench/results/calibration*.json) need a checkout.")
+    p.add_argument("--measurements", nargs="+", default=None,
+                   help="measurement files or folders (bench/calibrate.py or bench/compare.py "
+                        "output)")
     p.add_argument("--gpu", default=None)
-    p.add_argument("--constants", default=None)
+    p.add_argument("--constants", default=None,
+                   help="constants JSON (default: the packaged sim/data/<gpu>.json)")
+    p.add_argument("--fit-workloads", default=None,
+                   help="';'-separated fit-set workloads (default: the split the constants "
+                        "file records)")
     p.add_argument("--plot", default=None, help="also write a predicted-vs-measured PNG")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("fit", help="fit the model constants to measurements (from "
-                       "bench/calibrate.py, which needs a checkout and a GPU)",
-                       description="Fit the model constants to measurements written by "
-                       "bench/calibrate.py (run from a checkout, on a GPU).")
-    p.add_argument("--measurements", required=True)
+    p = sub.add_parser(
+        "fit", help="fit the model constants on a workload split",
+        description="Fit the constants on the fit-set workloads and report the held-out ones. "
+                    "Writes only to --out (the packaged constants change only if --out names "
+                    "them).  Works from an installed package; needs no checkout.")
+    p.add_argument("--measurements", nargs="+", required=True,
+                   help="measurement files or folders")
     p.add_argument("--gpu", default=None)
-    p.add_argument("--out", default=None, help="constants file (default sim/data/<gpu>.json)")
-    p.add_argument("--max-evals", type=int, default=400)
+    p.add_argument("--out", required=True, help="constants file to write")
+    p.add_argument("--validation", default=None,
+                   help="';'-separated validation workloads (default: the split recorded in the "
+                        "files, else every second workload in order of first appearance)")
+    p.add_argument("--max-evals", type=int, default=600)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
 
     from .trace import add_parser as add_trace_parser      # python -m sim trace
     add_trace_parser(sub)
@@ -147,20 +163,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------------- compare
-def compare(batch, methods, heads, head_dim, gpu, dtype="float16", constants=None) -> dict:
+def compare(batch, methods, heads, head_dim, gpu, dtype="float16", constants=None,
+            timing: str = "graph") -> dict:
     """Simulate ``batch`` with every method; returns the JSON-ready dict the CLI prints."""
     hq, hk = heads
     consts = load_constants(gpu, constants)
+    launch_ns, gap_ns = consts.launch_costs(timing)
     rows = []
     for m in methods:
         plan = make_plan(batch, m, hq, hk, head_dim, gpu=gpu, kv_data_type=dtype)
-        r = simulate(plan, gpu, consts)
+        r = simulate(plan, gpu, consts, timing=timing)
         row = r.summary_row(m)
         row["bytes"] = r.bytes
+        row["bytes_level"] = r.bytes_level
         rows.append(row)
     return {"batch": batch.label, "batch_size": batch.batch_size, "gpu": get_gpu(gpu).name,
             "heads": [hq, hk], "head_dim": head_dim, "page_size": batch.page_size,
-            "dtype": dtype, "constants_source": consts.source, "rows": rows}
+            "dtype": dtype, "constants_source": consts.source, "timing": timing,
+            "launch_ns": launch_ns, "gap_ns": gap_ns, "rows": rows}
+
+
+def timing_line(res: dict) -> str:
+    """One line saying which launch costs the predictions include."""
+    if res["timing"] == "eager":
+        return (f"timing: eager (run() from Python): host launch cost "
+                f"{res['launch_ns'] / 1e3:.1f} us per launch, {res['gap_ns'] / 1e3:.2f} us "
+                f"between dependent kernels; --timing graph for a CUDA-graph replay")
+    return (f"timing: graph (CUDA-graph replay): in-graph launch gap "
+            f"{res['launch_ns'] / 1e3:.2f} us, {res['gap_ns'] / 1e3:.2f} us between dependent "
+            f"kernels; --timing eager adds the host's launch cost")
 
 
 def format_compare(res: dict) -> str:
@@ -168,12 +199,15 @@ def format_compare(res: dict) -> str:
              f"{res['heads'][0]}:{res['heads'][1]}, head_dim {res['head_dim']}, "
              f"page {res['page_size']}, {res['dtype']} on {res['gpu']} "
              f"[constants: {res['constants_source']}]",
-             f"{'method':<11} {'CTAs':>6} {'KV MB':>9} {'total MB':>9} {'pred us':>9} "
+             timing_line(res),
+             f"{'method':<11} {'CTAs':>6} {'KV MB':>9} {'total MB':>9} {'HBM MB':>8} "
+             f"{'L2 MB':>7} {'pred us':>9} "
              f"{'fwd us':>8} {'merge us':>8} {'bubble %':>8} {'waste %':>8}  tiles"]
     for r in res["rows"]:
         tiles = " ".join(f"{k}:{v}" for k, v in r["tiles"].items())
         lines.append(f"{r['method']:<11} {r['ctas']:>6} {r['kv_bytes'] / 1e6:>9.2f} "
-                     f"{r['total_bytes'] / 1e6:>9.2f} {r['predicted_us']:>9.2f} "
+                     f"{r['total_bytes'] / 1e6:>9.2f} {r['hbm_bytes'] / 1e6:>8.2f} "
+                     f"{r['l2_bytes'] / 1e6:>7.2f} {r['predicted_us']:>9.2f} "
                      f"{r['forward_us']:>8.2f} {r['merge_us']:>8.2f} {r['bubble_pct']:>8.1f} "
                      f"{r['waste_pct']:>8.1f}  {tiles}")
     return "\n".join(lines)
@@ -199,12 +233,13 @@ def tree_spec(batch: int, prefix: int, suffix: int, depth: int) -> str:
 
 def run_sweep(knob: str, values, methods, batch=64, prefix=1024, suffix=128, depth=2,
               heads=(32, 8), head_dim=128, page_size=16, gpu="h100", dtype="float16",
-              constants=None) -> dict:
+              constants=None, timing: str = "graph") -> dict:
     """Predicted latency of each method at each knob value (JSON-ready)."""
     consts = load_constants(gpu, constants)
     out = {"knob": knob, "knob_label": KNOB_LABELS[knob], "values": list(values),
            "gpu": get_gpu(gpu).name, "head_dim": head_dim, "page_size": page_size,
-           "dtype": dtype, "constants_source": consts.source, "specs": [], "heads": [],
+           "dtype": dtype, "constants_source": consts.source, "timing": timing,
+           "specs": [], "heads": [],
            "methods": {m: [] for m in methods}, "rows": {m: [] for m in methods}}
     for v in values:
         b, p, d, h = batch, prefix, depth, heads
@@ -222,12 +257,12 @@ def run_sweep(knob: str, values, methods, batch=64, prefix=1024, suffix=128, dep
         bt = load_batch(spec, page_size)
         for m in methods:
             plan = make_plan(bt, m, h[0], h[1], head_dim, gpu=gpu, kv_data_type=dtype)
-            r = simulate(plan, gpu, consts)
+            r = simulate(plan, gpu, consts, timing=timing)
             out["methods"][m].append(round(r.latency_us, 3))
             out["rows"][m].append(r.summary_row(m))
     out["title"] = (f"{get_gpu(gpu).name}: sweep over {KNOB_LABELS[knob]} "
                     f"(base: batch {batch}, prefix {prefix}, suffix {suffix}, depth {depth}, "
-                    f"heads {heads[0]}:{heads[1]})")
+                    f"heads {heads[0]}:{heads[1]}, {timing} timing)")
     return out
 
 
@@ -267,9 +302,10 @@ def _dispatch(args) -> int:
     if args.cmd == "compare":
         batch = load_batch(args.tree, args.page_size, seed=args.seed)
         res = compare(batch, args.methods, args.heads, args.head_dim, args.gpu, args.dtype,
-                      args.constants)
+                      args.constants, args.timing)
         if args.bytes_plot:
-            _plots().bytes_plot(res["rows"], args.bytes_plot, title=f"HBM bytes: {res['batch']}")
+            _plots().bytes_plot(res["rows"], args.bytes_plot,
+                                title=f"bytes (HBM and L2): {res['batch']}")
         print(json.dumps(res, indent=2) if args.json else format_compare(res))
         return 0
     if args.cmd == "timeline":
@@ -277,9 +313,11 @@ def _dispatch(args) -> int:
         batch = load_batch(args.tree, args.page_size, seed=args.seed)
         plan = make_plan(batch, args.method, args.heads[0], args.heads[1], args.head_dim,
                          gpu=args.gpu, kv_data_type=args.dtype)
-        r = simulate(plan, args.gpu, load_constants(args.gpu, args.constants))
+        r = simulate(plan, args.gpu, load_constants(args.gpu, args.constants),
+                     timing=args.timing)
         gantt(r, args.out, max_sms=args.max_sms,
-              title=f"{args.method} | {batch.label} | {r.gpu.name}: {r.latency_us:.1f} us, "
+              title=f"{args.method} | {batch.label} | {r.gpu.name} ({args.timing}): "
+                    f"{r.latency_us:.1f} us, "
                     f"bubble {100 * r.bubble:.1f} %")
         row = r.summary_row(args.method)
         row["occupancy"] = [o.as_dict() for o in r.occupancy]
@@ -300,7 +338,7 @@ def _dispatch(args) -> int:
         res = run_sweep(args.knob, values, args.methods, batch=args.batch, prefix=args.prefix,
                         suffix=args.suffix, depth=args.depth, heads=args.heads,
                         head_dim=args.head_dim, page_size=args.page_size, gpu=args.gpu,
-                        dtype=args.dtype, constants=args.constants)
+                        dtype=args.dtype, constants=args.constants, timing=args.timing)
         with open(args.out + ".json", "w") as fh:
             json.dump(res, fh, indent=2)
         sweep_plot(res, args.out + ".png")
@@ -312,28 +350,39 @@ def _dispatch(args) -> int:
         print(f"-> {args.out}.png, {args.out}.json")
         return 0
     if args.cmd == "calibration-report":
-        from .calibration import format_report, load_measurements, report
-        path = args.measurements or _default_measurements()
-        if path is None:
+        from .calibration import fit_workloads_of, format_report, load_measurements, report
+        from .constants import constants_path
+        paths = args.measurements or ([_default_measurements()] if _default_measurements()
+                                      else None)
+        if not paths:
             print("no measurements: run bench/calibrate.py on a GPU first, then pass "
-                  "--measurements FILE", file=sys.stderr)
+                  "--measurements FILE [FILE ...]", file=sys.stderr)
             return 2
-        data = load_measurements(path)
-        gpu = args.gpu or data.get("gpu", "h100")
-        rep = report(data, load_constants(gpu, args.constants), gpu)
+        data = load_measurements(paths)
+        gpu = args.gpu or data["gpu"]
+        cpath = args.constants or constants_path(gpu)
+        fitw = (args.fit_workloads.split(";") if args.fit_workloads is not None
+                else fit_workloads_of(cpath))
+        rep = report(data, load_constants(gpu, args.constants), fitw, gpu)
         if args.plot:
-            _plots().calibration_plot(rep["predicted_us"], rep["measured_us"],
-                             [r["method"] for r in data["records"]], args.plot,
-                             title=f"{data.get('device', gpu)}: rho {rep['spearman']:.3f}")
+            _plots().calibration_plot(
+                rep["predicted_us"], rep["measured_us"], rep["labels"], args.plot,
+                title=f"{'; '.join(data['device'])} (filled: fit set, open: validation)",
+                in_fit=rep["in_fit_set"])
         print(json.dumps(rep, indent=2) if args.json else
-              f"measurements: {path}\n" + format_report(rep))
+              f"measurements: {', '.join(paths)}\n" + format_report(rep))
         return 0
     if args.cmd == "fit":
         from .calibration import fit_and_save, format_report
-        path, _, info = fit_and_save(args.measurements, args.gpu, args.out, args.max_evals)
+        val = args.validation.split(";") if args.validation else None
+        path, _, info, rep = fit_and_save(args.measurements, args.out, args.gpu, val,
+                                          args.max_evals)
+        if args.json:
+            print(json.dumps(rep, indent=2))
+            return 0
         print(f"fitted {', '.join(info['fitted'])} in {info['evaluations']} evaluations; "
               f"loss {info['loss_before']:.4f} -> {info['loss_after']:.4f}; wrote {path}")
-        print(format_report(info["report"]))
+        print(format_report(rep))
         return 0
     if args.cmd == "trace":
         from .trace import run_cli as run_trace

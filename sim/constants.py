@@ -1,21 +1,28 @@
 """Model constants of the simulator, one JSON file per GPU under ``sim/data/``.
 
-The timing model (see :mod:`sim.model`) has eight constants.  They are data, not code, so that a
+The timing model (see :mod:`sim.model`) has eleven constants.  They are data, not code, so that a
 calibration run on a real GPU can replace the estimates without touching the model:
 
 =====================  ==========  ==================================================================
 name                   unit        meaning
 =====================  ==========  ==================================================================
 ``hbm_bandwidth``      bytes/ns    achieved DRAM bandwidth of the whole GPU (copy-kernel bandwidth)
-``sm_bandwidth``       bytes/ns    most one SM can pull from DRAM, however many blocks it holds
+``sm_bandwidth``       bytes/ns    most one SM can pull from memory, however many blocks it holds
+``l2_bandwidth``       bytes/ns    L2 hits served to all SMs together (see :mod:`sim.l2`)
 ``block_ns``           ns          per thread block latency not hidden by the KV pipeline (query
                                    load, first tile in flight, partial write)
 ``tile_ns``            ns          fixed cost per KV tile (barriers, softmax bookkeeping)
 ``sm_flops``           flop/ns     tensor-core throughput of one SM on the ``Q K^T`` / ``P V`` tiles
-``launch_ns``          ns          host issue interval between consecutive kernel launches
-``gap_ns``             ns          device gap between a kernel and one that waits for it
 ``merge_slot_ns``      ns          merge kernel: time per partial slot of one (request, head) pair
+``launch_ns``          ns          eager timing: host cost per kernel launch (issue interval)
+``gap_ns``             ns          eager timing: device gap between a kernel and one that waits for it
+``graph_launch_ns``    ns          graph timing: issue interval of the launches of a replayed graph
+``graph_gap_ns``       ns          graph timing: gap between a kernel node and one that depends on it
 =====================  ==========  ==================================================================
+
+Two timing modes (:data:`TIMINGS`) share the kernel constants and differ in the launch costs:
+``graph`` (the default) is a CUDA-graph replay of the decode step, as a serving loop that captures
+decode runs it; ``eager`` is ``run()`` called from Python, each launch paying the host's cost.
 
 (``1 bytes/ns == 1 GB/s``.)  A file holds ``{"gpu": ..., "source": ..., "constants": {...}}``;
 ``source`` is ``"default estimate"`` until :func:`sim.calibration.fit` writes measured values, and
@@ -44,6 +51,9 @@ class SimConstants:
     launch_ns: float
     gap_ns: float
     merge_slot_ns: float
+    l2_bandwidth: float = 6000.0
+    graph_launch_ns: float = 1500.0
+    graph_gap_ns: float = 1500.0
     source: str = "default estimate"
 
     def as_dict(self) -> dict:
@@ -57,6 +67,23 @@ class SimConstants:
     @classmethod
     def names(cls) -> tuple:
         return tuple(f.name for f in fields(cls) if f.name != "source")
+
+    def launch_costs(self, timing: str = "graph") -> tuple:
+        """``(launch_ns, gap_ns)`` of timing mode ``timing`` (``"graph"`` or ``"eager"``)."""
+        check_timing(timing)
+        if timing == "eager":
+            return float(self.launch_ns), float(self.gap_ns)
+        return float(self.graph_launch_ns), float(self.graph_gap_ns)
+
+
+TIMINGS = ("graph", "eager")
+
+
+def check_timing(timing) -> str:
+    """``timing`` if it names a timing mode, else ``ValueError``."""
+    if timing not in TIMINGS:
+        raise ValueError(f"timing must be one of {TIMINGS}, got {timing!r}")
+    return timing
 
 
 def gpu_key(gpu) -> str:
@@ -78,6 +105,8 @@ def default_constants(gpu) -> SimConstants:
     * block latency: one global-memory round trip for Q plus one for the first KV tile.
     * tensor cores: half the dense fp16 peak (2048 flop/clk/SM on sm_80, 4096 on sm_90): the
       kernels issue ``mma.sync``, which does not reach the sm_90 ``wgmma`` peak, on small tiles.
+    * L2: the spec's ``l2_bandwidth`` estimate.
+    * launches: a few microseconds per eager launch, about a microsecond in a graph.
     """
     spec = get_gpu(gpu)
     hbm = spec.hbm_bandwidth * spec.achieved_bw_fraction
@@ -92,6 +121,9 @@ def default_constants(gpu) -> SimConstants:
         launch_ns=3000.0,
         gap_ns=1000.0,
         merge_slot_ns=300.0,
+        l2_bandwidth=round(spec.l2_bandwidth or 2.0 * hbm, 1),
+        graph_launch_ns=1500.0,
+        graph_gap_ns=1500.0,
         source="default estimate",
     )
 

@@ -7,16 +7,24 @@ Cost of one forward thread block (one CTA, one KV head) with ``t`` KV tiles of `
     compute  = t * (tile_ns + 4 * m * n * head_dim / sm_flops)
     duration = latency + max(bytes / bandwidth share, compute)
 
-where the bandwidth share comes from the event-driven fluid model of :mod:`sim.timeline`: DRAM
+where the bandwidth share comes from the event-driven fluid model of :mod:`sim.timeline`: memory
 bandwidth is split max-min fairly between the blocks that are streaming, no SM pulling more than
-``sm_bandwidth`` and all of them together no more than ``hbm_bandwidth``.  (With every SM busy
+``sm_bandwidth``, the HBM bytes of all of them together no more than ``hbm_bandwidth`` and their
+L2 hits (:mod:`sim.l2`: a page re-read while still in L2) no more than ``l2_bandwidth``.  (With every SM busy
 and equal blocks this is the simple rule "an SM's share is ``hbm_bandwidth / num_sms``, split
 between its resident blocks"; the fluid form also gets the tail and small batches right.)  A merge block (``MERGE_WARPS`` (request, head) pairs) costs ``block_ns`` latency, its
 partial reads and output writes, and ``merge_slot_ns`` per slot of its longest pair.
 
 Launch ``k`` (forward groups in plan order, then the merge) reaches the GPU at
-``(k + 1) * launch_ns``; a launch that waits for another starts ``gap_ns`` after it finishes.
-The predicted latency is the end of the merge kernel: what CUDA events around ``run()`` measure.
+``(k + 1) * launch``; a launch that waits for another starts ``gap`` after it finishes.  The
+timing mode picks ``(launch, gap)``: ``graph`` (default) uses ``graph_launch_ns``/``graph_gap_ns``
+(a CUDA-graph replay: what a serving loop that captures decode sees), ``eager`` uses
+``launch_ns``/``gap_ns`` (``run()`` called from Python: each launch pays the host's cost).
+The predicted latency is the end of the merge kernel: what CUDA events around ``run()`` (or
+around the graph's replay) measure.
+
+Forward thread blocks are dispatched CTA by CTA with a CTA's KV heads adjacent (the kernels'
+default ``head_minor`` grid; :data:`HEAD_MINOR`).
 """
 from __future__ import annotations
 
@@ -26,10 +34,13 @@ import numpy as np
 
 from pat_core.gpus import GPUSpec, get_gpu
 
-from .constants import SimConstants, load_constants
+from .constants import SimConstants, check_timing, load_constants
+from .l2 import l2_split, l2_window
 from .occupancy import (merge_resources, plan_occupancy, resource_vector, sm_capacity)
 from .timeline import Launch, Timeline, run_engine
 from .traffic import bytes_by_kind, forward_work, merge_work, padding_waste
+
+HEAD_MINOR = True       # forward grid: a CTA's KV heads adjacent (pat_fwd.cuh, head_minor = 1)
 
 
 @dataclass
@@ -47,19 +58,29 @@ class Workload:
     blk_cta: np.ndarray
     blk_head: np.ndarray
     blk_launch: np.ndarray
-    blk_bytes: np.ndarray
+    blk_bytes: np.ndarray     # all bytes a block moves (HBM + L2)
+    blk_l2: np.ndarray        # of which L2 hits (sim.l2)
     blk_tiles: np.ndarray     # forward: KV tiles; merge: 0
     blk_flops: np.ndarray     # forward: padded tile flops; merge: 0
     blk_slots: np.ndarray     # merge: slots of the longest pair; forward: 0
     num_phases: int
     serial: bool
+    l2_window: float = 0.0
+
+    @property
+    def blk_hfrac(self) -> np.ndarray:
+        """float64 [N]: share of each block's bytes that comes from HBM."""
+        tot = self.blk_bytes
+        return np.where(tot > 0, (tot - self.blk_l2) / np.where(tot > 0, tot, 1.0), 1.0)
 
 
-def prepare(plan, gpu=None, serial: bool | None = None) -> Workload:
+def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float | None = None
+            ) -> Workload:
     """Lay out ``plan``'s thread blocks as launches (see module docstring).
 
     ``gpu``: spec or name to simulate (default: the GPU the plan was made for).  ``serial``:
-    override ``plan.serial`` (launch groups one after another).
+    override ``plan.serial`` (launch groups one after another).  ``l2_window_bytes``: L2 reuse
+    window (default :func:`sim.l2.l2_window` of the GPU; ``0`` turns L2 hits off).
     """
     gpu = get_gpu(gpu if gpu is not None else plan.gpu)
     serial = bool(plan.serial if serial is None else serial)
@@ -84,8 +105,12 @@ def prepare(plan, gpu=None, serial: bool | None = None) -> Workload:
     pos = 0
     G = plan.num_groups
     for g, (m, n), b, e in plan.groups():
-        idx = np.tile(np.arange(b, e, dtype=np.int64), hk)        # blockIdx.x fastest
-        hh = np.repeat(np.arange(hk, dtype=np.int32), e - b)
+        if HEAD_MINOR:                                  # a CTA's KV heads adjacent
+            idx = np.repeat(np.arange(b, e, dtype=np.int64), hk)
+            hh = np.tile(np.arange(hk, dtype=np.int32), e - b)
+        else:                                           # CTA index fastest
+            idx = np.tile(np.arange(b, e, dtype=np.int64), hk)
+            hh = np.repeat(np.arange(hk, dtype=np.int32), e - b)
         k = int(plan.group_tile[g])
         launches.append(Launch(name=f"forward {m}x{n}", kind="forward", config=k, begin=pos,
                                end=pos + idx.shape[0], issue_ns=0.0,
@@ -110,24 +135,31 @@ def prepare(plan, gpu=None, serial: bool | None = None) -> Workload:
     til.append(np.zeros(nm))
     flo.append(np.zeros(nm))
     slo.append(mw.max_slots.astype(np.float64))
+    window = l2_window(gpu) if l2_window_bytes is None else float(l2_window_bytes)
+    f_cta = np.concatenate(cta[:-1]) if len(cta) > 1 else np.zeros(0, np.int32)
+    f_head = np.concatenate(head[:-1]) if len(head) > 1 else np.zeros(0, np.int32)
+    f_other = (w.q_bytes + w.partial_write_bytes)[f_cta.astype(np.int64)]
+    blk_l2 = l2_split(plan, f_cta, f_head, f_other, mw.read_bytes_per_block, window)
     return Workload(gpu=gpu, launches=launches, need=need, blk_cfg=np.concatenate(cfg),
                     blk_cta=np.concatenate(cta), blk_head=np.concatenate(head),
                     blk_launch=np.concatenate(lau), blk_bytes=np.concatenate(byt),
-                    blk_tiles=np.concatenate(til), blk_flops=np.concatenate(flo),
+                    blk_l2=blk_l2, blk_tiles=np.concatenate(til), blk_flops=np.concatenate(flo),
                     blk_slots=np.concatenate(slo), num_phases=(G + 1) if serial else 2,
-                    serial=serial)
+                    serial=serial, l2_window=window)
 
 
-def run_timeline(wl: Workload, c: SimConstants) -> Timeline:
-    """Price ``wl`` under constants ``c`` and run the event-driven timeline."""
+def run_timeline(wl: Workload, c: SimConstants, timing: str = "graph") -> Timeline:
+    """Price ``wl`` under constants ``c`` in timing mode ``timing`` and run the timeline."""
+    launch_ns, gap_ns = c.launch_costs(timing)
     latency = np.full(wl.blk_cfg.shape[0], float(c.block_ns))
     compute = wl.blk_tiles * c.tile_ns + wl.blk_flops / c.sm_flops + wl.blk_slots * c.merge_slot_ns
     ptr = np.array([ln.begin for ln in wl.launches] + [wl.launches[-1].end], dtype=np.int64)
-    issue = (np.arange(len(wl.launches), dtype=np.float64) + 1.0) * c.launch_ns
+    issue = (np.arange(len(wl.launches), dtype=np.float64) + 1.0) * launch_ns
     phase = np.array([ln.phase for ln in wl.launches], dtype=np.int32)
     sm, lane, start, end, ps, pe = run_engine(
         wl.gpu.num_sms, sm_capacity(wl.gpu), wl.need, wl.blk_cfg, latency, wl.blk_bytes, compute,
-        ptr, issue, phase, wl.num_phases, c.gap_ns, c.sm_bandwidth, c.hbm_bandwidth)
+        ptr, issue, phase, wl.num_phases, gap_ns, c.sm_bandwidth, c.hbm_bandwidth,
+        blk_hfrac=wl.blk_hfrac, l2_bw=c.l2_bandwidth)
     launches = [Launch(ln.name, ln.kind, ln.config, ln.begin, ln.end, float(issue[i]), ln.phase)
                 for i, ln in enumerate(wl.launches)]
     return Timeline(num_sms=wl.gpu.num_sms, launches=launches, block_launch=wl.blk_launch,
@@ -135,9 +167,17 @@ def run_timeline(wl: Workload, c: SimConstants) -> Timeline:
                     block_start=start, block_end=end, phase_start=ps, phase_end=pe)
 
 
-def predict(wl: Workload, c: SimConstants) -> float:
-    """Predicted latency (ns) of a prepared workload."""
-    return run_timeline(wl, c).makespan
+def predict(wl: Workload, c: SimConstants, timing: str = "graph") -> float:
+    """Predicted latency (ns) of a prepared workload in timing mode ``timing``."""
+    return run_timeline(wl, c, timing).makespan
+
+
+def bytes_by_level(wl: Workload) -> dict:
+    """Bytes of a prepared workload by where they are served: ``hbm``, ``l2`` and ``total``
+    (``total`` equals ``Plan.stats()["total_bytes"]``)."""
+    total = int(round(float(wl.blk_bytes.sum())))
+    l2 = int(round(float(wl.blk_l2.sum())))
+    return {"hbm": total - l2, "l2": l2, "total": total}
 
 
 @dataclass
@@ -150,6 +190,7 @@ class SimResult:
     serial: bool
     timeline: Timeline
     bytes: dict               # by kind: kv, q, partial_write, partial_read, out, total
+    bytes_level: dict         # by where served: hbm, l2, total (== bytes["total"])
     occupancy: list           # ConfigOccupancy per tile config
     waste: dict               # padding waste: rows, columns, total
     latency_ns: float
@@ -157,6 +198,7 @@ class SimResult:
     merge_ns: float           # merge kernel span (its first block's start to the end)
     bubble: float             # idle SM-time share between the first block's start and the end
     forward_bubble: float     # the same over the forward kernels only
+    timing: str = "graph"
     extra: dict = field(default_factory=dict)
 
     @property
@@ -177,6 +219,9 @@ class SimResult:
             "tiles": st["tiles"],
             "kv_bytes": self.bytes["kv"],
             "total_bytes": self.bytes["total"],
+            "hbm_bytes": self.bytes_level["hbm"],
+            "l2_bytes": self.bytes_level["l2"],
+            "timing": self.timing,
             "predicted_us": round(self.latency_us, 3),
             "forward_us": round(self.forward_ns / 1e3, 3),
             "merge_us": round(self.merge_ns / 1e3, 3),
@@ -193,6 +238,7 @@ class SimResult:
             "latency_us": self.latency_us, "forward_us": self.forward_ns / 1e3,
             "merge_us": self.merge_ns / 1e3, "bubble": self.bubble,
             "forward_bubble": self.forward_bubble, "waste": self.waste, "bytes": self.bytes,
+            "bytes_level": self.bytes_level, "timing": self.timing,
             "stats": self.plan.stats(), "occupancy": [o.as_dict() for o in self.occupancy],
             "num_blocks": self.num_blocks,
         }
@@ -206,7 +252,7 @@ def _idle_share(tl: Timeline, mask, t0: float, t1: float) -> float:
 
 
 def simulate(plan, gpu=None, constants: SimConstants | str | None = None,
-             serial: bool | None = None) -> SimResult:
+             serial: bool | None = None, timing: str = "graph") -> SimResult:
     """Simulate one decode step of ``plan``.
 
     Parameters
@@ -217,11 +263,14 @@ def simulate(plan, gpu=None, constants: SimConstants | str | None = None,
     constants : :class:`SimConstants`, a path to a constants JSON file, or ``None`` for
         ``sim/data/<gpu>.json`` (the default estimate when absent).
     serial : override ``plan.serial``.
+    timing : ``"graph"`` (default: CUDA-graph replay, in-graph launch gaps) or ``"eager"``
+        (``run()`` from Python: the host's cost per launch).
     """
+    check_timing(timing)
     wl = prepare(plan, gpu, serial)
     if constants is None or isinstance(constants, str):
         constants = load_constants(wl.gpu, constants)
-    tl = run_timeline(wl, constants)
+    tl = run_timeline(wl, constants, timing)
     fwd = tl.blocks_of("forward")
     mrg = ~fwd
     start = float(np.nanmin(tl.block_start))
@@ -231,7 +280,8 @@ def simulate(plan, gpu=None, constants: SimConstants | str | None = None,
     merge_span = (end - float(np.nanmin(tl.block_start[mrg]))) if mrg.any() else 0.0
     return SimResult(
         plan=plan, gpu=wl.gpu, constants=constants, serial=wl.serial, timeline=tl,
-        bytes=bytes_by_kind(plan), occupancy=plan_occupancy(plan, wl.gpu),
+        bytes=bytes_by_kind(plan), bytes_level=bytes_by_level(wl),
+        occupancy=plan_occupancy(plan, wl.gpu), timing=timing,
         waste=padding_waste(plan), latency_ns=end, forward_ns=fwd_end, merge_ns=merge_span,
         bubble=_idle_share(tl, None, start, end),
         forward_bubble=_idle_share(tl, fwd, fwd_start, fwd_end))

@@ -144,35 +144,61 @@ def sweep_plot(sweep: dict, path: str) -> str:
     return path
 
 
-def bytes_plot(rows: list, path: str, title: str = "HBM bytes per method") -> str:
-    """Stacked bars of bytes by kind per method; ``rows``: dicts with ``method`` and ``bytes``
-    (``{"kv", "q", "partial_write", "partial_read", "out"}``)."""
+def bytes_plot(rows: list, path: str, title: str = "bytes per method") -> str:
+    """Stacked bars of bytes per method: by kind (left) and, when the rows carry
+    ``bytes_level``, by where they are served, HBM or L2 (right).
+
+    ``rows``: dicts with ``method``, ``bytes`` (``{"kv", "q", "partial_write", "partial_read",
+    "out"}``) and optionally ``bytes_level`` (``{"hbm", "l2"}``).
+    """
     kinds = ("kv", "q", "partial_write", "partial_read", "out")
-    fig, ax = plt.subplots(figsize=(8.5, 4.5))
+    levels = all("bytes_level" in r for r in rows)
+    fig, axes = plt.subplots(1, 2 if levels else 1, figsize=(12 if levels else 8.5, 4.5),
+                             squeeze=False)
+    ax = axes[0, 0]
+    names = [r["method"] for r in rows]
     bottom = np.zeros(len(rows))
     for kind in kinds:
         vals = np.array([r["bytes"][kind] for r in rows], dtype=float) / 1e6
-        ax.bar([r["method"] for r in rows], vals, bottom=bottom, label=kind)
+        ax.bar(names, vals, bottom=bottom, label=kind)
         bottom += vals
     ax.set_ylabel("MB")
-    _title(ax, title, 75)
+    _title(ax, title + ": by kind", 60)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    if levels:
+        ax = axes[0, 1]
+        hbm = np.array([r["bytes_level"]["hbm"] for r in rows], dtype=float) / 1e6
+        l2 = np.array([r["bytes_level"]["l2"] for r in rows], dtype=float) / 1e6
+        ax.bar(names, hbm, label="HBM", color="#1f77b4")
+        ax.bar(names, l2, bottom=hbm, label="L2 hits", color="#ff7f0e")
+        ax.set_ylabel("MB")
+        _title(ax, title + ": HBM or L2", 60)
+        ax.legend(fontsize=8)
+        plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
-def calibration_plot(predicted_us, measured_us, labels, path: str, title: str = "") -> str:
-    """Predicted against measured latency, log-log, one point per measurement."""
-    fig, ax = plt.subplots(figsize=(5.5, 5.5))
+def calibration_plot(predicted_us, measured_us, labels, path: str, title: str = "",
+                     in_fit=None) -> str:
+    """Predicted against measured latency, log-log, one point per measurement; ``in_fit``
+    (bool per point, optional): filled markers for the fit set, open ones for validation."""
+    fig, ax = plt.subplots(figsize=(6.5, 6.5))
     p = np.asarray(predicted_us, float)
     m = np.asarray(measured_us, float)
+    fit_mask = (np.ones(p.shape[0], bool) if in_fit is None
+                else np.asarray(in_fit, dtype=bool))
     groups = sorted(set(labels))
-    for g in groups:
+    cmap = plt.get_cmap("tab20" if len(groups) > 10 else "tab10")
+    for i, g in enumerate(groups):
         sel = np.array([lb == g for lb in labels])
-        ax.scatter(m[sel], p[sel], s=12, label=g)
+        col = cmap(i % cmap.N)
+        ax.scatter(m[sel & fit_mask], p[sel & fit_mask], s=12, color=col, label=g)
+        ax.scatter(m[sel & ~fit_mask], p[sel & ~fit_mask], s=14, facecolors="none",
+                   edgecolors=col)
     lo = float(min(p.min(), m.min())) * 0.8
     hi = float(max(p.max(), m.max())) * 1.25
     ax.plot([lo, hi], [lo, hi], color="black", lw=0.8)

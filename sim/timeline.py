@@ -17,10 +17,14 @@ What it models
   flight, partial write), then *streaming*: it moves its ``bytes`` while computing; it ends when
   both the bytes are moved and ``compute`` time has passed since streaming began (the kernel
   double-buffers, so compute and loads overlap).
-* **Bandwidth.** DRAM is shared as a fluid, max-min fair between streaming blocks (DRAM serves
-  outstanding requests, and every block keeps a similar number in flight), under two caps: one
-  SM pulls at most ``sm_bw`` (its blocks split it), and all SMs together at most ``hbm_bw``.
-  So a lone block cannot use the whole GPU, and a full GPU cannot exceed DRAM bandwidth.
+* **Bandwidth.** Memory is shared as a fluid, max-min fair between streaming blocks (the memory
+  system serves outstanding requests, and every block keeps a similar number in flight), under
+  three caps: one SM pulls at most ``sm_bw`` (its blocks split it); the HBM parts of all blocks'
+  streams together at most ``hbm_bw``; their L2-hit parts (see :mod:`sim.l2`) together at most
+  ``l2_bw``.  Each block's stream is a fixed mix (``hfrac`` of its bytes from HBM, the rest from
+  L2), so every streaming block moves at one common level, the lowest that any cap allows.  So
+  a lone block cannot use the whole GPU, a full GPU cannot exceed DRAM bandwidth, and L2 hits
+  cost no DRAM bandwidth.
 
 The engine is a Numba loop over events (a block starting, finishing its latency, its bytes or its
 compute; a launch arriving; a phase opening).  Per event it touches every SM once, so a plan of
@@ -55,44 +59,47 @@ def _recompute_sm(x, res, state, timer_end, vfin, max_res):
 
 
 @njit(cache=True)
-def _fair_level(ntr, num_sms, max_res, sm_bw, hbm_bw, hist):
-    """Max-min fair DRAM share per streaming block.
+def _fair_level(ntr, wsum, num_sms, max_res, sm_bw, cap_bw, hist):
+    """Max-min fair share per streaming block under one bandwidth cap.
 
-    Block rates are ``min(sm_bw / k_x, L)`` for a block on an SM with ``k_x`` streaming blocks;
-    ``L`` (returned; ``inf`` when DRAM is not the limit) makes the rates add up to ``hbm_bw``:
-    ``sum_x min(sm_bw, k_x * L) = hbm_bw``.  Solved over the histogram of ``k_x`` (at most
-    ``max_res + 1`` distinct values), so the cost is one pass over the SMs.
+    Block rates are ``min(sm_bw / k_x, L)`` for a block on an SM with ``k_x`` streaming blocks.
+    A block draws on the capped resource in proportion to its weight (its HBM share of bytes for
+    DRAM, its L2 share for the L2), and ``wsum[x]`` is the weight summed over SM ``x``'s streaming
+    blocks.  ``L`` (returned; ``inf`` when the resource is not the limit) makes the demand
+    ``sum_x wsum_x * min(sm_bw / k_x, L)`` equal ``cap_bw``.  Solved over the histogram of ``k_x``
+    (at most ``max_res + 1`` distinct values), so the cost is one pass over the SMs.  With every
+    weight 1 this is the plain rule ``sum_x min(sm_bw, k_x * L) = cap_bw``.
     """
     for k in range(max_res + 1):
-        hist[k] = 0
-    active = 0
+        hist[k] = 0.0
+    full = 0.0
     for x in range(num_sms):
         if ntr[x] > 0:
-            hist[ntr[x]] += 1
-            active += 1
-    if active == 0 or active * sm_bw <= hbm_bw:
+            hist[ntr[x]] += wsum[x]
+            full += wsum[x] * sm_bw / ntr[x]
+    if full <= cap_bw * (1.0 + 1e-12):
         return _INF
     # raise L through the breakpoints sm_bw / k (k from large to small); SMs with k * L >= sm_bw
-    # are saturated at sm_bw, the rest take k * L
-    sat_bw = 0.0          # bandwidth of saturated SMs
-    blocks = 0            # streaming blocks on unsaturated SMs
+    # are saturated at sm_bw / k per block, the rest take L
+    sat_bw = 0.0          # demand of saturated SMs
+    weight = 0.0          # weight of streaming blocks on unsaturated SMs
     for k in range(1, max_res + 1):
-        blocks += k * hist[k]
+        weight += hist[k]
     for k in range(max_res, 0, -1):
-        if hist[k] == 0:
+        if hist[k] <= 0.0:
             continue
-        # candidate level with SMs of k' > k saturated: L = (hbm - sat_bw) / blocks
-        L = (hbm_bw - sat_bw) / blocks
+        # candidate level with SMs of k' > k saturated: L = (cap - sat_bw) / weight
+        L = (cap_bw - sat_bw) / weight
         if L <= sm_bw / k:
             return L
-        sat_bw += hist[k] * sm_bw
-        blocks -= k * hist[k]
+        sat_bw += hist[k] * sm_bw / k
+        weight -= hist[k]
     return _INF
 
 
 @njit(cache=True)
-def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_compute, stream_ptr,
-              stream_ready, stream_phase, num_phases, gap_ns, sm_bw, hbm_bw):
+def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_hfrac, blk_compute,
+              stream_ptr, stream_ready, stream_phase, num_phases, gap_ns, sm_bw, hbm_bw, l2_bw):
     N = blk_cfg.shape[0]
     S = stream_ready.shape[0]
     max_res = cap[3]
@@ -117,7 +124,9 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_compute, 
     tmin = np.full(num_sms, _INF)
     vmin = np.full(num_sms, _INF)
     rate = np.zeros(num_sms)
-    hist = np.zeros(max_res + 1, dtype=np.int64)
+    hist = np.zeros(max_res + 1)
+    hsum = np.zeros(num_sms)                # HBM share summed over an SM's streaming blocks
+    lsum = np.zeros(num_sms)                # L2 share, likewise
     head = stream_ptr[:-1].copy()
     remaining = np.zeros(num_phases, dtype=np.int64)
     blk_phase = np.empty(N, dtype=np.int32)
@@ -175,11 +184,16 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_compute, 
                         sstart[b] = t
                         vfin[b] = V[best] + blk_bytes[b]
                         ntr[best] += 1
+                        hsum[best] += blk_hfrac[b]
+                        lsum[best] += 1.0 - blk_hfrac[b]
                         if vfin[b] < vmin[best]:
                             vmin[best] = vfin[b]
                     head[s] += 1
         # ---- next event
-        L = _fair_level(ntr, num_sms, max_res, sm_bw, hbm_bw, hist)
+        L = _fair_level(ntr, hsum, num_sms, max_res, sm_bw, hbm_bw, hist)
+        L2 = _fair_level(ntr, lsum, num_sms, max_res, sm_bw, l2_bw, hist)
+        if L2 < L:
+            L = L2
         tn = _INF
         for x in range(num_sms):
             if tmin[x] < tn:
@@ -224,8 +238,15 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_compute, 
                     sstart[b] = t
                     vfin[b] = V[x] + blk_bytes[b]
                     ntr[x] += 1
+                    hsum[x] += blk_hfrac[b]
+                    lsum[x] += 1.0 - blk_hfrac[b]
                 elif state[b] == 2 and vfin[b] - V[x] <= eps_v:
                     ntr[x] -= 1
+                    hsum[x] -= blk_hfrac[b]
+                    lsum[x] -= 1.0 - blk_hfrac[b]
+                    if ntr[x] == 0:
+                        hsum[x] = 0.0
+                        lsum[x] = 0.0
                     if sstart[b] + blk_compute[b] > t + eps_t:
                         state[b] = 3
                         timer_end[b] = sstart[b] + blk_compute[b]
@@ -334,8 +355,20 @@ class Timeline:
 
 def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_latency, blk_bytes,
                blk_compute, stream_ptr, stream_ready, stream_phase, num_phases: int,
-               gap_ns: float, sm_bw: float, hbm_bw: float):
-    """Typed front door to the Numba loop; raises ``ValueError`` when a block fits no SM."""
+               gap_ns: float, sm_bw: float, hbm_bw: float, blk_hfrac=None,
+               l2_bw: float = np.inf):
+    """Typed front door to the Numba loop; raises ``ValueError`` when a block fits no SM.
+
+    ``blk_hfrac``: float64 [N] share of each block's bytes that comes from HBM (the rest hits
+    L2; default all HBM); ``l2_bw``: bytes/ns the L2 serves to all SMs together.
+    """
+    if blk_hfrac is None:
+        blk_hfrac = np.ones(np.shape(blk_bytes)[0])
+    blk_hfrac = np.ascontiguousarray(blk_hfrac, dtype=np.float64)
+    if blk_hfrac.shape[0] != np.shape(blk_bytes)[0] or np.any((blk_hfrac < 0) | (blk_hfrac > 1)):
+        raise ValueError("blk_hfrac must hold one share in [0, 1] per block")
+    if not l2_bw > 0:
+        raise ValueError("l2_bw must be positive")
     cap = np.ascontiguousarray(cap, dtype=np.int64)
     need = np.ascontiguousarray(need, dtype=np.int64)
     if need.size and np.any(need > cap[None, :]):
@@ -346,12 +379,12 @@ def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_lat
         raise ValueError("bandwidths must be positive")
     out = _simulate(int(num_sms), cap, need, np.ascontiguousarray(blk_cfg, dtype=np.int32),
                     np.ascontiguousarray(blk_latency, dtype=np.float64),
-                    np.ascontiguousarray(blk_bytes, dtype=np.float64),
+                    np.ascontiguousarray(blk_bytes, dtype=np.float64), blk_hfrac,
                     np.ascontiguousarray(blk_compute, dtype=np.float64),
                     np.ascontiguousarray(stream_ptr, dtype=np.int64),
                     np.ascontiguousarray(stream_ready, dtype=np.float64),
                     np.ascontiguousarray(stream_phase, dtype=np.int32), int(num_phases),
-                    float(gap_ns), float(sm_bw), float(hbm_bw))
+                    float(gap_ns), float(sm_bw), float(hbm_bw), float(l2_bw))
     status = out[0]
     if status != 0:
         raise RuntimeError("timeline stalled: a block could not be placed on any SM")

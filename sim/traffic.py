@@ -68,6 +68,7 @@ class MergeWork:
     """Work of every merge-kernel thread block (``MERGE_WARPS`` (request, head) pairs each)."""
 
     bytes: np.ndarray         # partial reads + output writes
+    read_bytes_per_block: np.ndarray   # partial reads alone
     max_slots: np.ndarray     # slots of the block's longest pair (its warps run side by side)
     read_bytes: float
     out_bytes: float
@@ -85,14 +86,19 @@ def merge_work(plan) -> MergeWork:
     pad = nblk * MERGE_WARPS - pair_slots.shape[0]
     ps = np.concatenate([pair_slots, np.zeros(pad, np.int64)]).reshape(nblk, MERGE_WARPS)
     pb = np.concatenate([pair_bytes, np.zeros(pad, np.int64)]).reshape(nblk, MERGE_WARPS)
+    pr = np.concatenate([pair_slots * (d + 1) * PARTIAL_BYTES,
+                         np.zeros(pad, np.int64)]).reshape(nblk, MERGE_WARPS)
     read = float((pair_slots * (d + 1) * PARTIAL_BYTES).sum())
     out = float(plan.batch_size * hq * d * b)
-    return MergeWork(bytes=pb.sum(axis=1).astype(np.float64), max_slots=ps.max(axis=1),
+    return MergeWork(bytes=pb.sum(axis=1).astype(np.float64),
+                     read_bytes_per_block=pr.sum(axis=1).astype(np.float64),
+                     max_slots=ps.max(axis=1),
                      read_bytes=read, out_bytes=out)
 
 
 def bytes_by_kind(plan) -> dict:
-    """HBM bytes of the whole decode step by kind; ``total`` equals ``Plan.stats()["total_bytes"]``."""
+    """Bytes of the whole decode step by kind (HBM and L2 together; :func:`sim.model.
+    bytes_by_level` splits them); ``total`` equals ``Plan.stats()["total_bytes"]``."""
     w = forward_work(plan)
     mw = merge_work(plan)
     hk = plan.num_kv_heads

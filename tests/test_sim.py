@@ -127,14 +127,18 @@ def test_more_sms_never_slower(batch, packer, n, k, extra):
 
 @pytest.mark.parametrize("spec", SMALL_SPECS + ("1,32,256_64,64,1024",))
 def test_more_sms_never_slower_design_shapes(spec):
+    """As above, in both timing modes.  With graph launch gaps the fair bandwidth share admits
+    small anomalies even for a doubling (``1,16_2048,128``: +0.2 % from 66 to 132 SMs, as the
+    long root CTA shares DRAM with more leaf blocks beside it), so 1 % is allowed here too."""
     plan = _plan(build_tree_batch(spec, 16), "pat")
     c = load_constants("h100")
-    prev = None
-    for n in (8, 33, 66, 132, 264):
-        t = simulate(plan, dataclasses.replace(H100, num_sms=n), c).latency_ns
-        if prev is not None:
-            assert t <= prev * (1 + 1e-9)
-        prev = t
+    for timing in ("graph", "eager"):
+        prev = None
+        for n in (8, 33, 66, 132, 264):
+            t = simulate(plan, dataclasses.replace(H100, num_sms=n), c, timing=timing).latency_ns
+            if prev is not None:
+                assert t <= prev * 1.01
+            prev = t
 
 
 @settings(max_examples=15, deadline=None, derandomize=True)

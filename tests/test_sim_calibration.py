@@ -1,4 +1,5 @@
-"""Calibration fit and report on a synthetic measurements file made in the test (CPU only).
+"""Calibration: loading, the workload split, fit and report on synthetic measurements made in
+the test (CPU only).
 
 The "measurements" are the model's own predictions under known constants, times a little noise:
 the fit must find constants that predict them again, and the report must say so.
@@ -10,90 +11,167 @@ import json
 import numpy as np
 import pytest
 
-from sim.calibration import (fit, load_measurements, nelder_mead, predict_all,
-                             prepared_workloads, rankdata, report, spearman)
+from sim.calibration import (Prepared, fit, fit_workloads_of, load_measurements, report,
+                             spearman, split_workloads)
 from sim.cli import main
 from sim.constants import default_constants, load_constants
 
 SPECS = ("1,8_512,64", "1,4,16_128,256,512", "32_300", "2,16_1024,32")
 METHODS = ("pat", "query", "pat-serial")
 HEADS = ((32, 8), (8, 8))
+TRUE = dict(sm_bandwidth=80.0, block_ns=2500.0, launch_ns=9000.0, tile_ns=220.0,
+            graph_launch_ns=1200.0)
 
 
-def _synthetic(tmp_path, noise=0.03, seed=0):
-    true = default_constants("h100").with_values(sm_bandwidth=80.0, block_ns=2500.0,
-                                                 launch_ns=2000.0, tile_ns=220.0)
+def _synthetic(tmp_path, noise=0.03, seed=0, split=None):
+    true = default_constants("h100").with_values(**TRUE)
     recs = [{"workload": w, "method": m, "num_qo_heads": hq, "num_kv_heads": hk,
-             "head_dim": 128, "page_size": 16, "dtype": "float16", "measured_us": 1.0}
+             "head_dim": 128, "page_size": 16, "dtype": "float16",
+             "measured_eager_us": 1.0, "measured_graph_us": 1.0}
             for w in SPECS for m in METHODS for hq, hk in HEADS]
-    data = {"device": "synthetic", "gpu": "h100", "records": recs}
-    wls = prepared_workloads(data)
-    rng = np.random.default_rng(seed)
-    pred = predict_all(wls, true)
-    for r, p in zip(recs, pred):
-        r["measured_us"] = float(p * np.exp(rng.normal(0.0, noise)))
+    data = {"device": "synthetic", "gpu": "h100", "git_sha": "abc", "records": recs}
+    if split:
+        data["split"] = split
     path = tmp_path / "calibration_h100.json"
     path.write_text(json.dumps(data))
-    return str(path), true, wls
+    loaded = load_measurements(str(path))
+    prep = Prepared(loaded["records"], "h100")
+    pred = prep.predict(loaded["records"], true)
+    rng = np.random.default_rng(seed)
+    by_key = {(r["workload"], r["method"], r["num_qo_heads"], r["num_kv_heads"], r["timing"]): p
+              for r, p in zip(loaded["records"], pred)}
+    for r in recs:
+        for t in ("eager", "graph"):
+            p = by_key[(r["workload"], r["method"], r["num_qo_heads"], r["num_kv_heads"], t)]
+            r[f"measured_{t}_us"] = float(p * np.exp(rng.normal(0.0, noise)))
+    path.write_text(json.dumps(data))
+    return str(path), true, prep
 
 
-def test_rank_statistics():
-    assert rankdata([10, 20, 20, 5]).tolist() == [2.0, 3.5, 3.5, 1.0]
+def test_spearman_is_scipys():
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
-    rng = np.random.default_rng(1)
-    a, b = rng.normal(size=50), rng.normal(size=50)
-    # Pearson on ranks, computed directly
-    ra, rb = rankdata(a), rankdata(b)
-    assert spearman(a, b) == pytest.approx(np.corrcoef(ra, rb)[0, 1])
+    assert spearman([1, 2, 2, 5], [1, 3, 2, 4]) == pytest.approx(0.9486832980505138)
+    assert np.isnan(spearman([1.0], [2.0]))
 
 
-def test_nelder_mead_finds_a_quadratic_minimum():
-    x, fx, _ = nelder_mead(lambda v: float(((v - np.array([1.0, -2.0, 0.5])) ** 2).sum()),
-                           np.zeros(3), step=0.5, max_evals=600, tol=1e-12)
-    assert np.allclose(x, [1.0, -2.0, 0.5], atol=1e-3) and fx < 1e-6
+def test_loading_both_layouts(tmp_path):
+    path, _, _ = _synthetic(tmp_path)
+    d = load_measurements(path)
+    assert len(d["records"]) == 2 * len(SPECS) * len(METHODS) * len(HEADS)
+    assert {r["timing"] for r in d["records"]} == {"eager", "graph"}
+    cmp_rows = [{"workload": "8_64", "heads": [8, 8], "page_size": 32, "method": m,
+                 "latency_eager_us": 30.0, "latency_graph_us": 10.0, "correct": True}
+                for m in ("pat", "query", "fi-decode")]
+    cmp_rows.append({"workload": "8_64", "heads": [8, 8], "page_size": 16, "method": "pat",
+                     "correct": False})
+    sub = tmp_path / "compare"
+    sub.mkdir()
+    (sub / "results.json").write_text(json.dumps(
+        {"benchmark": "compare", "device": "NVIDIA H100 (synthetic)", "head_dim": 64, "rows": cmp_rows,
+         "copy_bandwidth": 2.5e12}))
+    c = load_measurements(str(sub))
+    assert len(c["records"]) == 4                      # FlashInfer and wrong rows skipped
+    assert {(r["method"], r["timing"], r["measured_us"]) for r in c["records"]} == {
+        ("pat", "eager", 30.0), ("pat", "graph", 10.0), ("query", "eager", 30.0),
+        ("query", "graph", 10.0)}
+    assert c["records"][0]["page_size"] == 32 and c["records"][0]["head_dim"] == 64
+    assert c["copy_bandwidth_gbps"] == pytest.approx(2500.0)
+    both = load_measurements([path, str(sub)])
+    assert len(both["records"]) == len(d["records"]) + 4
+    # a legacy file: one eager measured_us per record
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"records": [{"workload": "8_64", "method": "pat",
+                                            "num_qo_heads": 8, "num_kv_heads": 8,
+                                            "head_dim": 128, "measured_us": 5.0}],
+                               "device": "NVIDIA H100 80GB HBM3"}))
+    o = load_measurements(str(old))
+    assert o["records"][0]["timing"] == "eager" and o["gpu"] == "h100"
+
+
+def test_split_is_by_workload():
+    recs = [{"workload": w, "page_size": ps, "timing": t}
+            for w in ("a", "b", "c", "d", "e") for ps in (16, 32) for t in ("eager", "graph")]
+    s = split_workloads(recs)
+    assert s["fit"] == ["a", "c", "e"] and s["validation"] == ["b", "d"]
+    assert not set(s["fit"]) & set(s["validation"])
+    assert set(s["fit"]) | set(s["validation"]) == {"a", "b", "c", "d", "e"}
+    s = split_workloads(recs, validation=["e"])
+    assert s["validation"] == ["e"] and "e" not in s["fit"]
+    s = split_workloads(recs, file_split={"fit": ["a"], "validation": ["a2", "c"]})
+    assert s["validation"] == ["c"] and s["rule"].startswith("split recorded")
+    with pytest.raises(ValueError, match="not in the measurements"):
+        split_workloads(recs, validation=["zz"])
+    with pytest.raises(ValueError, match="no workload to fit"):
+        split_workloads(recs, validation=list("abcde"))
 
 
 def test_fit_recovers_synthetic_measurements(tmp_path):
-    path, true, wls = _synthetic(tmp_path)
+    path, true, prep = _synthetic(tmp_path)
     data = load_measurements(path)
-    before = report(data, default_constants("h100"), workloads=wls)
-    consts, info = fit(data, "h100", max_evals=150, workloads=wls)
-    after = info["report"]
+    split = split_workloads(data["records"])
+    start = default_constants("h100")
+    before = report(data, start, split["fit"], prepared=prep)
+    consts, info = fit(data, split, "h100", start=start, max_evals=150, prepared=prep)
+    after = report(data, consts, split["fit"], prepared=prep)
     assert info["loss_after"] < info["loss_before"]
-    assert after["median_abs_err"] < before["median_abs_err"]
-    assert after["spearman"] >= 0.9 and after["median_abs_err"] <= 0.20
-    assert after["spearman_ok"] and after["median_err_ok"]
+    for side in ("in_sample", "out_of_sample"):
+        for t in ("eager", "graph"):
+            a = after[side][t]["all"]
+            assert a["median_abs_err"] <= 0.06
+        assert after[side]["graph"]["all"]["spearman"] >= 0.9
+    worst = max(before[s][t]["all"]["median_abs_err"] for s in ("in_sample", "out_of_sample")
+                for t in ("eager", "graph"))
+    assert worst > 0.2                     # the start was far off
+    assert after["in_sample"]["graph"]["all"]["n"] == len(METHODS) * len(HEADS) * 2
+    assert set(after["fit_workloads"]) == set(split["fit"])
+    assert not set(after["fit_workloads"]) & set(after["validation_workloads"])
     assert consts.source.startswith("fit to calibration_h100.json")
+    assert {"launch_ns", "graph_launch_ns", "l2_bandwidth"} <= set(info["fitted"])
+
+
+def test_fit_only_moves_launch_constants_of_measured_modes(tmp_path):
+    path, _, prep = _synthetic(tmp_path)
+    data = load_measurements(path)
+    data["records"] = [r for r in data["records"] if r["timing"] == "graph"]
+    start = default_constants("h100")
+    consts, info = fit(data, split_workloads(data["records"]), "h100", start=start,
+                       max_evals=20, prepared=prep)
+    assert "launch_ns" not in info["fitted"] and consts.launch_ns == start.launch_ns
 
 
 def test_fit_and_report_commands(tmp_path, capsys):
     path, _, _ = _synthetic(tmp_path)
     out = tmp_path / "h100.json"
-    assert main(["fit", "--measurements", path, "--out", str(out), "--max-evals", "60"]) == 0
+    assert main(["fit", "--measurements", path, "--out", str(out), "--max-evals", "40",
+                 "--validation", "32_300;2,16_1024,32"]) == 0
+    text = capsys.readouterr().out
+    assert "in sample" in text and "out of sample" in text
     saved = json.loads(out.read_text())
     assert saved["source"].startswith("fit to") and set(saved["constants"]) == set(
         default_constants("h100").as_dict())
+    assert saved["fit"]["split"]["validation"] == ["32_300", "2,16_1024,32"]
+    assert saved["fit"]["device"] == ["synthetic"] and saved["fit"]["git_sha"] == ["abc"]
+    assert fit_workloads_of(str(out)) == ["1,8_512,64", "1,4,16_128,256,512"]
     assert load_constants("h100", str(out)).source == saved["source"]
-    capsys.readouterr()
     plot = tmp_path / "cal.png"
     assert main(["calibration-report", "--measurements", path, "--constants", str(out),
                  "--json", "--plot", str(plot)]) == 0
     rep = json.loads(capsys.readouterr().out)
-    assert rep["n"] == len(SPECS) * len(METHODS) * len(HEADS)
-    assert -1.0 <= rep["spearman"] <= 1.0 and rep["median_abs_err"] >= 0
+    assert rep["fit_workloads"] == ["1,8_512,64", "1,4,16_128,256,512"]
+    assert rep["in_sample"]["graph"]["all"]["n"] == rep["out_of_sample"]["graph"]["all"]["n"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert main(["calibration-report", "--measurements", path]) == 0
-    text = capsys.readouterr().out
-    assert "Spearman" in text and "median |predicted/measured - 1|" in text
+    # a folder works as well as a file
+    assert main(["calibration-report", "--measurements", str(tmp_path), "--constants",
+                 str(out)]) == 0
+    assert "Spearman" in capsys.readouterr().out
 
 
-def test_copy_bandwidth_fixes_hbm(tmp_path):
-    path, _, wls = _synthetic(tmp_path)
-    data = load_measurements(path)
-    data["copy_bandwidth_gbps"] = 2500.0
-    consts, info = fit(data, "h100", max_evals=20, workloads=wls)
-    assert consts.hbm_bandwidth == 2500.0 and "hbm_bandwidth" not in info["fitted"]
+def test_fit_needs_an_output_path(tmp_path, capsys):
+    path, _, _ = _synthetic(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["fit", "--measurements", path])
+    assert "--out" in capsys.readouterr().err
 
 
 def test_bad_measurements_are_rejected(tmp_path):
@@ -102,3 +180,4 @@ def test_bad_measurements_are_rejected(tmp_path):
     with pytest.raises(ValueError, match="lacks"):
         load_measurements(str(p))
     assert main(["calibration-report", "--measurements", str(p)]) == 2
+    assert main(["calibration-report", "--measurements", str(tmp_path / "none.json")]) == 2
