@@ -224,7 +224,7 @@ def load_fasttree(folder: str):
                          "from the flashserve/PAT repository)")
     spec = importlib.util.spec_from_file_location("FastTree", path)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["FastTree"] = mod          # triton.jit looks its functions' module up by name
+    sys.modules["FastTree"] = mod          # as an import would: Triton reads jitted source
     try:
         spec.loader.exec_module(mod)
     except Exception as e:
@@ -238,7 +238,7 @@ def load_fasttree(folder: str):
     return mod
 
 
-def make_fasttree(torch, ft, batch, spec, k, v, q, hq, hk, d):
+def make_fasttree(torch, ft, batch, spec, k, v, q, hq, hk, d, tiles="prepared"):
     """FastTree on the batch every method runs: ``(fn, info)``, ``fn()`` returning its output
     ``[batch, hq, d]``; or ``(None, {"skipped": reason})`` where FastTree does not apply.
 
@@ -248,8 +248,11 @@ def make_fasttree(torch, ft, batch, spec, k, v, q, hq, hk, d):
     tile sizes (both phases to one size when a phase has too little parallelism); the kernel is
     then launched with the sizes it switched to (``params.TSQs``/``TSKs``), since the schedule
     was cut for those.  The authors' drivers pass their starting sizes instead, which gives
-    wrong results whenever a switch happens (e.g. ``1,16_16384,16`` at 32:8).
+    wrong results whenever a switch makes a phase's query tiles larger than the size passed
+    (e.g. ``1,16_16384,16`` at 32:8); ``tiles="authors"`` does that, for comparison.
     """
+    if tiles not in ("prepared", "authors"):
+        raise ValueError(f"tiles must be 'prepared' or 'authors', got {tiles!r}")
     try:
         tree = batch_token_tree(batch.block_tables, batch.seq_lens, batch.page_size)
     except Unsupported as e:
@@ -269,7 +272,9 @@ def make_fasttree(torch, ft, batch, spec, k, v, q, hq, hk, d):
     aux, assignment = ft.fasttree_preparation(
         nodes, [int(x) for x in tree.kv_ptrs], B, hq, hk, d, list(FASTTREE_KV_SPLITS),
         list(FASTTREE_PARA_THRESH1), list(FASTTREE_PARA_THRESH2), params, "cuda")
-    q_tiles, kv_tiles = list(params.TSQs), list(params.TSKs)
+    switched = list(params.TSQs) != q_tiles0 or list(params.TSKs) != kv_tiles0
+    q_tiles, kv_tiles = ((list(params.TSQs), list(params.TSKs)) if tiles == "prepared" else
+                         (q_tiles0, kv_tiles0))
     src = torch.as_tensor(tree.flat_src, device="cuda", dtype=torch.long)
     if int(tree.flat_src.max()) >= k.shape[0] * k.shape[1]:
         raise RuntimeError("fasttree: flat token map points past the cache")
@@ -286,8 +291,7 @@ def make_fasttree(torch, ft, batch, spec, k, v, q, hq, hk, d):
     info = dict(ft_nodes=tree.num_nodes, ft_levels=int(tree.depth.max()) + 1,
                 ft_tokens=int(tree.kv_ptrs[-1]), ft_vnodes=int(aux[1].numel()),
                 ft_phase_vnodes=[int(x) for x in aux[11]], ft_q_tiles=q_tiles,
-                ft_kv_tiles=kv_tiles, ft_tiles_switched=(q_tiles != q_tiles0
-                                                         or kv_tiles != kv_tiles0),
+                ft_kv_tiles=kv_tiles, ft_tiles_switched=switched,
                 ft_merged_into_parent=int(sum(assignment)))
     if isinstance(spec, str) and spec.count("_") == 1:
         # the same tree as FastTree's own generator builds from the spec? (a record, not a
@@ -367,6 +371,9 @@ def parse_args(argv=None):
                     help=f"subset of {', '.join(ALL_METHODS)} (default: all that can run)")
     ap.add_argument("--fasttree", metavar="DIR", default=None,
                     help="folder holding FastTree.py (flashserve/PAT benchmark/FastTree.py)")
+    ap.add_argument("--fasttree-tiles", choices=("prepared", "authors"), default="prepared",
+                    help="launch FastTree with the tile sizes its preparation settled on "
+                         "(default) or, as its authors' drivers do, with the starting ones")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--time-budget", type=float, default=None, metavar="S",
                     help="start no new configuration after S seconds (report still written)")
@@ -467,7 +474,8 @@ def main(argv=None):
                                tiles=st["tiles"])
                     fn = lambda: w.run(q, (k, v))  # noqa: E731
                 elif method == "fasttree":
-                    fn, info = make_fasttree(torch, ft, batch, wl, k, v, q, hq, hk, d)
+                    fn, info = make_fasttree(torch, ft, batch, wl, k, v, q, hq, hk, d,
+                                             args.fasttree_tiles)
                     row.update(info)
                     if fn is None:
                         rows.append(row)
@@ -549,7 +557,8 @@ def main(argv=None):
                       cupy=_cupy_version()),
         command=" ".join([os.path.basename(sys.argv[0]) or "compare.py"] +
                          (list(argv) if argv is not None else sys.argv[1:])),
-        methods=list(args.methods), fasttree_settings=_fasttree_settings() if ft else None,
+        methods=list(args.methods),
+        fasttree_settings=_fasttree_settings(args.fasttree_tiles) if ft else None,
         rows=rows, not_run=not_run,
     )
     path = os.path.join(args.out, "results.json")
@@ -562,8 +571,9 @@ def main(argv=None):
     return result
 
 
-def _fasttree_settings():
-    return dict(q_tiles={str(g): list(t) for g, t in FASTTREE_Q_TILES.items()},
+def _fasttree_settings(tiles):
+    return dict(launch_tiles=tiles,
+                q_tiles={str(g): list(t) for g, t in FASTTREE_Q_TILES.items()},
                 kv_tiles=list(FASTTREE_KV_TILES), kv_splits=list(FASTTREE_KV_SPLITS),
                 para_thresh1=list(FASTTREE_PARA_THRESH1),
                 para_thresh2=list(FASTTREE_PARA_THRESH2), alpha_beta_gamma=list(FASTTREE_COST),

@@ -236,11 +236,13 @@ def test_parse_args(capsys):
     a = compare.parse_args(["--out", "o", "--fasttree", "ftdir", "--sets", "long",
                             "--page-sizes", "16", "--time-budget", "300"])
     assert a.methods[-1] == "fasttree" and a.fasttree == "ftdir" and a.time_budget == 300
+    assert a.fasttree_tiles == "prepared"
     assert a.configs == [(w, h, 16) for w in LONG_PREFIX_WORKLOADS for h in DEEP_HEAD_CONFIGS]
     for bad, msg in ((["--methods", "fasttree"], "needs --fasttree"),
                      (["--methods", "flashtree"], "unknown"),
                      (["--workloads", "1_2_3"], "tree spec"),
-                     (["--reps", "0"], "reps")):
+                     (["--reps", "0"], "reps"),
+                     (["--fasttree-tiles", "mine"], "invalid choice")):
         with pytest.raises(SystemExit):
             compare.parse_args(["--out", "o"] + bad)
         assert msg in capsys.readouterr().err
