@@ -216,11 +216,12 @@ def plot_all(result, out_dir) -> list:
         f"{h['pat_faster_than_all_fi']} / {h['sharing_configs']}",
         f"- geometric-mean speed-up of pat over the faster FlashInfer method (sharing): "
         f"{h['geomean_speedup_vs_best_fi']:.2f}x",
-        f"- sharing configs where pat beats FastTree: {h['pat_faster_than_fasttree']} / "
-        f"{h['fasttree_configs']}; geometric-mean speed-up of pat over FastTree "
-        f"{h['geomean_speedup_vs_fasttree']:.2f}x "
-        f"(eager {h['geomean_speedup_vs_fasttree_eager']:.2f}x), "
-        f"worst {h['min_speedup_vs_fasttree']:.2f}x",
+        (f"- sharing configs where pat beats FastTree: {h['pat_faster_than_fasttree']} / "
+         f"{h['fasttree_configs']}; geometric-mean speed-up of pat over FastTree "
+         f"{h['geomean_speedup_vs_fasttree']:.2f}x "
+         f"(eager {h['geomean_speedup_vs_fasttree_eager']:.2f}x), "
+         f"worst {h['min_speedup_vs_fasttree']:.2f}x" if h["fasttree_configs"] else
+         "- FastTree: no configuration timed"),
         f"- geometric mean of pat latency / floor (sharing): {h['geomean_floor_ratio']:.2f}",
         f"- worst no-sharing ratio fi-decode / pat: {h['min_nosharing_ratio_vs_fi_decode']:.3f}"]
     ver = result.get("versions", {})
