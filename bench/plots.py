@@ -59,8 +59,8 @@ def _status(r) -> str:
 
 
 def fasttree_table(result) -> list:
-    """pat against FastTree per configuration (sharing batches where FastTree applies or was
-    tried): dicts with workload, heads, page_size, pat_us, fasttree_us, speedup (FastTree time /
+    """pat against FastTree per configuration (every configuration with a FastTree row, run
+    or not): dicts with workload, heads, page_size, pat_us, fasttree_us, speedup (FastTree time /
     pat time, > 1 means pat is faster), pat_eager_us, fasttree_eager_us, speedup_eager, timing;
     times are None and ``status`` says why where one side has none."""
     out = []
