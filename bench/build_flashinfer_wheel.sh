@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # Build the FlashInfer 0.2.5 wheel (a JIT package: pure Python + CUDA headers) on a machine
-# that reaches the package registry, into .whl/ (ignored by git).  The GPU machine installs it
-# with bench/gpu_compare.sh.
+# that reaches the package registry.  Usage: bench/build_flashinfer_wheel.sh [OUT_DIR]
+# (default .whl/ of the repository, ignored by git).  The GPU machine installs it with
+# bench/gpu_compare.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+out="${1:-.whl}"
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
 work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
 python3 -m venv "$work/venv"
 "$work/venv/bin/pip" install -q wheel setuptools
-(cd "$work" && "$work/venv/bin/pip" download -q --no-deps flashinfer-python==0.2.5)
-mkdir -p .whl
-"$work/venv/bin/pip" wheel -q --no-deps --no-build-isolation -w .whl \
+(cd "$work" && "$work/venv/bin/pip" download -q --no-deps --no-binary :all: \
+    flashinfer-python==0.2.5)
+"$work/venv/bin/pip" wheel -q --no-deps --no-build-isolation -w "$out" \
     "$work"/flashinfer_python-0.2.5.tar.gz
-ls -l .whl/flashinfer_python-0.2.5-*.whl
+ls -l "$out"/flashinfer_python-0.2.5-*.whl

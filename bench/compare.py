@@ -1,4 +1,4 @@
-"""pat against FlashInfer on one GPU: every method checked, then timed, in one run.
+"""pat against FlashInfer and FastTree on one GPU: every method checked, then timed, in one run.
 
 Methods
 -------
@@ -9,15 +9,30 @@ Methods
                                                (tensor cores when the GQA group >= 4)
 ``fi-cascade``                                 FlashInfer MultiLevelCascadeAttentionWrapper,
                                                one level per tree level
+``fasttree``                                   the FastTree paper's Triton kernel
+                                               (``FastTree.py`` of flashserve/PAT's benchmark/,
+                                               given with ``--fasttree DIR``; not part of pat)
+
+FastTree reads a flat token tensor, not a paged cache: its tree is derived from the block table
+(``bench/fasttree_map.py``) and its K/V are gathered once, untimed, from the very cache the other
+methods read, so it computes the same batch from the same values; its schedule comes from its
+own ``fasttree_preparation`` with its authors' benchmark settings.  It runs single-root trees at
+GQA group 1 or 4; elsewhere its row carries the reason instead of a time.
 
 Method: every method's output is compared with a float64 reference computed on the
 GPU; a method whose error exceeds twice that of a plain same-dtype PyTorch implementation is
 reported as wrong and not timed.  Timing: CUDA events around ``run`` only, warm-up first
-(FlashInfer's JIT and our compiles happen there), L2 flushed before every timed run, median of
-``--reps``.  The device's copy bandwidth is measured in the same run; the floor of a batch is
-(unique KV + q + out bytes) / copy bandwidth.
+(FlashInfer's JIT, Triton's and our compiles happen there), L2 flushed before every timed run,
+median of ``--reps``, eager and CUDA-graph replay.  The device's copy bandwidth is measured in
+the same run; the floor of a batch is (unique KV + q + out bytes) / copy bandwidth.
 
-    python bench/compare.py --out bench/results/compare_h100 [--workloads ...] [--page-sizes 16 32]
+    python bench/compare.py --out bench/results/compare_h100 [--sets design deep]
+        [--workloads ...] [--heads 32:32 32:8] [--page-sizes 16 32] [--fasttree DIR]
+
+Workloads: ``--sets`` picks named sets of ``pat_core.workloads.WORKLOAD_SETS`` (each its tree
+specs x its head configs; default ``design deep``, the development set); ``--workloads``
+replaces the sets' specs, ``--heads`` their head configs.  ``--time-budget S`` stops starting
+new configurations after S seconds and still writes the report.
 
 Writes ``results.json`` (device, versions, git sha, one row per workload x heads x page size x
 method), ``summary.md`` and plots (see bench/plots.py) into ``--out``.
@@ -25,6 +40,7 @@ method), ``summary.md`` and plots (see bench/plots.py) into ``--out``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -38,9 +54,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import copy_bandwidth, git_sha, l2_flusher, time_events, unique_kv_tokens  # noqa: E402
+from fasttree_map import (FASTTREE_COST, FASTTREE_KV_SPLITS, FASTTREE_KV_TILES,  # noqa: E402
+                          FASTTREE_PARA_THRESH1, FASTTREE_PARA_THRESH2, FASTTREE_Q_TILES,
+                          Unsupported, batch_token_tree, fasttree_nodes, fasttree_reason,
+                          same_shape)
 
 OUR_METHODS = ("pat", "query", "node", "compute", "pat-fixed", "pat-serial")
 FI_METHODS = ("fi-decode", "fi-cascade")
+FT_METHODS = ("fasttree",)
+ALL_METHODS = OUR_METHODS + FI_METHODS + FT_METHODS
+# what FastTree.py must define (flashserve/PAT benchmark/FastTree.py)
+FASTTREE_API = ("FastTreeParams", "KVTreeNode", "generate_tree", "fasttree_preparation",
+                "fasttree_decode")
 
 
 # ---------------------------------------------------------------------------- GPU helpers
@@ -85,6 +110,7 @@ def capture_graph(torch, fn, ref, tol):
             with torch.cuda.graph(g):
                 out = fn()
         torch.cuda.current_stream().wait_stream(s)
+        out.fill_(float("nan"))       # a buffer the eager runs already filled proves nothing
         g.replay()
         torch.cuda.synchronize()
         err = rel_err(torch, out, ref)
@@ -187,6 +213,188 @@ def make_fi_cascade(torch, flashinfer, batch, hq, hk, d, ps, dtype):
     return w, {"levels": len(levels)}
 
 
+def load_fasttree(folder: str):
+    """Import ``folder/FastTree.py`` (flashserve/PAT's benchmark/FastTree.py) by path.
+
+    Exits with a message naming what is wrong when the file is missing, does not import
+    (FastTree needs Triton and torch), or lacks a function this harness calls."""
+    path = os.path.join(folder, "FastTree.py")
+    if not os.path.isfile(path):
+        raise SystemExit(f"--fasttree {folder}: no FastTree.py there (take benchmark/FastTree.py "
+                         "from the flashserve/PAT repository)")
+    spec = importlib.util.spec_from_file_location("FastTree", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["FastTree"] = mod          # as an import would: Triton reads jitted source
+    try:
+        spec.loader.exec_module(mod)
+    except Exception as e:
+        del sys.modules["FastTree"]
+        raise SystemExit(f"--fasttree: importing {path} failed ({type(e).__name__}: {e}); "
+                         "it needs triton and torch") from e
+    missing = [n for n in FASTTREE_API if not hasattr(mod, n)]
+    if missing:
+        raise SystemExit(f"--fasttree: {path} lacks {', '.join(missing)}: not the FastTree.py "
+                         "this harness was written for")
+    return mod
+
+
+def make_fasttree(torch, ft, batch, spec, k, v, q, hq, hk, d, tiles="prepared"):
+    """FastTree on the batch every method runs: ``(fn, info)``, ``fn()`` returning its output
+    ``[batch, hq, d]``; or ``(None, {"skipped": reason})`` where FastTree does not apply.
+
+    ``k``, ``v``: the paged caches ``[pages, page_size, hk, d]``; ``q``: ``[batch, hq, d]``.
+    The flat K/V FastTree reads are gathered from them here, once (not timed).  Its schedule is
+    its own ``fasttree_preparation`` with its authors' settings.  That function may switch the
+    tile sizes (both phases to one size when a phase has too little parallelism); the kernel is
+    then launched with the sizes it switched to (``params.TSQs``/``TSKs``), since the schedule
+    was cut for those.  The authors' drivers pass their starting sizes instead, which gives
+    wrong results whenever a switch makes a phase's query tiles larger than the size passed
+    (e.g. ``1,16_16384,16`` at 32:8); ``tiles="authors"`` does that, for comparison.
+    """
+    if tiles not in ("prepared", "authors"):
+        raise ValueError(f"tiles must be 'prepared' or 'authors', got {tiles!r}")
+    try:
+        tree = batch_token_tree(batch.block_tables, batch.seq_lens, batch.page_size)
+    except Unsupported as e:
+        return None, {"skipped": str(e)}
+    reason = fasttree_reason(tree, hq, hk, d)
+    if reason:
+        return None, {"skipped": reason}
+    g = hq // hk
+    q_tiles0, kv_tiles0 = list(FASTTREE_Q_TILES[g]), list(FASTTREE_KV_TILES)
+    params = ft.FastTreeParams()
+    params.set_values(*FASTTREE_COST)
+    params.set_q_tile_sizes(list(q_tiles0))
+    params.set_kv_tile_sizes(list(kv_tiles0))
+    params.set_kv_group_num(g)
+    nodes = fasttree_nodes(tree, ft.KVTreeNode)
+    B = batch.batch_size
+    aux, assignment = ft.fasttree_preparation(
+        nodes, [int(x) for x in tree.kv_ptrs], B, hq, hk, d, list(FASTTREE_KV_SPLITS),
+        list(FASTTREE_PARA_THRESH1), list(FASTTREE_PARA_THRESH2), params, "cuda")
+    switched = list(params.TSQs) != q_tiles0 or list(params.TSKs) != kv_tiles0
+    q_tiles, kv_tiles = ((list(params.TSQs), list(params.TSKs)) if tiles == "prepared" else
+                         (q_tiles0, kv_tiles0))
+    src = torch.as_tensor(tree.flat_src, device="cuda", dtype=torch.long)
+    if int(tree.flat_src.max()) >= k.shape[0] * k.shape[1]:
+        raise RuntimeError("fasttree: flat token map points past the cache")
+    k_flat = k.reshape(-1, hk, d).index_select(0, src)          # [tokens, hk, d], contiguous
+    v_flat = v.reshape(-1, hk, d).index_select(0, src)
+    qc = q.contiguous()
+    out = torch.full((B, hq, d), float("nan"), dtype=q.dtype, device="cuda")
+    scale = 1.0 / math.sqrt(d)
+
+    def fn():
+        ft.fasttree_decode(qc, k_flat, v_flat, out, *aux, q_tiles, kv_tiles, scale)
+        return out
+
+    info = dict(ft_nodes=tree.num_nodes, ft_levels=int(tree.depth.max()) + 1,
+                ft_tokens=int(tree.kv_ptrs[-1]), ft_vnodes=int(aux[1].numel()),
+                ft_phase_vnodes=[int(x) for x in aux[11]], ft_q_tiles=q_tiles,
+                ft_kv_tiles=kv_tiles, ft_tiles_switched=switched,
+                ft_merged_into_parent=int(sum(assignment)))
+    if isinstance(spec, str) and spec.count("_") == 1:
+        # the same tree as FastTree's own generator builds from the spec? (a record, not a
+        # requirement: a page boundary inside a node changes the page-level tree)
+        try:
+            sizes, lens = ([int(x) for x in part.split(",")] for part in spec.split("_"))
+            info["ft_tree_is_generate_tree"] = same_shape(tree, ft.generate_tree(sizes, lens))
+        except Exception as e:  # a record only
+            info["ft_tree_is_generate_tree"] = f"{type(e).__name__}: {e}"[:120]
+    return fn, info
+
+
+# ---------------------------------------------------------------------------- configurations
+def parse_heads(text: str):
+    """``"32:8"`` -> ``(32, 8)``; ValueError naming the argument otherwise."""
+    try:
+        a, b = (int(x) for x in str(text).split(":"))
+    except ValueError:
+        raise ValueError(f"--heads: expected QO:KV like 32:8, got {text!r}") from None
+    if a < 1 or b < 1 or a % b:
+        raise ValueError(f"--heads {text}: need positive head counts with QO a multiple of KV")
+    return a, b
+
+
+def select_configs(sets=("design", "deep"), workloads=None, heads=None, page_sizes=(16, 32)):
+    """``[(spec, (hq, hk), page_size), ...]`` in run order, without duplicates.
+
+    ``sets``: names of ``pat_core.workloads.WORKLOAD_SETS`` (each its specs x its head
+    configs); ``workloads``: tree specs replacing the sets' specs (crossed with ``heads``, or
+    with every head config of the selected sets); ``heads``: ``"QO:KV"`` strings replacing the
+    sets' head configs.  Every spec is parsed here, so a typo fails before the GPU work.
+    """
+    from pat_core.workloads import WORKLOAD_SETS, parse_tree_spec
+    sets = list(sets or ())
+    bad = [x for x in sets if x not in WORKLOAD_SETS]
+    if bad:
+        raise ValueError(f"--sets: unknown {bad}; known: {sorted(WORKLOAD_SETS)}")
+    if not page_sizes or any(int(p) < 1 for p in page_sizes):
+        raise ValueError(f"--page-sizes: need positive page sizes, got {page_sizes}")
+    hs = [parse_heads(h) for h in heads] if heads else None
+    pairs = []
+    if workloads:
+        if not hs:
+            hs = [h for x in (sets or ["design"]) for h in WORKLOAD_SETS[x][1]]
+        pairs = [(w, h) for w in workloads for h in hs]
+    else:
+        if not sets:
+            raise ValueError("no workloads: give --sets or --workloads")
+        for x in sets:
+            specs, hcfg = WORKLOAD_SETS[x]
+            pairs += [(w, h) for w in specs for h in (hs or hcfg)]
+    for w, _ in pairs:
+        parse_tree_spec(w)
+    out = []
+    for w, h in pairs:
+        for ps in page_sizes:
+            c = (w, tuple(h), int(ps))
+            if c not in out:
+                out.append(c)
+    return out
+
+
+def parse_args(argv=None):
+    """compare.py's options (see the module docstring); checks them without a GPU."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="output folder")
+    ap.add_argument("--sets", nargs="*", default=["design", "deep"],
+                    help="named workload sets (pat_core.workloads.WORKLOAD_SETS)")
+    ap.add_argument("--workloads", nargs="*", default=None,
+                    help="tree specs replacing the sets' specs")
+    ap.add_argument("--heads", nargs="*", default=None,
+                    help="QO:KV head configs replacing the sets' head configs")
+    ap.add_argument("--page-sizes", nargs="*", type=int, default=[16, 32])
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
+    ap.add_argument("--methods", nargs="*", default=None,
+                    help=f"subset of {', '.join(ALL_METHODS)} (default: all that can run)")
+    ap.add_argument("--fasttree", metavar="DIR", default=None,
+                    help="folder holding FastTree.py (flashserve/PAT benchmark/FastTree.py)")
+    ap.add_argument("--fasttree-tiles", choices=("prepared", "authors"), default="prepared",
+                    help="launch FastTree with the tile sizes its preparation settled on "
+                         "(default) or, as its authors' drivers do, with the starting ones")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--time-budget", type=float, default=None, metavar="S",
+                    help="start no new configuration after S seconds (report still written)")
+    ap.add_argument("--no-flashinfer", action="store_true")
+    args = ap.parse_args(argv)
+    if args.methods is None:
+        args.methods = list(OUR_METHODS + FI_METHODS) + (["fasttree"] if args.fasttree else [])
+    bad = [m for m in args.methods if m not in ALL_METHODS]
+    if bad:
+        ap.error(f"--methods: unknown {bad}; known: {', '.join(ALL_METHODS)}")
+    if "fasttree" in args.methods and not args.fasttree:
+        ap.error("--methods fasttree needs --fasttree DIR (the folder holding FastTree.py)")
+    if args.reps < 1:
+        ap.error("--reps must be >= 1")
+    try:
+        args.configs = select_configs(args.sets, args.workloads, args.heads, args.page_sizes)
+    except ValueError as e:
+        ap.error(str(e))
+    return args
+
+
 # ---------------------------------------------------------------------------- main loop
 def bytes_floor(batch, hq, hk, d, elem):
     uniq = unique_kv_tokens(batch.block_tables, batch.seq_lens, batch.page_size)
@@ -194,22 +402,13 @@ def bytes_floor(batch, hq, hk, d, elem):
 
 
 def main(argv=None):
+    args = parse_args(argv)
+    ft = load_fasttree(args.fasttree) if "fasttree" in args.methods else None
     import torch
 
     import pat_core
-    from pat_core.workloads import DESIGN_WORKLOADS, HEAD_CONFIGS, build_tree_batch
+    from pat_core.workloads import build_tree_batch
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="output folder")
-    ap.add_argument("--workloads", nargs="*", default=list(DESIGN_WORKLOADS))
-    ap.add_argument("--heads", nargs="*", default=[f"{a}:{b}" for a, b in HEAD_CONFIGS])
-    ap.add_argument("--page-sizes", nargs="*", type=int, default=[16, 32])
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
-    ap.add_argument("--methods", nargs="*", default=list(OUR_METHODS + FI_METHODS))
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--no-flashinfer", action="store_true")
-    args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     dtype = getattr(torch, args.dtype)
     d = args.head_dim
@@ -223,6 +422,10 @@ def main(argv=None):
         except Exception as e:  # reported, not fatal: our methods still run
             print("flashinfer unavailable:", e, flush=True)
             flashinfer = None
+    triton_version = None
+    if ft is not None:
+        import triton
+        triton_version = triton.__version__
     dev = torch.cuda.get_device_properties(0)
     if any(m in OUR_METHODS for m in args.methods):
         from pat_core.cuda_backend import CudaBackend
@@ -234,10 +437,17 @@ def main(argv=None):
     flush = l2_flusher(128 << 20)
     elem = 2
     rows = []
-    configs = [(wl, h, ps) for wl in args.workloads for h in args.heads for ps in args.page_sizes]
+    configs = args.configs
+    not_run = []
     t_start = time.time()
-    for ci, (wl, heads, ps) in enumerate(configs):
-        hq, hk = (int(x) for x in heads.split(":"))
+    print(f"{len(configs)} configurations x {len(args.methods)} methods", flush=True)
+    for ci, (wl, (hq, hk), ps) in enumerate(configs):
+        heads = f"{hq}:{hk}"
+        if args.time_budget is not None and time.time() - t_start > args.time_budget:
+            not_run = [dict(workload=w, heads=list(h), page_size=p) for w, h, p in configs[ci:]]
+            print(f"time budget {args.time_budget:.0f}s spent: {len(not_run)} configurations "
+                  "not run", flush=True)
+            break
         batch = build_tree_batch(wl, ps, seed=ci)
         gen = torch.Generator(device="cuda").manual_seed(ci)
         kshape = (batch.num_pages, ps, hk, d)
@@ -263,6 +473,13 @@ def main(argv=None):
                     row.update(num_ctas=st["num_ctas"], total_bytes=st["total_bytes"],
                                tiles=st["tiles"])
                     fn = lambda: w.run(q, (k, v))  # noqa: E731
+                elif method == "fasttree":
+                    fn, info = make_fasttree(torch, ft, batch, wl, k, v, q, hq, hk, d,
+                                             args.fasttree_tiles)
+                    row.update(info)
+                    if fn is None:
+                        rows.append(row)
+                        continue
                 elif flashinfer is None:
                     row["skipped"] = "flashinfer unavailable"
                     rows.append(row)
@@ -316,6 +533,7 @@ def main(argv=None):
         bar = "#" * int(30 * done / len(configs))
         print(f"[{bar:<30}] {done}/{len(configs)} {wl} {heads} ps{ps}  "
               f"{el:.0f}s elapsed, ~{el / done * (len(configs) - done):.0f}s left", flush=True)
+        fn = w = out = None                   # FastTree's gathered K/V live in its closure
         del k, v, q, ref
         torch.cuda.empty_cache()
     # speed-ups against each baseline of the same configuration
@@ -326,7 +544,7 @@ def main(argv=None):
         for r in methods.values():
             if "latency_us" not in r:
                 continue
-            for base in ("query",) + FI_METHODS:
+            for base in ("query",) + FI_METHODS + FT_METHODS:
                 b = methods.get(base)
                 if b and "latency_us" in b:
                     r[f"speedup_vs_{base}"] = b["latency_us"] / r["latency_us"]
@@ -335,9 +553,13 @@ def main(argv=None):
         copy_bandwidth=bw, git_sha=git_sha(), dtype=args.dtype, head_dim=d, reps=args.reps,
         versions=dict(python=platform.python_version(), torch=torch.__version__,
                       cuda=torch.version.cuda, flashinfer=fi_version,
-                      numpy=np.__version__, pat=pat_core.__version__,
+                      triton=triton_version, numpy=np.__version__, pat=pat_core.__version__,
                       cupy=_cupy_version()),
-        rows=rows,
+        command=" ".join([os.path.basename(sys.argv[0]) or "compare.py"] +
+                         (list(argv) if argv is not None else sys.argv[1:])),
+        methods=list(args.methods),
+        fasttree_settings=_fasttree_settings(args.fasttree_tiles) if ft else None,
+        rows=rows, not_run=not_run,
     )
     path = os.path.join(args.out, "results.json")
     with open(path, "w") as fh:
@@ -347,6 +569,15 @@ def main(argv=None):
     for line in plot_all(result, args.out):
         print(line)
     return result
+
+
+def _fasttree_settings(tiles):
+    return dict(launch_tiles=tiles,
+                q_tiles={str(g): list(t) for g, t in FASTTREE_Q_TILES.items()},
+                kv_tiles=list(FASTTREE_KV_TILES), kv_splits=list(FASTTREE_KV_SPLITS),
+                para_thresh1=list(FASTTREE_PARA_THRESH1),
+                para_thresh2=list(FASTTREE_PARA_THRESH2), alpha_beta_gamma=list(FASTTREE_COST),
+                source="flashserve/PAT benchmark/FastTree.py, its authors' benchmark settings")
 
 
 def _cupy_version():

@@ -129,3 +129,22 @@ DESIGN_WORKLOADS = (
     "1,32,256_64,64,1024", "1,1024_1024,16", "1,8,64,512_128,512,64,32", "128_2048", "256_4096",
 )
 HEAD_CONFIGS = ((32, 32), (16, 8), (32, 8), (64, 8))
+
+# Deep single-root trees whose lower levels are many short (32-token) nodes: the shape where a
+# fixed cost per work item dominates.  5 levels / 256 leaves, 6 levels / 1024 leaves, 7 levels /
+# 64 leaves (a binary tree), 7 levels / 1024 leaves (from the PAT paper's kernel benchmark).
+DEEP_WORKLOADS = (
+    "1,4,16,64,256_512,256,128,64,32",
+    "1,4,16,64,256,1024_1024,256,128,64,32,32",
+    "1,2,4,8,16,32,64_256,128,64,64,32,32,32",
+    "1,8,16,32,64,128,1024_256,128,64,32,32,32,32",
+)
+# One long shared prefix over 16 or 32 short requests (64 and 128 query rows at GQA 4).
+LONG_PREFIX_WORKLOADS = ("1,16_16384,16", "1,32_16384,16")
+DEEP_HEAD_CONFIGS = ((32, 32), (32, 8))
+# name -> (tree specs, head configs); the development set of the benchmarks is "design" + "deep"
+WORKLOAD_SETS = {
+    "design": (DESIGN_WORKLOADS, HEAD_CONFIGS),
+    "deep": (DEEP_WORKLOADS, DEEP_HEAD_CONFIGS),
+    "long": (LONG_PREFIX_WORKLOADS, DEEP_HEAD_CONFIGS),
+}
