@@ -158,9 +158,10 @@ for gpu in ("h100", "a100"):
 # %% [markdown]
 # The rule that fails is named in each red cell. The bandwidth rule bites where the fewest CTAs
 # fit on an SM (a big tile uses many registers and much shared memory), so each must keep more
-# bytes in flight; the A100, with fewer SMs and less bandwidth to cover, needs fewer bytes in
-# flight but has less shared memory. So each GPU runs shapes the other rejects: the H100 ones
-# fail the A100's shared-memory limit, the A100 ones the H100's bandwidth rule (checked below).
+# bytes in flight. With the current kernels every tile with a kernel passes it on the H100 at
+# head_dim 128: even the largest tiles fit enough CTAs (or keep enough stages in flight). The
+# A100 has less shared memory per block, so the largest H100 tiles fail its shared-memory limit
+# (checked below).
 
 # %%
 sets = {g: set(feasible_tiles(128, "float16", g)) for g in ("h100", "a100")}
@@ -172,14 +173,12 @@ checks = [check_tile(m, n, 128, "float16", "h100") for m in M_CANDIDATES for n i
 built = [c for c in checks if c.resources is not None]
 starved = [c for c in built if "bandwidth" in c.violated]
 print("bandwidth failures on the H100:", [(c.m, c.n) for c in starved],
-      "with C =", sorted({c.ctas_per_sm for c in starved}), "CTAs per SM; C over all shapes:",
-      sorted({c.ctas_per_sm for c in built}))
-# the statements above: bandwidth fails only where the fewest CTAs fit; the sets differ both ways
-assert all(c.ctas_per_sm == min(x.ctas_per_sm for x in built) for c in starved)
+      "; CTAs per SM over all shapes:", sorted({c.ctas_per_sm for c in built}))
+# the statements above: no bandwidth failure on the H100 at head_dim 128; the H100-only tiles
+# fail the A100's shared-memory limit
+assert not starved
 assert only["h100"] and all("smem" in check_tile(*t, 128, "float16", "a100").violated
                             for t in only["h100"])
-assert only["a100"] and all("bandwidth" in check_tile(*t, 128, "float16", "h100").violated
-                            for t in only["a100"])
 #
 # ## Picking a tile per CTA
 #
