@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 D=$1 T=$2 M=$3 N=$4 W=$5 S=$6 RW=$7 ARCH=${8:-sm_90}
 tmp=$(mktemp -d)
-args="const $T*, const $T*, const $T*, float*, float*, const int*, const int*, const int*, const int*, const int*, const int*, const int*, int, int, int, int, int, int, long long, long long, long long, long long, long long, long long, long long, long long, int, float"
+args="const $T*, const $T*, const $T*, float*, float*, const int*, const int*, const int*, const int*, const int*, const int*, const int*, int, int, int, int, int, int, long long, long long, long long, long long, long long, long long, long long, long long, int, float, int*, const int*, void*, float*, long long, long long, long long, long long"
 printf '#include "pat_kernels.cu"\ntemplate __global__ void pat_fwd_kernel<%s, %s, %s, %s, %s, %s, %s>(%s);\n' \
   "$D" "$T" "$M" "$N" "$W" "$S" "$RW" "$args" > "$tmp/v.cu"
 nvcc -std=c++17 -arch="$ARCH" -cubin -use_fast_math -Icuda_src -o "$tmp/v.cubin" "$tmp/v.cu"

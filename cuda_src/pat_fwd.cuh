@@ -24,6 +24,7 @@
 #pragma once
 
 #include "pat_common.cuh"
+#include "pat_merge.cuh"
 
 namespace pat {
 
@@ -207,7 +208,7 @@ __device__ __forceinline__ void pat_fwd_body(
     const int* __restrict__ cta_page_indptr, const int* __restrict__ cta_pages, int cta_offset,
     int n_ctas, int num_kv_heads, int head_minor, int group, int num_qo_heads, long long q_sb,
     long long q_sh, long long k_sp, long long k_st, long long k_sh, long long v_sp,
-    long long v_st, long long v_sh, int page_size, float scale_log2) {
+    long long v_st, long long v_sh, int page_size, float scale_log2, const MergeArgs& merge) {
   using T = typename Tr::T;
   constexpr int D = Tr::D, M = Tr::M, N = Tr::N, THREADS = Tr::THREADS, STAGES = Tr::STAGES;
   constexpr int CHUNKS = Tr::CHUNKS, MI = Tr::MI, NW = Tr::NW, KC = Tr::KC;
@@ -549,12 +550,44 @@ __device__ __forceinline__ void pat_fwd_body(
       }
     }
   }
+  if (merge.counters == nullptr) return;
+
+  // ---- In-kernel merge: the CTA that writes a request's last partial slot merges it -----------
+  // Only the WARPS_M warps of token slice 0 are still running; slice_sync<Tr>(0) is their barrier.
+  // Release: make this CTA's partial writes visible device-wide before they are counted.
+  __threadfence();
+  slice_sync<Tr>(0);
+  int* last = reinterpret_cast<int*>(pat_dyn_smem);  // smem is free: the combine has finished
+  const int n_req = cta_req_indptr[cta + 1] - req_begin;
+  for (int i = stid; i < n_req; i += Tr::SLICE_THREADS) {
+    const int r = cta_req[req_begin + i];
+    const int slots = merge.req_slot_indptr[r + 1] - merge.req_slot_indptr[r];
+    int* ctr = merge.counters + (long long)r * num_kv_heads + kv_head;
+    const int done = atomicAdd(ctr, 1) + 1;
+    const bool is_last = done == slots;
+    if (is_last) *ctr = 0;  // every slot is counted: no other CTA touches it again this run
+    last[i] = is_last ? r : -1;
+  }
+  slice_sync<Tr>(0);
+  // Acquire: the counts observed above order the other CTAs' partial writes before our reads.
+  __threadfence();
+  for (int p = wm; p < n_req * group; p += Tr::WARPS_M) {
+    const int i = p / group;
+    const int r = last[i];
+    if (r < 0) continue;
+    merge_pair<D, T>(o_partial, lse_partial, merge.req_slot_indptr[r],
+                     merge.req_slot_indptr[r + 1], r, kv_head * group + (p - i * group),
+                     num_qo_heads, static_cast<T*>(merge.out), merge.lse_out, merge.out_sb,
+                     merge.out_sh, merge.lse_sb, merge.lse_sh, lane);
+  }
 }
 
 }  // namespace pat
 
 // Kernel entry point.  Template arguments: head_dim, element type, m, n, warps, stages, rows per
 // warp; the Python side names each instantiation pat_fwd_d{D}_{dtype}_m{M}_n{N}_w{W}_s{S}_r{RW}.
+// The last eight arguments are the in-kernel merge's (pat::MergeArgs; merge_counters == nullptr
+// leaves the merge to pat_merge_kernel).
 template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES, int RW>
 __global__ void __launch_bounds__(WARPS * 32, 1) pat_fwd_kernel(
     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
@@ -565,12 +598,16 @@ __global__ void __launch_bounds__(WARPS * 32, 1) pat_fwd_kernel(
     const int* __restrict__ cta_pages, int cta_offset, int n_ctas, int num_kv_heads,
     int head_minor, int group, int num_qo_heads,
     long long q_sb, long long q_sh, long long k_sp, long long k_st, long long k_sh,
-    long long v_sp, long long v_st, long long v_sh, int page_size, float scale_log2) {
+    long long v_sp, long long v_st, long long v_sh, int page_size, float scale_log2,
+    int* merge_counters, const int* merge_req_slot_indptr, void* merge_out, float* merge_lse,
+    long long out_sb, long long out_sh, long long lse_sb, long long lse_sh) {
+  const pat::MergeArgs merge{merge_counters, merge_req_slot_indptr, merge_out, merge_lse,
+                            out_sb, out_sh, lse_sb, lse_sh};
   pat::pat_fwd_body<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW>>(
       q, k_cache, v_cache, o_partial, lse_partial, cta_req_indptr, cta_req, cta_slot,
       cta_kv_start, cta_kv_len, cta_page_indptr, cta_pages, cta_offset, n_ctas, num_kv_heads,
       head_minor, group, num_qo_heads, q_sb,
-      q_sh, k_sp, k_st, k_sh, v_sp, v_st, v_sh, page_size, scale_log2);
+      q_sh, k_sp, k_st, k_sh, v_sp, v_st, v_sh, page_size, scale_log2, merge);
 }
 
 // One launch for every forward CTA of a plan, whatever its tile.  Template arguments: head_dim,
@@ -592,13 +629,13 @@ __device__ __forceinline__ bool run_if(int want, int& idx, const typename Tr::T*
                                        int num_qo_heads, long long q_sb, long long q_sh,
                                        long long k_sp, long long k_st, long long k_sh,
                                        long long v_sp, long long v_st, long long v_sh,
-                                       int page_size, float scale_log2) {
+                                       int page_size, float scale_log2, const MergeArgs& merge) {
   if (idx++ != want) return false;
   if ((int)threadIdx.x < Tr::THREADS)
     pat_fwd_body<Tr>(q, k_cache, v_cache, o_partial, lse_partial, cta_req_indptr, cta_req,
                      cta_slot, cta_kv_start, cta_kv_len, cta_page_indptr, cta_pages, 0, n_ctas,
                      num_kv_heads, head_minor, group, num_qo_heads, q_sb, q_sh, k_sp, k_st,
-                     k_sh, v_sp, v_st, v_sh, page_size, scale_log2);
+                     k_sh, v_sp, v_st, v_sh, page_size, scale_log2, merge);
   return true;
 }
 }  // namespace pat
@@ -613,7 +650,11 @@ __global__ void __launch_bounds__(THREADS, 1) pat_fwd_fused_kernel(
     const int* __restrict__ cta_pages, const int* __restrict__ cta_variant, int n_ctas,
     int num_kv_heads, int head_minor, int group, int num_qo_heads,
     long long q_sb, long long q_sh, long long k_sp, long long k_st, long long k_sh,
-    long long v_sp, long long v_st, long long v_sh, int page_size, float scale_log2) {
+    long long v_sp, long long v_st, long long v_sh, int page_size, float scale_log2,
+    int* merge_counters, const int* merge_req_slot_indptr, void* merge_out, float* merge_lse,
+    long long out_sb, long long out_sh, long long lse_sb, long long lse_sh) {
+  const pat::MergeArgs merge{merge_counters, merge_req_slot_indptr, merge_out, merge_lse,
+                            out_sb, out_sh, lse_sb, lse_sh};
   static_assert(((Trs::THREADS <= THREADS) && ...), "block too small for a variant");
   static_assert(((Trs::D == HEAD_DIM) && ...), "variants of one head_dim");
   const int cta = head_minor ? (int)blockIdx.x / num_kv_heads
@@ -624,5 +665,5 @@ __global__ void __launch_bounds__(THREADS, 1) pat_fwd_fused_kernel(
                           cta_req_indptr, cta_req, cta_slot, cta_kv_start, cta_kv_len,
                           cta_page_indptr, cta_pages, n_ctas, num_kv_heads, head_minor, group,
                           num_qo_heads, q_sb, q_sh, k_sp, k_st, k_sh, v_sp, v_st, v_sh,
-                          page_size, scale_log2) || ...);
+                          page_size, scale_log2, merge) || ...);
 }

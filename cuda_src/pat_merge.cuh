@@ -13,24 +13,32 @@
 
 namespace pat {
 
-template <int HEAD_DIM, typename TO, int WARPS>
-__device__ __forceinline__ void pat_merge_body(const float* __restrict__ o_partial,
-                                               const float* __restrict__ lse_partial,
-                                               const int* __restrict__ req_slot_indptr,
-                                               TO* __restrict__ out, float* __restrict__ lse_out,
-                                               int batch, int num_qo_heads, long long out_sb,
-                                               long long out_sh, long long lse_sb,
-                                               long long lse_sh) {
+// What a forward CTA needs to merge finished requests itself (see pat_fwd.cuh): a counter per
+// (request, KV head) of the partial slots written so far (zero between runs: the CTA that
+// completes a request resets it), each request's slot range, and the output.  counters ==
+// nullptr: no in-kernel merge (the separate merge kernel runs).  Plain pointers and 64-bit
+// integers, so the host side can pack it as a C struct.
+struct MergeArgs {
+  int* counters;               // [batch * num_kv_heads]
+  const int* req_slot_indptr;  // [batch + 1]
+  void* out;                   // [batch, num_qo_heads, head_dim] in the input dtype
+  float* lse_out;              // [batch, num_qo_heads] or nullptr
+  long long out_sb, out_sh, lse_sb, lse_sh;  // element strides
+};
+
+// Merge the partial states of request r, query head h (slots s0 .. s1 - 1) into out / lse_out.
+// One warp; each lane owns HEAD_DIM / 32 consecutive elements.  Partials are read through L2
+// (ld.global.cg): they may have been written by other CTAs of the same launch, and an earlier
+// run may have left stale copies of the same addresses in this SM's L1.
+template <int HEAD_DIM, typename TO>
+__device__ __forceinline__ void merge_pair(const float* __restrict__ o_partial,
+                                           const float* __restrict__ lse_partial, int s0, int s1,
+                                           int r, int h, int num_qo_heads, TO* __restrict__ out,
+                                           float* __restrict__ lse_out, long long out_sb,
+                                           long long out_sh, long long lse_sb, long long lse_sh,
+                                           int lane) {
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head_dim must be 64 or 128");
   constexpr int VEC = HEAD_DIM / 32;  // elements per lane: 2 or 4
-  const int lane = threadIdx.x & 31;
-  const long long pair = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
-  if (pair >= (long long)batch * num_qo_heads) return;
-  const int r = (int)(pair / num_qo_heads);
-  const int h = (int)(pair - (long long)r * num_qo_heads);
-  const int s0 = req_slot_indptr[r];
-  const int s1 = req_slot_indptr[r + 1];
-
   float o[VEC];
 #pragma unroll
   for (int i = 0; i < VEC; ++i) o[i] = 0.f;
@@ -39,24 +47,25 @@ __device__ __forceinline__ void pat_merge_body(const float* __restrict__ o_parti
   auto load = [&](int slot, float w) {
     const float* src = o_partial + ((long long)slot * num_qo_heads + h) * HEAD_DIM + lane * VEC;
     if constexpr (VEC == 4) {
-      const float4 v = *reinterpret_cast<const float4*>(src);
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(src));
       o[0] += w * v.x; o[1] += w * v.y; o[2] += w * v.z; o[3] += w * v.w;
     } else {
-      const float2 v = *reinterpret_cast<const float2*>(src);
+      const float2 v = __ldcg(reinterpret_cast<const float2*>(src));
       o[0] += w * v.x; o[1] += w * v.y;
     }
   };
+  auto lse_of = [&](int slot) { return __ldcg(lse_partial + (long long)slot * num_qo_heads + h); };
 
   if (s1 - s0 == 1) {
-    lse = lse_partial[(long long)s0 * num_qo_heads + h];
+    lse = lse_of(s0);
     if (lse != neg_inf()) load(s0, 1.f);
   } else {
     float mx = neg_inf();
-    for (int s = s0; s < s1; ++s) mx = fmaxf(mx, lse_partial[(long long)s * num_qo_heads + h]);
+    for (int s = s0; s < s1; ++s) mx = fmaxf(mx, lse_of(s));
     if (mx != neg_inf()) {
       float wsum = 0.f;
       for (int s = s0; s < s1; ++s) {
-        const float ls = lse_partial[(long long)s * num_qo_heads + h];
+        const float ls = lse_of(s);
         if (ls == neg_inf()) continue;  // empty state: identity
         const float w = expf(ls - mx);
         wsum += w;
@@ -73,6 +82,23 @@ __device__ __forceinline__ void pat_merge_body(const float* __restrict__ o_parti
 #pragma unroll
   for (int i = 0; i < VEC; ++i) dst[i] = ElemOps<TO>::from_float(o[i]);
   if (lse_out != nullptr && lane == 0) lse_out[(long long)r * lse_sb + (long long)h * lse_sh] = lse;
+}
+
+template <int HEAD_DIM, typename TO, int WARPS>
+__device__ __forceinline__ void pat_merge_body(const float* __restrict__ o_partial,
+                                               const float* __restrict__ lse_partial,
+                                               const int* __restrict__ req_slot_indptr,
+                                               TO* __restrict__ out, float* __restrict__ lse_out,
+                                               int batch, int num_qo_heads, long long out_sb,
+                                               long long out_sh, long long lse_sb,
+                                               long long lse_sh) {
+  const int lane = threadIdx.x & 31;
+  const long long pair = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
+  if (pair >= (long long)batch * num_qo_heads) return;
+  const int r = (int)(pair / num_qo_heads);
+  const int h = (int)(pair - (long long)r * num_qo_heads);
+  merge_pair<HEAD_DIM, TO>(o_partial, lse_partial, req_slot_indptr[r], req_slot_indptr[r + 1], r,
+                           h, num_qo_heads, out, lse_out, out_sb, out_sh, lse_sb, lse_sh, lane);
 }
 
 }  // namespace pat

@@ -207,6 +207,10 @@ class CudaBackend:
         # groups and few blocks (launch latency dominates), else streams.  See _use_fused.
         self.launch_mode = os.environ.get("PAT_LAUNCH_MODE", "auto")
         self.fused_max_blocks_per_sm = 4
+        # "forward": the forward CTA that writes a request's last partial slot merges it (a
+        # per-(request, KV head) counter), no merge launch; "kernel": the separate merge kernel
+        self.merge_mode = os.environ.get("PAT_MERGE_MODE", "forward")
+        self._counter_bufs: dict = {}  # device -> int32 counters, zero between runs
         self._buffers: dict = {}      # device -> (num_floats, o_partial memptr, lse memptr)
 
     # ------------------------------------------------------------------ compile
@@ -378,7 +382,7 @@ class CudaBackend:
         want_lse = bool(return_lse or lse is not None)
         rec = self._uploads.get(id(plan))
         sig = (kv_layout, qd.sig(), kd.sig(), vd.sig(), self.launch_mode,
-               self.fused_max_blocks_per_sm)
+               self.fused_max_blocks_per_sm, self.merge_mode)
         prep = None
         if rec is not None and rec["version"] == plan.version:
             prep = rec["prepared"].get(sig)
@@ -446,6 +450,14 @@ class CudaBackend:
                     i64(vd.strides[ax_page]), i64(vd.strides[ax_tok]), i64(vd.strides[ax_head]),
                     i32(plan.page_size), np.float32(plan.sm_scale * _LOG2E))
             head_minor = i32(1 if self.head_minor else 0)
+            if self.merge_mode not in ("forward", "kernel"):
+                raise ValueError(f"merge_mode must be 'forward' or 'kernel', got "
+                                 f"{self.merge_mode!r}")
+            in_fwd = self.merge_mode == "forward"
+            counters = self._counters(plan.batch_size * Hk) if in_fwd else None
+            # pat::MergeArgs: counters, slot ranges, out, lse, strides (out/lse set per call)
+            tail = tail + ((counters if in_fwd else u64(0)), rec["req_slot_indptr"], u64(0),
+                           u64(0), i64(0), i64(0), i64(0), i64(0))
             launches = []
             members = [cc.FwdVariant.make(m, n, D, dtype) for _, (m, n), b, e in plan.groups()
                        if e > b]
@@ -473,8 +485,22 @@ class CudaBackend:
                           i32(Hq), i64(0), i64(0), i64(0), i64(0))
             merge = _Launch(self._function(mv), ((B * Hq + mv.warps - 1) // mv.warps, 1, 1),
                             (mv.threads, 1, 1), merge_args, 0, self.fast_launch)
-            return {"device": dev, "dtype": dtype, "launches": launches, "merge": merge,
+            return {"device": dev, "dtype": dtype, "launches": launches,
+                    "merge": None if in_fwd else merge,
                     "buf_gen": self._buffer_generation(dev)}
+
+    def _counters(self, n: int):
+        """int32 counters of the in-kernel merge, ``n`` at least; zero between runs (the CTA
+        that completes a request resets its counter), grow-only per device."""
+        cp = self.cp
+        dev = cp.cuda.runtime.getDevice()
+        cur = self._counter_bufs.get(dev)
+        if cur is None or cur.size < n:
+            if cur is not None:
+                cp.cuda.Device(dev).synchronize()   # a run in flight may still count in it
+            cur = cp.zeros(max(n, int(cur.size * 1.25) if cur is not None else 0), dtype=cp.int32)
+            self._counter_bufs[dev] = cur
+        return cur
 
     def _use_fused(self, plan: Plan, members) -> bool:
         """Whether to run every forward CTA in one launch (see ``launch_mode``).
@@ -525,6 +551,12 @@ class CudaBackend:
         if B == 0 or not launches:
             return (out, lse) if want_lse else out
 
+        merge = prep["merge"]
+        out_args = (od.ptr, ld.ptr if ld is not None else 0, od.strides[0], od.strides[1],
+                    ld.strides[0] if ld is not None else 0, ld.strides[1] if ld is not None else 0)
+        if merge is None:   # merged by the forward CTAs: they get the output
+            for ln in launches:
+                ln.set(len(ln.args) - 6, *out_args)
         rt = self.cp.cuda.runtime
         caller = self._caller_stream(qd).ptr
         if plan.serial or len(launches) == 1:
@@ -544,13 +576,9 @@ class CudaBackend:
                 rt.eventRecord(joins[si].ptr, streams[si].ptr)
                 rt.streamWaitEvent(caller, joins[si].ptr, 0)
 
-        merge = prep["merge"]
-        if ld is not None:
-            merge.set(3, od.ptr, ld.ptr, B, Hq, od.strides[0], od.strides[1], ld.strides[0],
-                      ld.strides[1])
-        else:
-            merge.set(3, od.ptr, 0, B, Hq, od.strides[0], od.strides[1], 0, 0)
-        merge(caller)
+        if merge is not None:
+            merge.set(3, out_args[0], out_args[1], B, Hq, *out_args[2:])
+            merge(caller)
         return (out, lse) if want_lse else out
 
 

@@ -203,7 +203,8 @@ class FwdVariant:
         return (f"template __global__ void {self.name_expression}(const {t}*, const {t}*, "
                 f"const {t}*, float*, float*, const int*, const int*, const int*, const int*, "
                 f"const int*, const int*, const int*, int, int, int, int, int, int, long long, long long, "
-                f"long long, long long, long long, long long, long long, long long, int, float);")
+                f"long long, long long, long long, long long, long long, long long, int, float, "
+                f"int*, const int*, void*, float*, long long, long long, long long, long long);")
 
 
 @dataclass(frozen=True)
