@@ -207,9 +207,10 @@ class CudaBackend:
         # groups and few blocks (launch latency dominates), else streams.  See _use_fused.
         self.launch_mode = os.environ.get("PAT_LAUNCH_MODE", "auto")
         self.fused_max_blocks_per_sm = 4
-        # "forward": the forward CTA that writes a request's last partial slot merges it (a
-        # per-(request, KV head) counter), no merge launch; "kernel": the separate merge kernel
-        self.merge_mode = os.environ.get("PAT_MERGE_MODE", "forward")
+        # "kernel" (default): the separate merge kernel; "forward" (measured slower, kept as an
+        # ablation): the forward CTA that writes a request's last partial slot merges it (a
+        # per-(request, KV head) counter) and the merge launch disappears
+        self.merge_mode = os.environ.get("PAT_MERGE_MODE", "kernel")
         self._counter_bufs: dict = {}  # device -> int32 counters, zero between runs
         self._buffers: dict = {}      # device -> (num_floats, o_partial memptr, lse memptr)
 
