@@ -600,7 +600,12 @@ class _Launch:
         self.fn, self.grid, self.block, self.smem = fn, grid, block, int(smem)
         self.keep = keep   # device arrays the arguments point to (kept alive with the launch)
         self.args = list(args)
-        self.fast = bool(fast) and hasattr(fn, "ptr")
+        # RawModule.get_function hands back a RawKernel; its loaded driver function (``.kernel``,
+        # a cupy.cuda.function.Function) carries the CUfunction handle cuLaunchKernel needs
+        func = getattr(fn, "kernel", fn)
+        self.fast = bool(fast) and hasattr(func, "ptr")
+        if fast and not self.fast:
+            log.warning("no CUfunction handle on %s: using CuPy's generic launch", type(fn))
         if self.fast:
             from cupy.cuda import driver
             self.launch = driver.launchKernel
@@ -608,7 +613,7 @@ class _Launch:
             self.ptrs = (ctypes.c_void_p * len(self.vals))(
                 *[ctypes.addressof(v) for v in self.vals])
             self.params = ctypes.addressof(self.ptrs)
-            self.fptr = int(fn.ptr)
+            self.fptr = int(func.ptr)
 
     def set(self, first: int, *values) -> None:
         """Overwrite integer arguments first, first + 1, ... (pointers, sizes, strides)."""
