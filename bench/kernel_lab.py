@@ -80,6 +80,8 @@ def _layout_candidates():
 
 
 CASE_SETS = {"forced": FORCED, "long": LONG, "sharing": SHARING, "layouts": _layout_candidates(),
+             "quickstart": tuple(("1,4,16_128,256,1024", (32, 8), p, None, None, "default")
+                                 for p in ("pat", "query", "node", "cascade")),
              "nosharing": tuple(("256_4096", (32, 8), p, None, None, "default")
                                 for p in ("query", "pat"))}
 
