@@ -535,7 +535,8 @@ __device__ __forceinline__ void pat_fwd_body(
         const int head = kv_head * group + (row - ri * group);
         const long long slot = cta_slot[req_begin + ri];
         const float l = l_run[mi][hr];
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+        // l == 0: every key scored -inf (the empty state); a NaN l (non-finite input) is kept
+        const float inv = l != 0.f ? 1.f / l : 0.f;
         float* dst = o_partial + (slot * num_qo_heads + head) * D + ((lane & 3) << 1);
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt) {
@@ -546,7 +547,7 @@ __device__ __forceinline__ void pat_fwd_body(
         }
         if ((lane & 3) == 0)
           lse_partial[slot * num_qo_heads + head] =
-              l > 0.f ? (m_run[mi][hr] + __log2f(l)) * kLn2 : neg_inf();
+              l != 0.f ? (m_run[mi][hr] + __log2f(l)) * kLn2 : neg_inf();
       }
     }
   }

@@ -6,6 +6,7 @@
 //   out = sum_s exp(lse_s - M) * o_s / sum_s exp(lse_s - M),   lse = M + log(sum_s exp(lse_s - M))
 // with M = max_s lse_s.  Slots with lse = -inf (no keys) are skipped, so an empty state is the
 // identity and never produces a NaN; a request with no finite state gets zeros and lse = -inf.
+// A NaN LSE (non-finite q, K or V) is not empty: it makes the request's output and LSE NaN.
 // A request with one slot takes the copy-and-convert fast path.
 #pragma once
 
@@ -61,8 +62,18 @@ __device__ __forceinline__ void merge_pair(const float* __restrict__ o_partial,
     if (lse != neg_inf()) load(s0, 1.f);
   } else {
     float mx = neg_inf();
-    for (int s = s0; s < s1; ++s) mx = fmaxf(mx, lse_of(s));
-    if (mx != neg_inf()) {
+    bool nan_lse = false;  // fmaxf drops NaN: look for it separately
+    for (int s = s0; s < s1; ++s) {
+      const float ls = lse_of(s);
+      mx = fmaxf(mx, ls);
+      nan_lse |= ls != ls;
+    }
+    if (nan_lse) {
+      const float nan = __int_as_float(0x7fc00000);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) o[i] = nan;
+      lse = nan;
+    } else if (mx != neg_inf()) {
       float wsum = 0.f;
       for (int s = s0; s < s1; ++s) {
         const float ls = lse_of(s);

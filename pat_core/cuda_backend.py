@@ -288,7 +288,8 @@ class CudaBackend:
         _check_plan_tiles(plan)
         cp.cuda.Device(dev).synchronize()
         rec = {"version": plan.version, "device": dev, "prepared": {},
-               "max_page": int(plan.cta_pages.max()) if plan.cta_pages.size else -1}
+               "max_page": int(plan.cta_pages.max()) if plan.cta_pages.size else -1,
+               "min_page": int(plan.cta_pages.min()) if plan.cta_pages.size else 0}
         for name in _UPLOAD_FIELDS:
             arr = np.ascontiguousarray(getattr(plan, name), dtype=np.int32)
             rec[name] = cp.asarray(arr) if arr.size else cp.zeros(1, dtype=cp.int32)
@@ -440,6 +441,8 @@ class CudaBackend:
             if rec["max_page"] >= num_pages:
                 raise ValueError(f"paged_kv_cache holds {num_pages} pages but the plan reads "
                                  f"page {rec['max_page']}")
+            if rec["min_page"] < 0:
+                raise ValueError(f"the plan reads page {rec['min_page']}: page ids must be >= 0")
             dtype = qd.dtype
             o_part, l_part = self._partials(plan.num_slots, Hq, D)
             i32, i64, u64 = np.int32, np.int64, np.uint64

@@ -10,6 +10,11 @@ Same CTAs, same ``(m, n)`` tiles, same page gathering, same arithmetic contract:
 * each CTA writes its fp32 partial ``o / l`` and natural-log ``lse = m + log(l)`` to its slots,
   then :func:`~pat_core.merge.merge_partials` combines each request's slots.
 
+Non-finite input propagates as in dense attention: a NaN in ``q``, or a NaN/infinity in a key
+or value, makes NaN (or infinite) output and LSE for exactly the rows that read it; a key whose
+score is ``-inf`` gets weight 0, and a CTA whose keys all score ``-inf`` writes the empty state
+``(0, -inf)``, as the CUDA kernel does.
+
 Padding rows of a tile (``rows < m``) are skipped rather than computed on zeros: they are never
 written on the GPU either, so the results are identical and the executor is faster.
 
@@ -86,13 +91,17 @@ def _run_ctas(q, kc, vc, cta_req_indptr, cta_req, cta_slot, cta_kv_start, cta_kv
                     for j in range(cols):
                         if s[i, j] > mx:
                             mx = s[i, j]
-                    alpha = np.float32(math.exp(m_run[i] - mx)) if m_run[i] > -np.inf \
+                    # subtract 0 while every score so far is -inf (an infinite key), so
+                    # that (-inf) - (-inf) never makes a NaN; a NaN score never wins the
+                    # max, its exp is NaN and it reaches l and the output
+                    m_use = mx if mx > -np.inf else np.float32(0.0)
+                    alpha = np.float32(math.exp(m_run[i] - m_use)) if m_run[i] > -np.inf \
                         else np.float32(0.0)
                     l_run[i] *= alpha
                     for x in range(d):
                         acc[i, x] *= alpha
                     for j in range(cols):
-                        p = np.float32(math.exp(s[i, j] - mx))
+                        p = np.float32(math.exp(s[i, j] - m_use))
                         l_run[i] += p
                         pr = _round_mantissa(p, round_bits, round_min_exp)
                         t = t0 + j
@@ -104,10 +113,16 @@ def _run_ctas(q, kc, vc, cta_req_indptr, cta_req, cta_slot, cta_kv_start, cta_kv
             for i in range(rows):
                 slot_id = cta_slot[r0 + i // group]
                 hq = h * group + i % group
+                if l_run[i] == 0.0:           # every key scored -inf: the empty state
+                    for x in range(d):
+                        o_part[slot_id, hq, x] = 0.0
+                    lse_part[slot_id, hq] = -np.inf
+                    continue
                 inv = np.float32(1.0) / l_run[i]
                 for x in range(d):
                     o_part[slot_id, hq, x] = acc[i, x] * inv
-                lse_part[slot_id, hq] = m_run[i] + np.float32(math.log(l_run[i]))
+                lse_part[slot_id, hq] = m_run[i] + np.float32(math.log(l_run[i])) \
+                    if l_run[i] == l_run[i] else np.float32(np.nan)
 
 
 def _as_f32(x, name):

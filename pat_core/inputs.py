@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
+INT32_MAX = 2**31 - 1
+
 
 def _to_numpy(x, name: str) -> np.ndarray:
     """Host array from NumPy / list / CPU torch tensor; refuse device tensors (no silent copies)."""
@@ -32,11 +34,28 @@ def _to_numpy(x, name: str) -> np.ndarray:
 
 def _as_int_array(x, name: str, ndim: int) -> np.ndarray:
     arr = _to_numpy(x, name)
+    if arr.dtype == object:
+        raise TypeError(f"{name} must be an integer array; got ragged or mixed data")
     if arr.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
     return arr
+
+
+def _int64(arr: np.ndarray, name: str, used=None) -> np.ndarray:
+    """``arr`` as int64; an unsigned entry above 2^63 - 1 (in ``used``, a bool mask, when
+    given) is reported with its true value instead of wrapping to a negative number."""
+    if arr.dtype.kind == "u" and arr.size:
+        big = arr > np.iinfo(np.int64).max
+        if used is not None:
+            big &= used
+        if big.any():
+            at = tuple(int(i) for i in np.argwhere(big)[0])
+            idx = ", ".join(map(str, at))
+            raise ValueError(f"{name}[{idx}] = {int(arr[at])} does not fit in int32 "
+                             f"(the limit is 2^31 - 1)")
+    return arr.astype(np.int64)
 
 
 @dataclass
@@ -87,13 +106,15 @@ class BlockTable:
                 f"tokens but block_tables lists only {bt.shape[1]} per request")
         src = bt[:, :width]
         if src.dtype not in (np.int32, np.int64):
-            src = src.astype(np.int64)
+            used = np.arange(width)[None, :] < npages[:, None]
+            src = _int64(src, "block_tables", used)
         table, bad_r, bad_c = _mask_padding(np.ascontiguousarray(src), npages)
         if bad_r >= 0:
             val = int(src[bad_r, bad_c])
             if val < 0:
                 raise ValueError(f"block_tables[{bad_r}, {bad_c}] = {val} is a negative page id")
-            raise ValueError(f"block_tables[{bad_r}, {bad_c}] = {val} does not fit in int32")
+            raise ValueError(f"block_tables[{bad_r}, {bad_c}] = {val} does not fit in int32 "
+                             f"(the limit is 2^31 - 1)")
         return cls(table=table, seq_lens=sl, num_pages=npages, page_size=page_size)
 
     @classmethod
@@ -121,9 +142,9 @@ class BlockTable:
         """From FlashInfer's CSR form: request ``r`` owns ``indices[indptr[r]:indptr[r+1]]`` and
         fills ``last_page_len[r]`` tokens (``1..page_size``) of its last page."""
         page_size = _check_page_size(page_size)
-        ip = _as_int_array(indptr, "indptr", 1).astype(np.int64)
-        idx = _as_int_array(indices, "indices", 1).astype(np.int64)
-        lpl = _as_int_array(last_page_len, "last_page_len", 1).astype(np.int64)
+        ip = _int64(_as_int_array(indptr, "indptr", 1), "indptr")
+        idx = _int64(_as_int_array(indices, "indices", 1), "indices")
+        lpl = _int64(_as_int_array(last_page_len, "last_page_len", 1), "last_page_len")
         if ip.shape[0] < 1 or ip[0] != 0:
             raise ValueError("indptr must start with 0")
         if np.any(np.diff(ip) < 1):
@@ -137,6 +158,10 @@ class BlockTable:
             raise ValueError(f"last_page_len entries must lie in [1, page_size={page_size}]")
         npages = np.diff(ip)
         seq = (npages - 1) * page_size + lpl
+        if B and seq.max() > INT32_MAX:
+            bad = int(np.argmax(seq))
+            raise ValueError(f"request {bad} holds {int(seq[bad])} tokens; seq_lens must fit in "
+                             "int32 (the limit is 2^31 - 1)")
         width = int(npages.max()) if B else 0
         table = np.full((B, width), -1, dtype=np.int64)
         rows = np.repeat(np.arange(B), npages)
@@ -185,11 +210,7 @@ def _mask_padding(src, npages):
 
 
 def _check_page_size(page_size) -> int:
-    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)):
-        raise TypeError(f"page_size must be an int, got {type(page_size).__name__}")
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
-    return int(page_size)
+    return check_size(page_size, "page_size")
 
 
 def _check_seq_lens(seq_lens, batch: int) -> np.ndarray:
@@ -203,35 +224,64 @@ def _check_seq_lens(seq_lens, batch: int) -> np.ndarray:
     if sl.min() < 1:
         bad = int(np.argmin(sl))
         raise ValueError(f"seq_lens[{bad}] = {int(sl[bad])}; every request needs seq_len >= 1")
-    if sl.max() > np.iinfo(np.int32).max:
-        raise ValueError("seq_lens entries must fit in int32")
+    if sl.max() > INT32_MAX:
+        bad = int(np.argmax(sl))
+        raise ValueError(f"seq_lens[{bad}] = {int(sl[bad])} exceeds the limit 2^31 - 1")
     return sl.astype(np.int32)
 
 
 def as_block_table(block_tables, seq_lens, page_size: int) -> BlockTable:
     """Normalise any accepted form (see module docstring) to a :class:`BlockTable`."""
     if isinstance(block_tables, BlockTable):
-        if block_tables.page_size != page_size:
-            raise ValueError(f"page_size = {page_size} differs from the BlockTable's "
-                             f"{block_tables.page_size}")
-        if seq_lens is not None:
-            sl = _check_seq_lens(seq_lens, block_tables.batch_size)
-            if not np.array_equal(sl, block_tables.seq_lens):
-                raise ValueError("seq_lens disagrees with the BlockTable's lengths; pass None")
-        return block_tables
+        return _revalidate(block_tables, seq_lens, page_size)
     if isinstance(block_tables, (list, tuple)):
         return BlockTable.from_lists(block_tables, seq_lens, page_size)
     return BlockTable.from_padded(block_tables, seq_lens, page_size)
 
 
-def check_heads(num_qo_heads, num_kv_heads, head_dim) -> None:
-    """Validate head counts and head dimension (``ValueError`` naming the argument)."""
-    for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
-                    ("head_dim", head_dim)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-        if v < 1:
-            raise ValueError(f"{name} must be >= 1, got {v}")
-    if num_qo_heads % num_kv_heads:
-        raise ValueError(f"num_qo_heads = {num_qo_heads} is not a multiple of "
-                         f"num_kv_heads = {num_kv_heads}")
+def _revalidate(bt: BlockTable, seq_lens, page_size) -> BlockTable:
+    """A :class:`BlockTable` built by hand (its fields are public) passes the checks of every
+    other form: its table and lengths go through :meth:`BlockTable.from_padded` again, and its
+    ``num_pages`` must agree with the lengths."""
+    page_size = _check_page_size(page_size)
+    if not isinstance(bt.page_size, (int, np.integer)) or isinstance(bt.page_size, bool) \
+            or int(bt.page_size) != page_size:
+        raise ValueError(f"page_size = {page_size} differs from the BlockTable's "
+                         f"{bt.page_size!r}")
+    table = _as_int_array(bt.table, "block_tables.table", 2)
+    own = _as_int_array(bt.seq_lens, "block_tables.seq_lens", 1)
+    if seq_lens is not None:
+        sl = _check_seq_lens(seq_lens, own.shape[0])
+        if not np.array_equal(sl, own):
+            raise ValueError("seq_lens disagrees with the BlockTable's lengths; pass None")
+    out = BlockTable.from_padded(table, own, page_size)
+    npages = _as_int_array(bt.num_pages, "block_tables.num_pages", 1)
+    if npages.shape != out.num_pages.shape or not np.array_equal(npages, out.num_pages):
+        raise ValueError("block_tables.num_pages disagrees with ceil(seq_lens / page_size); "
+                         "build the BlockTable with from_padded, from_lists or from_csr")
+    return out
+
+
+def check_size(v, name: str, limit: int = INT32_MAX) -> int:
+    """A size argument as a Python int (NumPy integer scalars of any width converted, so no
+    later arithmetic overflows in a narrow type); ``TypeError``/``ValueError`` naming ``name``
+    unless it is an int in ``[1, limit]``."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    v = int(v)
+    if v < 1:
+        raise ValueError(f"{name} must be >= 1, got {v}")
+    if v > limit:
+        raise ValueError(f"{name} = {v} exceeds the limit {limit}")
+    return v
+
+
+def check_heads(num_qo_heads, num_kv_heads, head_dim) -> tuple:
+    """Validate head counts and head dimension (errors name the argument); return them as
+    Python ints ``(num_qo_heads, num_kv_heads, head_dim)``."""
+    hq = check_size(num_qo_heads, "num_qo_heads", 65536)
+    hk = check_size(num_kv_heads, "num_kv_heads", 65536)
+    d = check_size(head_dim, "head_dim", 65536)
+    if hq % hk:
+        raise ValueError(f"num_qo_heads = {hq} is not a multiple of num_kv_heads = {hk}")
+    return hq, hk, d

@@ -182,7 +182,9 @@ class Plan:
     def validate(self) -> None:
         """Check the structural invariants every executor relies on; raise ``AssertionError``.
 
-        Cheap (vectorised); the property tests call it on every plan they make.
+        With the block table the plan was made from (``extra["block_table"]``, set by the
+        planner), also check that every CTA reads, for each of its requests, exactly that
+        request's pages.  Cheap (vectorised); the property tests call it on every plan they make.
         """
         C, B = self.num_ctas, self.batch_size
         for name in self.ARRAY_FIELDS:
@@ -214,6 +216,21 @@ class Plan:
         cta_of = np.repeat(np.arange(C), np.diff(self.cta_req_indptr))
         end = self.cta_kv_start[cta_of].astype(np.int64) + self.cta_kv_len[cta_of]
         assert np.all(end <= self.seq_lens[req_of]), "CTA reads past a request's end"
+        assert self.cta_pages.size == 0 or self.cta_pages.min() >= 0, "negative page id"
+        # every (CTA, request) pair reads exactly that request's own pages
+        bt = self.extra.get("block_table")
+        if bt is not None:
+            assert bt.batch_size == B and np.array_equal(bt.seq_lens, self.seq_lens), \
+                "block_table disagrees with seq_lens"
+            npg = np.diff(self.cta_page_indptr).astype(np.int64)[cta_of]     # per pair
+            pair = np.repeat(np.arange(cta_of.shape[0]), npg)
+            k = np.arange(pair.shape[0]) - np.repeat(np.cumsum(npg) - npg, npg)
+            col = first[cta_of].astype(np.int64)[pair] + k
+            req = req_of[pair]
+            assert np.all(col < bt.num_pages[req]), "CTA reads past a request's pages"
+            got = self.cta_pages[self.cta_page_indptr[cta_of].astype(np.int64)[pair] + k]
+            assert np.array_equal(got, bt.table[req, col]), \
+                "a CTA reads pages that are not its request's"
 
     def check_inputs(self, q, k_cache, v_cache, kv_layout: str = "NHD") -> None:
         """Raise ``ValueError``/``TypeError`` naming the argument unless ``q`` and the 4-D caches
@@ -245,6 +262,9 @@ class Plan:
             bad = int(self.cta_pages.max())
             raise ValueError(f"block_tables uses page {bad} but paged_kv_cache holds only "
                              f"{num_pages} pages")
+        if self.cta_pages.size and int(self.cta_pages.min()) < 0:
+            raise ValueError(f"the plan reads page {int(self.cta_pages.min())}: page ids must "
+                             "be >= 0")
 
     def coverage_counts(self) -> list:
         """For each request, an int array ``[seq_len]`` counting the CTAs that read each token.

@@ -19,7 +19,7 @@ from numba import njit
 
 from .forest import PrefixForest
 from .gpus import get_gpu
-from .inputs import BlockTable, _check_seq_lens, as_block_table, check_heads
+from .inputs import BlockTable, _check_seq_lens, as_block_table, check_heads, check_size
 from .packers import PACKERS, Packs, pack
 from .plan import DTYPE_BYTES, Plan, dtype_name
 from .split import split_long_kv, split_threshold
@@ -145,7 +145,8 @@ class Planner:
              q_data_type=None, tile=None, serial: bool = False, split=True) -> Plan:
         """Make (or reuse) the Plan of one decode batch.  Arguments as
         :meth:`pat_core.PrefixAttentionWrapper.plan`."""
-        check_heads(num_qo_heads, num_kv_heads, head_dim)
+        num_qo_heads, num_kv_heads, head_dim = check_heads(num_qo_heads, num_kv_heads, head_dim)
+        page_size = check_size(page_size, "page_size")
         kv_dtype = dtype_name(kv_data_type, "kv_data_type")
         q_dtype = dtype_name(q_data_type or kv_dtype, "q_data_type")
         if sm_scale is None:
@@ -181,6 +182,13 @@ class Planner:
                 return updated
         bt = as_block_table(raw if raw is not None else block_tables, seq_lens, page_size)
         selector = TileSelector(head_dim, kv_dtype, self.gpu, fixed=tile)
+        group = num_qo_heads // num_kv_heads
+        if group > selector.max_rows:
+            raise ValueError(
+                f"num_qo_heads / num_kv_heads = {group} exceeds the largest tile "
+                f"({selector.max_rows} rows for head_dim={head_dim}, {kv_dtype} on "
+                f"{self.gpu.name}): the limit is {selector.max_rows}, as one request's query "
+                "heads must fit one CTA (the CPU backend runs the same tiles)")
         forest = PrefixForest(bt)
         packs = pack(forest, self.packer, num_qo_heads // num_kv_heads, selector.max_rows,
                      head_dim, DTYPE_BYTES[kv_dtype], DTYPE_BYTES[q_dtype])

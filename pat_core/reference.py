@@ -19,6 +19,8 @@ def to_numpy_f32(x, name: str = "array") -> np.ndarray:
             x = x.cpu()
         return x.detach().float().numpy()
     arr = np.asarray(x)
+    if arr.dtype.name == "bfloat16":        # ml_dtypes: exact widening
+        return arr.astype(np.float32)
     if not np.issubdtype(arr.dtype, np.floating):
         raise TypeError(f"{name} must be a floating-point array, got {arr.dtype}")
     return arr.astype(np.float32, copy=False)
@@ -36,7 +38,14 @@ def split_kv_cache(paged_kv_cache, kv_layout: str = "NHD"):
         if len(paged_kv_cache) != 2:
             raise ValueError("paged_kv_cache tuple must be (k_cache, v_cache)")
         k, v = paged_kv_cache
+        for t in (k, v):
+            if not (hasattr(t, "shape") and hasattr(t, "dtype")):
+                raise TypeError("paged_kv_cache must hold arrays (NumPy, torch or CuPy), got "
+                                f"{type(t).__name__}; wrap nested lists with np.asarray")
     else:
+        if not hasattr(paged_kv_cache, "shape"):
+            raise TypeError("paged_kv_cache must be a (k_cache, v_cache) tuple or a 5-D array, "
+                            f"got {type(paged_kv_cache).__name__}")
         if len(paged_kv_cache.shape) != 5 or paged_kv_cache.shape[1] != 2:
             raise ValueError("paged_kv_cache must be a (k_cache, v_cache) tuple or a 5-D tensor "
                              f"[num_pages, 2, ...]; got shape {tuple(paged_kv_cache.shape)}")

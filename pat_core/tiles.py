@@ -173,9 +173,37 @@ def feasible_tiles(head_dim: int, dtype: str, gpu,
     out = [(m, n) for m in m_candidates for n in n_candidates
            if check_tile(m, n, head_dim, dtype, gpu).feasible]
     if not out:
-        raise ValueError(f"no feasible tile config for head_dim={head_dim}, dtype={dtype} "
-                         f"on {gpu.name}")
+        lo, hi = head_dim_range(dtype, gpu)
+        raise ValueError(
+            f"head_dim={head_dim}: no tile config fits a CTA for {dtype} on {gpu.name}; the "
+            f"limit there is head_dim {lo}..{hi} (plans for backend='cpu' use the same tiles: "
+            "the CPU executor runs what the GPU named by gpu= would)")
     return tuple(sorted(out))
+
+
+def _fits(head_dim: int, dtype: str, gpu) -> bool:
+    return any(check_tile(m, n, head_dim, dtype, gpu).feasible
+               for m in M_CANDIDATES for n in N_CANDIDATES)
+
+
+@functools.lru_cache(maxsize=32)
+def head_dim_range(dtype: str, gpu, limit: int = 65536) -> tuple:
+    """``(lo, hi)``: the head_dims for which some tile config is feasible on ``gpu`` (small ones
+    fail the bandwidth rule, large ones shared memory or registers), by bisection from 64."""
+    gpu = get_gpu(gpu)
+    dtype = dtype_name(dtype)
+    if not _fits(64, dtype, gpu):
+        return (0, 0)
+    a, b = 64, limit + 1              # fits(a), not known past b
+    while b - a > 1:
+        mid = (a + b) // 2
+        a, b = (mid, b) if _fits(mid, dtype, gpu) else (a, mid)
+    hi = a
+    a, b = 0, 64                      # not fits(a) (head_dim 0), fits(b)
+    while b - a > 1:
+        mid = (a + b) // 2
+        a, b = (a, mid) if _fits(mid, dtype, gpu) else (mid, b)
+    return (b, hi)
 
 
 class TileSelector:

@@ -16,14 +16,20 @@ Backend limits
 ==========  ==========================================  =====================================
 backend     dtypes (``q`` and the KV cache alike)        ``head_dim``
 ==========  ==========================================  =====================================
-``"cpu"``   float16, float32 (NumPy or CPU torch);       any ``>= 1``
-            bfloat16 (CPU torch tensors only)
+``"cpu"``   float16, float32 (NumPy or CPU torch);       any for which a tile fits the GPU
+            bfloat16 (CPU torch tensors only; NumPy      the plan is made for (``gpu=``; H100:
+            bfloat16 from ml_dtypes is refused)          4..807 in 16-bit dtypes, 2..414 in
+                                                         float32)
 ``"cuda"``  float16, bfloat16 (torch CUDA or CuPy;       64 or 128 (one compiled kernel family
             bfloat16 needs torch or ``out=``)            per head_dim)
 ==========  ==========================================  =====================================
 
-Both backends take any GQA ratio and page size.  ``q`` and the KV cache share one dtype, fixed
-at :meth:`PrefixAttentionWrapper.plan`.
+The CPU executor runs the very tiles the GPU would, so both backends share the planner's
+limits: the GQA ratio ``num_qo_heads / num_kv_heads`` may be at most the largest tile's rows
+(128 for head_dim 64 and 128; fewer for large head_dims), and ``page_size``, ``seq_lens`` and
+page ids must fit in int32.  :meth:`PrefixAttentionWrapper.plan` names the limit it hits.  Any
+page size within that works.  ``q`` and the KV cache share one dtype, fixed at
+:meth:`PrefixAttentionWrapper.plan`.
 """
 from __future__ import annotations
 
@@ -235,7 +241,11 @@ class PrefixAttentionWrapper:
         _check_off("run", "enable_pdl", enable_pdl, (None, False))
         _check_off("run", "sinks", sinks, (None,))
         plan = self.current_plan
+        _check_array(q, "q")
         k_cache, v_cache = split_kv_cache(paged_kv_cache, self.kv_layout)
+        if self._gpu_backend is None:
+            for t, name in ((q, "q"), (k_cache, "paged_kv_cache"), (v_cache, "paged_kv_cache")):
+                _check_cpu_array(t, name)
         self._check_run_dtypes(plan, q, k_cache, v_cache)
         want_lse = bool(return_lse or lse is not None)
         if self._gpu_backend is not None:
@@ -286,6 +296,22 @@ class PrefixAttentionWrapper:
                 raise TypeError(f"paged_kv_cache is {kdt} but plan() fixed "
                                 f"kv_data_type={plan.kv_dtype!r}; plan again with "
                                 f"kv_data_type={kdt!r}")
+
+
+def _check_array(x, name: str) -> None:
+    """``TypeError`` naming ``name`` unless ``x`` is an array with a shape and a dtype."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{name} must be an array (NumPy, torch or CuPy) with a shape and a "
+                        f"dtype, got {type(x).__name__}; wrap nested lists with np.asarray")
+
+
+def _check_cpu_array(x, name: str) -> None:
+    """The CPU backend takes bfloat16 only as CPU torch tensors: NumPy has no bfloat16 of its
+    own, and an ml_dtypes array would come back as another dtype."""
+    if isinstance(x, np.ndarray) and x.dtype.name == "bfloat16":
+        raise TypeError(f"{name} is a NumPy bfloat16 (ml_dtypes) array; backend='cpu' takes "
+                        "bfloat16 only as CPU torch tensors (NumPy arrays must be float16 or "
+                        "float32)")
 
 
 def _dtype_of(x, name: str = "q") -> str:

@@ -340,3 +340,76 @@ def test_launch_paths_agree(backend, monkeypatch):
     assert len(paths[0]) >= 1 and all(paths[0]), paths[0]
     assert len(paths[1]) == len(paths[0]) and not any(paths[1]), paths[1]
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+# ----------------------------------------------------------------------------- non-finite input
+def _gpu_reads(where, bt, page, slot, hq, hk):
+    """bool ``[batch, hq]``: the rows that read the spoiled element (q row, or a K/V token of
+    KV head 1)."""
+    reads = np.zeros((bt.batch_size, hq), bool)
+    if where == "q":
+        reads[3, 5] = True
+        return reads
+    g = hq // hk
+    for r in range(bt.batch_size):
+        cols = np.flatnonzero(bt.pages_of(r) == page)
+        if any(c * bt.page_size + slot < bt.seq_lens[r] for c in cols):
+            reads[r, g:2 * g] = True
+    return reads
+
+
+@requires_gpu
+@pytest.mark.parametrize("merge_mode", ("forward", "kernel"))
+@pytest.mark.parametrize("packer", PACKERS)
+def test_nonfinite_input_propagates(backend, packer, merge_mode):
+    """A NaN in q, or a NaN / +inf in one key or value, reaches exactly the rows that read it
+    with the float64 reference's NaN/inf pattern (not zeros and lse = -inf); every other row is
+    bit-identical to the clean run (mirrors tests/test_nonfinite.py on the CPU backend)."""
+    import torch
+    from pat_core import PrefixAttentionWrapper, dense_attention
+    from pat_core.inputs import as_block_table
+    from pat_core.workloads import build_tree_batch
+    hq, hk, d, ps = 8, 2, 64, 16
+    b = build_tree_batch("1,2,6_40,24,30", page_size=ps, seed=0)
+    bt = as_block_table(b.block_tables, b.seq_lens, ps)
+    saved = backend.merge_mode
+    backend.merge_mode = merge_mode
+    try:
+        w = PrefixAttentionWrapper(backend="cuda", packer=packer)
+        w._gpu_backend = backend
+        plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16")
+        q, k, v = make_inputs(b.num_pages, ps, b.batch_size, hq, hk, d, "float16", "NHD", 11)
+        clean, clean_lse = w.run(q, (k, v), return_lse=True)
+        torch.cuda.synchronize()
+        clean, clean_lse = _np64(clean), _np64(clean_lse)
+        assert np.all(np.isfinite(clean)) and np.all(np.isfinite(clean_lse))
+        cases = [("q", float("nan")), ("k_shared", float("nan")), ("k_leaf", float("nan")),
+                 ("k_shared", float("inf")), ("k_leaf", float("inf")),
+                 ("v_shared", float("nan")), ("v_leaf", float("nan")), ("v_leaf", float("inf"))]
+        for where, value in cases:
+            qb, kb, vb = q.clone(), k.clone(), v.clone()
+            page = slot = -1
+            if where == "q":
+                qb[3, 5, 7] = value
+            else:
+                r, t = (0, 3) if where.endswith("shared") else (4, int(bt.seq_lens[4]) - 1)
+                page, slot = int(bt.pages_of(r)[t // ps]), t % ps
+                (kb if where[0] == "k" else vb)[page, slot, 1, 6] = value
+            out, lse = w.run(qb, (kb, vb), return_lse=True)
+            torch.cuda.synchronize()
+            out, lse = _np64(out), _np64(lse)
+            with np.errstate(invalid="ignore"):
+                ref, ref_lse = dense_attention(_np64(qb), (_np64(kb), _np64(vb)), b.block_tables,
+                                               b.seq_lens, ps, sm_scale=plan.sm_scale,
+                                               return_lse=True)
+            reads = _gpu_reads(where, bt, page, slot, hq, hk)
+            assert (~np.isfinite(ref)).any() and not (~np.isfinite(ref[~reads])).any()
+            for f in (np.isnan, np.isposinf, np.isneginf):
+                assert np.array_equal(f(out), f(ref)), (where, value, f.__name__)
+                assert np.array_equal(f(lse), f(ref_lse)), (where, value, f.__name__)
+            assert np.array_equal(out[~reads], clean[~reads]), (where, value)
+            assert np.array_equal(lse[~reads], clean_lse[~reads]), (where, value)
+            fin = np.isfinite(ref)
+            np.testing.assert_allclose(out[fin], ref[fin], rtol=2e-2, atol=2e-2)
+    finally:
+        backend.merge_mode = saved

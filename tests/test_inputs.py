@@ -184,3 +184,125 @@ def test_demo_runs_and_checks_every_packer(capsys):
     for packer in ("query", "pat", "node", "compute", "cascade"):
         assert f"\n{packer} " in out
     assert " NO " not in out
+
+
+# ----------------------------------------------------------------------------- hand-made BlockTables
+def _bt(table, lens, ps=16, num_pages=None):
+    table = np.asarray(table)
+    lens = np.asarray(lens)
+    if num_pages is None:
+        num_pages = (lens + ps - 1) // ps
+    return BlockTable(table=table, seq_lens=lens, num_pages=np.asarray(num_pages),
+                      page_size=ps)
+
+
+@pytest.mark.parametrize("bt,match", [
+    (_bt(np.array([[0, -3]], np.int32), [20]), r"block_tables\[0, 1\] = -3 is a negative"),
+    (_bt(np.array([[0, 1], [2, 3]], np.int32), [20, 40]), r"seq_lens\[1\] = 40 needs 3 pages"),
+    (_bt(np.array([[0, 1], [2, 3]], np.int32), [20, 20], num_pages=[2, 3]),
+     "num_pages disagrees"),
+    (_bt(np.array([[0, 2**40]], np.int64), [20]), r"block_tables\[0, 1\] = 1099511627776 does "
+                                                  r"not fit in int32"),
+    (_bt(np.array([[0, 1]], np.int64), [2**40]), r"seq_lens\[0\] = 1099511627776 exceeds"),
+    (_bt(np.array([[0.0, 1.0]]), [20]), "must hold integers"),
+])
+def test_block_table_object_is_validated(bt, match):
+    """A BlockTable built by hand goes through the same checks as the other input forms."""
+    with pytest.raises((ValueError, TypeError), match=match):
+        PrefixAttentionWrapper("cpu").plan(bt, None, 4, 4, 64, 16)
+
+
+def test_block_table_object_still_works():
+    b = build_tree_batch("1,4_40,23", page_size=16)
+    bt = BlockTable.from_padded(b.block_tables, b.seq_lens, 16)
+    p1 = PrefixAttentionWrapper("cpu").plan(bt, None, 8, 2, 64, 16)
+    p2 = PrefixAttentionWrapper("cpu").plan(b.block_tables, b.seq_lens, 8, 2, 64, 16)
+    p1.validate()
+    assert np.array_equal(p1.cta_pages, p2.cta_pages) and p1.stats() == p2.stats()
+
+
+def test_validate_catches_pages_of_another_request():
+    b = build_tree_batch("1,4_40,23", page_size=16)
+    plan = PrefixAttentionWrapper("cpu", packer="query").plan(b.block_tables, b.seq_lens,
+                                                              8, 2, 64, 16)
+    plan.validate()
+    # request 0's CTA reads request 1's last (own) page instead of its own
+    c = int(np.flatnonzero(plan.cta_req[plan.cta_req_indptr[:-1]] == 0)[-1])
+    last = plan.cta_page_indptr[c + 1] - 1
+    other = int(b.block_tables[1, (int(b.seq_lens[1]) - 1) // 16])
+    assert other != plan.cta_pages[last]
+    plan.cta_pages[last] = other
+    with pytest.raises(AssertionError, match="not its request's"):
+        plan.validate()
+
+
+def test_negative_page_in_plan_refused_at_run():
+    b = build_tree_batch("1,4_40,23", page_size=16)
+    w = PrefixAttentionWrapper("cpu")
+    plan = w.plan(b.block_tables, b.seq_lens, 8, 2, 64, 16, kv_data_type="float32")
+    k, v = random_kv_cache(b.num_pages, 16, 2, 64)
+    q = np.zeros((b.batch_size, 8, 64), np.float32)
+    plan.cta_pages[0] = -1
+    with pytest.raises(ValueError, match="page ids must be >= 0"):
+        w.run(q, (k, v))
+    with pytest.raises(AssertionError, match="negative page id"):
+        plan.validate()
+
+
+def test_unsigned_page_ids_keep_their_value():
+    t = np.array([[0, 2**64 - 1]], dtype=np.uint64)
+    with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = 18446744073709551615"):
+        PrefixAttentionWrapper("cpu").plan(t, [20], 4, 4, 64, 16)
+    t = np.array([[0, 2**32]], dtype=np.uint64)
+    with pytest.raises(ValueError, match=r"= 4294967296 does not fit in int32 \(the limit"):
+        PrefixAttentionWrapper("cpu").plan(t, [20], 4, 4, 64, 16)
+    with pytest.raises(ValueError, match=r"indices\[1\] = 18446744073709551615"):
+        PrefixAttentionWrapper("cpu").plan_csr([0, 2], np.array([0, 2**64 - 1], np.uint64),
+                                               [4], 4, 4, 64, 16)
+
+
+def test_huge_page_size():
+    with pytest.raises(ValueError, match=r"page_size = 1099511627776 exceeds the limit"):
+        PrefixAttentionWrapper("cpu").plan(np.array([[0]]), [5], 4, 4, 64, 2**40)
+
+
+# ----------------------------------------------------------------------------- sizes and types
+def test_narrow_numpy_ints_become_python_ints():
+    b = build_tree_batch("1,4_40,23", page_size=16)
+    args = (64, 8, 256, 16)
+    p_int = PrefixAttentionWrapper("cpu").plan(b.block_tables, b.seq_lens, *args)
+    p_np = PrefixAttentionWrapper("cpu").plan(b.block_tables, b.seq_lens,
+                                              *(np.int16(x) for x in args))
+    for f in ("num_qo_heads", "num_kv_heads", "head_dim", "page_size"):
+        assert type(getattr(p_np, f)) is int, f
+    assert p_np.stats() == p_int.stats()
+    assert p_np.stats()["q_bytes"] == p_int.num_slots * 64 * 256 * 2    # no int16 wrap
+
+
+def test_head_dim_without_a_tile_names_the_limit():
+    with pytest.raises(ValueError, match=r"head_dim=1024: .* the limit there is head_dim "
+                                         r"4\.\.807 .*backend='cpu'"):
+        PrefixAttentionWrapper("cpu").plan(np.array([[0]]), [5], 4, 4, 1024, 16)
+
+
+def test_nested_lists_refused_clearly():
+    w = PrefixAttentionWrapper("cpu")
+    w.plan(np.array([[0]]), [5], 4, 4, 64, 16, kv_data_type="float32")
+    q = np.zeros((1, 4, 64), np.float32)
+    k, v = random_kv_cache(1, 16, 4, 64)
+    with pytest.raises(TypeError, match="q must be an array"):
+        w.run(q.tolist(), (k, v))
+    with pytest.raises(TypeError, match="paged_kv_cache must hold arrays"):
+        w.run(q, (k.tolist(), v.tolist()))
+    with pytest.raises(TypeError, match="paged_kv_cache must be a"):
+        w.run(q, 3.0)
+
+
+def test_numpy_bfloat16_refused_on_cpu():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    w = PrefixAttentionWrapper("cpu")
+    w.plan(np.array([[0]]), [5], 4, 4, 64, 16, kv_data_type="bfloat16")
+    q = np.zeros((1, 4, 64), ml_dtypes.bfloat16)
+    k, v = (x.astype(ml_dtypes.bfloat16) for x in random_kv_cache(1, 16, 4, 64))
+    with pytest.raises(TypeError, match=r"q is a NumPy bfloat16 .*only as CPU torch tensors"):
+        w.run(q, (k, v))
