@@ -112,14 +112,18 @@ def test_fit_recovers_synthetic_measurements(tmp_path):
     split = split_workloads(data["records"])
     start = default_constants("h100")
     before = report(data, start, split["fit"], prepared=prep)
-    consts, info = fit(data, split, "h100", start=start, max_evals=150, prepared=prep)
+    consts, info = fit(data, split, "h100", start=start, max_evals=400, prepared=prep)
     after = report(data, consts, split["fit"], prepared=prep)
+    # the constants that generated the data, scored against the same noisy measurements: the
+    # rank correlation a perfect fit can reach (3% noise scrambles close latencies)
+    ideal = report(data, true, split["fit"], prepared=prep)
     assert info["loss_after"] < info["loss_before"]
     for side in ("in_sample", "out_of_sample"):
         for t in ("eager", "graph"):
             a = after[side][t]["all"]
             assert a["median_abs_err"] <= 0.06
-        assert after[side]["graph"]["all"]["spearman"] >= 0.9
+        assert (after[side]["graph"]["all"]["spearman"]
+                >= min(0.9, ideal[side]["graph"]["all"]["spearman"] - 0.05))
     worst = max(before[s][t]["all"]["median_abs_err"] for s in ("in_sample", "out_of_sample")
                 for t in ("eager", "graph"))
     assert worst > 0.2                     # the start was far off
