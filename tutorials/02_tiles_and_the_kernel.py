@@ -186,10 +186,13 @@ assert only["h100"] and all("smem" in check_tile(*t, 128, "float16", "a100").vio
 #
 # * `m` = the smallest feasible `m >= rows` (round up; never split a CTA because its `m` is too
 #   small);
-# * `n` from a per-GPU table of KV length: small `n` for short ranges (less waste in the last,
-#   partly empty step), large `n` for long ones (fewer steps, fewer CTAs per SM to schedule);
-#   if the preferred `n` is not feasible for that `m`, the largest feasible `n` below it, else
-#   the smallest feasible `n`.
+# * `n` from a per-GPU table of KV length, as an upper bound: small `n` for short ranges (less
+#   waste in the last, partly empty step), large `n` allowed for long ones;
+# * among the feasible `n` at or below that bound, the one that **measured** fastest for this
+#   `m` (`pat_core/data/variant_speed_h100.json`: every tile forced onto 4096-token CTAs on an
+#   H100, as a fraction of copy bandwidth); the largest `n` within 3 points of the fastest wins,
+#   so ties go to fewer, fatter steps. Without measurements for the GPU and head_dim, the largest
+#   feasible `n` under the bound.
 
 # %%
 sel = TileSelector(128, "float16", "h100")
@@ -213,27 +216,31 @@ ax.set_title("tile m x n chosen per CTA (H100, head_dim 128, fp16); shade = m", 
 fig.tight_layout()
 plt.show()
 
-# every choice follows the two rules above
+# every choice follows the rules above
 moved = set()
 for i, r in enumerate(rows):
     for j, L in enumerate(kv_lens):
         m_sel, n_sel = (int(x) for x in mn[i, j])
         assert m_sel == min(m for m in sel.m_values if m >= r)
         pref = h100.preferred_n(int(L))
-        ns = sel.n_by_m[m_sel]
-        assert n_sel == max([n for n in ns if n <= pref], default=ns[0])
+        cands = [n for n in sel.n_by_m[m_sel] if n <= pref] or [sel.n_by_m[m_sel][0]]
+        speed = {n: sel.measured_speed(m_sel, n) for n in cands}
+        best = max(speed.values())
+        assert n_sel == max(n for n in cands if speed[n] >= best - 0.03)
         if n_sel != pref:
-            moved.add((m_sel, pref, n_sel))
-for m_sel, pref, n_sel in sorted(moved):
-    print(f"m = {m_sel}: preferred n = {pref} is not feasible (feasible n: "
-          f"{sel.n_by_m[m_sel]}), chose n = {n_sel}")
-if not moved:
-    print("every CTA got its preferred n: it is feasible for every m on this GPU")
+            moved.add((m_sel, pref, n_sel, tuple(round(100 * speed[n]) for n in cands)))
+for m_sel, pref, n_sel, pct in sorted(moved):
+    print(f"m = {m_sel}, bound n <= {pref}: measured % of copy for n = "
+          f"{[n for n in sel.n_by_m[m_sel] if n <= pref]}: {list(pct)} -> chose n = {n_sel}")
+# the measured rule moves the compute-heavy 128-row tiles to a smaller n on long KV
+assert all(sel.measured_speed(128, n) < 0.70 for n in sel.n_by_m[128])
+assert any(m_sel == 128 and n_sel < pref for m_sel, pref, n_sel, _ in moved)
 
 # %% [markdown]
-# The printout under the picture lists the cells where the preferred `n` was not feasible for
-# the chosen `m`, and what the selector took instead (nothing, if every preferred `n` is
-# feasible).
+# The printout under the picture lists the cells where the selector took an `n` below the
+# KV-length bound, with the measured speeds that decided it: the 128-row tiles are compute heavy
+# (below 70% of copy bandwidth with `mma.sync`, asserted above), and among them a smaller `n`
+# measured faster.
 #
 # In a real plan the tiles mix. The batch of tutorial 1's last example, on an H100:
 
