@@ -80,6 +80,9 @@ def _layout_candidates():
 
 
 CASE_SETS = {"forced": FORCED, "long": LONG, "sharing": SHARING, "layouts": _layout_candidates(),
+             "nosharing-n": tuple(("128_2048", heads, "query", (16, n), None, f"n{n}")
+                                  for heads in ((32, 8), (16, 8), (32, 32))
+                                  for n in (32, 64, 128)),
              "quickstart": tuple(("1,4,16_128,256,1024", (32, 8), p, None, None, "default")
                                  for p in ("pat", "query", "node", "cascade")),
              "nosharing": tuple(("256_4096", (32, 8), p, None, None, "default")
