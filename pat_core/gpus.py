@@ -15,11 +15,14 @@ this figure.
 
 ``kv_tile_table`` is the piecewise "KV length -> n" rule of the tile selector (PAT §5.2): a list
 of ``(max_kv_len, n)`` pairs, scanned in order; the first pair whose ``max_kv_len`` is ``>=`` the
-CTA's KV length gives the preferred ``n``.  Short KV gets a small ``n`` (less compute in the last,
-partly empty tile); long KV gets a large ``n`` (fewer, fatter CTAs per SM, smaller tail bubble).
-The boundaries were measured on an H100 with 16-row tiles (query packer, 32:8 heads, % of copy
-bandwidth): at 256 tokens n = 128 reaches 66% against 82-84% for n <= 64; at 1024 tokens
-n = 32/64 reach 94% against 88% for n = 128; at 4096 all reach 98-100%.
+CTA's KV length gives the largest ``n`` the selector may take (it then picks the fastest measured
+``n`` under it, see :mod:`pat_core.tiles`).  Short KV gets a small ``n`` (less compute in the
+last, partly empty tile).  The boundaries were measured on an H100 with 16-row tiles (query
+packer, % of copy bandwidth): at 256 tokens n = 128 reaches 66% against 82-84% for n <= 64; at
+1024 tokens n = 32/64 reach 94% against 88% for n = 128; at 2048 tokens (`128_2048`) n = 64
+reaches 95-100% against 92-95% for n = 128 (a 16x128 CTA fills an SM's shared memory alone, so
+its pipeline start is not hidden behind another CTA); at 4096 all reach 98-100%.  So n = 128 is
+never preferred: the table stops at 64.
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ class GPUSpec:
     sm_clock_ghz: float
     l2_bandwidth: float = 0.0   # bytes / ns, L2 hits to the SMs (estimate, see module docstring)
     achieved_bw_fraction: float = 0.85  # copy-kernel bandwidth / datasheet bandwidth (estimate)
-    kv_tile_table: tuple = field(default=((96, 32), (1024, 64), (1 << 62, 128)))
+    kv_tile_table: tuple = field(default=((96, 32), (1 << 62, 64)))
 
     @property
     def bytes_per_ns(self) -> float:
