@@ -23,6 +23,7 @@ import json
 import os
 import sys
 
+from pat_core.__main__ import _positive  # the demo's argument check, one copy for both CLIs
 from pat_core.gpus import get_gpu
 
 from .constants import TIMINGS, load_constants
@@ -63,16 +64,6 @@ def _ints(s: str):
         return [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
-
-
-def _positive(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
-    return v
 
 
 def _common(p: argparse.ArgumentParser, tree_required: bool = True) -> None:
