@@ -59,6 +59,25 @@ SHARING = tuple(
     for spec in SHARING_SPECS for heads in ((32, 8), (32, 32)) for packer in ("pat", "query"))
 
 
+# planner knobs (pat_core.planner.Tuning fields, plus "launch": the backend's launch_mode)
+TUNINGS = {
+    "default": {},
+    "work": {"order": "work"},
+    "rows64": {"max_rows": 64},
+    "rows64-work": {"max_rows": 64, "order": "work"},
+    "share4-work": {"split_share": 4.0, "order": "work"},
+    "pw3-work": {"partial_weight": 3.0, "order": "work"},
+    "rows64-share4-work": {"max_rows": 64, "split_share": 4.0, "order": "work"},
+    "fused-work": {"order": "work", "launch": "fused"},
+    "streams-work": {"order": "work", "launch": "streams"},
+}
+PLANNER_SPECS = ("1,16_2048,128", "1,4,64_256,1024,64", "1,2,8,128_512,128,256,32",
+                 "1,1024_1024,16", "1,8,64,512_128,512,64,32", "1,4,16,64,256_512,256,128,64,32",
+                 "1,2,4,8,16,32,64_256,128,64,64,32,32,32",
+                 "1,8,16,32,64,128,1024_256,128,64,32,32,32,32",
+                 "1,4,16,64,256,1024_1024,256,128,64,32,32")
+
+
 def _layout_candidates():
     """Per (m, n) at head_dim 128: the default layout and the other ring depth (2 vs 3 stages),
     each forced onto every CTA of the no-sharing batch: the data behind variant_speed.json."""
@@ -83,6 +102,9 @@ CASE_SETS = {"forced": FORCED, "long": LONG, "sharing": SHARING, "layouts": _lay
              "nosharing-n": tuple(("128_2048", heads, "query", (16, n), None, f"n{n}")
                                   for heads in ((32, 8), (16, 8), (32, 32))
                                   for n in (32, 64, 128)),
+             "planner": tuple((spec, heads, "pat", None, None, label)
+                              for spec in PLANNER_SPECS for heads in ((32, 8), (32, 32))
+                              for label in TUNINGS),
              "quickstart": tuple(("1,4,16_128,256,1024", (32, 8), p, None, None, "default")
                                  for p in ("pat", "query", "node", "cascade")),
              "nosharing": tuple(("256_4096", (32, 8), p, None, None, "default")
@@ -106,6 +128,13 @@ def run_case(backend, case, iters, copy_bw, flush, seed=0) -> dict:
            "tile": list(tile) if tile else None, "override": list(over) if over else None,
            "label": label}
     cc.VARIANT_OVERRIDES.clear()
+    tuning = dict(TUNINGS.get(label, {}))
+    launch = tuning.pop("launch", None)
+    saved_launch = backend.launch_mode
+    if launch is not None:
+        backend.launch_mode = launch
+    if tuning:
+        row["tuning"] = dict(TUNINGS[label])
     if over is not None and tile is not None:
         cc.VARIANT_OVERRIDES[tuple(tile)] = tuple(over)
     try:
@@ -116,6 +145,8 @@ def run_case(backend, case, iters, copy_bw, flush, seed=0) -> dict:
         q = torch.randn((b.batch_size, hq, d), generator=g, device="cuda", dtype=torch.float16)
         w = PrefixAttentionWrapper(backend="cuda", packer=packer)
         w._gpu_backend = backend
+        from pat_core.planner import Tuning
+        w.planner.tuning = Tuning(**tuning)
         plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16",
                       tile=tile)
         row["variants"] = [v_.key for v_ in backend.variants_for(plan)]
@@ -164,6 +195,7 @@ def run_case(backend, case, iters, copy_bw, flush, seed=0) -> dict:
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {e}"[:500]
     finally:
+        backend.launch_mode = saved_launch
         cc.VARIANT_OVERRIDES.clear()
         torch.cuda.empty_cache()
     return row

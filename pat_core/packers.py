@@ -209,11 +209,12 @@ def cost_constants(head_dim: int, kv_bytes: int, q_bytes: int) -> tuple[int, int
 
 
 def pack(forest: PrefixForest, packer: str, group: int, max_rows: int, head_dim: int,
-         kv_bytes: int = 2, q_bytes: int = 2) -> Packs:
+         kv_bytes: int = 2, q_bytes: int = 2, partial_weight: float = 1.0) -> Packs:
     """Run one packer over ``forest``.
 
     ``group``: query heads per KV head.  ``max_rows``: the largest tile's ``m``; a CTA holds at
-    most ``max_rows // group`` requests (``query`` holds exactly one).
+    most ``max_rows // group`` requests (``query`` holds exactly one).  ``partial_weight``
+    scales the partial-result bytes of the ``pat`` profit model.
     """
     if packer not in PACKERS:
         raise ValueError(f"packer must be one of {PACKERS}, got {packer!r}")
@@ -222,6 +223,7 @@ def pack(forest: PrefixForest, packer: str, group: int, max_rows: int, head_dim:
                          f"({max_rows} rows): one request would not fit a CTA")
     max_req = 1 if packer == "query" else max(1, max_rows // group)
     kv_tok, row_slot = cost_constants(head_dim, kv_bytes, q_bytes)
+    row_slot = int(round(row_slot * float(partial_weight)))
     f = forest
     ind, reqs, s, e, lv, leaf = _tree_heuristic(
         f.start, f.end, f.lo, f.hi, f.child_indptr, f.children, f.order, f.level,

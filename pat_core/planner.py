@@ -13,6 +13,7 @@ Anything else re-plans from scratch.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from numba import njit
@@ -24,6 +25,30 @@ from .packers import PACKERS, Packs, pack
 from .plan import DTYPE_BYTES, Plan, dtype_name
 from .split import split_long_kv, split_threshold
 from .tiles import TileSelector
+
+
+@dataclass
+class Tuning:
+    """Planner knobs measured by ``bench/kernel_lab.py --cases planner`` (defaults: the rules
+    that measured best; see ``bench/NOTES.md``).
+
+    ``max_rows``: cap on a CTA's query rows (``None``: the largest feasible tile).  Smaller
+    caps cut shared nodes into more CTAs that re-read the same pages (mostly from L2).
+    ``split_share``: resident thread blocks per SM assumed by the ``"sm"`` split rule.
+    ``min_part``: shortest part the split makes (tokens).
+    ``partial_weight``: multiplies the partial-result bytes in the ``pat`` profit model (above 1
+    favours merging short nodes into their children's CTAs: fewer partials and thread blocks
+    for more KV re-read).
+    ``order``: launch order of the tile groups: ``"tile"`` (ascending ``(m, n)``) or
+    ``"work"`` (largest per-CTA work first, and longest KV first inside a group, so that the
+    CTAs that take longest start first).
+    """
+
+    max_rows: int | None = None
+    split_share: float = 2.0
+    min_part: int = 256
+    partial_weight: float = 1.0
+    order: str = "tile"
 
 
 @njit(cache=True)
@@ -72,14 +97,17 @@ def _layout(req_indptr, reqs, src, kv_start, kv_len, order, table, page_size, ba
 
 def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_heads: int,
                   head_dim: int, sm_scale: float, packer: str, selector: TileSelector,
-                  kv_dtype: str, serial: bool = False, split=True) -> Plan:
+                  kv_dtype: str, serial: bool = False, split=True,
+                  tuning: Tuning | None = None) -> Plan:
     """Split, tile and lay out ``packs`` as a :class:`Plan` (no per-CTA Python)."""
+    tuning = tuning or Tuning()
     group = num_qo_heads // num_kv_heads
     gpu = selector.gpu
     length = packs.kv_end - packs.kv_start
     if split:
         rule = split if isinstance(split, str) else "sm"
-        thr = split_threshold(length, num_kv_heads, gpu.num_sms, rule=rule)
+        thr = split_threshold(length, num_kv_heads, gpu.num_sms, rule=rule,
+                              min_part=tuning.min_part, share=tuning.split_share)
     else:
         thr = int(length.max()) if length.size else 1
     src, kv_start, kv_len = split_long_kv(packs, thr)
@@ -93,9 +121,22 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
     if packer == "cascade":
         serial = True
         gkey = packs.level[src].astype(np.int64) * len(tiles) + tile_idx
+    elif tuning.order == "work":
+        # rank tile groups by their largest CTA's work (rows x tokens), biggest first, and
+        # inside a group launch the longest KV first: the CTAs that take longest start first
+        work = mn[:, 0].astype(np.int64) * kv_len
+        gwork = np.zeros(len(tiles), dtype=np.int64)
+        np.maximum.at(gwork, tile_idx, work)
+        grank = np.empty(len(tiles), dtype=np.int64)
+        grank[np.argsort(-gwork, kind="stable")] = np.arange(len(tiles))
+        gkey = grank[tile_idx]
+        inner = np.lexsort((-kv_len.astype(np.int64), gkey))
     else:
         gkey = tile_idx.astype(np.int64)
-    order = np.argsort(gkey, kind="stable").astype(np.int32)
+    if tuning.order == "work" and packer != "cascade":
+        order = inner.astype(np.int32)
+    else:
+        order = np.argsort(gkey, kind="stable").astype(np.int32)
     gkey = gkey[order]
     bounds = np.flatnonzero(np.diff(gkey)) + 1
     group_indptr = np.concatenate(([0], bounds, [gkey.shape[0]])).astype(np.int32)
@@ -137,6 +178,7 @@ class Planner:
             raise ValueError(f"packer must be one of {PACKERS}, got {packer!r}")
         self.packer = packer
         self.gpu = get_gpu(gpu)
+        self.tuning = Tuning()
         self._cache = None
         self.last_path = None   # "full", "reuse" or "lengths": what the last plan() did
 
@@ -163,7 +205,7 @@ class Planner:
                 raise ValueError(f"tile must be a pair of ints (m, n), got {tile!r}")
         params = (num_qo_heads, num_kv_heads, head_dim, page_size, float(sm_scale), kv_dtype,
                   q_dtype, None if tile is None else tuple(int(x) for x in tile), bool(serial),
-                  split)
+                  split, repr(self.tuning))
         raw = block_tables
         if hasattr(raw, "numpy") and hasattr(raw, "device") and str(raw.device) == "cpu":
             raw = raw.numpy()                   # CPU tensor: same memory, cacheable
@@ -190,11 +232,16 @@ class Planner:
                 f"{self.gpu.name}): the limit is {selector.max_rows}, as one request's query "
                 "heads must fit one CTA (the CPU backend runs the same tiles)")
         forest = PrefixForest(bt)
-        packs = pack(forest, self.packer, num_qo_heads // num_kv_heads, selector.max_rows,
-                     head_dim, DTYPE_BYTES[kv_dtype], DTYPE_BYTES[q_dtype])
+        max_rows = selector.max_rows
+        if self.tuning.max_rows is not None:
+            max_rows = max(group, min(max_rows, int(self.tuning.max_rows)))
+        packs = pack(forest, self.packer, group, max_rows,
+                     head_dim, DTYPE_BYTES[kv_dtype], DTYPE_BYTES[q_dtype],
+                     partial_weight=self.tuning.partial_weight)
         plan = assemble_plan(bt, packs, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                              head_dim=head_dim, sm_scale=sm_scale, packer=self.packer,
-                             selector=selector, kv_dtype=kv_dtype, serial=serial, split=split)
+                             selector=selector, kv_dtype=kv_dtype, serial=serial, split=split,
+                             tuning=self.tuning)
         plan.q_dtype = q_dtype
         plan.extra["forest"] = forest
         plan.extra["block_table"] = bt
@@ -232,7 +279,8 @@ class Planner:
         plan = assemble_plan(nbt, packs, num_qo_heads=p.num_qo_heads,
                              num_kv_heads=p.num_kv_heads, head_dim=p.head_dim,
                              sm_scale=p.sm_scale, packer=self.packer, selector=c["selector"],
-                             kv_dtype=p.kv_dtype, serial=c["serial"], split=c["split"])
+                             kv_dtype=p.kv_dtype, serial=c["serial"], split=c["split"],
+                             tuning=self.tuning)
         plan.version = p.version + 1
         plan.q_dtype = p.q_dtype
         plan.extra["block_table"] = nbt

@@ -30,7 +30,7 @@ SPLIT_RULES = ("sm", "mean")
 
 
 def split_threshold(kv_len: np.ndarray, num_kv_heads: int, num_sms: int,
-                    min_part: int = 256, rule: str = "sm") -> int:
+                    min_part: int = 256, rule: str = "sm", share: float = 2.0) -> int:
     """Longest KV range a CTA may keep (tokens) under ``rule`` (see module docstring)."""
     if rule not in SPLIT_RULES:
         raise ValueError(f"split must be one of {SPLIT_RULES} (or True/False), got {rule!r}")
@@ -38,7 +38,7 @@ def split_threshold(kv_len: np.ndarray, num_kv_heads: int, num_sms: int,
         return 1
     if rule == "mean":
         return max(1, int(np.ceil(kv_len.mean())))
-    per_sm = float(kv_len.astype(np.int64).sum()) * num_kv_heads / max(2 * num_sms, 1)
+    per_sm = float(kv_len.astype(np.int64).sum()) * num_kv_heads / max(share * num_sms, 1)
     return max(1, int(np.ceil(max(float(min_part), per_sm))))
 
 

@@ -1,0 +1,84 @@
+"""Run one workload with one method a few times, eagerly: the target for a profiler.
+
+    ncu -k regex:'pat_fwd|fasttree' python3 bench/profile_case.py 1,1024_1024,16 32:8 pat
+    python3 bench/profile_case.py SPEC HEADS fasttree --fasttree DIR
+
+``SPEC``: a tree-spec workload (:mod:`pat_core.workloads`); ``HEADS``: ``HQ:HK``; method
+``pat`` (optionally ``--tuning LABEL``, a planner tuning of ``bench/kernel_lab.py``),
+``query`` or ``fasttree``.  The output is checked against float64 attention before the runs,
+so a profile is never taken of a wrong kernel.  Prints the plan's tiles and the median eager time.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (str(ROOT), str(ROOT / "bench")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("spec")
+    ap.add_argument("heads", help="HQ:HK")
+    ap.add_argument("method", choices=("pat", "query", "fasttree"))
+    ap.add_argument("--tuning", default="default", help="planner tuning label (kernel_lab)")
+    ap.add_argument("--fasttree", metavar="DIR", default=None)
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args(argv)
+    import numpy as np
+    import torch
+    from compare import (make_fasttree, load_fasttree, reference_fp64, rel_err,
+                         torch_attention)
+    from common import time_events
+    from kernel_lab import TUNINGS
+    from pat_core import PrefixAttentionWrapper
+    from pat_core.planner import Tuning
+    from pat_core.workloads import build_tree_batch
+
+    hq, hk = (int(x) for x in args.heads.split(":"))
+    d, ps = 128, 16
+    b = build_tree_batch(args.spec, page_size=ps, seed=0)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.randn((b.num_pages, ps, hk, d), generator=g, device="cuda", dtype=torch.float16)
+    v = torch.randn(k.shape, generator=g, device="cuda", dtype=torch.float16)
+    q = torch.randn((b.batch_size, hq, d), generator=g, device="cuda", dtype=torch.float16)
+    if args.method == "fasttree":
+        if not args.fasttree:
+            ap.error("fasttree needs --fasttree DIR")
+        fn, info = make_fasttree(torch, load_fasttree(args.fasttree), b, args.spec, k, v, q,
+                                 hq, hk, d)
+        if fn is None:
+            print("fasttree skipped:", info)
+            return 1
+        print(info)
+    else:
+        tun = dict(TUNINGS[args.tuning])
+        launch = tun.pop("launch", None)
+        w = PrefixAttentionWrapper(backend="cuda", packer=args.method)
+        if launch:
+            w._gpu_backend.launch_mode = launch
+        w.planner.tuning = Tuning(**tun)
+        plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16")
+        st = plan.stats()
+        print(f"{st['num_ctas']} CTAs, tiles {st['tiles']}, {st['total_bytes'] / 1e6:.1f} MB")
+        fn = lambda: w.run(q, (k, v))  # noqa: E731
+    out = fn()
+    ref = reference_fp64(torch, q, k, v, b.block_tables, b.seq_lens, ps)
+    err = rel_err(torch, out, ref)
+    plain = rel_err(torch, torch_attention(torch, q, k, v, b.block_tables, b.seq_lens, ps), ref)
+    print(f"rel err {err:.2e} (plain torch {plain:.2e})")
+    if err > max(2 * plain, 2.0 ** -11):
+        print("WRONG OUTPUT: not profiling")
+        return 1
+    torch.cuda.synchronize()
+    ts = time_events(fn, args.runs, flush=None)
+    print(f"{args.method} {args.spec} {args.heads}: median eager {np.median(ts) * 1e3:.1f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
