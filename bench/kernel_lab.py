@@ -63,11 +63,15 @@ SHARING = tuple(
 TUNINGS = {
     "default": {},
     "work": {"order": "work"},
-    "rows64": {"max_rows": 64},
-    "rows64-work": {"max_rows": 64, "order": "work"},
-    "share4-work": {"split_share": 4.0, "order": "work"},
+    "pw2-work": {"partial_weight": 2.0, "order": "work"},
     "pw3-work": {"partial_weight": 3.0, "order": "work"},
-    "rows64-share4-work": {"max_rows": 64, "split_share": 4.0, "order": "work"},
+    "pw4-work": {"partial_weight": 4.0, "order": "work"},
+    "pw6-work": {"partial_weight": 6.0, "order": "work"},
+    "rows64-work": {"max_rows": 64, "order": "work"},
+    "rows64-pw3-work": {"max_rows": 64, "partial_weight": 3.0, "order": "work"},
+    "n16-work": {"kv_tile_table": ((32, 16), (96, 32), (1 << 62, 64)), "order": "work"},
+    "n16-pw3-work": {"kv_tile_table": ((32, 16), (96, 32), (1 << 62, 64)),
+                     "partial_weight": 3.0, "order": "work"},
     "fused-work": {"order": "work", "launch": "fused"},
     "streams-work": {"order": "work", "launch": "streams"},
 }
@@ -267,7 +271,8 @@ def main(argv=None) -> int:
                     help="with the 'layouts' set: write the measured speed of every (m, n) and "
                          "the fastest layout per (m, n) as a variant-speed table (JSON)")
     ap.add_argument("--filter", default="",
-                    help="run only cases whose 'workload heads packer MxN label' contains this")
+                    help="run only cases whose 'workload heads packer MxN label' contains one of "
+                         "these comma-separated strings")
     args = ap.parse_args(argv)
     names = [c for c in args.cases.split(",") if c]
     bad = [c for c in names if c not in CASE_SETS]
@@ -289,7 +294,7 @@ def main(argv=None) -> int:
         for case in CASE_SETS[name]:
             spec, (hq, hk), packer, tile, _, label = case
             desc = f"{spec} {hq}:{hk} {packer} {'x'.join(map(str, tile)) if tile else '-'} {label}"
-            if args.filter and args.filter not in desc:
+            if args.filter and not any(f in desc for f in args.filter.split(",") if f):
                 continue
             r = run_case(backend, case, args.iters, copy_bw, flush)
             r["set"] = name

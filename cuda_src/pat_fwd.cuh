@@ -585,12 +585,31 @@ __device__ __forceinline__ void pat_fwd_body(
 
 }  // namespace pat
 
+// Register budget of the small tiles.  A 16-row tile's block is latency bound (its KV range is
+// often one or two steps), so what matters is how many blocks an SM holds at once.  Registers
+// are dealt per scheduler (16384 each): left free, the compiler gives a 2-warp 16x32 block ~170
+// registers a thread, 2 warps per scheduler, so an SM holds 4 such blocks.  Asking for
+// MIN_BLOCKS resident blocks caps registers at 128 (4 warps per scheduler; shared memory then
+// sets the limit).  The one-warp tile is left alone: its 168 registers already allow more blocks
+// than its shared memory does, and 128 would spill.  PAT_SMALL_TILE_MAX_REGS=0 turns it off.
+#ifndef PAT_SMALL_TILE_MAX_REGS
+#define PAT_SMALL_TILE_MAX_REGS 128
+#endif
+namespace pat {
+template <int M, int WARPS>
+constexpr int fwd_min_blocks() {
+  return (M <= 16 && WARPS >= 2 && PAT_SMALL_TILE_MAX_REGS > 0)
+             ? 65536 / (WARPS * 32 * PAT_SMALL_TILE_MAX_REGS)
+             : 1;
+}
+}  // namespace pat
+
 // Kernel entry point.  Template arguments: head_dim, element type, m, n, warps, stages, rows per
 // warp; the Python side names each instantiation pat_fwd_d{D}_{dtype}_m{M}_n{N}_w{W}_s{S}_r{RW}.
 // The last eight arguments are the in-kernel merge's (pat::MergeArgs; merge_counters == nullptr
 // leaves the merge to pat_merge_kernel).
 template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES, int RW>
-__global__ void __launch_bounds__(WARPS * 32, 1) pat_fwd_kernel(
+__global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<M, WARPS>())) pat_fwd_kernel(
     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
     float* __restrict__ o_partial, float* __restrict__ lse_partial,
     const int* __restrict__ cta_req_indptr, const int* __restrict__ cta_req,

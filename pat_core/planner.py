@@ -12,6 +12,7 @@ Anything else re-plans from scratch.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -39,6 +40,8 @@ class Tuning:
     ``partial_weight``: multiplies the partial-result bytes in the ``pat`` profit model (above 1
     favours merging short nodes into their children's CTAs: fewer partials and thread blocks
     for more KV re-read).
+    ``kv_tile_table``: replaces the GPU's KV-length -> ``n`` table of the tile selector
+    (``None``: the GPU's own, :attr:`pat_core.gpus.GPUSpec.kv_tile_table`).
     ``order``: launch order of the tile groups: ``"tile"`` (ascending ``(m, n)``) or
     ``"work"`` (largest per-CTA work first, and longest KV first inside a group, so that the
     CTAs that take longest start first).
@@ -48,6 +51,7 @@ class Tuning:
     split_share: float = 2.0
     min_part: int = 256
     partial_weight: float = 1.0
+    kv_tile_table: tuple | None = None
     order: str = "tile"
 
 
@@ -223,7 +227,10 @@ class Planner:
                 self.last_path = "lengths"
                 return updated
         bt = as_block_table(raw if raw is not None else block_tables, seq_lens, page_size)
-        selector = TileSelector(head_dim, kv_dtype, self.gpu, fixed=tile)
+        gpu = self.gpu
+        if self.tuning.kv_tile_table is not None:
+            gpu = dataclasses.replace(gpu, kv_tile_table=tuple(self.tuning.kv_tile_table))
+        selector = TileSelector(head_dim, kv_dtype, gpu, fixed=tile)
         group = num_qo_heads // num_kv_heads
         if group > selector.max_rows:
             raise ValueError(
