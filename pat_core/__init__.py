@@ -15,12 +15,12 @@ from .inputs import BlockTable
 from .merge import merge_partials, merge_state
 from .packers import PACKERS
 from .plan import Plan
-from .planner import Planner
+from .planner import Planner, Tuning
 from .reference import dense_attention
 from .wrapper import PrefixAttentionWrapper
 
 __version__ = "0.1.0"
 
-__all__ = ["PrefixAttentionWrapper", "Plan", "Planner", "BlockTable", "PrefixForest",
+__all__ = ["PrefixAttentionWrapper", "Plan", "Planner", "Tuning", "BlockTable", "PrefixForest",
            "dense_attention", "merge_state", "merge_partials", "PACKERS", "GPUS", "GPUSpec",
            "get_gpu", "__version__"]

@@ -22,7 +22,9 @@ packer, % of copy bandwidth): at 256 tokens n = 128 reaches 66% against 82-84% f
 1024 tokens n = 32/64 reach 94% against 88% for n = 128; at 2048 tokens (`128_2048`) n = 64
 reaches 95-100% against 92-95% for n = 128 (a 16x128 CTA fills an SM's shared memory alone, so
 its pipeline start is not hidden behind another CTA); at 4096 all reach 98-100%.  So n = 128 is
-never preferred: the table stops at 64.
+never preferred: the table stops at 64.  A CTA of at most 16 tokens takes n = 16: a 32-token step
+would be half padding, and the one-warp 16x16 block leaves room for more blocks per SM (on
+``1,1024_1024,16``, 1024 leaves of 16 tokens, the step time fell 10-22%; see bench/NOTES.md).
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ class GPUSpec:
     sm_clock_ghz: float
     l2_bandwidth: float = 0.0   # bytes / ns, L2 hits to the SMs (estimate, see module docstring)
     achieved_bw_fraction: float = 0.85  # copy-kernel bandwidth / datasheet bandwidth (estimate)
-    kv_tile_table: tuple = field(default=((96, 32), (1 << 62, 64)))
+    kv_tile_table: tuple = field(default=((16, 16), (96, 32), (1 << 62, 64)))
 
     @property
     def bytes_per_ns(self) -> float:

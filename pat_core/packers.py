@@ -10,8 +10,9 @@ tokens accumulated down to ``u``, and ``c``'s requests leave ``u``'s CTA) or *sp
 keeps ``c``'s requests; each of them gets one more partial result to merge).
 
 ``pat``      memory-centric profit model (PAT §5.1), in bytes, GQA-aware: merge when the partial
-             traffic saved beats the KV re-read, counting one re-read per CTA the child's rows
-             need (rows = requests x group, capped by the largest tile).
+             traffic saved (weighted by ``PARTIAL_WEIGHT``, below) beats the KV re-read,
+             counting one re-read per CTA the child's rows need (rows = requests x group,
+             capped by the largest tile).
 ``compute``  compute-oriented model (as FastTree): minimise padded tile rows x KV tokens,
              ignoring bytes; merges a child when taking its rows out of the parent's CTA drops
              that CTA to a smaller tile by more than the child's own padded tile costs.
@@ -33,6 +34,14 @@ from numba import njit
 from .forest import PrefixForest
 
 PACKERS = ("pat", "query", "node", "compute", "cascade")
+
+# Weight of the partial-result side of the ``pat`` profit model.  A partial costs more than its
+# bytes: its rows hold a thread block's fixed latency (Q load, pipeline start, partial write)
+# and the merge reads it back after the forward pass.  Measured on an H100 over nine
+# multi-level sharing batches (``bench/kernel_lab.py --cases planner``; bench/NOTES.md),
+# weights 1 / 2 / 3 / 4 / 6 gave a geometric-mean step time of 0.87 / 0.85 / 0.84 / 0.79 / 0.80
+# of the unweighted model's (all with the "work" launch order).  1 is the PAT paper's pure byte count.
+PARTIAL_WEIGHT = 4.0
 
 _MODE = {"pat": 0, "compute": 1, "node": 2, "cascade": 2, "query": 3}
 
@@ -209,7 +218,8 @@ def cost_constants(head_dim: int, kv_bytes: int, q_bytes: int) -> tuple[int, int
 
 
 def pack(forest: PrefixForest, packer: str, group: int, max_rows: int, head_dim: int,
-         kv_bytes: int = 2, q_bytes: int = 2, partial_weight: float = 1.0) -> Packs:
+         kv_bytes: int = 2, q_bytes: int = 2,
+         partial_weight: float = PARTIAL_WEIGHT) -> Packs:
     """Run one packer over ``forest``.
 
     ``group``: query heads per KV head.  ``max_rows``: the largest tile's ``m``; a CTA holds at

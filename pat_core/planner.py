@@ -22,7 +22,7 @@ from numba import njit
 from .forest import PrefixForest
 from .gpus import get_gpu
 from .inputs import BlockTable, _check_seq_lens, as_block_table, check_heads, check_size
-from .packers import PACKERS, Packs, pack
+from .packers import PACKERS, PARTIAL_WEIGHT, Packs, pack
 from .plan import DTYPE_BYTES, Plan, dtype_name
 from .split import split_long_kv, split_threshold
 from .tiles import TileSelector
@@ -39,7 +39,7 @@ class Tuning:
     ``min_part``: shortest part the split makes (tokens).
     ``partial_weight``: multiplies the partial-result bytes in the ``pat`` profit model (above 1
     favours merging short nodes into their children's CTAs: fewer partials and thread blocks
-    for more KV re-read).
+    for more KV re-read; see :data:`pat_core.packers.PARTIAL_WEIGHT`).
     ``kv_tile_table``: replaces the GPU's KV-length -> ``n`` table of the tile selector
     (``None``: the GPU's own, :attr:`pat_core.gpus.GPUSpec.kv_tile_table`).
     ``order``: launch order of the tile groups: ``"tile"`` (ascending ``(m, n)``) or
@@ -50,9 +50,28 @@ class Tuning:
     max_rows: int | None = None
     split_share: float = 2.0
     min_part: int = 256
-    partial_weight: float = 1.0
+    partial_weight: float = PARTIAL_WEIGHT
     kv_tile_table: tuple | None = None
-    order: str = "tile"
+    order: str = "work"
+
+    def __post_init__(self):
+        if self.max_rows is not None and (not isinstance(self.max_rows, (int, np.integer))
+                                          or self.max_rows < 1):
+            raise ValueError(f"max_rows must be None or a positive int, got {self.max_rows!r}")
+        for name in ("split_share", "partial_weight"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float, np.number)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name} must be a positive number, got {v!r}")
+        if not isinstance(self.min_part, (int, np.integer)) or self.min_part < 1:
+            raise ValueError(f"min_part must be a positive int, got {self.min_part!r}")
+        if self.order not in ("tile", "work"):
+            raise ValueError(f"order must be 'tile' or 'work', got {self.order!r}")
+        if self.kv_tile_table is not None:
+            t = tuple(tuple(x) for x in self.kv_tile_table)
+            if not t or any(len(x) != 2 or x[1] < 16 for x in t) or \
+                    any(a[0] >= b[0] for a, b in zip(t, t[1:])):
+                raise ValueError("kv_tile_table must be (max_kv_len, n) pairs with increasing "
+                                 f"max_kv_len and n >= 16, got {self.kv_tile_table!r}")
 
 
 @njit(cache=True)
@@ -175,14 +194,18 @@ class Planner:
     ----------
     packer : one of ``"pat"``, ``"query"``, ``"node"``, ``"compute"``, ``"cascade"``.
     gpu : GPU spec or name used by the tile solver and the split rule (default ``"h100"``).
+    tuning : :class:`Tuning` knobs (default: the measured defaults); ``planner.tuning`` may be
+        replaced between plans.
     """
 
-    def __init__(self, packer: str = "pat", gpu="h100"):
+    def __init__(self, packer: str = "pat", gpu="h100", tuning: Tuning | None = None):
         if packer not in PACKERS:
             raise ValueError(f"packer must be one of {PACKERS}, got {packer!r}")
+        if tuning is not None and not isinstance(tuning, Tuning):
+            raise TypeError(f"tuning must be a pat_core.planner.Tuning, got {tuning!r}")
         self.packer = packer
         self.gpu = get_gpu(gpu)
-        self.tuning = Tuning()
+        self.tuning = tuning or Tuning()
         self._cache = None
         self.last_path = None   # "full", "reuse" or "lengths": what the last plan() did
 

@@ -101,7 +101,8 @@ def test_backend_plan_checks_without_gpu():
     b = build_tree_batch("1,4_40,20", page_size=16)
     plan = Planner("pat", "h100").plan(b.block_tables, b.seq_lens, 8, 2, 128, 16)
     cuda_backend._check_plan_tiles(plan)            # a planner's plan passes
-    bad = Planner("pat", "h100").plan(b.block_tables, b.seq_lens, 8, 2, 128, 16)
+    # the node packer lists every request in the root's CTA and again in its leaf's: 8 pairs
+    bad = Planner("node", "h100").plan(b.block_tables, b.seq_lens, 8, 2, 128, 16)
     bad.cta_req_indptr = np.array([0, len(bad.cta_req)] + [len(bad.cta_req)] * (bad.num_ctas - 1),
                                   dtype=np.int32)
     bad.tile_configs = np.full_like(bad.tile_configs, 16)

@@ -191,52 +191,111 @@ for u in middle:
 # leave it, with `c`'s own CTA re-reading the `L` tokens accumulated down to `u` (*merge*: pay
 # `L * kv_tok_bytes` again, once per CTA that `c`'s rows need)? It merges when
 #
-# `rows_c * row_slot_bytes  >  L * kv_tok_bytes * chunks_c`
+# `w * rows_c * row_slot_bytes  >  L * kv_tok_bytes * chunks_c`
 #
 # where `chunks_c` is how many CTAs `c`'s rows fill (a CTA has at most as many rows as the
 # largest feasible tile has, `max_rows`, which the tile solver of tutorial 2 gives for the GPU,
-# head_dim and dtype). In this batch no node merges into its parent at the top, so `L` is simply
-# `u`'s own length:
+# head_dim and dtype), and `w` weighs a partial result above its bytes. With `w = 1` this is the
+# PAT paper's pure byte count. We work that case by hand first; a merge carries `L` down, so a
+# child of a merged node counts its parent's tokens too:
 
 # %%
 max_rows = TileSelector(head_dim, "float16", "h100").max_rows
 print(f"max_rows = {max_rows} (H100, head_dim {head_dim}, fp16)")
-print(f"{'edge':>8} {'L':>3} {'rows_c':>6} {'partials if split':>18} {'re-read if merged':>18}"
-      "  decision")
-for u in range(1, forest.num_nodes):
-    for c in forest.node_children(u):
-        rows_c = int(sizes[c]) * group
-        chunks = -(-rows_c // max_rows)
-        L = int(lens[u])
-        keep = rows_c * row_slot_bytes
-        reread = L * kv_tok_bytes * chunks
-        print(f"{u:>3} -> {c:<2} {L:>3} {rows_c:>6} {keep:>18,} {reread:>18,}  "
-              f"{'merge' if keep > reread else 'split'}")
+
+
+def walk(w):
+    """The packer's decisions by hand: [(u, c, L, rows_c, weighted partials, re-read, merge)]."""
+    out, acc = [], {}
+    todo = [(u, int(forest.start[u])) for u in forest.node_children(0)]
+    while todo:
+        u, a = todo.pop(0)
+        L = int(forest.end[u]) - a
+        for c in forest.node_children(u):
+            rows_c = int(sizes[c]) * group
+            chunks = -(-rows_c // max_rows)
+            keep, reread = w * rows_c * row_slot_bytes, L * kv_tok_bytes * chunks
+            out.append((u, c, L, rows_c, keep, reread, keep > reread))
+            todo.append((c, a if keep > reread else int(forest.start[c])))
+    return out
+
+
+def show(rows):
+    print(f"{'edge':>8} {'L':>3} {'rows_c':>6} {'w x partials':>13} {'re-read':>8}  decision")
+    for u, c, L, rows_c, keep, reread, m in rows:
+        print(f"{u:>3} -> {c:<2} {L:>3} {rows_c:>6} {keep:>13,.0f} {reread:>8,}  "
+              f"{'merge' if m else 'split'}")
+
+
+by_hand = walk(1.0)
+show(by_hand)
+assert [m for *_, m in by_hand] == [False, False, True, True, True, True, True, True]
 
 # %% [markdown]
-# So pat should make **one CTA for the 64-token root** (all six requests) and **one CTA per
-# leaf** that also re-reads its parent's 8 tokens: 7 CTAs. Let us ask the library. `Planner`
-# runs the whole chain (forest, packer, tiles, long-KV split) and returns a `Plan`; we turn the
-# long-KV split off for now so that each CTA is one pack (more on the split at the end).
+# So with `w = 1` pat should make **one CTA for the 64-token root** (all six requests) and **one
+# CTA per leaf** that also re-reads its parent's 8 tokens: 7 CTAs. Let us ask the library.
+# `Planner` runs the whole chain (forest, packer, tiles, long-KV split) and returns a `Plan`; its
+# knobs live in a `Tuning`, where `partial_weight` is `w`. We turn the long-KV split off for now
+# so that each CTA is one pack (more on the split at the end).
 
 # %%
+def ctas_of(plan):
+    """(first token, tokens, requests) of every CTA, sorted."""
+    return sorted((int(plan.cta_kv_start[c]), int(plan.cta_kv_len[c]),
+                   int(plan.cta_req_indptr[c + 1] - plan.cta_req_indptr[c]))
+                  for c in range(plan.num_ctas))
+
+
+def print_plan(plan):
+    for c in range(plan.num_ctas):
+        reqs = plan.cta_req[plan.cta_req_indptr[c]:plan.cta_req_indptr[c + 1]]
+        s, n = int(plan.cta_kv_start[c]), int(plan.cta_kv_len[c])
+        print(f"CTA {c}: tokens [{s:>3}, {s + n:>3})  requests {reqs.tolist()}  "
+              f"tile m x n = {tuple(int(x) for x in plan.cta_mn()[c])}")
+
+
+plan_w1 = pat_core.Planner("pat", "h100", pat_core.Tuning(partial_weight=1.0)).plan(
+    batch.block_tables, batch.seq_lens, num_qo_heads, num_kv_heads, head_dim, page_size=4,
+    split=False)
+print_plan(plan_w1)
+# the hand calculation: one CTA for the root with all six requests, one per leaf from token 64
+assert plan_w1.num_ctas == 7
+assert ctas_of(plan_w1) == [(0, 64, 6)] + [(64, 36, 1)] * 6
+
+# %% [markdown]
+# **The default weight.** A partial result costs a GPU more than its bytes: the CTA that writes
+# it pays a fixed start-up latency (loading its queries, filling its pipeline), and the merge
+# reads it back after every CTA has finished. Measured on an H100 over nine multi-level batches,
+# planning with `w = 4` made the decode step 0.79x as long (geometric mean) as `w = 1`, so that
+# is the default (`pat_core.packers.PARTIAL_WEIGHT`). On this batch it changes the first
+# decision:
+
+# %%
+w = pat_core.Tuning().partial_weight
+by_default = walk(w)
+show(by_default)
+assert w == 4.0
+assert [m for *_, m in by_default][:2] == [True, True]      # root -> middle nodes: merge now
 plan = pat_core.Planner("pat", "h100").plan(
     batch.block_tables, batch.seq_lens, num_qo_heads, num_kv_heads, head_dim, page_size=4,
     split=False)
-for c in range(plan.num_ctas):
-    reqs = plan.cta_req[plan.cta_req_indptr[c]:plan.cta_req_indptr[c + 1]]
-    s, n = int(plan.cta_kv_start[c]), int(plan.cta_kv_len[c])
-    print(f"CTA {c}: tokens [{s:>3}, {s + n:>3})  requests {reqs.tolist()}  "
-          f"tile m x n = {tuple(int(x) for x in plan.cta_mn()[c])}")
-# the hand calculation: one CTA for the root with all six requests, one per leaf from token 64
-ctas = sorted((int(plan.cta_kv_start[c]), int(plan.cta_kv_len[c]),
-               int(plan.cta_req_indptr[c + 1] - plan.cta_req_indptr[c]))
-              for c in range(plan.num_ctas))
-assert plan.num_ctas == 7
-assert ctas == [(0, 64, 6)] + [(64, 36, 1)] * 6
+print_plan(plan)
+assert ctas_of(plan) == [(0, 72, 3)] * 2 + [(72, 28, 1)] * 6
+extra = sum(n for _, n, _ in ctas_of(plan)) - sum(n for _, n, _ in ctas_of(plan_w1))
+print(f"tokens read per KV head: w = 1 {sum(n for _, n, _ in ctas_of(plan_w1))}, "
+      f"w = {w:g} {sum(n for _, n, _ in ctas_of(plan))} ({extra:+d})")
+assert extra == 32
 
 # %% [markdown]
-# That is exactly the hand calculation (the cell checks it). (The `m x n` tile shape is the subject of tutorial 2.)
+# Each middle node's three requests now get a CTA that reads the root and the middle node (72
+# tokens), and the leaves stay apart: 8 CTAs. The root is read twice (on a GPU the second read
+# is mostly served by the L2 cache) and each request still gets two partial results. The walk is
+# greedy: it settles the root's edges before it sees that, with `w = 1`, the leaves would have
+# taken the middle nodes' tokens anyway. On this toy batch that costs 32 tokens per KV head; on
+# the deep trees of the benchmark, where most nodes are short and shared by a few requests, the
+# weight pays.
+#
+# (The `m x n` tile shape is the subject of tutorial 2.)
 #
 # ## Every packer on the same batch
 #
@@ -286,7 +345,7 @@ def packing(pl):
 
 
 assert packing(plans["node"]) == packing(plans["compute"]) == packing(plans["cascade"])
-assert plans["cascade"].num_groups > plans["node"].num_groups
+assert plans["cascade"].serial and not plans["node"].serial   # same CTAs, level by level
 fig, axes = plt.subplots(len(packers), 1, figsize=(10, 9), sharex=True)
 for ax, p in zip(axes, packers):
     draw_ctas(plans[p], forest, ax, p)
@@ -297,7 +356,8 @@ plt.show()
 # %% [markdown]
 # `node`, `compute` and `cascade` agree on this batch; `cascade` differs in *when* its CTAs run
 # (one level after another), which tutorial 4's simulator makes visible. `query` reads the
-# 64-token prompt six times; `pat` reads it once but re-reads the short middle nodes.
+# 64-token prompt six times; `pat` (default weight) reads it twice, once with each middle node,
+# and keeps the leaves apart.
 #
 # ## Bytes per packer
 #
@@ -334,12 +394,17 @@ st_ = {p: pl.stats() for p, pl in plans.items()}
 assert st_["node"]["kv_bytes"] == min(s["kv_bytes"] for s in st_.values())
 assert st_["node"]["num_slots"] - st_["query"]["num_slots"] == 12
 assert st_["pat"]["kv_bytes"] > st_["node"]["kv_bytes"]
-assert st_["pat"]["total_bytes"] == min(s["total_bytes"] for s in st_.values())
+st_w1 = plan_w1.stats()
+print(f"pat, w=1: {st_w1['total_bytes']:>8,} bytes  ({st_w1['num_ctas']} CTAs, "
+      f"{st_w1['num_slots']} partial slots)")
+assert st_w1["total_bytes"] < min(s["total_bytes"] for s in st_.values())
+assert st_["pat"]["num_slots"] == st_w1["num_slots"] < st_["node"]["num_slots"]
 
 # %% [markdown]
 # `node` reads the fewest KV bytes but pays for twelve more partial slots than `query`; `pat`
-# spends a few more KV bytes to avoid most of them and moves the fewest bytes overall (checked
-# in the cell above). On this toy batch the margins
+# spends a few more KV bytes to avoid most of them. With `w = 1` it moves the fewest bytes of
+# all; the default weight gives a few of those bytes back on this batch (the greedy choice seen
+# above) for the same number of partial slots (the cell checks all of this). On this toy batch the margins
 # are small. A realistic batch tells a clearer story: one 1024-token system prompt, four
 # 256-token documents, 16 requests with 64 tokens of their own, 32 query heads over 8 KV heads,
 # head_dim 128.

@@ -285,16 +285,20 @@ print(f"smallest predicted speed-up: {grid.min():.3f}x, largest: {grid.max():.2f
 ib, jb = np.unravel_index(np.argmax(grid), grid.shape)
 print(f"largest at {batches[jb]} requests sharing {prefixes[ib]} tokens")
 # the statements below: the largest gain is at the longest prefix and the largest batch of the
-# grid, and the shortest prefix is where pat can lose
+# grid; at the shortest prefix pat's plan is query's (speed-up exactly 1); the next one, 64
+# tokens, is where pat can lose
 assert (ib, jb) == (len(prefixes) - 1, len(batches) - 1)
-assert grid.min() < 1.0 and np.unravel_index(np.argmin(grid), grid.shape)[0] == 0
+assert np.all(grid[0] == 1.0)
+assert grid.min() < 1.0 and np.unravel_index(np.argmin(grid), grid.shape)[0] == 1
 
 # %% [markdown]
 # The gain is largest where many requests share a long prefix (the bottom-right corner),
 # roughly as the bytes the shared prefix would have cost (`(requests - 1) x prefix`) compare
-# with the bytes every request reads anyway. The top row, the shortest prefix, is where pat stops
-# paying off (the cell checks both). Let us take the worst cell apart: what does each plan move,
-# and what changes without the long-KV split (tutorial 1's last step)?
+# with the bytes every request reads anyway. In the top row, a 16-token prefix, the profit model
+# does not share at all: every request's CTA re-reads the prefix, which is exactly the query
+# plan. The second row, 64 tokens, is where pat shares and stops paying off at small batches
+# (the cell checks all three). Let us take the worst cell apart: what does each plan move, and
+# what changes without the long-KV split (tutorial 1's last step)?
 
 # %%
 i, j = np.unravel_index(np.argmin(grid), grid.shape)
