@@ -59,21 +59,24 @@ SHARING = tuple(
     for spec in SHARING_SPECS for heads in ((32, 8), (32, 32)) for packer in ("pat", "query"))
 
 
-# planner knobs (pat_core.planner.Tuning fields, plus "launch": the backend's launch_mode)
+# planner knobs (pat_core.Tuning fields), plus two backend settings: "launch" (CudaBackend's
+# launch_mode) and "merge" (its merge_mode).  Labels name what differs from the defaults.
+_N16_32 = ((32, 16), (96, 32), (1 << 62, 64))
 TUNINGS = {
     "default": {},
-    "work": {"order": "work"},
-    "pw2-work": {"partial_weight": 2.0, "order": "work"},
-    "pw3-work": {"partial_weight": 3.0, "order": "work"},
-    "pw4-work": {"partial_weight": 4.0, "order": "work"},
-    "pw6-work": {"partial_weight": 6.0, "order": "work"},
-    "rows64-work": {"max_rows": 64, "order": "work"},
-    "rows64-pw3-work": {"max_rows": 64, "partial_weight": 3.0, "order": "work"},
-    "n16-work": {"kv_tile_table": ((32, 16), (96, 32), (1 << 62, 64)), "order": "work"},
-    "n16-pw3-work": {"kv_tile_table": ((32, 16), (96, 32), (1 << 62, 64)),
-                     "partial_weight": 3.0, "order": "work"},
-    "fused-work": {"order": "work", "launch": "fused"},
-    "streams-work": {"order": "work", "launch": "streams"},
+    "tile-order": {"order": "tile"},
+    "pw1": {"partial_weight": 1.0},
+    "pw2": {"partial_weight": 2.0},
+    "pw6": {"partial_weight": 6.0},
+    "rows64": {"max_rows": 64},
+    "n16to32": {"kv_tile_table": _N16_32},
+    "mp128": {"min_part": 128},
+    "mp128-s4": {"min_part": 128, "split_share": 4.0},
+    "mp64-s4": {"min_part": 64, "split_share": 4.0},
+    "fwdmerge": {"merge": "forward"},
+    "mp128-fwdmerge": {"min_part": 128, "merge": "forward"},
+    "fused": {"launch": "fused"},
+    "streams": {"launch": "streams"},
 }
 PLANNER_SPECS = ("1,16_2048,128", "1,4,64_256,1024,64", "1,2,8,128_512,128,256,32",
                  "1,1024_1024,16", "1,8,64,512_128,512,64,32", "1,4,16,64,256_512,256,128,64,32",
@@ -134,9 +137,12 @@ def run_case(backend, case, iters, copy_bw, flush, seed=0) -> dict:
     cc.VARIANT_OVERRIDES.clear()
     tuning = dict(TUNINGS.get(label, {}))
     launch = tuning.pop("launch", None)
-    saved_launch = backend.launch_mode
+    merge = tuning.pop("merge", None)
+    saved_launch, saved_merge = backend.launch_mode, backend.merge_mode
     if launch is not None:
         backend.launch_mode = launch
+    if merge is not None:
+        backend.merge_mode = merge
     if tuning:
         row["tuning"] = dict(TUNINGS[label])
     if over is not None and tile is not None:
@@ -199,7 +205,7 @@ def run_case(backend, case, iters, copy_bw, flush, seed=0) -> dict:
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {e}"[:500]
     finally:
-        backend.launch_mode = saved_launch
+        backend.launch_mode, backend.merge_mode = saved_launch, saved_merge
         cc.VARIANT_OVERRIDES.clear()
         torch.cuda.empty_cache()
     return row

@@ -57,10 +57,12 @@ def main(argv=None) -> int:
         print(info)
     else:
         tun = dict(TUNINGS[args.tuning])
-        launch = tun.pop("launch", None)
+        launch, merge = tun.pop("launch", None), tun.pop("merge", None)
         w = PrefixAttentionWrapper(backend="cuda", packer=args.method)
         if launch:
             w._gpu_backend.launch_mode = launch
+        if merge:
+            w._gpu_backend.merge_mode = merge
         w.planner.tuning = Tuning(**tun)
         plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16")
         st = plan.stats()
