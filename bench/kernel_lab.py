@@ -64,17 +64,15 @@ SHARING = tuple(
 _N16_32 = ((32, 16), (96, 32), (1 << 62, 64))
 TUNINGS = {
     "default": {},
-    "tile-order": {"order": "tile"},
-    "pw1": {"partial_weight": 1.0},
-    "pw2": {"partial_weight": 2.0},
+    "splitwork": {"split_by": "work"},
+    "splitwork-s4": {"split_by": "work", "split_share": 4.0},
+    "splitwork-rows64": {"split_by": "work", "max_rows": 64},
     "pw6": {"partial_weight": 6.0},
     "rows64": {"max_rows": 64},
     "n16to32": {"kv_tile_table": _N16_32},
     "mp128": {"min_part": 128},
-    "mp128-s4": {"min_part": 128, "split_share": 4.0},
-    "mp64-s4": {"min_part": 64, "split_share": 4.0},
-    "fwdmerge": {"merge": "forward"},
-    "mp128-fwdmerge": {"min_part": 128, "merge": "forward"},
+    "tile-order": {"order": "tile"},
+    "pw1": {"partial_weight": 1.0},
     "fused": {"launch": "fused"},
     "streams": {"launch": "streams"},
 }

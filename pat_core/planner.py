@@ -42,6 +42,9 @@ class Tuning:
     for more KV re-read; see :data:`pat_core.packers.PARTIAL_WEIGHT`).
     ``kv_tile_table``: replaces the GPU's KV-length -> ``n`` table of the tile selector
     (``None``: the GPU's own, :attr:`pat_core.gpus.GPUSpec.kv_tile_table`).
+    ``split_by``: what the ``"sm"`` long-KV split shares out: ``"tokens"``, or ``"work"``
+    (tokens times the measured time per token of the CTA's tile rows,
+    :meth:`pat_core.tiles.TileSelector.row_time_weight`: 128-row tiles run slower per token).
     ``order``: launch order of the tile groups: ``"tile"`` (ascending ``(m, n)``) or
     ``"work"`` (largest per-CTA work first, and longest KV first inside a group, so that the
     CTAs that take longest start first).
@@ -53,6 +56,7 @@ class Tuning:
     partial_weight: float = PARTIAL_WEIGHT
     kv_tile_table: tuple | None = None
     order: str = "work"
+    split_by: str = "tokens"
 
     def __post_init__(self):
         if self.max_rows is not None and (not isinstance(self.max_rows, (int, np.integer))
@@ -64,6 +68,8 @@ class Tuning:
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
         if not isinstance(self.min_part, (int, np.integer)) or self.min_part < 1:
             raise ValueError(f"min_part must be a positive int, got {self.min_part!r}")
+        if self.split_by not in ("tokens", "work"):
+            raise ValueError(f"split_by must be 'tokens' or 'work', got {self.split_by!r}")
         if self.order not in ("tile", "work"):
             raise ValueError(f"order must be 'tile' or 'work', got {self.order!r}")
         if self.kv_tile_table is not None:
@@ -127,13 +133,17 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
     group = num_qo_heads // num_kv_heads
     gpu = selector.gpu
     length = packs.kv_end - packs.kv_start
+    weight = None
     if split:
         rule = split if isinstance(split, str) else "sm"
+        if rule == "sm" and tuning.split_by == "work":
+            weight = selector.row_time_weight(np.diff(packs.req_indptr) * group)
         thr = split_threshold(length, num_kv_heads, gpu.num_sms, rule=rule,
-                              min_part=tuning.min_part, share=tuning.split_share)
+                              min_part=tuning.min_part, share=tuning.split_share,
+                              weight=weight)
     else:
         thr = int(length.max()) if length.size else 1
-    src, kv_start, kv_len = split_long_kv(packs, thr)
+    src, kv_start, kv_len = split_long_kv(packs, thr, weight, min_part=tuning.min_part)
     nreq = np.diff(packs.req_indptr)[src]
     mn = selector.select(nreq * group, kv_len)
     # distinct tile configs, then launch groups (cascade: one group per level and config)

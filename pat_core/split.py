@@ -30,36 +30,51 @@ SPLIT_RULES = ("sm", "mean")
 
 
 def split_threshold(kv_len: np.ndarray, num_kv_heads: int, num_sms: int,
-                    min_part: int = 256, rule: str = "sm", share: float = 2.0) -> int:
-    """Longest KV range a CTA may keep (tokens) under ``rule`` (see module docstring)."""
+                    min_part: int = 256, rule: str = "sm", share: float = 2.0,
+                    weight: np.ndarray | None = None) -> int:
+    """Longest KV range a CTA may keep (tokens) under ``rule`` (see module docstring).
+
+    ``weight`` (float ``[K]``, optional): time per token of each pack relative to a 16-row
+    tile's; the ``"sm"`` rule then shares out weighted tokens, and :func:`split_long_kv` cuts
+    pack ``p`` at ``threshold / weight[p]`` tokens (a slow 128-row CTA is cut shorter).
+    """
     if rule not in SPLIT_RULES:
         raise ValueError(f"split must be one of {SPLIT_RULES} (or True/False), got {rule!r}")
     if kv_len.size == 0:
         return 1
     if rule == "mean":
         return max(1, int(np.ceil(kv_len.mean())))
-    per_sm = float(kv_len.astype(np.int64).sum()) * num_kv_heads / max(share * num_sms, 1)
+    total = float(kv_len.astype(np.int64).sum()) if weight is None else \
+        float((kv_len.astype(np.float64) * weight).sum())
+    per_sm = total * num_kv_heads / max(share * num_sms, 1)
     return max(1, int(np.ceil(max(float(min_part), per_sm))))
 
 
-def split_long_kv(packs: Packs, threshold: int):
-    """Split packs longer than ``threshold`` into equal parts.
+def split_long_kv(packs: Packs, threshold: int, weight: np.ndarray | None = None,
+                  min_part: int = 16):
+    """Split packs longer than ``threshold`` (divided by ``weight[p]`` when given, never below
+    ``min_part``) into equal parts.
 
     Returns ``(src, kv_start, kv_len)``: int32 ``[C]`` arrays, ``src`` being the pack each CTA
     came from (so requests are ``packs.reqs[packs.req_indptr[src]:...]``).  Parts of one pack
     are consecutive, in token order.
     """
-    return _split(packs.kv_start, packs.kv_end, int(threshold))
+    thr = np.full(packs.kv_start.shape[0], int(threshold), dtype=np.int64)
+    if weight is not None:
+        thr = np.maximum(np.ceil(int(threshold) / np.asarray(weight, dtype=np.float64)),
+                         min(int(min_part), int(threshold))).astype(np.int64)
+    return _split(packs.kv_start, packs.kv_end, thr)
 
 
 @njit(cache=True)
-def _split(kv_start, kv_end, threshold):
+def _split(kv_start, kv_end, thresholds):
     K = kv_start.shape[0]
     parts = np.empty(K, dtype=np.int64)
     plen = np.empty(K, dtype=np.int64)
     total = 0
     for p in range(K):
         length = kv_end[p] - kv_start[p]
+        threshold = thresholds[p]
         k = max(1, (length + threshold - 1) // threshold)
         pl = (length + k - 1) // k
         if k > 1:

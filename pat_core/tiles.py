@@ -241,6 +241,23 @@ class TileSelector:
         rec = cc.variant_speed().get((int(m), int(n)))
         return None if rec is None else float(rec["frac_copy"])
 
+    def row_time_weight(self, rows: np.ndarray) -> np.ndarray:
+        """Time per KV token of a CTA with ``rows`` query rows, relative to the smallest tile's
+        (float64 ``[C]``, >= 1): the measured speed of the smallest ``m`` (best ``n``) over that
+        of the ``m`` the rows get.  All ones where speeds are not measured."""
+        rows = np.asarray(rows)
+        out = np.ones(rows.shape[0], dtype=np.float64)
+        speed = {}
+        for m in self.m_values:
+            sp = [self.measured_speed(int(m), n) for n in self.n_by_m[int(m)]]
+            if any(x is None for x in sp):
+                return out
+            speed[int(m)] = max(sp)
+        base = speed[int(self.m_values[0])]
+        mi = np.searchsorted(self.m_values, np.minimum(rows, self.max_rows), side="left")
+        w = np.array([max(1.0, base / speed[int(m)]) for m in self.m_values])
+        return w[mi]
+
     def pick_n(self, m: int, kv_len: int) -> int:
         """``n`` for a CTA of ``m`` rows and ``kv_len`` tokens.
 
