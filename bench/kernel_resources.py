@@ -45,11 +45,15 @@ def compile_variant(variant, arch: str, nvcc: str = "nvcc", src_dir=None) -> dic
     log = res.stdout + res.stderr
     if res.returncode != 0:
         raise RuntimeError(f"nvcc failed for {variant.key} ({arch}):\n{log}")
+    # one "Function properties" block per function: the kernel's, then any device function it
+    # calls without inlining; spills and stack count over all of them
     props = _RE_PROPS.findall(log)
     used = _RE_USED.findall(log)
-    if len(props) != 1 or len(used) != 1:
+    if not props or len(used) != 1:
         raise RuntimeError(f"could not parse the ptxas report of {variant.key} ({arch}):\n{log}")
-    stack, spill_st, spill_ld = (int(x) for x in props[0])
+    stack = max(int(p[0]) for p in props)
+    spill_st = sum(int(p[1]) for p in props)
+    spill_ld = sum(int(p[2]) for p in props)
     regs, smem = int(used[0][0]), int(used[0][1] or 0)
     return {"registers": regs, "smem_static": smem, "smem_dynamic": variant.smem_bytes,
             "stack_frame": stack, "spill_stores": spill_st, "spill_loads": spill_ld}

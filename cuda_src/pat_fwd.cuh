@@ -585,24 +585,33 @@ __device__ __forceinline__ void pat_fwd_body(
 
 }  // namespace pat
 
-// Register budget of the small tiles.  A 16-row tile's block is latency bound (its KV range is
-// often one or two steps), so what matters is how many blocks an SM holds at once.  Registers
-// are dealt per scheduler (16384 each): left free, the compiler gives a 2-warp 16x32 block ~170
-// registers a thread, 2 warps per scheduler, so an SM holds 4 such blocks (ncu: 360 us -> 290 us
-// for the 16x32 kernel of a 1216-leaf tree once capped).  Asking for MIN_BLOCKS resident blocks
-// caps registers: 128 for tiles of 2 or more warps (4 warps per scheduler; shared memory then
-// sets the limit), 168 for the one-warp tile (3 warps per scheduler, more than its shared memory
-// allows; 128 would spill, and NVRTC left alone takes 171, 2 per scheduler).
-// PAT_SMALL_TILE_MAX_REGS=0 turns the cap off.
-#ifndef PAT_SMALL_TILE_MAX_REGS
-#define PAT_SMALL_TILE_MAX_REGS 128
+// Registers never limit a variant below what its shared memory allows.  Registers are dealt per
+// scheduler (16384 each, four per SM), so a few registers more can cost a resident block: left
+// free, the compiler gave the 2-warp 16x32 block ~170 registers, 2 warps per scheduler, 4 blocks
+// per SM where its shared memory holds 6 (ncu, the 16x32 kernel of a 1216-leaf tree: 360 us,
+// and 290 us once it held 6).  MIN_BLOCKS = the blocks shared memory allows (1 KB reserved per
+// block; 228 KB per SM on sm_90, 164 KB on sm_80), which caps registers at
+// 65536 / (MIN_BLOCKS * THREADS).  Only for 16-row tiles: they need few registers, while the
+// larger tiles' accumulators spill under such a cap (32x32: 48 bytes, 128x16: 776 bytes at
+// head_dim 128).  PAT_SMEM_OCCUPANCY=0 turns the request off.
+#ifndef PAT_SMEM_OCCUPANCY
+#define PAT_SMEM_OCCUPANCY 1
 #endif
 namespace pat {
-template <int M, int WARPS>
+constexpr int smem_per_sm() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  return 167936;
+#else
+  return 233472;
+#endif
+}
+template <int D, int M, int N, int WARPS, int STAGES>
 constexpr int fwd_min_blocks() {
-  return (M > 16 || PAT_SMALL_TILE_MAX_REGS <= 0) ? 1
-         : WARPS == 1                             ? 12
-                                                  : 65536 / (WARPS * 32 * PAT_SMALL_TILE_MAX_REGS);
+  constexpr int smem = M * D * 2 + STAGES * 2 * N * D * 2 + 1024;  // FwdTraits::SMEM_BYTES + 1 KB
+  constexpr int by_smem = smem_per_sm() / smem;
+  constexpr int by_threads = 2048 / (WARPS * 32);
+  constexpr int b = by_smem < by_threads ? by_smem : by_threads;
+  return (PAT_SMEM_OCCUPANCY == 0 || M > 16 || b < 1) ? 1 : (b > 32 ? 32 : b);
 }
 }  // namespace pat
 
@@ -611,7 +620,7 @@ constexpr int fwd_min_blocks() {
 // The last eight arguments are the in-kernel merge's (pat::MergeArgs; merge_counters == nullptr
 // leaves the merge to pat_merge_kernel).
 template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES, int RW>
-__global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<M, WARPS>())) pat_fwd_kernel(
+__global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, N, WARPS, STAGES>())) pat_fwd_kernel(
     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
     float* __restrict__ o_partial, float* __restrict__ lse_partial,
     const int* __restrict__ cta_req_indptr, const int* __restrict__ cta_req,
