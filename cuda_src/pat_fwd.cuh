@@ -585,14 +585,17 @@ __device__ __forceinline__ void pat_fwd_body(
 
 }  // namespace pat
 
-// Registers never limit a variant below what its shared memory allows.  Registers are dealt per
-// scheduler (16384 each, four per SM), so a few registers more can cost a resident block: left
-// free, the compiler gave the 2-warp 16x32 block ~170 registers, 2 warps per scheduler, 4 blocks
-// per SM where its shared memory holds 6 (ncu, the 16x32 kernel of a 1216-leaf tree: 360 us,
-// and 290 us once it held 6).  MIN_BLOCKS = the blocks shared memory allows (1 KB reserved per
-// block; 228 KB per SM on sm_90, 164 KB on sm_80), which caps registers at
-// 65536 / (MIN_BLOCKS * THREADS).  Only for 16-row tiles: they need few registers, while the
-// larger tiles' accumulators spill under such a cap (32x32: 48 bytes, 128x16: 776 bytes at
+// Short-KV tiles: registers never limit them below what their shared memory allows.  The
+// selector gives 16-row tiles n <= 32 only for CTAs of at most 96 tokens (tree leaves of a few
+// pages), whose blocks are latency bound: what matters is how many an SM holds at once.
+// Registers are dealt per scheduler (16384 each, four per SM), so a few registers more can cost
+// a resident block: left free, the compiler gave the 2-warp 16x32 block ~170 registers, 2 warps
+// per scheduler, 4 blocks per SM where its shared memory holds 6 (ncu, the 16x32 kernel of a
+// 1216-leaf tree: 360 us, and 290 us once it held 6).  MIN_BLOCKS = the blocks shared memory
+// allows (1 KB reserved per block; 228 KB per SM on sm_90, 164 KB on sm_80), which caps
+// registers at 65536 / (MIN_BLOCKS * THREADS).  Not for long-KV tiles: with it the no-sharing
+// batch 128_2048 (one 2048-token CTA per request) ran 3% slower on 16x64 and 11% on 16x32, and
+// the larger tiles' accumulators spill under such a cap (32x32: 48 bytes, 128x16: 776 bytes at
 // head_dim 128).  PAT_SMEM_OCCUPANCY=0 turns the request off.
 #ifndef PAT_SMEM_OCCUPANCY
 #define PAT_SMEM_OCCUPANCY 1
@@ -611,7 +614,7 @@ constexpr int fwd_min_blocks() {
   constexpr int by_smem = smem_per_sm() / smem;
   constexpr int by_threads = 2048 / (WARPS * 32);
   constexpr int b = by_smem < by_threads ? by_smem : by_threads;
-  return (PAT_SMEM_OCCUPANCY == 0 || M > 16 || b < 1) ? 1 : (b > 32 ? 32 : b);
+  return (PAT_SMEM_OCCUPANCY == 0 || M > 16 || N > 32 || b < 1) ? 1 : (b > 32 ? 32 : b);
 }
 }  // namespace pat
 
