@@ -56,9 +56,19 @@ DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 PARTIAL_BYTES = 4  # partial outputs and LSEs are fp32
 
 
+_DTYPE_NAMES: dict = {}   # dtype object -> canonical name (run() checks dtypes on every call)
+
+
 def dtype_name(dtype, name: str = "dtype") -> str:
     """Canonical name (``"float16"``, ``"bfloat16"``, ``"float32"``) of a NumPy/torch dtype, a
     NumPy scalar type or a string; ``TypeError`` naming ``name`` otherwise."""
+    try:
+        hit = _DTYPE_NAMES.get(dtype)
+    except TypeError:                       # unhashable: take the slow path
+        hit = None
+    if hit is not None:
+        return hit
+    key = dtype
     if isinstance(dtype, type) and issubclass(dtype, np.generic):
         dtype = np.dtype(dtype)
     s = str(dtype).replace("torch.", "").replace("numpy.", "")
@@ -69,6 +79,10 @@ def dtype_name(dtype, name: str = "dtype") -> str:
     if s not in DTYPE_BYTES:
         raise TypeError(f"{name}: unsupported dtype {dtype!r}; expected float16, bfloat16 or "
                         f"float32")
+    try:
+        _DTYPE_NAMES[key] = s
+    except TypeError:
+        pass
     return s
 
 
@@ -258,13 +272,23 @@ class Plan:
         vdt = dtype_name(getattr(v_cache, "dtype", None), "paged_kv_cache")
         if not (qdt == kdt == vdt):
             raise TypeError(f"q ({qdt}) and paged_kv_cache ({kdt}, {vdt}) must share a dtype")
-        if self.cta_pages.size and int(self.cta_pages.max()) >= num_pages:
-            bad = int(self.cta_pages.max())
-            raise ValueError(f"block_tables uses page {bad} but paged_kv_cache holds only "
+        lo, hi = self.page_range()
+        if hi >= num_pages:
+            raise ValueError(f"block_tables uses page {hi} but paged_kv_cache holds only "
                              f"{num_pages} pages")
-        if self.cta_pages.size and int(self.cta_pages.min()) < 0:
-            raise ValueError(f"the plan reads page {int(self.cta_pages.min())}: page ids must "
-                             "be >= 0")
+        if lo < 0:
+            raise ValueError(f"the plan reads page {lo}: page ids must be >= 0")
+
+    def page_range(self) -> tuple:
+        """``(min, max)`` page id the plan reads (``(0, -1)`` when it reads none); computed once
+        per ``cta_pages`` array, since every run checks it."""
+        cached = self.extra.get("_page_range")
+        if cached is not None and cached[0] is self.cta_pages:
+            return cached[1]
+        rng = ((int(self.cta_pages.min()), int(self.cta_pages.max())) if self.cta_pages.size
+               else (0, -1))
+        self.extra["_page_range"] = (self.cta_pages, rng)
+        return rng
 
     def coverage_counts(self) -> list:
         """For each request, an int array ``[seq_len]`` counting the CTAs that read each token.
