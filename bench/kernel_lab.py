@@ -64,13 +64,17 @@ SHARING = tuple(
 _N16_32 = ((32, 16), (96, 32), (1 << 62, 64))
 TUNINGS = {
     "default": {},
-    "rows-auto": {"max_rows": "auto"},
+    "splitwork": {"split_by": "work"},
+    "splitwork-s4": {"split_by": "work", "split_share": 4.0},
+    "splitwork-rows64": {"split_by": "work", "max_rows": 64},
+    "pw6": {"partial_weight": 6.0},
     "rows64": {"max_rows": 64},
-    "split-work": {"split_by": "work"},
-    "rows-auto-split-work": {"max_rows": "auto", "split_by": "work"},
-    "pw1": {"partial_weight": 1.0},
+    "n16to32": {"kv_tile_table": _N16_32},
+    "mp128": {"min_part": 128},
     "tile-order": {"order": "tile"},
+    "pw1": {"partial_weight": 1.0},
     "fused": {"launch": "fused"},
+    "streams": {"launch": "streams"},
 }
 PLANNER_SPECS = ("1,16_2048,128", "1,4,64_256,1024,64", "1,2,8,128_512,128,256,32",
                  "1,1024_1024,16", "1,8,64,512_128,512,64,32", "1,4,16,64,256_512,256,128,64,32",

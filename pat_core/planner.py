@@ -35,9 +35,6 @@ class Tuning:
 
     ``max_rows``: cap on a CTA's query rows (``None``: the largest feasible tile).  Smaller
     caps cut shared nodes into more CTAs that re-read the same pages (mostly from L2).
-    ``"auto"``: cap at 64 rows when the CTAs of more than 64 rows would give fewer thread
-    blocks (CTAs x KV heads) than the GPU has SMs (each would run alone on its SM at the
-    128-row tile's slow rate).
     ``split_share``: resident thread blocks per SM assumed by the ``"sm"`` split rule.
     ``min_part``: shortest part the split makes (tokens).
     ``partial_weight``: multiplies the partial-result bytes in the ``pat`` profit model (above 1
@@ -53,7 +50,7 @@ class Tuning:
     CTAs that take longest start first).
     """
 
-    max_rows: int | str | None = None
+    max_rows: int | None = None
     split_share: float = 2.0
     min_part: int = 256
     partial_weight: float = PARTIAL_WEIGHT
@@ -62,10 +59,9 @@ class Tuning:
     split_by: str = "tokens"
 
     def __post_init__(self):
-        if self.max_rows is not None and self.max_rows != "auto" and (
-                not isinstance(self.max_rows, (int, np.integer)) or self.max_rows < 1):
-            raise ValueError(f"max_rows must be None, 'auto' or a positive int, got "
-                             f"{self.max_rows!r}")
+        if self.max_rows is not None and (not isinstance(self.max_rows, (int, np.integer))
+                                          or self.max_rows < 1):
+            raise ValueError(f"max_rows must be None or a positive int, got {self.max_rows!r}")
         for name in ("split_share", "partial_weight"):
             v = getattr(self, name)
             if not isinstance(v, (int, float, np.number)) or not math.isfinite(v) or v <= 0:
@@ -277,21 +273,11 @@ class Planner:
                 "heads must fit one CTA (the CPU backend runs the same tiles)")
         forest = PrefixForest(bt)
         max_rows = selector.max_rows
-        cap = self.tuning.max_rows
-        if cap is not None and cap != "auto":
-            max_rows = max(group, min(max_rows, int(cap)))
+        if self.tuning.max_rows is not None:
+            max_rows = max(group, min(max_rows, int(self.tuning.max_rows)))
         packs = pack(forest, self.packer, group, max_rows,
                      head_dim, DTYPE_BYTES[kv_dtype], DTYPE_BYTES[q_dtype],
                      partial_weight=self.tuning.partial_weight)
-        if cap == "auto" and max_rows > 64 and group <= 64:
-            # the largest tiles run slowest per token (measured speed); when they are too few
-            # to give every SM a block, each runs alone on its SM at that rate and sets the
-            # step's length: cut them into 64-row CTAs, whose re-reads of the same pages come
-            # mostly from L2
-            rows = np.diff(packs.req_indptr) * group
-            if 0 < int((rows > 64).sum()) * num_kv_heads < selector.gpu.num_sms:
-                packs = pack(forest, self.packer, group, 64, head_dim, DTYPE_BYTES[kv_dtype],
-                             DTYPE_BYTES[q_dtype], partial_weight=self.tuning.partial_weight)
         plan = assemble_plan(bt, packs, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                              head_dim=head_dim, sm_scale=sm_scale, packer=self.packer,
                              selector=selector, kv_dtype=kv_dtype, serial=serial, split=split,
