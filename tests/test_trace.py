@@ -229,3 +229,34 @@ def test_sim_trace_cli(tmp_path):
     _write(tmp_path / "bad.jsonl", [objs[0], "{oops"])
     assert main(["trace", "--trace", str(tmp_path / "bad.jsonl"), "--out", out,
                  "--block-tokens", str(BT), "--page-size", str(PS), "--no-progress"]) == 2
+
+
+def test_gpu_trace_replay_prepare_and_summary(trace_file, tmp_path):
+    """bench/trace_replay.py's CPU stage stores the sampled steps the replay makes, and its
+    summary computes the speed-ups it reports (the GPU stage is run on a device)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import trace_replay
+    out = tmp_path / "steps.npz"
+    assert trace_replay.main(["prepare", "--trace", trace_file, "--steps", "5", "--out",
+                              str(out), "--page-size", str(PS), "--block-tokens", str(BT),
+                              "--max-batch", "8", "--kv-pages", "512"]) == 0
+    meta, steps = trace_replay.load_steps(out)
+    want = snapshot_steps(load_trace(trace_file, block_tokens=BT), 5,
+                          ReplayConfig(page_size=PS, block_tokens=BT, max_batch=8, kv_pages=512))
+    assert [m["step"] for m, _, _ in steps] == [s.step for s in want]
+    for (m, table, lens), s in zip(steps, want):
+        assert np.array_equal(table, s.block_table) and np.array_equal(lens, s.seq_lens)
+        assert m["unique_tokens"] == s.unique_tokens and m["batch"] == s.batch_size
+    rows = [dict(step=0, heads="32:8", method="pat", graph_us=10.0, shares=True),
+            dict(step=0, heads="32:8", method="fi-decode", graph_us=20.0, shares=True),
+            dict(step=0, heads="32:8", method="query", graph_us=15.0, shares=True),
+            dict(step=1, heads="32:8", method="pat", graph_us=10.0, shares=False),
+            dict(step=1, heads="32:8", method="fi-decode", graph_us=9.0, shares=False)]
+    s = trace_replay.summarise(rows)["32:8"]
+    assert s["sharing_speedup_geomean"] == 2.0 and s["no_sharing_speedup_min"] == 0.9
+    assert s["pat_total_us"] == 20.0 and s["vs_query_geomean"] == 1.5
+    with pytest.raises(SystemExit):
+        trace_replay.main(["time", "--steps-file", str(out), "--out", str(tmp_path),
+                           "--heads", "32:5"])

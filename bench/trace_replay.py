@@ -1,0 +1,263 @@
+"""Decode steps of a real trace, timed on the GPU: pat, the query packer and FlashInfer decode.
+
+Two stages, so the slow part (replaying the trace's hour of continuous batching, a few minutes
+of CPU) runs once, on any machine, and the GPU machine only times:
+
+    python bench/trace_replay.py prepare --trace TRACE.jsonl --steps 20 --out STEPS.npz
+    python bench/trace_replay.py time --steps-file STEPS.npz --out DIR [--heads 32:8 ...]
+
+``prepare`` replays the trace with :func:`pat_core.trace.snapshot_steps` (the engine of
+``python -m sim trace``: arrivals by timestamp, prompt pages shared by hash id, one token per
+running request per step, admission bounded by ``--max-batch`` and ``--kv-pages``; prefill is
+out of scope) and stores ``--steps`` decode steps spread evenly over the replay, each with its
+block table and lengths.
+
+``time`` fills one random K/V cache of ``kv_pages`` pages (one layer), and for every stored
+step and head configuration: plans each method (host ``plan()`` time recorded), checks its
+output against float64 attention computed request by request (relative error at most twice
+that of a plain same-dtype torch implementation, or 2**-11), then times it with CUDA events,
+L2 flushed before each run, median of ``--reps``: eagerly and as a CUDA graph captured for that
+step's plan (pat has no graph-safe mode across changing plans yet, so each step is captured on
+its own).  Methods: ``pat``, ``query`` (pat's kernels, one request per CTA) and ``fi-decode``
+(FlashInfer's batch decode, when it imports).  Writes ``DIR/trace_replay.json`` (device, git sha,
+versions, per-step rows) and prints a per-step table and the summary last: per-step speed-up of
+pat over FlashInfer decode (on steps that share pages and on steps that share none), geometric
+mean, and the attention time summed over the sampled steps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (str(ROOT), str(ROOT / "bench")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+METHODS = ("pat", "query", "fi-decode")
+
+
+def prepare(args) -> int:
+    from pat_core.trace import ReplayConfig, load_trace, snapshot_steps
+    cfg = ReplayConfig(page_size=args.page_size, block_tokens=args.block_tokens,
+                       max_batch=args.max_batch, kv_pages=args.kv_pages)
+    reqs = load_trace(args.trace, start_ms=args.start_ms, end_ms=args.end_ms,
+                      block_tokens=args.block_tokens)
+    t0 = time.perf_counter()
+    steps = snapshot_steps(reqs, args.steps, cfg, max_steps=args.max_steps)
+    if not steps:
+        raise SystemExit(f"--trace {args.trace}: the replay has no decode step")
+    arrays = {}
+    meta = []
+    for i, s in enumerate(steps):
+        arrays[f"table_{i}"] = s.block_table.astype(np.int32)
+        arrays[f"lens_{i}"] = s.seq_lens.astype(np.int32)
+        meta.append(dict(step=int(s.step), time_ms=float(s.time_ms), batch=s.batch_size,
+                         unique_tokens=int(s.unique_tokens), read_tokens=int(s.read_tokens)))
+    arrays["meta"] = np.frombuffer(json.dumps(dict(
+        trace=os.path.basename(str(args.trace)), requests=len(reqs), steps=meta,
+        config=dict(page_size=cfg.page_size, block_tokens=cfg.block_tokens,
+                    max_batch=cfg.max_batch, kv_pages=cfg.kv_pages))).encode(), dtype=np.uint8)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(args.out, **arrays)
+    print(f"{len(steps)} steps of {len(reqs)} requests in {time.perf_counter() - t0:.0f} s "
+          f"-> {args.out}")
+    for m in meta:
+        print(f"  step {m['step']:>6}  t {m['time_ms'] / 1e3:7.1f} s  batch {m['batch']:>4}  "
+              f"unique/read KV {m['unique_tokens'] / max(m['read_tokens'], 1):.2f}")
+    return 0
+
+
+def load_steps(path):
+    z = np.load(path)
+    meta = json.loads(bytes(z["meta"]).decode())
+    steps = [(m, z[f"table_{i}"], z[f"lens_{i}"]) for i, m in enumerate(meta["steps"])]
+    return meta, steps
+
+
+def time_steps(args) -> int:
+    import torch
+    from common import git_sha, graph_times, l2_flusher, time_events
+    from compare import make_fi_decode, reference_fp64, rel_err, torch_attention
+    import pat_core
+
+    meta, steps = load_steps(args.steps_file)
+    ps = meta["config"]["page_size"]
+    n_pages = meta["config"]["kv_pages"]
+    d = args.head_dim
+    dtype = torch.float16
+    flashinfer = None
+    fi_error = None
+    if "fi-decode" in args.methods:
+        os.environ.setdefault("NVCC_APPEND_FLAGS", "-static-global-template-stub=false")
+        try:
+            import flashinfer
+        except Exception as e:  # reported; pat's methods still run
+            fi_error = f"{type(e).__name__}: {e}"[:200]
+    flush = l2_flusher()
+    rows = []
+    for heads in args.heads:
+        hq, hk = (int(x) for x in heads.split(":"))
+        g = torch.Generator(device="cuda").manual_seed(0)
+        k = torch.randn((n_pages, ps, hk, d), generator=g, device="cuda", dtype=dtype)
+        v = torch.randn(k.shape, generator=g, device="cuda", dtype=dtype)
+        for i, (m, table, lens) in enumerate(steps):
+            q = torch.randn((table.shape[0], hq, d), generator=g, device="cuda", dtype=dtype)
+            ref = reference_fp64(torch, q, k, v, table, lens, ps)
+            tol = max(2 * rel_err(torch, torch_attention(torch, q, k, v, table, lens, ps), ref),
+                      2.0 ** -11)
+            for method in args.methods:
+                row = dict(step=m["step"], time_ms=m["time_ms"], batch=m["batch"],
+                           heads=heads, method=method, unique_tokens=m["unique_tokens"],
+                           read_tokens=m["read_tokens"], shares=m["unique_tokens"] <
+                           m["read_tokens"])
+                try:
+                    if method == "fi-decode":
+                        if flashinfer is None:
+                            row["skipped"] = f"flashinfer unavailable: {fi_error}"
+                            rows.append(row)
+                            continue
+                        t0 = time.perf_counter()
+                        w, _ = make_fi_decode(torch, flashinfer, _Batch(table, lens, ps), hq,
+                                              hk, d, ps, dtype)
+                        row["plan_ms"] = (time.perf_counter() - t0) * 1e3
+                        fn = lambda: w.run(q, (k, v))  # noqa: E731
+                    else:
+                        w = pat_core.PrefixAttentionWrapper(backend="cuda", packer=method)
+                        t0 = time.perf_counter()
+                        plan = w.plan(table, lens, hq, hk, d, ps, kv_data_type="float16")
+                        row["plan_ms"] = (time.perf_counter() - t0) * 1e3
+                        st = plan.stats()
+                        row.update(num_ctas=st["num_ctas"], total_bytes=st["total_bytes"],
+                                   tiles=st["tiles"])
+                        fn = lambda: w.run(q, (k, v))  # noqa: E731
+                    out = fn()
+                    torch.cuda.synchronize()
+                    row["rel_err"] = rel_err(torch, out, ref)
+                    row["correct"] = bool(row["rel_err"] <= tol)
+                    if not row["correct"]:
+                        rows.append(row)
+                        print(f"step {m['step']} {heads} {method}: WRONG ({row['rel_err']:.2e})")
+                        continue
+                    row["eager_us"] = float(np.median(time_events(fn, args.reps, flush=flush))) * 1e3
+                    row["graph_us"] = float(np.median(graph_times(fn, args.reps, flush))) * 1e3
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                rows.append(row)
+            _print_step([r for r in rows if r["step"] == m["step"] and r["heads"] == heads])
+            del q, ref
+        del k, v
+        torch.cuda.empty_cache()
+    summary = summarise(rows)
+    res = dict(benchmark="trace_replay", device=torch.cuda.get_device_name(),
+               git_sha=git_sha(), versions=dict(python=platform.python_version(),
+                                                torch=torch.__version__,
+                                                flashinfer=getattr(flashinfer, "__version__",
+                                                                   None),
+                                                pat=pat_core.__version__),
+               trace=meta["trace"], trace_requests=meta["requests"], config=meta["config"],
+               head_dim=d, dtype="float16", reps=args.reps,
+               method_note="CUDA events, L2 flushed before each run, median; graph = one "
+                           "capture per step's plan", rows=rows, summary=summary)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "trace_replay.json").write_text(json.dumps(res, indent=1) + "\n")
+    print("\n== summary ==")
+    for heads, s in summary.items():
+        print(f"{heads}: " + "; ".join(f"{k} {v}" for k, v in s.items()))
+    return 0 if all(r.get("correct", True) and "error" not in r for r in rows) else 1
+
+
+class _Batch:
+    """What make_fi_decode reads from a workload batch."""
+
+    def __init__(self, table, lens, ps):
+        self.block_tables, self.seq_lens, self.page_size = table, lens, ps
+
+
+def _print_step(rows):
+    if not rows:
+        return
+    r0 = rows[0]
+    cells = []
+    for r in rows:
+        t = r.get("graph_us")
+        cells.append(f"{r['method']} {t:8.1f}" if t else f"{r['method']} {'-':>8}")
+    print(f"step {r0['step']:>6} {r0['heads']:>6} batch {r0['batch']:>4} "
+          f"unique/read {r0['unique_tokens'] / max(r0['read_tokens'], 1):.2f}  "
+          + "  ".join(cells) + "  (graph us)", flush=True)
+
+
+def summarise(rows) -> dict:
+    """Per head config: pat / FlashInfer decode speed-ups (graph) over sharing and
+    non-sharing steps, and the summed attention time per method."""
+    out = {}
+    for heads in sorted({r["heads"] for r in rows}):
+        by = {}
+        for r in rows:
+            if r["heads"] == heads and r.get("graph_us"):
+                by.setdefault(r["step"], {})[r["method"]] = r
+        s = {}
+        for method in METHODS:
+            t = [v[method]["graph_us"] for v in by.values() if method in v]
+            if t:
+                s[f"{method}_total_us"] = round(float(sum(t)), 1)
+        for label, share in (("sharing", True), ("no_sharing", False)):
+            sp = [v["fi-decode"]["graph_us"] / v["pat"]["graph_us"] for v in by.values()
+                  if "pat" in v and "fi-decode" in v and v["pat"]["shares"] == share]
+            if sp:
+                s[f"{label}_steps"] = len(sp)
+                s[f"{label}_speedup_geomean"] = round(math.exp(float(np.mean(np.log(sp)))), 3)
+                s[f"{label}_speedup_min"] = round(float(min(sp)), 3)
+        spq = [v["query"]["graph_us"] / v["pat"]["graph_us"] for v in by.values()
+               if "pat" in v and "query" in v]
+        if spq:
+            s["vs_query_geomean"] = round(math.exp(float(np.mean(np.log(spq)))), 3)
+        out[heads] = s
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="replay the trace on the CPU and store sampled steps")
+    p.add_argument("--trace", required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--out", required=True, help="output .npz")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--block-tokens", type=int, default=512)
+    p.add_argument("--max-batch", type=int, default=256)
+    p.add_argument("--kv-pages", type=int, default=32768)
+    p.add_argument("--start-ms", type=float, default=0.0)
+    p.add_argument("--end-ms", type=float, default=None)
+    p.add_argument("--max-steps", type=int, default=None)
+    t = sub.add_parser("time", help="time the stored steps on the GPU")
+    t.add_argument("--steps-file", required=True)
+    t.add_argument("--out", required=True, help="output directory")
+    t.add_argument("--heads", nargs="+", default=["32:8"])
+    t.add_argument("--head-dim", type=int, default=128)
+    t.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    t.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args(argv)
+    if args.cmd == "prepare":
+        if args.steps < 1:
+            ap.error("--steps must be at least 1")
+        return prepare(args)
+    for h in args.heads:
+        parts = h.split(":")
+        if len(parts) != 2 or not all(x.isdigit() and int(x) > 0 for x in parts) \
+                or int(parts[0]) % int(parts[1]):
+            ap.error(f"--heads {h!r}: expected HQ:HK with HQ a multiple of HK")
+    return time_steps(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
