@@ -131,7 +131,10 @@ def time_steps(args) -> int:
                         row["plan_ms"] = (time.perf_counter() - t0) * 1e3
                         fn = lambda: w.run(q, (k, v))  # noqa: E731
                     else:
-                        w = pat_core.PrefixAttentionWrapper(backend="cuda", packer=method)
+                        packer, _, label = method.partition("@")
+                        w = pat_core.PrefixAttentionWrapper(backend="cuda", packer=packer)
+                        if label:
+                            _apply_tuning(w, label)
                         t0 = time.perf_counter()
                         plan = w.plan(table, lens, hq, hk, d, ps, kv_data_type="float16")
                         row["plan_ms"] = (time.perf_counter() - t0) * 1e3
@@ -176,6 +179,19 @@ def time_steps(args) -> int:
     return 0 if all(r.get("correct", True) and "error" not in r for r in rows) else 1
 
 
+def _apply_tuning(w, label: str) -> None:
+    """Planner / backend settings of ``bench/kernel_lab.py``'s planner tuning ``label``."""
+    from kernel_lab import TUNINGS
+    from pat_core.planner import Tuning
+    tun = dict(TUNINGS[label])
+    launch, merge = tun.pop("launch", None), tun.pop("merge", None)
+    if launch:
+        w._gpu_backend.launch_mode = launch
+    if merge:
+        w._gpu_backend.merge_mode = merge
+    w.planner.tuning = Tuning(**tun)
+
+
 class _Batch:
     """What make_fi_decode reads from a workload batch."""
 
@@ -190,7 +206,7 @@ def _print_step(rows):
     cells = []
     for r in rows:
         t = r.get("graph_us")
-        cells.append(f"{r['method']} {t:8.1f}" if t else f"{r['method']} {'-':>8}")
+        cells.append(f"{r['method']} {t:7.1f}" if t else f"{r['method']} {'-':>7}")
     print(f"step {r0['step']:>6} {r0['heads']:>6} batch {r0['batch']:>4} "
           f"unique/read {r0['unique_tokens'] / max(r0['read_tokens'], 1):.2f}  "
           + "  ".join(cells) + "  (graph us)", flush=True)
@@ -244,13 +260,24 @@ def main(argv=None) -> int:
     t.add_argument("--out", required=True, help="output directory")
     t.add_argument("--heads", nargs="+", default=["32:8"])
     t.add_argument("--head-dim", type=int, default=128)
-    t.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    t.add_argument("--methods", nargs="+", default=list(METHODS),
+                   help=f"of {METHODS}; also pat@LABEL: pat with bench/kernel_lab.py's planner "
+                        "tuning LABEL (an ablation)")
     t.add_argument("--reps", type=int, default=10)
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
         if args.steps < 1:
             ap.error("--steps must be at least 1")
         return prepare(args)
+    for m in args.methods:
+        base, _, label = m.partition("@")
+        if base not in METHODS or (label and base == "fi-decode"):
+            ap.error(f"--methods: unknown method {m!r}")
+        if label:
+            from kernel_lab import TUNINGS
+            if label not in TUNINGS:
+                ap.error(f"--methods {m!r}: no planner tuning {label!r} in bench/kernel_lab.py "
+                         f"(choose from {sorted(TUNINGS)})")
     for h in args.heads:
         parts = h.split(":")
         if len(parts) != 2 or not all(x.isdigit() and int(x) > 0 for x in parts) \

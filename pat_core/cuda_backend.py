@@ -207,6 +207,7 @@ class CudaBackend:
         # groups and few blocks (launch latency dominates), else streams.  See _use_fused.
         self.launch_mode = os.environ.get("PAT_LAUNCH_MODE", "auto")
         self.fused_max_blocks_per_sm = 4
+        self.fused_max_kv_len = 2048
         # "kernel" (default): the separate merge kernel; "forward" (measured slower, kept as an
         # ablation): the forward CTA that writes a request's last partial slot merges it (a
         # per-(request, KV head) counter) and the merge launch disappears
@@ -384,7 +385,7 @@ class CudaBackend:
         want_lse = bool(return_lse or lse is not None)
         rec = self._uploads.get(id(plan))
         sig = (kv_layout, qd.sig(), kd.sig(), vd.sig(), self.launch_mode,
-               self.fused_max_blocks_per_sm, self.merge_mode)
+               self.fused_max_blocks_per_sm, self.fused_max_kv_len, self.merge_mode)
         prep = None
         if rec is not None and rec["version"] == plan.version:
             prep = rec["prepared"].get(sig)
@@ -510,9 +511,13 @@ class CudaBackend:
         """Whether to run every forward CTA in one launch (see ``launch_mode``).
 
         ``auto``: with two or more tile groups, fused when the plan's blocks (CTAs x KV heads)
-        are at most ``fused_max_blocks_per_sm`` per SM: such a step is bound by launch latency
-        and the tail of the slowest group, not by occupancy, which the fused block (the largest
-        variant's shared memory and threads for every CTA) costs the small tiles.
+        are at most ``fused_max_blocks_per_sm`` per SM and no CTA reads more than
+        ``fused_max_kv_len`` tokens: such a step is bound by launch latency and the tail of the
+        slowest group, not by occupancy, which the fused block (the largest variant's shared
+        memory and threads for every CTA) costs the small tiles.  With long CTAs the step lasts
+        hundreds of microseconds and the launches do not matter: on decode steps of a real chat
+        trace (12k-token prompts, 10-45 requests) the fused launch measured 5-14% slower than
+        the streams (``bench/results/trace_replay_h100/``).
         """
         if self.launch_mode not in ("auto", "fused", "streams"):
             raise ValueError(f"launch_mode must be 'auto', 'fused' or 'streams', got "
@@ -523,6 +528,8 @@ class CudaBackend:
             return False
         sms = self.cp.cuda.runtime.getDeviceProperties(
             self.cp.cuda.runtime.getDevice())["multiProcessorCount"]
+        if plan.num_ctas and int(plan.cta_kv_len.max()) > self.fused_max_kv_len:
+            return False
         return plan.num_ctas * plan.num_kv_heads <= self.fused_max_blocks_per_sm * sms
 
     def _alloc_like(self, qd: _Dev, shape, dtype: str):
