@@ -35,8 +35,8 @@ struct MergeArgs {
 // The merge is latency bound (a few KB per warp), so its loads are issued in parallel: lane i
 // loads the LSE of slot i (32 slots per round), the warp reduces the max and the weights with
 // shuffles, and the output vectors are loaded UNROLL slots at a time.  A slot-by-slot loop
-// waits for two dependent loads per slot (measured 10.5 us on a 16-request batch of 9 slots
-// per request, against ~3 us for this version).
+// waits for two dependent loads per slot (ncu, H100: 10.5 -> 8.2 us on a 16-request batch of 9
+// slots per request, 39 -> 27 us on a tree of 1216 leaves).
 // o += w * src[0 .. VEC), one vector load through L2.
 template <int VEC>
 __device__ __forceinline__ void accumulate_vec(float (&o)[VEC], const float* src, float w) {
