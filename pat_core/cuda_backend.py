@@ -46,6 +46,7 @@ import numpy as np
 
 from . import cuda_compile as cc
 from .gpus import detect_gpu_name
+from .launch import FUSED_MAX_BLOCKS_PER_SM, FUSED_MAX_KV_LEN, use_fused_launch
 from .plan import Plan, dtype_name
 
 log = logging.getLogger("pat_core.cuda")
@@ -206,8 +207,8 @@ class CudaBackend:
         # CTA in one launch (per-CTA variant index); "auto": fused when the plan has several
         # groups and few blocks (launch latency dominates), else streams.  See _use_fused.
         self.launch_mode = os.environ.get("PAT_LAUNCH_MODE", "auto")
-        self.fused_max_blocks_per_sm = 4
-        self.fused_max_kv_len = 2048
+        self.fused_max_blocks_per_sm = FUSED_MAX_BLOCKS_PER_SM
+        self.fused_max_kv_len = FUSED_MAX_KV_LEN
         # "kernel" (default): the separate merge kernel; "forward" (measured slower, kept as an
         # ablation): the forward CTA that writes a request's last partial slot merges it (a
         # per-(request, KV head) counter) and the merge launch disappears
@@ -508,29 +509,14 @@ class CudaBackend:
         return cur
 
     def _use_fused(self, plan: Plan, members) -> bool:
-        """Whether to run every forward CTA in one launch (see ``launch_mode``).
-
-        ``auto``: with two or more tile groups, fused when the plan's blocks (CTAs x KV heads)
-        are at most ``fused_max_blocks_per_sm`` per SM and no CTA reads more than
-        ``fused_max_kv_len`` tokens: such a step is bound by launch latency and the tail of the
-        slowest group, not by occupancy, which the fused block (the largest variant's shared
-        memory and threads for every CTA) costs the small tiles.  With long CTAs the step lasts
-        hundreds of microseconds and the launches do not matter: on decode steps of a real chat
-        trace (12k-token prompts, 10-45 requests) the fused launch measured 5-14% slower than
-        the streams (``bench/results/trace_replay_h100/``).
-        """
-        if self.launch_mode not in ("auto", "fused", "streams"):
-            raise ValueError(f"launch_mode must be 'auto', 'fused' or 'streams', got "
-                             f"{self.launch_mode!r}")
-        if self.launch_mode == "fused":
-            return bool(members)
-        if self.launch_mode == "streams" or len(set(members)) < 2:
+        """Whether to run every forward CTA in one launch: :func:`pat_core.launch.use_fused_launch`
+        under ``launch_mode``, ``fused_max_blocks_per_sm`` and ``fused_max_kv_len``."""
+        if not members:
             return False
         sms = self.cp.cuda.runtime.getDeviceProperties(
             self.cp.cuda.runtime.getDevice())["multiProcessorCount"]
-        if plan.num_ctas and int(plan.cta_kv_len.max()) > self.fused_max_kv_len:
-            return False
-        return plan.num_ctas * plan.num_kv_heads <= self.fused_max_blocks_per_sm * sms
+        return use_fused_launch(plan, sms, self.launch_mode, self.fused_max_blocks_per_sm,
+                                self.fused_max_kv_len)
 
     def _alloc_like(self, qd: _Dev, shape, dtype: str):
         if qd.kind == "torch":

@@ -24,7 +24,9 @@ The predicted latency is the end of the merge kernel: what CUDA events around ``
 around the graph's replay) measure.
 
 Forward thread blocks are dispatched CTA by CTA with a CTA's KV heads adjacent (the kernels'
-default ``head_minor`` grid; :data:`HEAD_MINOR`).
+default ``head_minor`` grid; :data:`HEAD_MINOR`).  When the backend would fuse the forward
+launches (:func:`pat_core.launch.use_fused_launch`, ``launch_mode="auto"`` by default) the model
+does too: one forward launch whose blocks each take the largest variant's resources.
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pat_core.gpus import GPUSpec, get_gpu
+
+from pat_core.launch import use_fused_launch
 
 from .constants import SimConstants, check_timing, load_constants
 from .l2 import l2_split, l2_window
@@ -74,24 +78,33 @@ class Workload:
         return np.where(tot > 0, (tot - self.blk_l2) / np.where(tot > 0, tot, 1.0), 1.0)
 
 
-def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float | None = None
-            ) -> Workload:
+def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float | None = None,
+            launch_mode: str = "auto") -> Workload:
     """Lay out ``plan``'s thread blocks as launches (see module docstring).
 
     ``gpu``: spec or name to simulate (default: the GPU the plan was made for).  ``serial``:
     override ``plan.serial`` (launch groups one after another).  ``l2_window_bytes``: L2 reuse
     window (default :func:`sim.l2.l2_window` of the GPU; ``0`` turns L2 hits off).
+    ``launch_mode``: the CUDA backend's (``"auto"``, ``"fused"``, ``"streams"``); when
+    :func:`pat_core.launch.use_fused_launch` says the backend fuses, every forward block is one
+    launch and takes the largest variant's threads, registers and shared memory.
     """
     gpu = get_gpu(gpu if gpu is not None else plan.gpu)
     serial = bool(plan.serial if serial is None else serial)
+    fused = not serial and use_fused_launch(plan, gpu.num_sms, launch_mode)
     occ = plan_occupancy(plan, gpu)
     T = plan.tile_configs.shape[0]
-    need = np.zeros((T + 1, 4), dtype=np.int64)
+    need = np.zeros((T + 2, 4), dtype=np.int64)   # tile configs, the merge, the fused block
     for k, o in enumerate(occ):
         r = o.resources
         need[k] = resource_vector(r.threads, r.registers, r.smem)
     mr = merge_resources()
     need[T] = resource_vector(mr.threads, mr.registers, mr.smem)
+    used = sorted(set(int(k) for k in plan.group_tile))
+    if used:
+        rs = [occ[k].resources for k in used]
+        need[T + 1] = resource_vector(max(r.threads for r in rs), max(r.registers for r in rs),
+                                      max(r.smem for r in rs))
     cap = sm_capacity(gpu)
     for k, o in enumerate(occ):
         if np.any(need[k] > cap):
@@ -103,7 +116,6 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
     hk = plan.num_kv_heads
     launches, cfg, cta, head, lau, byt, til, flo, slo = [], [], [], [], [], [], [], [], []
     pos = 0
-    G = plan.num_groups
     for g, (m, n), b, e in plan.groups():
         if HEAD_MINOR:                                  # a CTA's KV heads adjacent
             idx = np.repeat(np.arange(b, e, dtype=np.int64), hk)
@@ -112,10 +124,16 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
             idx = np.tile(np.arange(b, e, dtype=np.int64), hk)
             hh = np.repeat(np.arange(hk, dtype=np.int32), e - b)
         k = int(plan.group_tile[g])
-        launches.append(Launch(name=f"forward {m}x{n}", kind="forward", config=k, begin=pos,
-                               end=pos + idx.shape[0], issue_ns=0.0,
-                               phase=g if serial else 0))
-        cfg.append(np.full(idx.shape[0], k, np.int32))
+        if fused and launches:                          # one launch holds every group
+            launches[0] = Launch(name="forward fused", kind="forward", config=T + 1,
+                                 begin=launches[0].begin, end=pos + idx.shape[0], issue_ns=0.0,
+                                 phase=0)
+        else:
+            launches.append(Launch(name="forward fused" if fused else f"forward {m}x{n}",
+                                   kind="forward", config=T + 1 if fused else k, begin=pos,
+                                   end=pos + idx.shape[0], issue_ns=0.0,
+                                   phase=g if serial else 0))
+        cfg.append(np.full(idx.shape[0], T + 1 if fused else k, np.int32))
         cta.append(idx.astype(np.int32))
         head.append(hh)
         lau.append(np.full(idx.shape[0], len(launches) - 1, np.int32))
@@ -126,7 +144,7 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
         pos += idx.shape[0]
     nm = mw.bytes.shape[0]
     launches.append(Launch(name="merge", kind="merge", config=-1, begin=pos, end=pos + nm,
-                           issue_ns=0.0, phase=G if serial else 1))
+                           issue_ns=0.0, phase=len(launches) if serial else 1))
     cfg.append(np.full(nm, T, np.int32))
     cta.append(np.arange(nm, dtype=np.int32))
     head.append(np.full(nm, -1, np.int32))
@@ -144,7 +162,8 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
                     blk_cta=np.concatenate(cta), blk_head=np.concatenate(head),
                     blk_launch=np.concatenate(lau), blk_bytes=np.concatenate(byt),
                     blk_l2=blk_l2, blk_tiles=np.concatenate(til), blk_flops=np.concatenate(flo),
-                    blk_slots=np.concatenate(slo), num_phases=(G + 1) if serial else 2,
+                    blk_slots=np.concatenate(slo),
+                    num_phases=(len(launches)) if serial else 2,
                     serial=serial, l2_window=window)
 
 
@@ -252,7 +271,8 @@ def _idle_share(tl: Timeline, mask, t0: float, t1: float) -> float:
 
 
 def simulate(plan, gpu=None, constants: SimConstants | str | None = None,
-             serial: bool | None = None, timing: str = "graph") -> SimResult:
+             serial: bool | None = None, timing: str = "graph",
+             launch_mode: str = "auto") -> SimResult:
     """Simulate one decode step of ``plan``.
 
     Parameters
@@ -265,9 +285,10 @@ def simulate(plan, gpu=None, constants: SimConstants | str | None = None,
     serial : override ``plan.serial``.
     timing : ``"graph"`` (default: CUDA-graph replay, in-graph launch gaps) or ``"eager"``
         (``run()`` from Python: the host's cost per launch).
+    launch_mode : the CUDA backend's launch mode to model (see :func:`prepare`).
     """
     check_timing(timing)
-    wl = prepare(plan, gpu, serial)
+    wl = prepare(plan, gpu, serial, launch_mode=launch_mode)
     if constants is None or isinstance(constants, str):
         constants = load_constants(wl.gpu, constants)
     tl = run_timeline(wl, constants, timing)
