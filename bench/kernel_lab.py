@@ -76,6 +76,24 @@ TUNINGS = {
     "fused": {"launch": "fused"},
     "streams": {"launch": "streams"},
 }
+
+
+def apply_tuning(label: str, planner, backend):
+    """Set ``planner.tuning`` and ``backend``'s launch and merge modes from ``TUNINGS[label]``
+    (``KeyError`` for an unknown label); returns a function that puts the backend's modes back
+    (the backend may be shared between cases)."""
+    from pat_core.planner import Tuning
+    tun = dict(TUNINGS[label])
+    saved = backend.launch_mode, backend.merge_mode
+    backend.launch_mode = tun.pop("launch", backend.launch_mode)
+    backend.merge_mode = tun.pop("merge", backend.merge_mode)
+    planner.tuning = Tuning(**tun)
+
+    def restore():
+        backend.launch_mode, backend.merge_mode = saved
+    return restore
+
+
 PLANNER_SPECS = ("1,16_2048,128", "1,4,64_256,1024,64", "1,2,8,128_512,128,256,32",
                  "1,1024_1024,16", "1,8,64,512_128,512,64,32", "1,4,16,64,256_512,256,128,64,32",
                  "1,2,4,8,16,32,64_256,128,64,64,32,32,32",
@@ -133,16 +151,9 @@ def run_case(backend, case, iters, copy_bw, flush, seed=0) -> dict:
            "tile": list(tile) if tile else None, "override": list(over) if over else None,
            "label": label}
     cc.VARIANT_OVERRIDES.clear()
-    tuning = dict(TUNINGS.get(label, {}))
-    launch = tuning.pop("launch", None)
-    merge = tuning.pop("merge", None)
-    saved_launch, saved_merge = backend.launch_mode, backend.merge_mode
-    if launch is not None:
-        backend.launch_mode = launch
-    if merge is not None:
-        backend.merge_mode = merge
-    if tuning:
+    if TUNINGS.get(label):
         row["tuning"] = dict(TUNINGS[label])
+    restore = lambda: None  # noqa: E731
     if over is not None and tile is not None:
         cc.VARIANT_OVERRIDES[tuple(tile)] = tuple(over)
     try:
@@ -153,8 +164,8 @@ def run_case(backend, case, iters, copy_bw, flush, seed=0) -> dict:
         q = torch.randn((b.batch_size, hq, d), generator=g, device="cuda", dtype=torch.float16)
         w = PrefixAttentionWrapper(backend="cuda", packer=packer)
         w._gpu_backend = backend
-        from pat_core.planner import Tuning
-        w.planner.tuning = Tuning(**tuning)
+        if label in TUNINGS:
+            restore = apply_tuning(label, w.planner, backend)
         plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16",
                       tile=tile)
         row["variants"] = [v_.key for v_ in backend.variants_for(plan)]
@@ -203,7 +214,7 @@ def run_case(backend, case, iters, copy_bw, flush, seed=0) -> dict:
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {e}"[:500]
     finally:
-        backend.launch_mode, backend.merge_mode = saved_launch, saved_merge
+        restore()
         cc.VARIANT_OVERRIDES.clear()
         torch.cuda.empty_cache()
     return row

@@ -1,6 +1,7 @@
 """Summarise an Nsight Compute CSV report (``ncu --csv --page details ...``) as one line per
-kernel launch: name, grid, block, registers, duration, DRAM throughput, achieved and theoretical
-occupancy, and the top warp-stall reasons when the WarpStateStats section was collected.
+kernel launch: name, grid, block, registers, duration, DRAM, memory and SM throughput, achieved
+and theoretical occupancy, and warp cycles per issued instruction (with the WarpStateStats
+section).
 
     python3 bench/ncu_summary.py report.csv [more.csv ...]
 """

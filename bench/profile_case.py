@@ -34,9 +34,8 @@ def main(argv=None) -> int:
     from compare import (make_fasttree, load_fasttree, reference_fp64, rel_err,
                          torch_attention)
     from common import time_events
-    from kernel_lab import TUNINGS
+    from kernel_lab import apply_tuning
     from pat_core import PrefixAttentionWrapper
-    from pat_core.planner import Tuning
     from pat_core.workloads import build_tree_batch
 
     hq, hk = (int(x) for x in args.heads.split(":"))
@@ -56,14 +55,8 @@ def main(argv=None) -> int:
             return 1
         print(info)
     else:
-        tun = dict(TUNINGS[args.tuning])
-        launch, merge = tun.pop("launch", None), tun.pop("merge", None)
         w = PrefixAttentionWrapper(backend="cuda", packer=args.method)
-        if launch:
-            w._gpu_backend.launch_mode = launch
-        if merge:
-            w._gpu_backend.merge_mode = merge
-        w.planner.tuning = Tuning(**tun)
+        apply_tuning(args.tuning, w.planner, w._gpu_backend)
         plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16")
         st = plan.stats()
         print(f"{st['num_ctas']} CTAs, tiles {st['tiles']}, {st['total_bytes'] / 1e6:.1f} MB")

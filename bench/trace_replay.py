@@ -87,6 +87,7 @@ def time_steps(args) -> int:
     import torch
     from common import git_sha, graph_times, l2_flusher, time_events
     from compare import make_fi_decode, reference_fp64, rel_err, torch_attention
+    from kernel_lab import apply_tuning
     import pat_core
 
     meta, steps = load_steps(args.steps_file)
@@ -134,7 +135,7 @@ def time_steps(args) -> int:
                         packer, _, label = method.partition("@")
                         w = pat_core.PrefixAttentionWrapper(backend="cuda", packer=packer)
                         if label:
-                            _apply_tuning(w, label)
+                            apply_tuning(label, w.planner, w._gpu_backend)
                         t0 = time.perf_counter()
                         plan = w.plan(table, lens, hq, hk, d, ps, kv_data_type="float16")
                         row["plan_ms"] = (time.perf_counter() - t0) * 1e3
@@ -177,19 +178,6 @@ def time_steps(args) -> int:
     for heads, s in summary.items():
         print(f"{heads}: " + "; ".join(f"{k} {v}" for k, v in s.items()))
     return 0 if all(r.get("correct", True) and "error" not in r for r in rows) else 1
-
-
-def _apply_tuning(w, label: str) -> None:
-    """Planner / backend settings of ``bench/kernel_lab.py``'s planner tuning ``label``."""
-    from kernel_lab import TUNINGS
-    from pat_core.planner import Tuning
-    tun = dict(TUNINGS[label])
-    launch, merge = tun.pop("launch", None), tun.pop("merge", None)
-    if launch:
-        w._gpu_backend.launch_mode = launch
-    if merge:
-        w._gpu_backend.merge_mode = merge
-    w.planner.tuning = Tuning(**tun)
 
 
 class _Batch:

@@ -154,6 +154,7 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
     if packer == "cascade":
         serial = True
         gkey = packs.level[src].astype(np.int64) * len(tiles) + tile_idx
+        order = np.argsort(gkey, kind="stable")
     elif tuning.order == "work":
         # rank tile groups by their largest CTA's work (rows x tokens), biggest first, and
         # inside a group launch the longest KV first: the CTAs that take longest start first
@@ -163,13 +164,11 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
         grank = np.empty(len(tiles), dtype=np.int64)
         grank[np.argsort(-gwork, kind="stable")] = np.arange(len(tiles))
         gkey = grank[tile_idx]
-        inner = np.lexsort((-kv_len.astype(np.int64), gkey))
+        order = np.lexsort((-kv_len.astype(np.int64), gkey))
     else:
         gkey = tile_idx.astype(np.int64)
-    if tuning.order == "work" and packer != "cascade":
-        order = inner.astype(np.int32)
-    else:
-        order = np.argsort(gkey, kind="stable").astype(np.int32)
+        order = np.argsort(gkey, kind="stable")
+    order = order.astype(np.int32)
     gkey = gkey[order]
     bounds = np.flatnonzero(np.diff(gkey)) + 1
     group_indptr = np.concatenate(([0], bounds, [gkey.shape[0]])).astype(np.int32)

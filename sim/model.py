@@ -100,9 +100,8 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
         need[k] = resource_vector(r.threads, r.registers, r.smem)
     mr = merge_resources()
     need[T] = resource_vector(mr.threads, mr.registers, mr.smem)
-    used = sorted(set(int(k) for k in plan.group_tile))
-    if used:
-        rs = [occ[k].resources for k in used]
+    if fused:                                     # the fused block: the largest of each
+        rs = [occ[k].resources for k in sorted(set(int(k) for k in plan.group_tile))]
         need[T + 1] = resource_vector(max(r.threads for r in rs), max(r.registers for r in rs),
                                       max(r.smem for r in rs))
     cap = sm_capacity(gpu)
@@ -124,24 +123,21 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
             idx = np.tile(np.arange(b, e, dtype=np.int64), hk)
             hh = np.repeat(np.arange(hk, dtype=np.int32), e - b)
         k = int(plan.group_tile[g])
-        if fused and launches:                          # one launch holds every group
-            launches[0] = Launch(name="forward fused", kind="forward", config=T + 1,
-                                 begin=launches[0].begin, end=pos + idx.shape[0], issue_ns=0.0,
-                                 phase=0)
-        else:
-            launches.append(Launch(name="forward fused" if fused else f"forward {m}x{n}",
-                                   kind="forward", config=T + 1 if fused else k, begin=pos,
-                                   end=pos + idx.shape[0], issue_ns=0.0,
-                                   phase=g if serial else 0))
+        launches.append(Launch(name=f"forward {m}x{n}", kind="forward", config=k, begin=pos,
+                               end=pos + idx.shape[0], issue_ns=0.0,
+                               phase=g if serial else 0))
         cfg.append(np.full(idx.shape[0], T + 1 if fused else k, np.int32))
         cta.append(idx.astype(np.int32))
         head.append(hh)
-        lau.append(np.full(idx.shape[0], len(launches) - 1, np.int32))
+        lau.append(np.full(idx.shape[0], 0 if fused else len(launches) - 1, np.int32))
         byt.append(w.bytes[idx])
         til.append(w.tiles[idx].astype(np.float64))
         flo.append(w.flops[idx])
         slo.append(np.zeros(idx.shape[0]))
         pos += idx.shape[0]
+    if fused and launches:                        # every group in one forward launch
+        launches = [Launch(name="forward fused", kind="forward", config=T + 1, begin=0,
+                           end=pos, issue_ns=0.0, phase=0)]
     nm = mw.bytes.shape[0]
     launches.append(Launch(name="merge", kind="merge", config=-1, begin=pos, end=pos + nm,
                            issue_ns=0.0, phase=len(launches) if serial else 1))
