@@ -17,9 +17,15 @@ step and head configuration: plans each method (host ``plan()`` time recorded), 
 output against float64 attention computed request by request (relative error at most twice
 that of a plain same-dtype torch implementation, or 2**-11), then times it with CUDA events,
 L2 flushed before each run, median of ``--reps``: eagerly and as a CUDA graph captured for that
-step's plan (pat has no graph-safe mode across changing plans yet, so each step is captured on
-its own).  Methods: ``pat``, ``query`` (pat's kernels, one request per CTA) and ``fi-decode``
-(FlashInfer's batch decode, when it imports).  Writes ``DIR/trace_replay.json`` (device, git sha,
+step's plan.  Methods: ``pat``, ``query`` (pat's kernels, one request per CTA), ``fi-decode``
+(FlashInfer's batch decode, when it imports) and ``pat-graph``: pat's graph-safe mode, one
+wrapper and ONE graph per head configuration, captured at the first step and replayed for every
+later step after ``plan()`` (limits from the largest step; ``graph_us`` is that replay, what a
+serving loop sees), so its ratio to ``pat`` is the price of graph safety.
+
+``prepare-synthetic --specs SPEC ... --out STEPS.npz`` stores tree specs
+(:func:`pat_core.workloads.build_tree_batch`) in the same format, so the synthetic workloads go
+through the same timing (each spec is one "step").  Writes ``DIR/trace_replay.json`` (device, git sha,
 versions, per-step rows) and prints a per-step table and the summary last: per-step speed-up of
 pat over FlashInfer decode (on steps that share pages and on steps that share none), geometric
 mean, and the attention time summed over the sampled steps.
@@ -42,7 +48,7 @@ for p in (str(ROOT), str(ROOT / "bench")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-METHODS = ("pat", "query", "fi-decode")
+METHODS = ("pat", "query", "fi-decode", "pat-graph")
 
 
 def prepare(args) -> int:
@@ -73,6 +79,30 @@ def prepare(args) -> int:
     for m in meta:
         print(f"  step {m['step']:>6}  t {m['time_ms'] / 1e3:7.1f} s  batch {m['batch']:>4}  "
               f"unique/read KV {m['unique_tokens'] / max(m['read_tokens'], 1):.2f}")
+    return 0
+
+
+def prepare_synthetic(args) -> int:
+    from common import unique_kv_tokens
+    from pat_core.workloads import build_tree_batch, parse_tree_spec
+    arrays, meta, n_pages = {}, [], 1
+    for i, spec in enumerate(args.specs):
+        parse_tree_spec(spec)
+        b = build_tree_batch(spec, page_size=args.page_size, seed=i)
+        arrays[f"table_{i}"] = b.block_tables.astype(np.int32)
+        arrays[f"lens_{i}"] = b.seq_lens.astype(np.int32)
+        n_pages = max(n_pages, int(b.num_pages))
+        meta.append(dict(step=i, time_ms=0.0, batch=int(b.batch_size), spec=spec,
+                         unique_tokens=int(unique_kv_tokens(b.block_tables, b.seq_lens,
+                                                            args.page_size)),
+                         read_tokens=int(b.seq_lens.astype(np.int64).sum())))
+    arrays["meta"] = np.frombuffer(json.dumps(dict(
+        trace="synthetic", requests=0, steps=meta,
+        config=dict(page_size=args.page_size, block_tokens=0, max_batch=0,
+                    kv_pages=n_pages))).encode(), dtype=np.uint8)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(args.out, **arrays)
+    print(f"{len(meta)} synthetic steps -> {args.out}")
     return 0
 
 
@@ -110,6 +140,8 @@ def time_steps(args) -> int:
         g = torch.Generator(device="cuda").manual_seed(0)
         k = torch.randn((n_pages, ps, hk, d), generator=g, device="cuda", dtype=dtype)
         v = torch.randn(k.shape, generator=g, device="cuda", dtype=dtype)
+        gs = _GraphSafe(pat_core, torch, steps, hq, hk, d, ps, k, v) \
+            if "pat-graph" in args.methods else None
         for i, (m, table, lens) in enumerate(steps):
             q = torch.randn((table.shape[0], hq, d), generator=g, device="cuda", dtype=dtype)
             ref = reference_fp64(torch, q, k, v, table, lens, ps)
@@ -121,6 +153,26 @@ def time_steps(args) -> int:
                            read_tokens=m["read_tokens"], shares=m["unique_tokens"] <
                            m["read_tokens"])
                 try:
+                    if method == "pat-graph":
+                        t0 = time.perf_counter()
+                        plan = gs.plan(table, lens)
+                        row["plan_ms"] = (time.perf_counter() - t0) * 1e3
+                        st = plan.stats()
+                        row.update(num_ctas=st["num_ctas"], total_bytes=st["total_bytes"],
+                                   tiles=st["tiles"], launches=gs.num_launches)
+                        out = gs.replay(q)
+                        row["rel_err"] = rel_err(torch, out, ref)
+                        row["correct"] = bool(row["rel_err"] <= tol)
+                        if row["correct"]:
+                            row["eager_us"] = float(np.median(time_events(
+                                gs.eager, args.reps, flush=flush))) * 1e3
+                            row["graph_us"] = float(np.median(time_events(
+                                gs.graph.replay, args.reps, flush=flush))) * 1e3
+                        else:
+                            print(f"step {m['step']} {heads} {method}: WRONG "
+                                  f"({row['rel_err']:.2e})")
+                        rows.append(row)
+                        continue
                     if method == "fi-decode":
                         if flashinfer is None:
                             row["skipped"] = f"flashinfer unavailable: {fi_error}"
@@ -180,6 +232,54 @@ def time_steps(args) -> int:
     return 0 if all(r.get("correct", True) and "error" not in r for r in rows) else 1
 
 
+class _GraphSafe:
+    """pat's graph-safe mode over a run of steps: one wrapper sized for the largest step, one
+    graph captured at the first plan and replayed for every later one."""
+
+    def __init__(self, pat_core, torch, steps, hq, hk, d, ps, k, v):
+        from pat_core import Planner
+        from pat_core.gpus import detect_gpu_name
+        self.torch, self.k, self.v = torch, k, v
+        self.hq, self.hk, self.d, self.ps = hq, hk, d, ps
+        probe = Planner("pat", detect_gpu_name(torch.cuda.get_device_name()) or "h100")
+        plans = [probe.plan(t, ln, hq, hk, d, ps) for _, t, ln in steps]
+        max_b = max(p.batch_size for p in plans)
+        entries = max(int(((ln.astype(np.int64) + ps - 1) // ps).sum()) for _, _, ln in steps)
+        self.w = pat_core.PrefixAttentionWrapper(
+            backend="cuda", packer="pat", use_cuda_graph=True, max_batch_size=max_b,
+            max_num_pages=entries, max_ctas=max(p.num_ctas for p in plans),
+            max_partials=max(p.num_slots for p in plans))
+        self.q = torch.zeros((max_b, hq, d), dtype=k.dtype, device="cuda")
+        self.out = torch.zeros_like(self.q)
+        self.graph = None
+        self.batch = 0
+        self.num_launches = None
+
+    def plan(self, table, lens):
+        plan = self.w.plan(table, lens, self.hq, self.hk, self.d, self.ps,
+                           kv_data_type="float16")
+        self.batch = plan.batch_size
+        if self.graph is None:
+            torch = self.torch
+            self.eager()
+            torch.cuda.synchronize()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.eager()
+            torch.cuda.synchronize()
+            self.num_launches = len(self.w._static.variants) + 1
+        return plan
+
+    def eager(self):
+        return self.w.run(self.q, (self.k, self.v), out=self.out)
+
+    def replay(self, q):
+        self.q[:self.batch] = q
+        self.graph.replay()
+        self.torch.cuda.synchronize()
+        return self.out[:self.batch].clone()
+
+
 class _Batch:
     """What make_fi_decode reads from a workload batch."""
 
@@ -225,6 +325,12 @@ def summarise(rows) -> dict:
                if "pat" in v and "query" in v]
         if spq:
             s["vs_query_geomean"] = round(math.exp(float(np.mean(np.log(spq)))), 3)
+        # graph-safe replay over the graph captured for each step's own plan (> 1: slower)
+        gsr = [v["pat-graph"]["graph_us"] / v["pat"]["graph_us"] for v in by.values()
+               if "pat" in v and "pat-graph" in v]
+        if gsr:
+            s["graph_safe_over_exact_geomean"] = round(math.exp(float(np.mean(np.log(gsr)))), 3)
+            s["graph_safe_over_exact_max"] = round(float(max(gsr)), 3)
         out[heads] = s
     return out
 
@@ -243,6 +349,10 @@ def main(argv=None) -> int:
     p.add_argument("--start-ms", type=float, default=0.0)
     p.add_argument("--end-ms", type=float, default=None)
     p.add_argument("--max-steps", type=int, default=None)
+    y = sub.add_parser("prepare-synthetic", help="store tree specs as steps")
+    y.add_argument("--specs", nargs="+", required=True)
+    y.add_argument("--out", required=True, help="output .npz")
+    y.add_argument("--page-size", type=int, default=16)
     t = sub.add_parser("time", help="time the stored steps on the GPU")
     t.add_argument("--steps-file", required=True)
     t.add_argument("--out", required=True, help="output directory")
@@ -257,9 +367,11 @@ def main(argv=None) -> int:
         if args.steps < 1:
             ap.error("--steps must be at least 1")
         return prepare(args)
+    if args.cmd == "prepare-synthetic":
+        return prepare_synthetic(args)
     for m in args.methods:
         base, _, label = m.partition("@")
-        if base not in METHODS or (label and base == "fi-decode"):
+        if base not in METHODS or (label and base in ("fi-decode", "pat-graph")):
             ap.error(f"--methods: unknown method {m!r}")
         if label:
             from kernel_lab import TUNINGS

@@ -5,7 +5,9 @@
 // in launch order, so blocks running at the same time read neighbouring heads of the same tokens
 // (one contiguous row per token in the NHD layout).  The CTA's query rows are its requests x the
 // GQA group: row i * group + j is request i of the CTA, query head kv_head * group + j.  The rows
-// are packed at run time, so one compiled variant serves every group size that fits m.
+// are packed at run time, so one compiled variant serves every group size that fits m.  In
+// graph-safe mode the grid is fixed instead and each block runs items in turn (run_items).
+// Every argument comes in one pat::FwdParams (pat_params.cuh).
 //
 // Per CTA:
 //   1. cp.async the Q rows (zero-padded to M) and the first KV tile(s) into shared memory.
@@ -198,26 +200,35 @@ __device__ __forceinline__ float raise_max(float& m_run, float m_cand, float& al
   return m_use;
 }
 
+// One work item: Plan CTA `cta` for KV head `kv_head`.  Returns with every cp.async group drained;
+// a caller that runs another item in the same block puts a cta_sync<Tr>() in between (the last
+// phase reads shared memory that the next item's prologue overwrites).
 template <typename Tr>
-__device__ __forceinline__ void pat_fwd_body(
-    const typename Tr::T* __restrict__ q, const typename Tr::T* __restrict__ k_cache,
-    const typename Tr::T* __restrict__ v_cache, float* __restrict__ o_partial,
-    float* __restrict__ lse_partial, const int* __restrict__ cta_req_indptr,
-    const int* __restrict__ cta_req, const int* __restrict__ cta_slot,
-    const int* __restrict__ cta_kv_start, const int* __restrict__ cta_kv_len,
-    const int* __restrict__ cta_page_indptr, const int* __restrict__ cta_pages, int cta_offset,
-    int n_ctas, int num_kv_heads, int head_minor, int group, int num_qo_heads, long long q_sb,
-    long long q_sh, long long k_sp, long long k_st, long long k_sh, long long v_sp,
-    long long v_st, long long v_sh, int page_size, float scale_log2, const MergeArgs& merge) {
+__device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
+                                             const int kv_head) {
   using T = typename Tr::T;
   constexpr int D = Tr::D, M = Tr::M, N = Tr::N, THREADS = Tr::THREADS, STAGES = Tr::STAGES;
   constexpr int CHUNKS = Tr::CHUNKS, MI = Tr::MI, NW = Tr::NW, KC = Tr::KC;
+  const T* __restrict__ q = static_cast<const T*>(p.q);
+  float* __restrict__ o_partial = p.o_partial;
+  float* __restrict__ lse_partial = p.lse_partial;
+  const int* __restrict__ cta_req_indptr = p.cta_req_indptr;
+  const int* __restrict__ cta_req = p.cta_req;
+  const int* __restrict__ cta_slot = p.cta_slot;
+  const int group = p.group, num_qo_heads = p.num_qo_heads, num_kv_heads = p.num_kv_heads;
+  const int page_size = p.page_size;
+  const float scale_log2 = p.scale_log2;
+  const MergeArgs& merge = p.merge;
 
   T* sQ = reinterpret_cast<T*>(pat_dyn_smem);
   T* sK = reinterpret_cast<T*>(pat_dyn_smem + Tr::Q_BYTES);  // [STAGES][N][D], swizzled rows
   T* sV = sK + STAGES * Tr::KV_TILE_ELEMS;                     // [STAGES][N][D], swizzled rows
 
-  const int tid = threadIdx.x;
+  // Opaque to the optimiser: in the graph-safe loop (run_items) nothing derived from the thread
+  // index is hoisted out of the loop and kept live across items (the large tiles spilled).
+  int tid_ = threadIdx.x;
+  asm volatile("" : "+r"(tid_));
+  const int tid = tid_;
   const int lane = tid & 31;
   const int warp = tid >> 5;
   // Token slice outermost: warps w and w + 4 share an SM sub-partition (scheduler), so with more
@@ -226,21 +237,12 @@ __device__ __forceinline__ void pat_fwd_body(
   const int wn = warp / Tr::WARPS_M;  // token slice of this warp
   const int wm = warp - wn * Tr::WARPS_M;  // row group of this warp
 
-  int cta_local, kv_head;
-  if (head_minor) {
-    cta_local = blockIdx.x / num_kv_heads;
-    kv_head = blockIdx.x - cta_local * num_kv_heads;
-  } else {
-    kv_head = blockIdx.x / n_ctas;
-    cta_local = blockIdx.x - kv_head * n_ctas;
-  }
-  const int cta = cta_offset + cta_local;
   const int req_begin = cta_req_indptr[cta];
   int n_rows = (cta_req_indptr[cta + 1] - req_begin) * group;
   n_rows = n_rows < M ? n_rows : M;  // the planner guarantees rows <= m; never overrun smem
-  const int kv_start = cta_kv_start[cta];
-  const int kv_len = cta_kv_len[cta];
-  const int page_base = cta_page_indptr[cta] - kv_start / page_size;  // absolute page -> list
+  const int kv_start = p.cta_kv_start[cta];
+  const int kv_len = p.cta_kv_len[cta];
+  const int page_base = p.cta_page_indptr[cta] - kv_start / page_size;  // absolute page -> list
   const int num_tiles = (kv_len + N - 1) / N;
 
   // ---- Q rows -> shared memory (rows >= n_rows zero-filled) ----------------------------------
@@ -254,7 +256,7 @@ __device__ __forceinline__ void pat_fwd_body(
       if (row < n_rows) {
         const int ri = row / group;
         const int head = kv_head * group + (row - ri * group);
-        src = q + (long long)cta_req[req_begin + ri] * q_sb + (long long)head * q_sh + ch * 8;
+        src = q + (long long)cta_req[req_begin + ri] * p.q_sb + (long long)head * p.q_sh + ch * 8;
         bytes = 16;
       }
       cp_async_16(smem_u32(sQ + swz<D>(row, ch)), src, bytes);
@@ -263,9 +265,10 @@ __device__ __forceinline__ void pat_fwd_body(
 
   // ---- KV tile gather: token -> page -> (K row, V row) ---------------------------------------
   const int page_shift = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
-  const KvTileLoader<Tr> loader{k_cache, v_cache, cta_pages + page_base, kv_start, kv_len,
-                                page_size, page_shift, kv_head, k_sp, k_st, k_sh,
-                                v_sp, v_st, v_sh};
+  const KvTileLoader<Tr> loader{static_cast<const T*>(p.k_cache),
+                                static_cast<const T*>(p.v_cache), p.cta_pages + page_base,
+                                kv_start, kv_len, page_size, page_shift, kv_head,
+                                p.k_sp, p.k_st, p.k_sh, p.v_sp, p.v_st, p.v_sh};
 
   const int slice_row0 = wn * NW;  // this warp's token slice within every tile
   const int stid = wm * 32 + lane;  // thread index within the slice group
@@ -618,86 +621,88 @@ constexpr int fwd_min_blocks() {
 }
 }  // namespace pat
 
+namespace pat {
+// Block -> work items.  The usual launch (PULL = false) has exactly the launch's items in its
+// grid and block b runs item b.  A graph-safe launch (PULL = true, p.live set) has a fixed grid:
+// its blocks pull items from p.work_counter until the live count in device memory is reached,
+// so one captured launch serves every later plan.  Pulling rather than striding lets a block that
+// drew a short item take the next one (a group's CTAs are ordered longest first).  The two are
+// separate instantiations: in one kernel the loop costs the large tiles registers and spills.
+// Item i is CTA i / num_kv_heads, KV head i % num_kv_heads with head_minor (adjacent heads of a
+// CTA read the same tokens at about the same time), else CTA i % n_ctas, head i / n_ctas.
+template <typename Tr, bool PULL>
+__device__ __forceinline__ void run_items(const FwdParams& p) {
+  const int hk = p.num_kv_heads;
+  if constexpr (!PULL) {
+    const int b = (int)blockIdx.x;
+    int cta_local, kv_head;
+    if (p.head_minor) {
+      cta_local = b / hk;
+      kv_head = b - cta_local * hk;
+    } else {
+      kv_head = b / p.n_ctas;
+      cta_local = b - kv_head * p.n_ctas;
+    }
+    pat_fwd_body<Tr>(p, p.cta_offset + cta_local, kv_head);
+  } else {
+    // Thread 0 draws the next item and decodes it; the block reads (cta, kv_head) from shared
+    // memory, so nothing of the loop stays live in registers across an item.
+    __shared__ int s_next[2];
+#pragma unroll 1
+    for (;;) {
+      if (threadIdx.x == 0) {
+        const int item = atomicAdd(p.work_counter, 1);
+        const int c = item / hk;
+        s_next[0] = item < p.live[1] * hk ? p.live[0] + c : -1;
+        s_next[1] = item - c * hk;
+      }
+      cta_sync<Tr>();
+      const int cta = s_next[0];
+      if (cta < 0) break;  // block-uniform
+      pat_fwd_body<Tr>(p, cta, s_next[1]);
+      cta_sync<Tr>();  // every warp is past the item (and has read s_next) before the next draw
+    }
+  }
+}
+}  // namespace pat
+
 // Kernel entry point.  Template arguments: head_dim, element type, m, n, warps, stages, rows per
-// warp; the Python side names each instantiation pat_fwd_d{D}_{dtype}_m{M}_n{N}_w{W}_s{S}_r{RW}.
-// The last eight arguments are the in-kernel merge's (pat::MergeArgs; merge_counters == nullptr
-// leaves the merge to pat_merge_kernel).
-template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES, int RW>
+// warp, pull (graph-safe fixed grid, see run_items); the Python side names each instantiation
+// pat_fwd_d{D}_{dtype}_m{M}_n{N}_w{W}_s{S}_r{RW}, with a _pull suffix for the graph-safe one.
+// Every argument is in pat::FwdParams (pat_params.cuh).
+template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES, int RW, bool PULL>
 __global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, N, WARPS, STAGES>())) pat_fwd_kernel(
-    const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-    float* __restrict__ o_partial, float* __restrict__ lse_partial,
-    const int* __restrict__ cta_req_indptr, const int* __restrict__ cta_req,
-    const int* __restrict__ cta_slot, const int* __restrict__ cta_kv_start,
-    const int* __restrict__ cta_kv_len, const int* __restrict__ cta_page_indptr,
-    const int* __restrict__ cta_pages, int cta_offset, int n_ctas, int num_kv_heads,
-    int head_minor, int group, int num_qo_heads,
-    long long q_sb, long long q_sh, long long k_sp, long long k_st, long long k_sh,
-    long long v_sp, long long v_st, long long v_sh, int page_size, float scale_log2,
-    int* merge_counters, const int* merge_req_slot_indptr, void* merge_out, float* merge_lse,
-    long long out_sb, long long out_sh, long long lse_sb, long long lse_sh) {
-  const pat::MergeArgs merge{merge_counters, merge_req_slot_indptr, merge_out, merge_lse,
-                            out_sb, out_sh, lse_sb, lse_sh};
-  pat::pat_fwd_body<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW>>(
-      q, k_cache, v_cache, o_partial, lse_partial, cta_req_indptr, cta_req, cta_slot,
-      cta_kv_start, cta_kv_len, cta_page_indptr, cta_pages, cta_offset, n_ctas, num_kv_heads,
-      head_minor, group, num_qo_heads, q_sb,
-      q_sh, k_sp, k_st, k_sh, v_sp, v_st, v_sh, page_size, scale_log2, merge);
+    const __grid_constant__ pat::FwdParams p) {
+  pat::run_items<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW>, PULL>(p);
 }
 
 // One launch for every forward CTA of a plan, whatever its tile.  Template arguments: head_dim,
 // element type, threads per block (the largest variant's), then the variants' traits in the
-// order of the per-CTA variant index cta_variant[cta].  Each block runs its CTA's variant; the
+// order of the per-CTA variant index p.cta_variant[cta].  Each block runs its CTA's variant; the
 // warps that variant does not use exit at once (its barriers count only its own threads).  The
 // block gets the largest variant's shared memory, so small tiles lose occupancy: the launcher
-// uses this path when launches, not occupancy, dominate (see pat_core/cuda_backend.py).
+// uses this path when launches, not occupancy, dominate (see pat_core/launch.py).  One item per
+// block (p.live is not used).
 namespace pat {
 template <typename Tr>
-__device__ __forceinline__ bool run_if(int want, int& idx, const typename Tr::T* q,
-                                       const typename Tr::T* k_cache,
-                                       const typename Tr::T* v_cache, float* o_partial,
-                                       float* lse_partial, const int* cta_req_indptr,
-                                       const int* cta_req, const int* cta_slot,
-                                       const int* cta_kv_start, const int* cta_kv_len,
-                                       const int* cta_page_indptr, const int* cta_pages,
-                                       int n_ctas, int num_kv_heads, int head_minor, int group,
-                                       int num_qo_heads, long long q_sb, long long q_sh,
-                                       long long k_sp, long long k_st, long long k_sh,
-                                       long long v_sp, long long v_st, long long v_sh,
-                                       int page_size, float scale_log2, const MergeArgs& merge) {
+__device__ __forceinline__ bool run_if(int want, int& idx, const FwdParams& p, int cta,
+                                       int kv_head) {
   if (idx++ != want) return false;
-  if ((int)threadIdx.x < Tr::THREADS)
-    pat_fwd_body<Tr>(q, k_cache, v_cache, o_partial, lse_partial, cta_req_indptr, cta_req,
-                     cta_slot, cta_kv_start, cta_kv_len, cta_page_indptr, cta_pages, 0, n_ctas,
-                     num_kv_heads, head_minor, group, num_qo_heads, q_sb, q_sh, k_sp, k_st,
-                     k_sh, v_sp, v_st, v_sh, page_size, scale_log2, merge);
+  if ((int)threadIdx.x < Tr::THREADS) pat_fwd_body<Tr>(p, cta, kv_head);
   return true;
 }
 }  // namespace pat
 
 template <int HEAD_DIM, typename T, int THREADS, typename... Trs>
 __global__ void __launch_bounds__(THREADS, 1) pat_fwd_fused_kernel(
-    const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-    float* __restrict__ o_partial, float* __restrict__ lse_partial,
-    const int* __restrict__ cta_req_indptr, const int* __restrict__ cta_req,
-    const int* __restrict__ cta_slot, const int* __restrict__ cta_kv_start,
-    const int* __restrict__ cta_kv_len, const int* __restrict__ cta_page_indptr,
-    const int* __restrict__ cta_pages, const int* __restrict__ cta_variant, int n_ctas,
-    int num_kv_heads, int head_minor, int group, int num_qo_heads,
-    long long q_sb, long long q_sh, long long k_sp, long long k_st, long long k_sh,
-    long long v_sp, long long v_st, long long v_sh, int page_size, float scale_log2,
-    int* merge_counters, const int* merge_req_slot_indptr, void* merge_out, float* merge_lse,
-    long long out_sb, long long out_sh, long long lse_sb, long long lse_sh) {
-  const pat::MergeArgs merge{merge_counters, merge_req_slot_indptr, merge_out, merge_lse,
-                            out_sb, out_sh, lse_sb, lse_sh};
+    const __grid_constant__ pat::FwdParams p) {
   static_assert(((Trs::THREADS <= THREADS) && ...), "block too small for a variant");
   static_assert(((Trs::D == HEAD_DIM) && ...), "variants of one head_dim");
-  const int cta = head_minor ? (int)blockIdx.x / num_kv_heads
-                             : (int)blockIdx.x - ((int)blockIdx.x / n_ctas) * n_ctas;
-  const int want = cta_variant[cta];
+  const int b = (int)blockIdx.x;
+  const int hk = p.num_kv_heads;
+  const int cta = p.head_minor ? b / hk : b - (b / p.n_ctas) * p.n_ctas;
+  const int kv_head = p.head_minor ? b - cta * hk : b / p.n_ctas;
+  const int want = p.cta_variant[cta];
   int idx = 0;
-  (void)(pat::run_if<Trs>(want, idx, q, k_cache, v_cache, o_partial, lse_partial,
-                          cta_req_indptr, cta_req, cta_slot, cta_kv_start, cta_kv_len,
-                          cta_page_indptr, cta_pages, n_ctas, num_kv_heads, head_minor, group,
-                          num_qo_heads, q_sb, q_sh, k_sp, k_st, k_sh, v_sp, v_st, v_sh,
-                          page_size, scale_log2, merge) || ...);
+  (void)(pat::run_if<Trs>(want, idx, p, cta, kv_head) || ...);
 }

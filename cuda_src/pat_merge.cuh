@@ -11,21 +11,9 @@
 #pragma once
 
 #include "pat_common.cuh"
+#include "pat_params.cuh"
 
 namespace pat {
-
-// What a forward CTA needs to merge finished requests itself (see pat_fwd.cuh): a counter per
-// (request, KV head) of the partial slots written so far (zero between runs: the CTA that
-// completes a request resets it), each request's slot range, and the output.  counters ==
-// nullptr: no in-kernel merge (the separate merge kernel runs).  Plain pointers and 64-bit
-// integers, so the host side can pack it as a C struct.
-struct MergeArgs {
-  int* counters;               // [batch * num_kv_heads]
-  const int* req_slot_indptr;  // [batch + 1]
-  void* out;                   // [batch, num_qo_heads, head_dim] in the input dtype
-  float* lse_out;              // [batch, num_qo_heads] or nullptr
-  long long out_sb, out_sh, lse_sb, lse_sh;  // element strides
-};
 
 // Merge the partial states of request r, query head h (slots s0 .. s1 - 1) into out / lse_out.
 // One warp; each lane owns HEAD_DIM / 32 consecutive elements.  Partials are read through L2
@@ -126,35 +114,34 @@ __device__ __forceinline__ void merge_pair(const float* __restrict__ o_partial,
   if (lse_out != nullptr && lane == 0) lse_out[(long long)r * lse_sb + (long long)h * lse_sh] = lse;
 }
 
+// Grid-stride over the (request, head) pairs, so a graph-safe launch can use a fixed grid while
+// the live batch (p.live_batch) changes between replays.  Block 0 also zeroes the forward work
+// counters (p.reset): the merge runs after every forward launch of the step has finished.
 template <int HEAD_DIM, typename TO, int WARPS>
-__device__ __forceinline__ void pat_merge_body(const float* __restrict__ o_partial,
-                                               const float* __restrict__ lse_partial,
-                                               const int* __restrict__ req_slot_indptr,
-                                               TO* __restrict__ out, float* __restrict__ lse_out,
-                                               int batch, int num_qo_heads, long long out_sb,
-                                               long long out_sh, long long lse_sb,
-                                               long long lse_sh) {
+__device__ __forceinline__ void pat_merge_body(const MergeParams& p) {
+  if (p.reset != nullptr && blockIdx.x == 0 && (int)threadIdx.x < p.reset_n) p.reset[threadIdx.x] = 0;
   const int lane = threadIdx.x & 31;
-  const long long pair = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
-  if (pair >= (long long)batch * num_qo_heads) return;
-  const int r = (int)(pair / num_qo_heads);
-  const int h = (int)(pair - (long long)r * num_qo_heads);
-  merge_pair<HEAD_DIM, TO>(o_partial, lse_partial, req_slot_indptr[r], req_slot_indptr[r + 1], r,
-                           h, num_qo_heads, out, lse_out, out_sb, out_sh, lse_sb, lse_sh, lane);
+  const int batch = p.live_batch != nullptr ? *p.live_batch : p.batch;
+  const long long pairs = (long long)batch * p.num_qo_heads;
+  for (long long pair = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); pair < pairs;
+       pair += (long long)gridDim.x * WARPS) {
+    const int r = (int)(pair / p.num_qo_heads);
+    const int h = (int)(pair - (long long)r * p.num_qo_heads);
+    merge_pair<HEAD_DIM, TO>(p.o_partial, p.lse_partial, p.req_slot_indptr[r],
+                             p.req_slot_indptr[r + 1], r, h, p.num_qo_heads,
+                             static_cast<TO*>(p.out), p.lse_out, p.out_sb, p.out_sh, p.lse_sb,
+                             p.lse_sh, lane);
+  }
 }
 
 }  // namespace pat
 
 // Template arguments: head_dim, output element type, warps per block (one (request, head) pair
-// per warp).  The Python side names each instantiation pat_merge_d{D}_{dtype}_w{W}.
+// per warp at a time).  The Python side names each instantiation pat_merge_d{D}_{dtype}_w{W}.
 template <int HEAD_DIM, typename TO, int WARPS>
 // At least 48 resident warps per SM (75% occupancy): room for 40 registers.  With the thread
 // count alone ptxas aims at full occupancy on sm_80 (32 registers) and spills.
 __global__ void __launch_bounds__(WARPS * 32, 48 / WARPS) pat_merge_kernel(
-    const float* __restrict__ o_partial, const float* __restrict__ lse_partial,
-    const int* __restrict__ req_slot_indptr, TO* __restrict__ out, float* __restrict__ lse_out,
-    int batch, int num_qo_heads, long long out_sb, long long out_sh, long long lse_sb,
-    long long lse_sh) {
-  pat::pat_merge_body<HEAD_DIM, TO, WARPS>(o_partial, lse_partial, req_slot_indptr, out, lse_out,
-                                           batch, num_qo_heads, out_sb, out_sh, lse_sb, lse_sh);
+    const __grid_constant__ pat::MergeParams p) {
+  pat::pat_merge_body<HEAD_DIM, TO, WARPS>(p);
 }

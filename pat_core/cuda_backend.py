@@ -45,6 +45,7 @@ import weakref
 import numpy as np
 
 from . import cuda_compile as cc
+from . import kernel_params as kp
 from .gpus import detect_gpu_name
 from .launch import FUSED_MAX_BLOCKS_PER_SM, FUSED_MAX_KV_LEN, use_fused_launch
 from .plan import Plan, dtype_name
@@ -249,7 +250,7 @@ class CudaBackend:
 
     def warmup(self, plan: Plan | None = None, variants=None, jobs: int | None = None) -> list:
         """Compile the variants `plan` needs, or those listed (FwdVariant/MergeVariant objects
-        or keys), or every variant when both are None.  Logs one line per compile (the key).
+        or keys), or every one-item-per-block variant and the merges when both are None.  Logs one line per compile (the key).
 
         ``jobs > 1`` first compiles the missing variants in that many worker processes, which
         fill CuPy's on-disk kernel cache; this process then loads the cached binaries.
@@ -258,8 +259,8 @@ class CudaBackend:
         if variants is None:
             if plan is not None:
                 variants = self.variants_for(plan)
-            else:
-                variants = cc.all_fwd_variants() + cc.all_merge_variants()
+            else:   # graph-safe (pull) kernels compile when a graph-safe wrapper needs them
+                variants = cc.all_fwd_variants(pulls=(False,)) + cc.all_merge_variants()
         variants = [_variant_from(v) for v in variants]
         dev = self.cp.cuda.runtime.getDevice()
         todo = [v for v in variants if (dev, v.key) not in self._functions]
@@ -447,23 +448,16 @@ class CudaBackend:
                 raise ValueError(f"the plan reads page {rec['min_page']}: page ids must be >= 0")
             dtype = qd.dtype
             o_part, l_part = self._partials(plan.num_slots, Hq, D)
-            i32, i64, u64 = np.int32, np.int64, np.uint64
-            head = (u64(qd.ptr), u64(kd.ptr), u64(vd.ptr), o_part, l_part,
-                    rec["cta_req_indptr"], rec["cta_req"], rec["cta_slot"], rec["cta_kv_start"],
-                    rec["cta_kv_len"], rec["cta_page_indptr"], rec["cta_pages"])
-            tail = (i32(plan.group_size), i32(Hq), i64(qd.strides[0]), i64(qd.strides[1]),
-                    i64(kd.strides[ax_page]), i64(kd.strides[ax_tok]), i64(kd.strides[ax_head]),
-                    i64(vd.strides[ax_page]), i64(vd.strides[ax_tok]), i64(vd.strides[ax_head]),
-                    i32(plan.page_size), np.float32(plan.sm_scale * _LOG2E))
-            head_minor = i32(1 if self.head_minor else 0)
+            base = _fwd_params(qd, kd, vd, (ax_page, ax_tok, ax_head), o_part, l_part, rec,
+                               plan.group_size, Hq, Hk, plan.page_size, plan.sm_scale,
+                               self.head_minor)
             if self.merge_mode not in ("forward", "kernel"):
                 raise ValueError(f"merge_mode must be 'forward' or 'kernel', got "
                                  f"{self.merge_mode!r}")
             in_fwd = self.merge_mode == "forward"
-            counters = self._counters(plan.batch_size * Hk) if in_fwd else None
-            # pat::MergeArgs: counters, slot ranges, out, lse, strides (out/lse set per call)
-            tail = tail + ((counters if in_fwd else u64(0)), rec["req_slot_indptr"], u64(0),
-                           u64(0), i64(0), i64(0), i64(0), i64(0))
+            if in_fwd:   # out / lse pointers and strides are filled in per call
+                base.merge.counters = _ptr(self._counters(plan.batch_size * Hk))
+                base.merge.req_slot_indptr = _ptr(rec["req_slot_indptr"])
             launches = []
             members = [cc.FwdVariant.make(m, n, D, dtype) for _, (m, n), b, e in plan.groups()
                        if e > b]
@@ -473,24 +467,28 @@ class CudaBackend:
                 idx = np.array([pos[(int(m), int(n))] for m, n in plan.tile_configs],
                                dtype=np.int32)[plan.cta_tile]
                 cta_variant = cp.asarray(np.ascontiguousarray(idx, dtype=np.int32))
-                args = head + (cta_variant, i32(plan.num_ctas), i32(Hk), head_minor) + tail
+                prm = _copy_params(base)
+                prm.cta_variant = _ptr(cta_variant)
+                prm.cta_offset, prm.n_ctas = 0, plan.num_ctas
                 launches.append(_Launch(self._function(fv), (plan.num_ctas * Hk, 1, 1),
-                                        (fv.threads, 1, 1), args, fv.smem_bytes,
+                                        (fv.threads, 1, 1), prm, fv.smem_bytes,
                                         self.fast_launch, keep=cta_variant))
                 members = []
             for _, (m, n), b, e in (plan.groups() if members else ()):
                 if e <= b:
                     continue
                 v = cc.FwdVariant.make(m, n, D, dtype)
-                args = head + (i32(b), i32(e - b), i32(Hk), head_minor) + tail
+                prm = _copy_params(base)
+                prm.cta_offset, prm.n_ctas = b, e - b
                 launches.append(_Launch(self._function(v), ((e - b) * Hk, 1, 1),
-                                        (v.threads, 1, 1), args, v.smem_bytes, self.fast_launch))
+                                        (v.threads, 1, 1), prm, v.smem_bytes, self.fast_launch))
             mv = cc.MergeVariant(D, dtype)
             B = plan.batch_size
-            merge_args = (o_part, l_part, rec["req_slot_indptr"], u64(0), u64(0), i32(B),
-                          i32(Hq), i64(0), i64(0), i64(0), i64(0))
+            mp = kp.MergeParams(o_partial=_ptr(o_part), lse_partial=_ptr(l_part),
+                                req_slot_indptr=_ptr(rec["req_slot_indptr"]), batch=B,
+                                num_qo_heads=Hq)
             merge = _Launch(self._function(mv), ((B * Hq + mv.warps - 1) // mv.warps, 1, 1),
-                            (mv.threads, 1, 1), merge_args, 0, self.fast_launch)
+                            (mv.threads, 1, 1), mp, 0, self.fast_launch)
             return {"device": dev, "dtype": dtype, "launches": launches,
                     "merge": None if in_fwd else merge,
                     "buf_gen": self._buffer_generation(dev)}
@@ -553,14 +551,21 @@ class CudaBackend:
                     ld.strides[0] if ld is not None else 0, ld.strides[1] if ld is not None else 0)
         if merge is None:   # merged by the forward CTAs: they get the output
             for ln in launches:
-                ln.set(len(ln.args) - 6, *out_args)
+                _set_out(ln.params.merge, out_args)
+        if merge is not None:
+            _set_out(merge.params, out_args)
+        self._enqueue(launches, merge, self._caller_stream(qd).ptr, plan.serial)
+        return (out, lse) if want_lse else out
+
+    def _enqueue(self, launches, merge, caller: int, serial: bool) -> None:
+        """Forward launches (concurrent on pool streams forked from the caller's stream unless
+        ``serial``), then the merge (if any) on the caller's stream once they have joined."""
         rt = self.cp.cuda.runtime
-        caller = self._caller_stream(qd).ptr
-        if plan.serial or len(launches) == 1:
+        if serial or len(launches) == 1:
             for ln in launches:
                 ln(caller)
         else:
-            # group 0 on the caller's stream, the others on pool streams forked from it
+            # launch 0 on the caller's stream, the others on pool streams forked from it
             streams, fork, joins = self._pool()
             used = min(len(streams), len(launches) - 1)
             rt.eventRecord(fork.ptr, caller)
@@ -572,30 +577,266 @@ class CudaBackend:
             for si in range(used):
                 rt.eventRecord(joins[si].ptr, streams[si].ptr)
                 rt.streamWaitEvent(caller, joins[si].ptr, 0)
-
         if merge is not None:
-            merge.set(3, out_args[0], out_args[1], B, Hq, *out_args[2:])
             merge(caller)
+
+    # ------------------------------------------------------------------ graph-safe mode
+    def static_state(self, layout, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                     page_size: int, dtype: str, sm_scale: float) -> "StaticState":
+        """Device buffers and kernels of graph-safe mode for one fixed launch set (``layout``,
+        a :class:`~pat_core.static_plan.StaticLayout`) and problem shape; compiles the launch
+        set's kernels now (never during a capture)."""
+        return StaticState(self, layout, num_qo_heads, num_kv_heads, head_dim, page_size,
+                           dtype, sm_scale)
+
+    def run_static(self, state: "StaticState", q, k_cache, v_cache, kv_layout: str = "NHD",
+                   return_lse: bool = False, out=None, lse=None):
+        """Graph-safe run: the fixed launch set of ``state`` over whatever plan was last written
+        into it (:meth:`StaticState.write`).  ``q``, ``out`` and ``lse`` may have more rows than
+        the live batch (a captured graph's static buffers); rows past it are neither read nor
+        written.  Every launch argument depends only on ``state`` and the buffers passed here,
+        so the sequence can be captured once and replayed for later plans."""
+        qd = _Dev(q, "q")
+        kd = _Dev(k_cache, "k_cache")
+        vd = _Dev(v_cache, "v_cache")
+        want_lse = bool(return_lse or lse is not None)
+        if state.batch is None:
+            raise RuntimeError("graph-safe mode: write a plan (plan()) before run()")
+        sig = (kv_layout, qd.sig(), kd.sig(), vd.sig())
+        prep = state.prepared.get(sig)
+        if prep is None:
+            prep = state.prepare(qd, kd, vd, kv_layout)
+            state.prepared.clear()      # one input set at a time: a graph holds its own copy
+            state.prepared[sig] = prep
+        rows = qd.shape[0]
+        Hq, D = state.num_qo_heads, state.head_dim
+        if out is None:
+            out = self._alloc_like(qd, (rows, Hq, D), qd.dtype)
+        od = _Dev(out, "out")
+        if od.shape != (rows, Hq, D) or od.dtype != qd.dtype or od.strides[-1] != 1:
+            raise ValueError(f"out must be [{rows}, {Hq}, {D}] {qd.dtype} (q's rows) with a "
+                             f"contiguous last dimension, got {od.shape} {od.dtype} strides "
+                             f"{od.strides}")
+        ld = None
+        if want_lse:
+            if lse is None:
+                lse = self._alloc_like(qd, (rows, Hq), "float32")
+            ld = _Dev(lse, "lse")
+            if ld.shape != (rows, Hq) or ld.dtype != "float32":
+                raise ValueError(f"lse must be float32 [{rows}, {Hq}], got {ld.shape} "
+                                 f"{ld.dtype}")
+        out_args = (od.ptr, ld.ptr if ld is not None else 0, od.strides[0], od.strides[1],
+                    ld.strides[0] if ld is not None else 0, ld.strides[1] if ld is not None else 0)
+        cp = self.cp
+        with cp.cuda.Device(state.device):
+            _set_out(prep["merge"].params, out_args)
+            self._enqueue(prep["launches"], prep["merge"], self._caller_stream(qd).ptr, False)
         return (out, lse) if want_lse else out
 
 
-class _Launch:
-    """One kernel launch with its arguments packed once.
+class StaticState:
+    """Graph-safe mode's fixed device state (see :mod:`pat_core.static_plan`).
 
-    Fast path: the argument values live in ctypes storage and go to ``cuLaunchKernel`` through
-    CuPy's driver binding (a few microseconds); CuPy's generic ``Function.__call__`` re-converts
-    every argument on each call (~10 us per launch measured on an H200 host), which dominated
-    small batches.  ``set`` overwrites trailing scalar arguments in place (the merge kernel's
-    output pointers and strides change per call).
+    Holds one int32 buffer with every Plan array at a fixed offset, fixed fp32 partial buffers,
+    a work counter per launch, and the launch set: one pull-mode forward kernel per tile in
+    ``layout.tiles`` (grid = SMs x resident blocks, capped by the item limit) and a merge over a
+    fixed grid.  :meth:`write` puts a new plan into the buffer with an asynchronous copy on a
+    stream; nothing else changes between plans.
     """
 
-    __slots__ = ("fn", "grid", "block", "args", "smem", "fast", "vals", "ptrs", "params", "fptr",
-                 "launch", "keep")
+    _MERGE_BLOCKS_PER_SM = 12      # the merge kernel's launch bounds: 48 warps of 4-warp blocks
 
-    def __init__(self, fn, grid, block, args, smem, fast=True, keep=None):
+    def __init__(self, backend: CudaBackend, layout, num_qo_heads, num_kv_heads, head_dim,
+                 page_size, dtype, sm_scale):
+        cp = backend.cp
+        self.backend, self.cp = backend, cp
+        self.layout = layout
+        self.num_qo_heads, self.num_kv_heads = int(num_qo_heads), int(num_kv_heads)
+        self.head_dim, self.page_size = int(head_dim), int(page_size)
+        self.dtype = dtype_name(dtype)
+        self.sm_scale = float(sm_scale)
+        if self.dtype not in cc.DTYPE_CTYPE:
+            raise ValueError(f"graph-safe mode: the CUDA kernels take float16 or bfloat16, got "
+                             f"{self.dtype}")
+        for m, n in layout.tiles:
+            if not cc.fwd_variant_supported(m, n, self.head_dim):
+                raise ValueError(f"graph-safe mode: no CUDA kernel for tile ({m}, {n}) at "
+                                 f"head_dim {self.head_dim}")
+        self.device = cp.cuda.runtime.getDevice()
+        lim = layout.limits
+        V = layout.num_variants
+        self.buf = cp.zeros(layout.total, dtype=cp.int32)
+        self.counters = cp.zeros(V, dtype=cp.int32)     # zeroed again by every merge
+        self.o_part = cp.empty(lim.max_partials * self.num_qo_heads * self.head_dim,
+                               dtype=cp.float32)
+        self.l_part = cp.empty(lim.max_partials * self.num_qo_heads, dtype=cp.float32)
+        self._pinned = cp.cuda.alloc_pinned_memory(layout.total * 4)
+        self.staging = np.frombuffer(self._pinned, dtype=np.int32, count=layout.total)
+        self.copied = cp.cuda.Event(disable_timing=True)
+        self.copied.record()
+        self.variants = [cc.FwdVariant.make(m, n, self.head_dim, self.dtype, pull=True)
+                         for m, n in layout.tiles]
+        self.merge_variant = cc.MergeVariant(self.head_dim, self.dtype)
+        backend.warmup(variants=self.variants + [self.merge_variant])
+        props = cp.cuda.runtime.getDeviceProperties(self.device)
+        self.num_sms = int(props["multiProcessorCount"])
+        self.grids = [self._grid(v) for v in self.variants]
+        self.prepared: dict = {}
+        self.batch = None           # live batch of the last plan written
+        self.plan = None
+        self.max_rows = None        # q rows and KV pages of the inputs the launches were built
+        self.num_pages = None       # for (a later plan must fit them: a graph keeps them)
+
+    def _grid(self, v) -> int:
+        """Blocks of a pull launch: every block that can be resident at once, at most one per
+        item the limits allow."""
+        fn = self.backend._function(v)
+        per_sm = 0
+        occ = getattr(self.cp.cuda.driver, "occupancyMaxActiveBlocksPerMultiprocessor", None)
+        if occ is not None:
+            try:
+                per_sm = int(occ(getattr(fn, "kernel", fn).ptr, v.threads, v.smem_bytes))
+            except Exception as e:     # older CuPy: fall back to the recorded resources
+                log.debug("occupancy query failed (%s)", e)
+        if per_sm < 1:
+            from .gpus import get_gpu
+            from .tiles import check_tile
+            chk = check_tile(v.m, v.n, v.head_dim, v.dtype, get_gpu(self.backend.gpu_name))
+            per_sm = max(1, chk.ctas_per_sm)
+        items = self.layout.limits.max_ctas * self.num_kv_heads
+        return max(1, min(items, per_sm * self.num_sms))
+
+    def check_plan(self, plan: Plan) -> None:
+        """``ValueError`` unless ``plan`` fits this state: its shape, the layout's limits and
+        the inputs the launches were built for."""
+        want = (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype)
+        have = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.page_size,
+                dtype_name(plan.kv_dtype))
+        names = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "kv_data_type")
+        for nm, w, h in zip(names, want, have):
+            if w != h:
+                raise ValueError(f"graph-safe mode: {nm}={h!r} differs from {w!r} of the first "
+                                 "plan (the launches are fixed; create another wrapper)")
+        if abs(plan.sm_scale - self.sm_scale) > 1e-12 * abs(self.sm_scale):
+            raise ValueError(f"graph-safe mode: sm_scale={plan.sm_scale} differs from "
+                             f"{self.sm_scale} of the first plan")
+        self.layout.check(plan)
+        if self.max_rows is not None and plan.batch_size > self.max_rows:
+            raise ValueError(f"graph-safe mode: the plan has {plan.batch_size} requests but the "
+                             f"q buffer the launches were built for has {self.max_rows} rows")
+        if self.num_pages is not None and plan.cta_pages.size \
+                and int(plan.cta_pages.max()) >= self.num_pages:
+            raise ValueError(f"graph-safe mode: the plan reads page {int(plan.cta_pages.max())}"
+                             f" but the KV cache the launches were built for holds "
+                             f"{self.num_pages} pages")
+        if plan.cta_pages.size and int(plan.cta_pages.min()) < 0:
+            raise ValueError(f"the plan reads page {int(plan.cta_pages.min())}: page ids must "
+                             "be >= 0")
+
+    def write(self, plan: Plan, stream_ptr: int) -> None:
+        """Put ``plan`` into the device buffer: pack into pinned memory, then one asynchronous
+        host-to-device copy on ``stream_ptr``, ordered after the work already on that stream
+        (a replay of the previous step reads the old contents until then)."""
+        self.check_plan(plan)
+        packed = self.layout.pack(plan)
+        cp = self.cp
+        with cp.cuda.Device(self.device):
+            self.copied.synchronize()      # the previous copy has read the staging memory
+            self.staging[:packed.shape[0]] = packed
+            cp.cuda.runtime.memcpyAsync(int(self.buf.data.ptr), self.staging.ctypes.data,
+                                        packed.shape[0] * 4, cp.cuda.runtime.memcpyHostToDevice,
+                                        stream_ptr)
+            self.copied.record(cp.cuda.ExternalStream(stream_ptr))
+        self.batch = plan.batch_size
+        self.plan = plan
+
+    def prepare(self, qd: _Dev, kd: _Dev, vd: _Dev, kv_layout: str) -> dict:
+        """Check the inputs and build the fixed launches for them."""
+        Hq, Hk, D = self.num_qo_heads, self.num_kv_heads, self.head_dim
+        if kv_layout not in ("NHD", "HND"):
+            raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+        _check_rows(qd, "q", 3)
+        _check_rows(kd, "k_cache", 4)
+        _check_rows(vd, "v_cache", 4)
+        if qd.shape[1:] != (Hq, D) or qd.shape[0] < self.batch:
+            raise ValueError(f"q has shape {qd.shape}; graph-safe mode needs [rows, {Hq}, {D}] "
+                             f"with rows >= the plan's batch {self.batch}")
+        if kd.shape != vd.shape:
+            raise ValueError(f"paged_kv_cache: k_cache {kd.shape} and v_cache {vd.shape} differ")
+        if not (qd.dtype == kd.dtype == vd.dtype == self.dtype):
+            raise TypeError(f"q ({qd.dtype}) and paged_kv_cache ({kd.dtype}, {vd.dtype}) must be "
+                            f"{self.dtype}, the plan's dtype")
+        if kv_layout == "NHD":
+            num_pages, ps, hk, d = kd.shape
+            axes = (0, 1, 2)
+        else:
+            num_pages, hk, ps, d = kd.shape
+            axes = (0, 2, 1)
+        if ps != self.page_size or hk != Hk or d != D:
+            raise ValueError(f"paged_kv_cache has page_size {ps}, {hk} KV heads of dim {d}; the "
+                             f"plan expects {self.page_size}, {Hk}, {D} (kv_layout="
+                             f"{kv_layout!r})")
+        _check_aligned(qd, "q", (0, 1))
+        _check_aligned(kd, "k_cache", (0, 1, 2))
+        _check_aligned(vd, "v_cache", (0, 1, 2))
+        devs = {t.device for t in (qd, kd, vd) if t.device is not None}
+        if devs and devs != {self.device}:
+            raise ValueError(f"graph-safe mode: inputs on device(s) {sorted(devs)}, the state "
+                             f"lives on device {self.device}")
+        old = (self.max_rows, self.num_pages)
+        self.max_rows, self.num_pages = int(qd.shape[0]), int(num_pages)
+        try:
+            if self.plan is not None:
+                self.check_plan(self.plan)     # the plan already written must fit these inputs
+        except ValueError:
+            self.max_rows, self.num_pages = old
+            raise
+        lay = self.layout
+        base_ptr = int(self.buf.data.ptr)
+        arrays = {name: base_ptr + 4 * lay.offset[name] for name in lay.offset}
+        group = Hq // Hk
+        base = _fwd_params(qd, kd, vd, axes, self.o_part, self.l_part, arrays, group, Hq, Hk,
+                           self.page_size, self.sm_scale, True)
+        ctr = int(self.counters.data.ptr)
+        launches = []
+        be = self.backend
+        with self.cp.cuda.Device(self.device):
+            for i, v in enumerate(self.variants):
+                prm = _copy_params(base)
+                prm.live = arrays["live"] + 8 * i
+                prm.work_counter = ctr + 4 * i
+                launches.append(_Launch(be._function(v), (self.grids[i], 1, 1), (v.threads, 1, 1),
+                                        prm, v.smem_bytes, be.fast_launch))
+            mv = self.merge_variant
+            pairs = lay.limits.max_batch_size * Hq
+            grid = max(1, min((pairs + mv.warps - 1) // mv.warps,
+                              self.num_sms * self._MERGE_BLOCKS_PER_SM))
+            mp = kp.MergeParams(o_partial=_ptr(self.o_part), lse_partial=_ptr(self.l_part),
+                                req_slot_indptr=arrays["req_slot_indptr"],
+                                live_batch=arrays["live_batch"], reset=ctr,
+                                reset_n=lay.num_variants, batch=0, num_qo_heads=Hq)
+            merge = _Launch(be._function(mv), (grid, 1, 1), (mv.threads, 1, 1), mp, 0,
+                            be.fast_launch)
+        return {"launches": launches, "merge": merge}
+
+
+class _Launch:
+    """One kernel launch whose single argument is a parameter struct (:mod:`.kernel_params`).
+
+    Fast path: the struct lives in ctypes storage and goes to ``cuLaunchKernel`` through CuPy's
+    driver binding (a few microseconds); CuPy's generic ``Function.__call__`` converts its
+    arguments on each call (~10 us per launch measured on an H200 host), which dominated small
+    batches; it gets the struct as a NumPy record.  Fields of ``params`` may be changed between
+    calls (the output pointers change per call).
+    """
+
+    __slots__ = ("fn", "grid", "block", "params", "smem", "fast", "ptrs", "fptr", "launch",
+                 "keep")
+
+    def __init__(self, fn, grid, block, params, smem, fast=True, keep=None):
         self.fn, self.grid, self.block, self.smem = fn, grid, block, int(smem)
-        self.keep = keep   # device arrays the arguments point to (kept alive with the launch)
-        self.args = list(args)
+        self.keep = keep   # device arrays the parameters point to (kept alive with the launch)
+        self.params = params
         # RawModule.get_function hands back a RawKernel; its loaded driver function (``.kernel``,
         # a cupy.cuda.function.Function) carries the CUfunction handle cuLaunchKernel needs
         func = getattr(fn, "kernel", fn)
@@ -605,42 +846,56 @@ class _Launch:
         if self.fast:
             from cupy.cuda import driver
             self.launch = driver.launchKernel
-            self.vals = [_ctype_of(a) for a in self.args]
-            self.ptrs = (ctypes.c_void_p * len(self.vals))(
-                *[ctypes.addressof(v) for v in self.vals])
-            self.params = ctypes.addressof(self.ptrs)
+            self.ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(params))
             self.fptr = int(func.ptr)
-
-    def set(self, first: int, *values) -> None:
-        """Overwrite integer arguments first, first + 1, ... (pointers, sizes, strides)."""
-        if self.fast:
-            for i, x in enumerate(values, start=first):
-                self.vals[i].value = x
-        else:
-            for i, x in enumerate(values, start=first):
-                self.args[i] = type(self.args[i])(x)
 
     def __call__(self, stream_ptr: int) -> None:
         if self.fast:
             g, b = self.grid, self.block
             self.launch(self.fptr, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, stream_ptr,
-                        self.params, 0)
+                        ctypes.addressof(self.ptrs), 0)
         else:
             import cupy
-            self.fn(self.grid, self.block, tuple(self.args), shared_mem=self.smem,
+            rec = np.frombuffer(bytes(self.params), dtype=np.dtype(type(self.params)))[0]
+            self.fn(self.grid, self.block, (rec,), shared_mem=self.smem,
                     stream=cupy.cuda.ExternalStream(stream_ptr))
 
 
-def _ctype_of(a):
-    """ctypes storage holding kernel argument `a` exactly as the kernel parameter expects."""
-    if isinstance(a, np.generic):
-        ct = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
-              np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.float32): ctypes.c_float,
-              np.dtype(np.uint32): ctypes.c_uint32}[a.dtype]
-        return ct(a.item())
-    if hasattr(a, "data") and hasattr(a.data, "ptr"):     # CuPy array: its device pointer
-        return ctypes.c_uint64(int(a.data.ptr))
-    raise TypeError(f"kernel argument of type {type(a).__name__} needs an explicit NumPy type")
+def _ptr(a) -> int:
+    """Device address of a CuPy array (0 for None)."""
+    return 0 if a is None else int(a.data.ptr)
+
+
+def _copy_params(p):
+    """A separate copy of a ctypes parameter struct."""
+    return type(p).from_buffer_copy(p)
+
+
+def _set_out(p, out_args) -> None:
+    """Output pointer and strides of a MergeParams or MergeArgs struct."""
+    p.out, p.lse_out, p.out_sb, p.out_sh, p.lse_sb, p.lse_sh = out_args
+
+
+def _fwd_params(qd, kd, vd, axes, o_part, l_part, arrays, group, Hq, Hk, page_size, sm_scale,
+                head_minor):
+    """The forward parameters every launch of a step shares (CTA range and variant left 0).
+    ``arrays`` maps each Plan array name to its device address (int) or CuPy array."""
+    ax_page, ax_tok, ax_head = axes
+
+    def addr(name):
+        v = arrays[name]
+        return v if isinstance(v, int) else _ptr(v)
+
+    return kp.FwdParams(
+        q=qd.ptr, k_cache=kd.ptr, v_cache=vd.ptr, o_partial=_ptr(o_part),
+        lse_partial=_ptr(l_part), cta_req_indptr=addr("cta_req_indptr"),
+        cta_req=addr("cta_req"), cta_slot=addr("cta_slot"), cta_kv_start=addr("cta_kv_start"),
+        cta_kv_len=addr("cta_kv_len"), cta_page_indptr=addr("cta_page_indptr"),
+        cta_pages=addr("cta_pages"), q_sb=qd.strides[0], q_sh=qd.strides[1],
+        k_sp=kd.strides[ax_page], k_st=kd.strides[ax_tok], k_sh=kd.strides[ax_head],
+        v_sp=vd.strides[ax_page], v_st=vd.strides[ax_tok], v_sh=vd.strides[ax_head],
+        num_kv_heads=Hk, head_minor=1 if head_minor else 0, group=group, num_qo_heads=Hq,
+        page_size=page_size, scale_log2=float(sm_scale * _LOG2E))
 
 
 def _torch_stream_handle(device: int) -> int:
@@ -714,7 +969,7 @@ def _compile_in_workers(variants, jobs: int) -> None:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
     fields = [("fwd" if isinstance(v, cc.FwdVariant) else "merge",
-               (v.head_dim, v.dtype, v.m, v.n, v.warps, v.stages, v.rows_per_warp) if isinstance(v, cc.FwdVariant)
+               (v.head_dim, v.dtype, v.m, v.n, v.warps, v.stages, v.rows_per_warp, v.pull) if isinstance(v, cc.FwdVariant)
                else (v.head_dim, v.dtype, v.warps)) for v in variants]
     ctx = mp.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(jobs, len(fields)), mp_context=ctx) as ex:
@@ -722,4 +977,4 @@ def _compile_in_workers(variants, jobs: int) -> None:
             log.debug("compiled %s in a worker", key)
 
 
-__all__ = ["CudaBackend", "is_available"]
+__all__ = ["CudaBackend", "StaticState", "is_available"]

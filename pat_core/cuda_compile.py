@@ -169,26 +169,30 @@ class FwdVariant:
     warps: int
     stages: int
     rows_per_warp: int = 16
+    pull: bool = False     # graph-safe instantiation: fixed grid, blocks pull work items
 
     @classmethod
-    def make(cls, m: int, n: int, head_dim: int, dtype: str) -> "FwdVariant":
+    def make(cls, m: int, n: int, head_dim: int, dtype: str, pull: bool = False) -> "FwdVariant":
         over = VARIANT_OVERRIDES.get((int(m), int(n)))
         if over is None:
             w, st, rw = default_layout(m, n, head_dim)
         else:
             w, st = over[0], over[1]
             rw = over[2] if len(over) > 2 else default_rows_per_warp(m)
-        return cls(int(head_dim), str(dtype), int(m), int(n), int(w), int(st), int(rw))
+        return cls(int(head_dim), str(dtype), int(m), int(n), int(w), int(st), int(rw),
+                   bool(pull))
 
     @property
     def key(self) -> str:
         return (f"pat_fwd_d{self.head_dim}_{DTYPE_SHORT[self.dtype]}_m{self.m}_n{self.n}"
-                f"_w{self.warps}_s{self.stages}_r{self.rows_per_warp}")
+                f"_w{self.warps}_s{self.stages}_r{self.rows_per_warp}"
+                + ("_pull" if self.pull else ""))
 
     @property
     def name_expression(self) -> str:
         return (f"pat_fwd_kernel<{self.head_dim}, {DTYPE_CTYPE[self.dtype]}, {self.m}, {self.n}, "
-                f"{self.warps}, {self.stages}, {self.rows_per_warp}>")
+                f"{self.warps}, {self.stages}, {self.rows_per_warp}, "
+                f"{'true' if self.pull else 'false'}>")
 
     @property
     def threads(self) -> int:
@@ -199,12 +203,7 @@ class FwdVariant:
         return fwd_smem_bytes(self.m, self.n, self.head_dim, self.stages)
 
     def explicit_instantiation(self) -> str:
-        t = DTYPE_CTYPE[self.dtype]
-        return (f"template __global__ void {self.name_expression}(const {t}*, const {t}*, "
-                f"const {t}*, float*, float*, const int*, const int*, const int*, const int*, "
-                f"const int*, const int*, const int*, int, int, int, int, int, int, long long, long long, "
-                f"long long, long long, long long, long long, long long, long long, int, float, "
-                f"int*, const int*, void*, float*, long long, long long, long long, long long);")
+        return f"template __global__ void {self.name_expression}(const __grid_constant__ pat::FwdParams);"
 
 
 @dataclass(frozen=True)
@@ -262,9 +261,7 @@ class MergeVariant:
         return 0
 
     def explicit_instantiation(self) -> str:
-        t = DTYPE_CTYPE[self.dtype]
-        return (f"template __global__ void {self.name_expression}(const float*, const float*, "
-                f"const int*, {t}*, float*, int, int, long long, long long, long long, long long);")
+        return f"template __global__ void {self.name_expression}(const __grid_constant__ pat::MergeParams);"
 
 
 def fwd_smem_bytes(m: int, n: int, head_dim: int, stages: int) -> int:
@@ -280,16 +277,19 @@ def fwd_variant_feasible(v: FwdVariant, smem_limit: int = SMEM_LIMIT["sm_90"]) -
     return v.smem_bytes <= smem_limit
 
 
-def all_fwd_variants(head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_CTYPE), ms=TILE_MS, ns=TILE_NS):
-    """Every forward variant that fits the sm_90 shared-memory limit (n = 256 only at d = 64)."""
+def all_fwd_variants(head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_CTYPE), ms=TILE_MS, ns=TILE_NS,
+                     pulls=(False, True)):
+    """Every forward variant that fits the sm_90 shared-memory limit (n = 256 only at d = 64),
+    in both instantiations (one item per block, and the graph-safe pull loop)."""
     out = []
-    for d in head_dims:
-        for dt in dtypes:
-            for m in ms:
-                for n in ns:
-                    v = FwdVariant.make(m, n, d, dt)
-                    if fwd_variant_feasible(v):
-                        out.append(v)
+    for pull in pulls:
+        for d in head_dims:
+            for dt in dtypes:
+                for m in ms:
+                    for n in ns:
+                        v = FwdVariant.make(m, n, d, dt, pull)
+                        if fwd_variant_feasible(v):
+                            out.append(v)
     return out
 
 

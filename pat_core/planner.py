@@ -259,10 +259,7 @@ class Planner:
                 self.last_path = "lengths"
                 return updated
         bt = as_block_table(raw if raw is not None else block_tables, seq_lens, page_size)
-        gpu = self.gpu
-        if self.tuning.kv_tile_table is not None:
-            gpu = dataclasses.replace(gpu, kv_tile_table=tuple(self.tuning.kv_tile_table))
-        selector = TileSelector(head_dim, kv_dtype, gpu, fixed=tile)
+        selector = self.tile_selector(head_dim, kv_dtype, tile)
         group = num_qo_heads // num_kv_heads
         if group > selector.max_rows:
             raise ValueError(
@@ -290,6 +287,14 @@ class Planner:
                            selector=selector)
         self.last_path = "full"
         return plan
+
+    def tile_selector(self, head_dim: int, kv_data_type="float16", tile=None) -> TileSelector:
+        """The tile selector :meth:`plan` uses for this head_dim and dtype (the GPU's KV-length
+        table, or the tuning's; ``tile`` forces one config)."""
+        gpu = self.gpu
+        if self.tuning.kv_tile_table is not None:
+            gpu = dataclasses.replace(gpu, kv_tile_table=tuple(self.tuning.kv_tile_table))
+        return TileSelector(head_dim, dtype_name(kv_data_type, "kv_data_type"), gpu, fixed=tile)
 
     def _length_update(self, c: dict, new_lens: np.ndarray):
         """Reuse the packing when only leaf lengths grew inside listed pages; else ``None``."""

@@ -78,10 +78,29 @@ class PrefixAttentionWrapper:
         (``[num_pages, num_kv_heads, page_size, head_dim]``).
     gpu : GPU model the tile solver plans for (``"h100"``, ``"h200"``, ``"a100"``).  With the
         CUDA backend, the default is the device's own model.
+    use_cuda_graph : graph-safe mode (CUDA backend only; FlashInfer's convention).  Device
+        buffers are allocated once for the limits below, :meth:`plan` writes each new plan into
+        them (an asynchronous copy on the current stream), and :meth:`run` always enqueues the
+        same launches with the same arguments: one per tile the planner can pick, each over a
+        fixed grid whose blocks pull work until the live count in device memory, then a merge
+        that reads the live batch size from device memory.  A CUDA graph captured around one
+        :meth:`run` therefore stays correct for every later plan within the limits.  Replays
+        read the ``q``, KV cache and ``out``/``lse`` buffers given at capture: copy each step's
+        queries into that ``q`` (it may have ``max_batch_size`` rows; rows past the live batch
+        are neither read nor written), and replay on the stream :meth:`plan` ran on (or order
+        the two).  A plan beyond a limit raises ``ValueError`` naming the limit.
+    max_batch_size, max_num_pages : graph-safe limits (required with ``use_cuda_graph``):
+        requests per step, and block-table entries per step (the sum over requests of
+        ``ceil(seq_len / page_size)``).
+    max_ctas, max_partials : graph-safe limits on the plan's CTAs and partial results
+        (defaults ``4 * max_batch_size + 256`` and ``4 * max_batch_size + max_ctas``; see
+        :class:`~pat_core.static_plan.StaticLimits`).
     """
 
     def __init__(self, backend: str = "cuda", packer: str = "pat", kv_layout: str = "NHD",
-                 gpu: str | None = None):
+                 gpu: str | None = None, *, use_cuda_graph: bool = False,
+                 max_batch_size: int | None = None, max_num_pages: int | None = None,
+                 max_ctas: int | None = None, max_partials: int | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if packer not in PACKERS:
@@ -99,6 +118,22 @@ class PrefixAttentionWrapper:
                 gpu = getattr(self._gpu_backend, "gpu_name", None) or "h100"
         self.planner = Planner(packer, gpu or "h100")
         self._plan: Plan | None = None
+        if not isinstance(use_cuda_graph, (bool, np.bool_)):
+            raise TypeError(f"use_cuda_graph must be a bool, got {use_cuda_graph!r}")
+        self.use_cuda_graph = bool(use_cuda_graph)
+        self.static_limits = None
+        self._static = None            # StaticState, made by the first plan()
+        if self.use_cuda_graph:
+            if backend != "cuda":
+                raise ValueError("use_cuda_graph=True needs backend='cuda' (it fixes device "
+                                 "buffers and kernel launches for CUDA graph replay)")
+            from .static_plan import StaticLimits
+            self.static_limits = StaticLimits.make(max_batch_size, max_num_pages, max_ctas,
+                                                   max_partials)
+        elif any(x is not None for x in (max_batch_size, max_num_pages, max_ctas,
+                                         max_partials)):
+            raise ValueError("max_batch_size, max_num_pages, max_ctas and max_partials are "
+                             "graph-safe limits: pass them with use_cuda_graph=True")
 
     # ------------------------------------------------------------------ plan
     def plan(self, block_tables, seq_lens, num_qo_heads: int, num_kv_heads: int, head_dim: int,
@@ -175,10 +210,33 @@ class PrefixAttentionWrapper:
         plan = self.planner.plan(block_tables, seq_lens, num_qo_heads, num_kv_heads, head_dim,
                                  page_size, sm_scale=sm_scale, kv_data_type=kv_dtype,
                                  q_data_type=q_dtype, tile=tile, serial=serial, split=split)
-        if self._gpu_backend is not None:
+        if self.use_cuda_graph:
+            self._write_static(plan, tile)
+        elif self._gpu_backend is not None:
             self._gpu_backend.upload(plan)
         self._plan = plan
         return plan
+
+    def _write_static(self, plan: Plan, tile) -> None:
+        """Graph-safe mode: make the fixed state on the first plan, then copy each plan in."""
+        if self._static is None:
+            from .static_plan import StaticLayout, reachable_tiles
+            sel = self.planner.tile_selector(plan.head_dim, plan.kv_dtype, tile)
+            layout = StaticLayout(self.static_limits, reachable_tiles(sel))
+            layout.check(plan)          # refuse before allocating anything
+            self._static = self._gpu_backend.static_state(
+                layout, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.page_size,
+                plan.kv_dtype, plan.sm_scale)
+        self._static.write(plan, self._current_stream())
+
+    def _current_stream(self) -> int:
+        """The stream plan() copies on: torch's current stream when torch has CUDA set up
+        (the usual serving setting), else CuPy's current stream."""
+        import sys
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            return int(torch.cuda.current_stream().cuda_stream)
+        return int(self._gpu_backend.cp.cuda.get_current_stream().ptr)
 
     def _check_backend_limits(self, head_dim, kv_dtype: str) -> None:
         if self.backend == "cuda":
@@ -248,6 +306,10 @@ class PrefixAttentionWrapper:
                 _check_cpu_array(t, name)
         self._check_run_dtypes(plan, q, k_cache, v_cache)
         want_lse = bool(return_lse or lse is not None)
+        if self.use_cuda_graph:
+            return self._gpu_backend.run_static(self._static, q, k_cache, v_cache,
+                                                kv_layout=self.kv_layout, return_lse=want_lse,
+                                                out=out, lse=lse)
         if self._gpu_backend is not None:
             plan.check_inputs(q, k_cache, v_cache, self.kv_layout)
             return self._gpu_backend.run(plan, q, k_cache, v_cache, kv_layout=self.kv_layout,

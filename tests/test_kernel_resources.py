@@ -1,7 +1,8 @@
 """The kernel resource data file (pat_core/data/kernel_resources.json) is complete and current.
 
 CPU only.  The data checks need no compiler: every variant the backend can launch is listed with
-the shared memory the launcher requests, no variant spills or exceeds its architecture's shared
+the shared memory the launcher requests, no variant spills (but the graph-safe ones on sm_80, a
+few bytes: ``kernel_resources.spill_allowed``) or exceeds its architecture's shared
 memory, and the file's source hash matches the CUDA sources (regenerate with
 ``python3 bench/kernel_resources.py`` after editing ``cuda_src/``).  With ``nvcc`` on PATH, a
 subset of variants is recompiled for sm_80 and sm_90 and must match the file.
@@ -19,6 +20,8 @@ import pytest
 from pat_core import cuda_compile as cc
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import kernel_resources as kr  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,8 @@ def test_no_spills_and_within_limits(data):
     for key, rec in data["variants"].items():
         for arch in ("sm_80", "sm_90"):
             r = rec[arch]
-            if r["spill_stores"] or r["spill_loads"] or r.get("stack_frame", 0):
+            if (r["spill_stores"] or r["spill_loads"] or r.get("stack_frame", 0)) \
+                    and not kr.spill_allowed(rec, arch, r):
                 bad.append(f"{key} {arch} spills/stack")
             if r["registers"] > 255:
                 bad.append(f"{key} {arch} registers {r['registers']}")
@@ -74,17 +78,18 @@ _SUBSET = ("pat_fwd_d64_f16_m16_n16", "pat_fwd_d128_f16_m16_n64", "pat_fwd_d128_
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_recompile_subset_matches(data):
-    sys.path.insert(0, str(ROOT / "bench"))
-    import kernel_resources as kr
     allv = cc.all_fwd_variants() + cc.all_merge_variants()
-    subset = [v for v in allv if any(v.key.startswith(p + "_") for p in _SUBSET)]
+    subset = [v for v in allv if any(v.key.startswith(p + "_") for p in _SUBSET)
+              and not getattr(v, "pull", False)]
     assert len(subset) == len(_SUBSET)
+    subset.append(cc.FwdVariant.make(64, 64, 128, "float16", pull=True))   # graph-safe loop
     same_nvcc = cc.nvcc_version() == data["nvcc"]
     tasks = [(v, a) for v in subset for a in ("sm_80", "sm_90")]
     with ThreadPoolExecutor(max_workers=4) as ex:
         got = list(ex.map(lambda t: kr.compile_variant(t[0], t[1]), tasks))
     for (v, arch), r in zip(tasks, got):
-        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (v.key, arch, r)
+        assert (r["spill_stores"] == 0 and r["spill_loads"] == 0) \
+            or kr.spill_allowed(kr.variant_record(v), arch, r), (v.key, arch, r)
         assert r["smem_dynamic"] + r["smem_static"] <= cc.SMEM_LIMIT["sm_90"]
         if same_nvcc:
             rec = data["variants"][v.key][arch]

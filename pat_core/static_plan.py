@@ -1,0 +1,220 @@
+"""Graph-safe plans: one fixed device buffer that every later plan is written into.
+
+A CUDA graph captured around ``run()`` replays the same launches with the same arguments every
+time.  To stay correct while the batch changes, graph-safe mode fixes everything a launch's
+arguments hold — buffer addresses, grid sizes, the set of kernels — and lets ``plan()`` change
+only the *contents* of device memory:
+
+* one launch per tile variant the planner can pick (:func:`reachable_tiles`), whether or not the
+  current plan uses it, each with a fixed grid whose blocks pull work items until the live count
+  (read from device memory) is reached;
+* every Plan array at a fixed offset of one int32 buffer sized for the limits below;
+* fp32 partial buffers sized for ``max_partials``;
+* a merge launch over a fixed grid that reads the live batch size from device memory.
+
+This module is the pure-NumPy half (no CuPy): the limits, the buffer layout and the packing of a
+Plan into it, shared by the CUDA backend and the CPU tests.
+
+Buffer layout (int32; ``V`` variants, limits ``B`` batch, ``C`` CTAs, ``S`` partial slots,
+``P = max_num_pages + max_ctas`` page entries)::
+
+    live             [V, 2]   first CTA and CTA count of each variant's launch
+    live_batch       [1]      batch size (the merge kernel's)
+    cta_req_indptr   [C + 1]
+    cta_kv_start     [C]
+    cta_kv_len       [C]
+    cta_page_indptr  [C + 1]
+    req_slot_indptr  [B + 1]
+    cta_req          [S]
+    cta_slot         [S]
+    cta_pages        [P]      last, so a plan copies only up to its last page entry
+
+CTAs are reordered so that each variant's CTAs are contiguous (a cascade plan interleaves them
+by level); within a variant the Plan's order is kept.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .plan import Plan
+
+MAX_VARIANTS = 64    # work counters one merge block zeroes (it has 128 threads)
+FIELDS = ("live", "live_batch", "cta_req_indptr", "cta_kv_start", "cta_kv_len",
+          "cta_page_indptr", "req_slot_indptr", "cta_req", "cta_slot", "cta_pages")
+
+
+@dataclass(frozen=True)
+class StaticLimits:
+    """Sizes a graph-safe wrapper allocates for once; a plan beyond any of them is refused.
+
+    max_batch_size : requests per step.
+    max_num_pages : bound on the block-table entries of a step (the sum over requests of
+        ``ceil(seq_len / page_size)``); the plan's page list holds at most this plus one entry
+        per CTA (a page cut by a split is listed by both parts).
+    max_ctas : Plan CTAs (work items per KV head) per step.
+    max_partials : partial results per step, ``Plan.num_slots`` (one per (CTA, request) pair).
+    """
+
+    max_batch_size: int
+    max_num_pages: int
+    max_ctas: int
+    max_partials: int
+
+    def __post_init__(self):
+        for name in ("max_batch_size", "max_num_pages", "max_ctas", "max_partials"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            if v > 2**30:
+                raise ValueError(f"{name}={v} is too large (int32 device arrays)")
+            object.__setattr__(self, name, int(v))
+
+    @classmethod
+    def make(cls, max_batch_size, max_num_pages, max_ctas=None, max_partials=None):
+        """Limits with the documented defaults: ``max_ctas = 4 * max_batch_size + 256`` and
+        ``max_partials = 4 * max_batch_size + max_ctas``."""
+        if max_batch_size is None or max_num_pages is None:
+            raise ValueError("use_cuda_graph=True needs max_batch_size and max_num_pages")
+        if max_ctas is None:
+            max_ctas = 4 * int(max_batch_size) + 256
+        if max_partials is None:
+            max_partials = 4 * int(max_batch_size) + int(max_ctas)
+        return cls(max_batch_size, max_num_pages, max_ctas, max_partials)
+
+    @property
+    def page_entries(self) -> int:
+        return self.max_num_pages + self.max_ctas
+
+
+class StaticLayout:
+    """Offsets of the Plan arrays in the fixed int32 buffer, for ``limits`` and ``tiles``.
+
+    ``tiles`` is the fixed launch set: ``(m, n)`` pairs, launch ``v`` runs ``tiles[v]``.
+    ``offset[name]`` / ``size[name]`` are in int32 elements; ``total`` is the buffer length.
+    """
+
+    def __init__(self, limits: StaticLimits, tiles):
+        self.limits = limits
+        self.tiles = tuple((int(m), int(n)) for m, n in tiles)
+        if not self.tiles:
+            raise ValueError("tiles: the launch set is empty")
+        if len(set(self.tiles)) != len(self.tiles):
+            raise ValueError(f"tiles: repeated entries in {self.tiles}")
+        if len(self.tiles) > MAX_VARIANTS:     # the merge kernel's first block resets them
+            raise ValueError(f"tiles: at most {MAX_VARIANTS} variants, got {len(self.tiles)}")
+        B, C, S, P = limits.max_batch_size, limits.max_ctas, limits.max_partials, \
+            limits.page_entries
+        self.size = {"live": 2 * len(self.tiles), "live_batch": 1, "cta_req_indptr": C + 1,
+                     "cta_kv_start": C, "cta_kv_len": C, "cta_page_indptr": C + 1,
+                     "req_slot_indptr": B + 1, "cta_req": S, "cta_slot": S, "cta_pages": P}
+        self.offset = {}
+        at = 0
+        for name in FIELDS:
+            self.offset[name] = at
+            at += self.size[name]
+        self.total = at
+
+    @property
+    def num_variants(self) -> int:
+        return len(self.tiles)
+
+    def check(self, plan: Plan) -> None:
+        """``ValueError`` naming the limit a plan exceeds (or the tile outside the launch set)."""
+        lim = self.limits
+        checks = (("max_batch_size", plan.batch_size, "requests"),
+                  ("max_ctas", plan.num_ctas, "CTAs"),
+                  ("max_partials", plan.num_slots, "partial results (CTA, request pairs)"))
+        for name, have, what in checks:
+            if have > getattr(lim, name):
+                raise ValueError(f"the plan has {have} {what}, more than {name}="
+                                 f"{getattr(lim, name)} of this graph-safe wrapper; create it "
+                                 f"with a larger {name}")
+        n_pages = int(plan.cta_pages.shape[0])
+        if n_pages > lim.page_entries:
+            raise ValueError(f"the plan lists {n_pages} page entries, more than max_num_pages + "
+                             f"max_ctas = {lim.page_entries} of this graph-safe wrapper; create "
+                             "it with a larger max_num_pages")
+        known = set(self.tiles)
+        for m, n in plan.tile_configs.tolist():
+            if (m, n) not in known:
+                raise ValueError(f"the plan uses tile ({m}, {n}), which is not in the graph-safe "
+                                 f"launch set {self.tiles}")
+
+    def pack(self, plan: Plan) -> np.ndarray:
+        """The buffer's contents for ``plan``: int32 ``[n]`` with ``n <= total`` (everything up to
+        the plan's last page entry; the rest of the buffer is never read for this plan)."""
+        self.check(plan)
+        buf = np.zeros(self.offset["cta_pages"] + plan.cta_pages.shape[0], dtype=np.int32)
+        C = plan.num_ctas
+        vidx = {t: i for i, t in enumerate(self.tiles)}
+        tile_v = np.array([vidx[(int(m), int(n))] for m, n in plan.tile_configs],
+                          dtype=np.int64)
+        cta_v = tile_v[plan.cta_tile] if C else np.zeros(0, dtype=np.int64)
+        order = np.argsort(cta_v, kind="stable")
+        counts = np.bincount(cta_v, minlength=self.num_variants)
+        live = np.zeros((self.num_variants, 2), dtype=np.int32)
+        live[:, 0] = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        live[:, 1] = counts
+
+        req_ptr, cta_req, cta_slot = _gather_ranges(plan.cta_req_indptr, order,
+                                                    plan.cta_req, plan.cta_slot)
+        page_ptr, cta_pages = _gather_ranges(plan.cta_page_indptr, order, plan.cta_pages)
+        parts = {"live": live.reshape(-1), "live_batch": np.array([plan.batch_size]),
+                 "cta_req_indptr": req_ptr, "cta_kv_start": plan.cta_kv_start[order],
+                 "cta_kv_len": plan.cta_kv_len[order], "cta_page_indptr": page_ptr,
+                 "req_slot_indptr": plan.req_slot_indptr, "cta_req": cta_req,
+                 "cta_slot": cta_slot, "cta_pages": cta_pages}
+        for name, arr in parts.items():
+            o = self.offset[name]
+            buf[o:o + arr.shape[0]] = arr
+        return buf
+
+    def unpack(self, buf: np.ndarray) -> dict:
+        """The live arrays back out of a packed buffer (for tests and debugging)."""
+        live = buf[self.offset["live"]:self.offset["live"] + 2 * self.num_variants]
+        live = live.reshape(-1, 2)
+        C = int(live[:, 1].sum())
+        B = int(buf[self.offset["live_batch"]])
+
+        def seg(name, n):
+            o = self.offset[name]
+            return buf[o:o + n].copy()
+
+        req_ptr = seg("cta_req_indptr", C + 1)
+        page_ptr = seg("cta_page_indptr", C + 1)
+        return {"live": live.copy(), "batch_size": B, "cta_req_indptr": req_ptr,
+                "cta_kv_start": seg("cta_kv_start", C), "cta_kv_len": seg("cta_kv_len", C),
+                "cta_page_indptr": page_ptr, "req_slot_indptr": seg("req_slot_indptr", B + 1),
+                "cta_req": seg("cta_req", int(req_ptr[-1])),
+                "cta_slot": seg("cta_slot", int(req_ptr[-1])),
+                "cta_pages": seg("cta_pages", int(page_ptr[-1]))}
+
+
+def _gather_ranges(indptr: np.ndarray, order: np.ndarray, *values):
+    """Reorder CSR ranges: the ranges of ``order[0], order[1], ...`` concatenated.
+
+    Returns the new int32 indptr ``[len(order) + 1]`` and each of ``values`` gathered."""
+    lens = (indptr[1:] - indptr[:-1])[order].astype(np.int64)
+    new_ptr = np.zeros(order.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lens, out=new_ptr[1:])
+    starts = indptr[:-1][order].astype(np.int64)
+    # element j of the output comes from starts[c] + (j - new_ptr[c]) for its range c
+    idx = np.repeat(starts - new_ptr[:-1], lens) + np.arange(int(new_ptr[-1]), dtype=np.int64)
+    return (new_ptr.astype(np.int32),) + tuple(v[idx].astype(np.int32) for v in values)
+
+
+def reachable_tiles(selector, kv_tile_table=None) -> tuple:
+    """Every ``(m, n)`` the tile selector can give a CTA: for each feasible ``m``, the ``n`` it
+    picks in each bucket of the KV-length table.  Sorted by ``m`` descending (the largest tiles,
+    usually the longest CTAs, are launched first), then ``n`` descending."""
+    table = tuple(kv_tile_table or selector.gpu.kv_tile_table)
+    out = set()
+    for m in selector.m_values:
+        for max_len, _ in table:
+            out.add((int(m), int(selector.pick_n(int(m), int(min(max_len, 1 << 30))))))
+    return tuple(sorted(out, key=lambda t: (-t[0], -t[1])))
+
+
+__all__ = ["StaticLayout", "StaticLimits", "reachable_tiles"]

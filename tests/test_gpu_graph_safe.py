@@ -1,0 +1,197 @@
+"""Graph-safe mode on the GPU: capture one CUDA graph, replay it over 50 changing decode steps.
+
+A small paged KV cache with a free list and reference counts is driven like a serving loop:
+requests join (fresh, or forked from a running request's full pages so prefixes are shared),
+every running request appends one token per step (a new page when its last one is full), and
+requests leave, freeing pages that later requests reuse with new contents.  Each step plans with
+the graph-safe wrapper, copies its queries into the captured q buffer, replays the graph, and the
+output must match the float64 reference within the usual tolerance (twice the error of plain
+same-dtype attention); rows past the live batch must stay untouched.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_gpu_kernels import _available, _np64, _rel, plain_attention
+
+pytestmark = pytest.mark.gpu
+requires_gpu = pytest.mark.skipif(not _available(), reason="needs CuPy, torch and a CUDA device")
+
+PAGE = 16
+
+
+class PagedCache:
+    """Host bookkeeping of a paged KV cache on the GPU (torch tensors, NHD)."""
+
+    def __init__(self, num_pages, hk, d, dtype, rng, torch):
+        self.torch = torch
+        self.k = torch.zeros((num_pages, PAGE, hk, d), dtype=dtype, device="cuda")
+        self.v = torch.zeros_like(self.k)
+        self.free = list(range(num_pages))[::-1]
+        self.refs = np.zeros(num_pages, dtype=np.int64)
+        self.rng = rng
+        self.reqs = []          # each: {"pages": [...], "len": int}
+        self.reused = 0         # pages handed out again after being freed
+        self.ever_used = np.zeros(num_pages, dtype=bool)
+
+    def _alloc(self):
+        p = self.free.pop()
+        if self.ever_used[p]:
+            self.reused += 1
+        self.ever_used[p] = True
+        self.refs[p] = 1
+        return p
+
+    def _fill(self, page, first, last):
+        """New random K/V for token slots [first, last) of a page."""
+        t = self.torch
+        shape = (last - first,) + tuple(self.k.shape[2:])
+        self.k[page, first:last] = t.randn(shape, device="cuda").to(self.k.dtype)
+        self.v[page, first:last] = t.randn(shape, device="cuda").to(self.v.dtype)
+
+    def join(self, length, parent=None):
+        pages = []
+        shared = 0
+        if parent is not None:
+            shared = parent["len"] // PAGE       # full pages only: a fork shares whole pages
+            shared = int(self.rng.integers(1, shared + 1)) if shared else 0
+            pages = list(parent["pages"][:shared])
+            self.refs[pages] += 1
+        tokens = shared * PAGE
+        length = max(length, tokens + 1)
+        while tokens < length:
+            p = self._alloc()
+            take = min(PAGE, length - tokens)
+            self._fill(p, 0, take)
+            pages.append(p)
+            tokens += take
+        req = {"pages": pages, "len": length}
+        self.reqs.append(req)
+        return req
+
+    def leave(self, i):
+        req = self.reqs.pop(i)
+        for p in req["pages"]:
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self.free.append(p)
+
+    def grow(self):
+        for req in self.reqs:
+            slot = req["len"] % PAGE
+            if slot == 0:
+                p = self._alloc()
+                req["pages"].append(p)
+            self._fill(req["pages"][-1], slot, slot + 1)
+            req["len"] += 1
+
+    def table(self):
+        B = len(self.reqs)
+        width = max(len(r["pages"]) for r in self.reqs)
+        bt = np.full((B, width), -7, dtype=np.int32)     # junk padding
+        for i, r in enumerate(self.reqs):
+            bt[i, :len(r["pages"])] = r["pages"]
+        return bt, np.array([r["len"] for r in self.reqs], dtype=np.int32)
+
+
+@requires_gpu
+@pytest.mark.parametrize("packer", ("pat", "cascade"))
+def test_one_capture_fifty_changing_steps(packer):
+    import torch
+    from pat_core import PrefixAttentionWrapper, dense_attention
+    from pat_core.inputs import as_block_table
+
+    hq, hk, d, dtype = 32, 8, 128, torch.float16
+    max_batch, num_pages = 24, 1024
+    rng = np.random.default_rng(11)
+    torch.manual_seed(11)
+    cache = PagedCache(num_pages, hk, d, dtype, rng, torch)
+    root = cache.join(300)
+    for _ in range(5):
+        cache.join(int(rng.integers(20, 200)), parent=root)
+    w = PrefixAttentionWrapper(backend="cuda", packer=packer, use_cuda_graph=True,
+                               max_batch_size=max_batch, max_num_pages=num_pages)
+    q_buf = torch.zeros((max_batch, hq, d), dtype=dtype, device="cuda")
+    out_buf = torch.zeros_like(q_buf)
+    lse_buf = torch.zeros((max_batch, hq), dtype=torch.float32, device="cuda")
+
+    stream = torch.cuda.Stream()
+    graph = None
+    batches = []
+    for step in range(50):
+        # everything on one stream: cache writes, plan()'s copy, the replay
+        with torch.cuda.stream(stream):
+            if step:
+                # requests leave, join (most forked from a running request), and grow
+                for _ in range(int(rng.integers(0, 3))):
+                    if len(cache.reqs) > 2:
+                        cache.leave(int(rng.integers(0, len(cache.reqs))))
+                for _ in range(int(rng.integers(0, 3))):
+                    if len(cache.reqs) < max_batch and len(cache.free) > 64:
+                        parent = cache.reqs[int(rng.integers(0, len(cache.reqs)))] \
+                            if rng.random() < 0.6 else None
+                        cache.join(int(rng.integers(1, 300)), parent=parent)
+                cache.grow()
+            bt, lens = cache.table()
+            B = bt.shape[0]
+            batches.append(B)
+            plan = w.plan(bt, lens, hq, hk, d, PAGE, kv_data_type="float16")
+            q = torch.randn((B, hq, d), device="cuda").to(dtype)
+            q_buf[:B] = q
+            out_buf[B:] = float("nan")
+            lse_buf[B:] = float("nan")
+            if graph is None:
+                # warm up outside the capture (compiles, builds the launches), then capture
+                w.run(q_buf, (cache.k, cache.v), out=out_buf, lse=lse_buf)
+                stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream):
+                    w.run(q_buf, (cache.k, cache.v), out=out_buf, lse=lse_buf)
+            out_buf[:B] = float("nan")
+            lse_buf[:B] = float("nan")
+            graph.replay()
+        stream.synchronize()
+
+        assert not torch.isnan(out_buf[:B]).any(), f"step {step}: output rows not written"
+        assert torch.isnan(out_buf[B:]).all() and torch.isnan(lse_buf[B:]).all(), \
+            f"step {step}: rows past the batch were written"
+        ref, ref_lse = dense_attention(_np64(q), (_np64(cache.k), _np64(cache.v)), bt, lens,
+                                       PAGE, sm_scale=plan.sm_scale, return_lse=True)
+        blk = as_block_table(bt, lens, PAGE)
+        low, _ = plain_attention(q, cache.k, cache.v, blk, PAGE, "NHD", plan.sm_scale)
+        err = _rel(_np64(out_buf[:B]), ref)
+        err_plain = _rel(_np64(low), ref)
+        assert err <= 2 * err_plain + 1e-6, \
+            f"step {step} ({plan.summary()}): error {err:.3e} > 2 x plain {err_plain:.3e}"
+        lerr = float(np.abs(_np64(lse_buf[:B]) - ref_lse).max())
+        assert lerr < 1e-2, f"step {step}: lse error {lerr:.3e}"
+    # the loop really changed the batch and reused freed pages
+    assert len(set(batches)) >= 4 and cache.reused > 0, (batches, cache.reused)
+
+
+@requires_gpu
+def test_limits_and_inputs_are_checked():
+    import torch
+    from pat_core import PrefixAttentionWrapper
+    from pat_core.workloads import build_tree_batch
+
+    b = build_tree_batch("1,4,16_128,40,33", page_size=PAGE)
+    w = PrefixAttentionWrapper(backend="cuda", use_cuda_graph=True, max_batch_size=16,
+                               max_num_pages=b.num_pages * 4)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        big = build_tree_batch("1,4,20_128,40,33", page_size=PAGE)
+        w.plan(big.block_tables, big.seq_lens, 32, 8, 128, PAGE)
+    w.plan(b.block_tables, b.seq_lens, 32, 8, 128, PAGE)
+    k = torch.zeros((b.num_pages, PAGE, 8, 128), dtype=torch.float16, device="cuda")
+    q = torch.zeros((16, 32, 128), dtype=torch.float16, device="cuda")
+    w.run(q, (k, k))
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        w.plan(b.block_tables, b.seq_lens, 32, 4, 128, PAGE)
+    # a plan reading a page past the cache the launches were built for is refused
+    bt = b.block_tables.copy()
+    bt[0, 0] = b.num_pages + 3
+    with pytest.raises(ValueError, match="KV cache"):
+        w.plan(bt, b.seq_lens, 32, 8, 128, PAGE)
+    with pytest.raises(ValueError, match="rows"):
+        w.run(q[:3], (k, k))

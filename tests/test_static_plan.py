@@ -1,0 +1,175 @@
+"""Graph-safe mode, host half: limits, the fixed buffer layout, packing, and the kernel
+parameter structs.  The GPU half (one captured graph replayed over 50 changing steps) is in
+tests/test_gpu_graph_safe.py."""
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pat_core import PACKERS, Planner, PrefixAttentionWrapper
+from pat_core import cuda_compile as cc
+from pat_core import kernel_params as kp
+from pat_core.executor import execute
+from pat_core.plan import Plan
+from pat_core.reference import dense_attention, relative_error
+from pat_core.static_plan import StaticLayout, StaticLimits, reachable_tiles
+from pat_core.workloads import build_tree_batch, random_kv_cache
+from strategies import head_configs, prefix_batches
+
+BIG = StaticLimits(max_batch_size=64, max_num_pages=4096, max_ctas=2048, max_partials=4096)
+
+
+def plan_from_buffer(layout: StaticLayout, buf: np.ndarray, like: Plan) -> Plan:
+    """The Plan a graph-safe launch set executes: CTAs of variant v are the live range of v,
+    run with tile layout.tiles[v] (what the kernels read from the buffer)."""
+    u = layout.unpack(buf)
+    live = u["live"]
+    tiles = np.array(layout.tiles, dtype=np.int32)
+    cta_tile = np.repeat(np.arange(layout.num_variants, dtype=np.int32), live[:, 1])
+    order = np.arange(cta_tile.shape[0])
+    assert np.array_equal(live[:, 0], np.concatenate(([0], np.cumsum(live[:, 1])[:-1])))
+    used = np.flatnonzero(live[:, 1] > 0)
+    group_indptr = np.concatenate(([0], np.cumsum(live[used, 1]))).astype(np.int32)
+    return dataclasses.replace(
+        like, batch_size=u["batch_size"], tile_configs=tiles, cta_tile=cta_tile[order],
+        group_indptr=group_indptr, group_tile=used.astype(np.int32),
+        cta_req_indptr=u["cta_req_indptr"], cta_req=u["cta_req"], cta_slot=u["cta_slot"],
+        cta_kv_start=u["cta_kv_start"], cta_kv_len=u["cta_kv_len"],
+        cta_page_indptr=u["cta_page_indptr"], cta_pages=u["cta_pages"],
+        req_slot_indptr=u["req_slot_indptr"], extra={})
+
+
+def layout_for(planner: Planner, d: int, dtype: str, limits=BIG) -> StaticLayout:
+    return StaticLayout(limits, reachable_tiles(planner.tile_selector(d, dtype)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(prefix_batches(max_requests=12), head_configs(), st.sampled_from(PACKERS),
+       st.sampled_from(["h100", "a100"]))
+def test_packed_buffer_runs_the_same_attention(b, heads, packer, gpu):
+    """Pack a plan into the fixed buffer, read it back the way the kernels do, run it on the CPU
+    executor: the result equals the plan's own (bit for bit: the same CTAs, reordered) and the
+    float64 reference."""
+    hq, hk = heads
+    planner = Planner(packer, gpu)
+    plan = planner.plan(b.block_tables, b.seq_lens, hq, hk, 64, b.page_size,
+                        kv_data_type="float32")
+    layout = layout_for(planner, 64, "float32")
+    buf = layout.pack(plan)
+    assert buf.shape[0] <= layout.total
+    again = plan_from_buffer(layout, buf, plan)
+    again.validate()
+    # each variant's range holds exactly the plan's CTAs of that tile, in the plan's order
+    for v, (m, n) in enumerate(layout.tiles):
+        mine = np.flatnonzero((plan.cta_mn() == (m, n)).all(axis=1))
+        lo, cnt = layout.unpack(buf)["live"][v]
+        assert cnt == mine.shape[0]
+        assert np.array_equal(again.cta_kv_start[lo:lo + cnt], plan.cta_kv_start[mine])
+    rng = np.random.default_rng(0)
+    k, v = random_kv_cache(b.num_pages, b.page_size, hk, 64, seed=1)
+    q = rng.standard_normal((b.batch_size, hq, 64)).astype(np.float32)
+    o1, l1 = execute(plan, q, k, v, return_lse=True)
+    o2, l2 = execute(again, q, k, v, return_lse=True)
+    np.testing.assert_array_equal(o1, o2)
+    np.testing.assert_array_equal(l1, l2)
+    ref = dense_attention(q, (k, v), b.block_tables, b.seq_lens, b.page_size)
+    assert relative_error(o2, ref) < 1e-5
+
+
+@settings(max_examples=30, deadline=None)
+@given(prefix_batches(max_requests=16), head_configs(), st.sampled_from([64, 128]),
+       st.sampled_from(["float16", "float32"]))
+def test_reachable_tiles_cover_every_plan(b, heads, d, dtype):
+    """The fixed launch set holds every tile the planner gives a CTA."""
+    hq, hk = heads
+    for packer in PACKERS:
+        planner = Planner(packer, "h100")
+        plan = planner.plan(b.block_tables, b.seq_lens, hq, hk, d, b.page_size,
+                            kv_data_type=dtype)
+        tiles = set(reachable_tiles(planner.tile_selector(d, dtype)))
+        assert {tuple(t) for t in plan.tile_configs.tolist()} <= tiles
+        # the documented page bound: block-table entries plus one per CTA
+        entries = int(((b.seq_lens.astype(np.int64) + b.page_size - 1) // b.page_size).sum())
+        assert plan.cta_pages.shape[0] <= entries + plan.num_ctas
+
+
+def test_limits_are_named():
+    b = build_tree_batch("1,4,16_128,40,33", page_size=16)
+    planner = Planner("pat", "h100")
+    plan = planner.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
+    tiles = reachable_tiles(planner.tile_selector(128, "float16"))
+    ok = StaticLimits(16, plan.cta_pages.shape[0], plan.num_ctas, plan.num_slots)
+    StaticLayout(ok, tiles).pack(plan)
+    for field, value, word in (("max_batch_size", 15, "requests"),
+                               ("max_ctas", plan.num_ctas - 1, "CTAs"),
+                               ("max_partials", plan.num_slots - 1, "partial")):
+        lim = dataclasses.replace(ok, **{field: value})
+        with pytest.raises(ValueError, match=f"{field}=.*{field}") as e:
+            StaticLayout(lim, tiles).pack(plan)
+        assert word in str(e.value)
+    lim = dataclasses.replace(ok, max_num_pages=plan.cta_pages.shape[0] - plan.num_ctas + 1)
+    StaticLayout(lim, tiles).pack(plan)
+    lim = dataclasses.replace(ok, max_num_pages=plan.cta_pages.shape[0] - plan.num_ctas - 1)
+    with pytest.raises(ValueError, match="max_num_pages"):
+        StaticLayout(lim, tiles).pack(plan)
+    with pytest.raises(ValueError, match="not in the graph-safe launch set"):
+        StaticLayout(ok, ((16, 16),)).pack(plan)
+
+
+def test_limit_arguments_validated():
+    with pytest.raises(ValueError, match="max_ctas"):
+        StaticLimits(4, 10, 0, 4)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        StaticLimits(True, 10, 4, 4)
+    with pytest.raises(ValueError, match="max_batch_size and max_num_pages"):
+        StaticLimits.make(None, 10)
+    lim = StaticLimits.make(8, 100)
+    assert (lim.max_ctas, lim.max_partials) == (4 * 8 + 256, 4 * 8 + 4 * 8 + 256)
+    with pytest.raises(ValueError, match="repeated"):
+        StaticLayout(lim, ((16, 16), (16, 16)))
+    with pytest.raises(ValueError, match="empty"):
+        StaticLayout(lim, ())
+    with pytest.raises(ValueError, match="backend='cuda'"):
+        PrefixAttentionWrapper(backend="cpu", use_cuda_graph=True, max_batch_size=4,
+                               max_num_pages=8)
+    with pytest.raises(ValueError, match="use_cuda_graph=True"):
+        PrefixAttentionWrapper(backend="cpu", max_batch_size=4)
+    with pytest.raises(TypeError, match="use_cuda_graph"):
+        PrefixAttentionWrapper(backend="cpu", use_cuda_graph="yes")
+
+
+def test_layout_offsets_disjoint_and_pages_last():
+    lay = StaticLayout(StaticLimits(5, 50, 7, 9), ((16, 16), (32, 64)))
+    spans = sorted((lay.offset[f], lay.offset[f] + lay.size[f]) for f in lay.offset)
+    for (a0, a1), (b0, _) in zip(spans, spans[1:]):
+        assert a1 == b0
+    assert spans[-1][1] == lay.total
+    assert lay.offset["cta_pages"] == max(lay.offset.values())
+    assert lay.size["cta_pages"] == 50 + 7 and lay.size["live"] == 4
+
+
+# ------------------------------------------------------------------------ kernel parameters
+def test_param_structs_match_the_header():
+    text = (cc.cuda_src_dir() / "pat_params.cuh").read_text()
+    assert kp.check_against_header(text) == []
+    # the check can fail: a reordered or retyped field, or a changed size, is reported
+    swapped = text.replace("  int cta_offset;", "  int n_ctas_x;", 1)
+    assert any("FwdParams" in x for x in kp.check_against_header(swapped))
+    retyped = text.replace("  int page_size;", "  long long page_size;", 1)
+    assert any("page_size" in x for x in kp.check_against_header(retyped))
+    resized = text.replace("sizeof(MergeParams) == 104", "sizeof(MergeParams) == 112")
+    assert any("MergeParams" in x and "bytes" in x for x in kp.check_against_header(resized))
+
+
+def test_every_kernel_takes_one_struct():
+    """The explicit instantiations (nvcc resource report) and the name expressions agree with
+    the kernels' single-struct signature."""
+    fv = cc.FwdVariant.make(16, 32, 128, "float16")
+    pv = cc.FwdVariant.make(16, 32, 128, "float16", pull=True)
+    assert fv.key + "_pull" == pv.key and fv.name_expression.endswith(", false>")
+    assert pv.name_expression.endswith(", true>")
+    assert "(const __grid_constant__ pat::FwdParams)" in fv.explicit_instantiation()
+    mv = cc.MergeVariant(128, "float16")
+    assert "(const __grid_constant__ pat::MergeParams)" in mv.explicit_instantiation()
