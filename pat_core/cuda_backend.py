@@ -20,7 +20,14 @@ pool of streams and events is created once per backend.  Everything is enqueued 
 current stream (``torch.cuda.current_stream()`` for torch inputs, CuPy's current stream for CuPy
 inputs) or ordered after it through events; nothing uses the legacy default stream unless that is
 the caller's current stream.  The sequence is stream-ordered and allocation-free once the
-partial buffers exist, so it can be captured in a CUDA graph (``torch.cuda.graph``).
+partial buffers exist, so it can be captured in a CUDA graph (``torch.cuda.graph``) and
+replayed for that plan.
+
+Graph-safe mode (:class:`StaticState`, :meth:`CudaBackend.run_static`; the wrapper's
+``use_cuda_graph=True``) keeps one graph valid across plans: the plan lives in a fixed device
+buffer (:mod:`pat_core.static_plan`) and the launch set is fixed, one pull-mode forward launch
+per reachable tile plus the merge, so every launch argument is the same from step to step.
+Every kernel takes one parameter struct (:mod:`pat_core.kernel_params`).
 
 Example::
 
@@ -749,7 +756,7 @@ class StaticState:
             cp.cuda.runtime.memcpyAsync(int(self.buf.data.ptr), self.staging.ctypes.data,
                                         packed.shape[0] * 4, cp.cuda.runtime.memcpyHostToDevice,
                                         stream_ptr)
-            self.copied.record(cp.cuda.ExternalStream(stream_ptr))
+            self.copied.record(_external_stream(cp, stream_ptr, self.device))
         self.batch = plan.batch_size
         self.plan = plan
 

@@ -88,7 +88,9 @@ class PrefixAttentionWrapper:
         read the ``q``, KV cache and ``out``/``lse`` buffers given at capture: copy each step's
         queries into that ``q`` (it may have ``max_batch_size`` rows; rows past the live batch
         are neither read nor written), and replay on the stream :meth:`plan` ran on (or order
-        the two).  A plan beyond a limit raises ``ValueError`` naming the limit.
+        the two).  A plan beyond a limit raises ``ValueError`` naming the limit.  The first
+        plan fixes the heads, head_dim, page size, dtype, ``sm_scale`` and the launch set (the
+        tiles its selector can pick, or the one ``tile=`` forces); ``serial`` is ignored.
     max_batch_size, max_num_pages : graph-safe limits (required with ``use_cuda_graph``):
         requests per step, and block-table entries per step (the sum over requests of
         ``ceil(seq_len / page_size)``).
