@@ -222,6 +222,10 @@ class CudaBackend:
         # per-(request, KV head) counter) and the merge launch disappears
         self.merge_mode = os.environ.get("PAT_MERGE_MODE", "kernel")
         self._counter_bufs: dict = {}  # device -> int32 counters, zero between runs
+        # graph-safe mode: at most this many blocks per SM in each pull launch (None: as many
+        # as can be resident); an ablation knob, env PAT_GRAPH_BLOCKS_PER_SM
+        env_cap = os.environ.get("PAT_GRAPH_BLOCKS_PER_SM", "")
+        self.graph_blocks_per_sm = int(env_cap) if env_cap.strip() else None
         self._buffers: dict = {}      # device -> (num_floats, o_partial memptr, lse memptr)
 
     # ------------------------------------------------------------------ compile
@@ -713,6 +717,9 @@ class StaticState:
             from .tiles import check_tile
             chk = check_tile(v.m, v.n, v.head_dim, v.dtype, get_gpu(self.backend.gpu_name))
             per_sm = max(1, chk.ctas_per_sm)
+        cap = self.backend.graph_blocks_per_sm
+        if cap:
+            per_sm = min(per_sm, int(cap))
         items = self.layout.limits.max_ctas * self.num_kv_heads
         return max(1, min(items, per_sm * self.num_sms))
 
