@@ -645,11 +645,11 @@ __device__ __forceinline__ void run_items(const FwdParams& p) {
     }
     pat_fwd_body<Tr>(p, p.cta_offset + cta_local, kv_head);
   } else {
-    // Thread 0 draws the next item and decodes it; the block reads (cta, kv_head) from shared
-    // memory, so nothing of the loop stays live in registers across an item.
     // Blocks past the live item count never get work (the others pull every item): leave
     // before touching the counter, so an unused variant's launch costs one load per block.
     if ((int)blockIdx.x >= p.live[1] * hk) return;
+    // Thread 0 draws the next item and decodes it; the block reads (cta, kv_head) from shared
+    // memory, so nothing of the loop stays live in registers across an item.
     __shared__ int s_next[2];
 #pragma unroll 1
     for (;;) {
