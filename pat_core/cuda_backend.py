@@ -167,6 +167,29 @@ def _check_rows(t: _Dev, name: str, ndim: int):
                          f"strides {t.strides}")
 
 
+def _check_cache(qd: _Dev, kd: _Dev, vd: _Dev, kv_layout: str, page_size: int, Hk: int,
+                 D: int) -> tuple:
+    """Check the paged KV cache against the plan's page size, KV heads and head_dim, and the
+    16-byte alignment of q and both caches.  Returns ``(num_pages, (page, token, head) axes)``."""
+    _check_rows(kd, "k_cache", 4)
+    _check_rows(vd, "v_cache", 4)
+    if kd.shape != vd.shape:
+        raise ValueError(f"paged_kv_cache: k_cache {kd.shape} and v_cache {vd.shape} differ")
+    if kv_layout == "NHD":
+        num_pages, ps, hk, d = kd.shape
+        axes = (0, 1, 2)
+    else:
+        num_pages, hk, ps, d = kd.shape
+        axes = (0, 2, 1)
+    if ps != page_size or hk != Hk or d != D:
+        raise ValueError(f"paged_kv_cache has page_size {ps}, {hk} KV heads of dim {d}; the "
+                         f"plan expects {page_size}, {Hk}, {D} (kv_layout={kv_layout!r})")
+    _check_aligned(qd, "q", (0, 1))
+    _check_aligned(kd, "k_cache", (0, 1, 2))
+    _check_aligned(vd, "v_cache", (0, 1, 2))
+    return int(num_pages), axes
+
+
 def _check_aligned(t: _Dev, name: str, axes):
     """cp.async moves 16-byte chunks: row starts must be 16-byte aligned (8 fp16/bf16)."""
     if t.ptr % 16 != 0 or any(t.strides[a] % 8 != 0 for a in axes if t.shape[a] > 1):
@@ -425,29 +448,14 @@ class CudaBackend:
             raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
         B, Hq, Hk, D = plan.batch_size, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim
         _check_rows(qd, "q", 3)
-        _check_rows(kd, "k_cache", 4)
-        _check_rows(vd, "v_cache", 4)
         if qd.shape != (B, Hq, D):
             raise ValueError(f"q has shape {qd.shape}, the plan expects {(B, Hq, D)}")
-        if kd.shape != vd.shape:
-            raise ValueError(f"paged_kv_cache: k_cache {kd.shape} and v_cache {vd.shape} differ")
         if qd.dtype not in cc.DTYPE_CTYPE:
             raise TypeError(f"q: the CUDA kernels take float16 or bfloat16, got {qd.dtype}")
         if not (qd.dtype == kd.dtype == vd.dtype):
             raise TypeError(f"q ({qd.dtype}) and paged_kv_cache ({kd.dtype}, {vd.dtype}) must "
                             "share a dtype")
-        if kv_layout == "NHD":
-            num_pages, ps, hk, d = kd.shape
-            ax_page, ax_tok, ax_head = 0, 1, 2
-        else:
-            num_pages, hk, ps, d = kd.shape
-            ax_page, ax_tok, ax_head = 0, 2, 1
-        if ps != plan.page_size or hk != Hk or d != D:
-            raise ValueError(f"paged_kv_cache has page_size {ps}, {hk} KV heads of dim {d}; the "
-                             f"plan expects {plan.page_size}, {Hk}, {D} (kv_layout={kv_layout!r})")
-        _check_aligned(qd, "q", (0, 1))
-        _check_aligned(kd, "k_cache", (0, 1, 2))
-        _check_aligned(vd, "v_cache", (0, 1, 2))
+        num_pages, axes = _check_cache(qd, kd, vd, kv_layout, plan.page_size, Hk, D)
         devs = {t.device for t in (qd, kd, vd) if t.device is not None}
         if len(devs) > 1:
             raise ValueError(f"q and paged_kv_cache live on different devices {sorted(devs)}")
@@ -461,7 +469,7 @@ class CudaBackend:
                 raise ValueError(f"the plan reads page {rec['min_page']}: page ids must be >= 0")
             dtype = qd.dtype
             o_part, l_part = self._partials(plan.num_slots, Hq, D)
-            base = _fwd_params(qd, kd, vd, (ax_page, ax_tok, ax_head), o_part, l_part, rec,
+            base = _fwd_params(qd, kd, vd, axes, o_part, l_part, rec,
                                plan.group_size, Hq, Hk, plan.page_size, plan.sm_scale,
                                self.head_minor)
             if self.merge_mode not in ("forward", "kernel"):
@@ -540,28 +548,14 @@ class CudaBackend:
         return self.cp.empty(shape, dtype=dtype)
 
     def _execute(self, plan, prep, qd, want_lse, out, lse):
-        B, Hq, D = plan.batch_size, plan.num_qo_heads, plan.head_dim
-        dtype = prep["dtype"]
-        if out is None:
-            out = self._alloc_like(qd, (B, Hq, D), dtype)
-        od = _Dev(out, "out")
-        if od.shape != (B, Hq, D) or od.dtype != dtype or (D > 1 and od.strides[-1] != 1):
-            raise ValueError(f"out must be [{B}, {Hq}, {D}] {dtype} with a contiguous last "
-                             f"dimension, got {od.shape} {od.dtype} strides {od.strides}")
-        ld = None
-        if want_lse:
-            if lse is None:
-                lse = self._alloc_like(qd, (B, Hq), "float32")
-            ld = _Dev(lse, "lse")
-            if ld.shape != (B, Hq) or ld.dtype != "float32":
-                raise ValueError(f"lse must be float32 [{B}, {Hq}], got {ld.shape} {ld.dtype}")
+        B = plan.batch_size
+        out, lse, out_args = self._outputs(qd, B, plan.num_qo_heads, plan.head_dim,
+                                           prep["dtype"], want_lse, out, lse)
         launches = prep["launches"]
         if B == 0 or not launches:
             return (out, lse) if want_lse else out
 
         merge = prep["merge"]
-        out_args = (od.ptr, ld.ptr if ld is not None else 0, od.strides[0], od.strides[1],
-                    ld.strides[0] if ld is not None else 0, ld.strides[1] if ld is not None else 0)
         if merge is None:   # merged by the forward CTAs: they get the output
             for ln in launches:
                 _set_out(ln.params.merge, out_args)
@@ -569,6 +563,29 @@ class CudaBackend:
             _set_out(merge.params, out_args)
         self._enqueue(launches, merge, self._caller_stream(qd).ptr, plan.serial)
         return (out, lse) if want_lse else out
+
+    def _outputs(self, qd: _Dev, rows: int, Hq: int, D: int, dtype: str, want_lse: bool, out,
+                 lse, note: str = ""):
+        """Allocate or check ``out`` ``[rows, Hq, D]`` in ``dtype`` and (with ``want_lse``)
+        ``lse`` float32 ``[rows, Hq]``; returns ``(out, lse, out_args)``, out_args being the
+        pointers and element strides the merge writes through (0 for a missing lse)."""
+        if out is None:
+            out = self._alloc_like(qd, (rows, Hq, D), dtype)
+        od = _Dev(out, "out")
+        if od.shape != (rows, Hq, D) or od.dtype != dtype or (D > 1 and od.strides[-1] != 1):
+            raise ValueError(f"out must be [{rows}, {Hq}, {D}] {dtype}{note} with a contiguous "
+                             f"last dimension, got {od.shape} {od.dtype} strides {od.strides}")
+        ld = None
+        if want_lse:
+            if lse is None:
+                lse = self._alloc_like(qd, (rows, Hq), "float32")
+            ld = _Dev(lse, "lse")
+            if ld.shape != (rows, Hq) or ld.dtype != "float32":
+                raise ValueError(f"lse must be float32 [{rows}, {Hq}], got {ld.shape} "
+                                 f"{ld.dtype}")
+        out_args = (od.ptr, ld.ptr if ld is not None else 0, od.strides[0], od.strides[1],
+                    ld.strides[0] if ld is not None else 0, ld.strides[1] if ld is not None else 0)
+        return out, lse, out_args
 
     def _enqueue(self, launches, merge, caller: int, serial: bool) -> None:
         """Forward launches (concurrent on pool streams forked from the caller's stream unless
@@ -621,25 +638,8 @@ class CudaBackend:
             prep = state.prepare(qd, kd, vd, kv_layout)
             state.prepared.clear()      # one input set at a time: a graph holds its own copy
             state.prepared[sig] = prep
-        rows = qd.shape[0]
-        Hq, D = state.num_qo_heads, state.head_dim
-        if out is None:
-            out = self._alloc_like(qd, (rows, Hq, D), qd.dtype)
-        od = _Dev(out, "out")
-        if od.shape != (rows, Hq, D) or od.dtype != qd.dtype or od.strides[-1] != 1:
-            raise ValueError(f"out must be [{rows}, {Hq}, {D}] {qd.dtype} (q's rows) with a "
-                             f"contiguous last dimension, got {od.shape} {od.dtype} strides "
-                             f"{od.strides}")
-        ld = None
-        if want_lse:
-            if lse is None:
-                lse = self._alloc_like(qd, (rows, Hq), "float32")
-            ld = _Dev(lse, "lse")
-            if ld.shape != (rows, Hq) or ld.dtype != "float32":
-                raise ValueError(f"lse must be float32 [{rows}, {Hq}], got {ld.shape} "
-                                 f"{ld.dtype}")
-        out_args = (od.ptr, ld.ptr if ld is not None else 0, od.strides[0], od.strides[1],
-                    ld.strides[0] if ld is not None else 0, ld.strides[1] if ld is not None else 0)
+        out, lse, out_args = self._outputs(qd, qd.shape[0], state.num_qo_heads, state.head_dim,
+                                           qd.dtype, want_lse, out, lse, note=" (q's rows)")
         cp = self.cp
         with cp.cuda.Device(state.device):
             _set_out(prep["merge"].params, out_args)
@@ -724,8 +724,9 @@ class StaticState:
         return max(1, min(items, per_sm * self.num_sms))
 
     def check_plan(self, plan: Plan) -> None:
-        """``ValueError`` unless ``plan`` fits this state: its shape, the layout's limits and
-        the inputs the launches were built for."""
+        """``ValueError`` unless ``plan`` fits this state: its shape and the inputs the
+        launches were built for.  (The layout's limits are checked by
+        :meth:`~pat_core.static_plan.StaticLayout.pack`, which every written plan goes through.)"""
         want = (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype)
         have = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.page_size,
                 dtype_name(plan.kv_dtype))
@@ -737,7 +738,6 @@ class StaticState:
         if abs(plan.sm_scale - self.sm_scale) > 1e-12 * abs(self.sm_scale):
             raise ValueError(f"graph-safe mode: sm_scale={plan.sm_scale} differs from "
                              f"{self.sm_scale} of the first plan")
-        self.layout.check(plan)
         if self.max_rows is not None and plan.batch_size > self.max_rows:
             raise ValueError(f"graph-safe mode: the plan has {plan.batch_size} requests but the "
                              f"q buffer the launches were built for has {self.max_rows} rows")
@@ -773,29 +773,13 @@ class StaticState:
         if kv_layout not in ("NHD", "HND"):
             raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
         _check_rows(qd, "q", 3)
-        _check_rows(kd, "k_cache", 4)
-        _check_rows(vd, "v_cache", 4)
         if qd.shape[1:] != (Hq, D) or qd.shape[0] < self.batch:
             raise ValueError(f"q has shape {qd.shape}; graph-safe mode needs [rows, {Hq}, {D}] "
                              f"with rows >= the plan's batch {self.batch}")
-        if kd.shape != vd.shape:
-            raise ValueError(f"paged_kv_cache: k_cache {kd.shape} and v_cache {vd.shape} differ")
         if not (qd.dtype == kd.dtype == vd.dtype == self.dtype):
             raise TypeError(f"q ({qd.dtype}) and paged_kv_cache ({kd.dtype}, {vd.dtype}) must be "
                             f"{self.dtype}, the plan's dtype")
-        if kv_layout == "NHD":
-            num_pages, ps, hk, d = kd.shape
-            axes = (0, 1, 2)
-        else:
-            num_pages, hk, ps, d = kd.shape
-            axes = (0, 2, 1)
-        if ps != self.page_size or hk != Hk or d != D:
-            raise ValueError(f"paged_kv_cache has page_size {ps}, {hk} KV heads of dim {d}; the "
-                             f"plan expects {self.page_size}, {Hk}, {D} (kv_layout="
-                             f"{kv_layout!r})")
-        _check_aligned(qd, "q", (0, 1))
-        _check_aligned(kd, "k_cache", (0, 1, 2))
-        _check_aligned(vd, "v_cache", (0, 1, 2))
+        num_pages, axes = _check_cache(qd, kd, vd, kv_layout, self.page_size, Hk, D)
         devs = {t.device for t in (qd, kd, vd) if t.device is not None}
         if devs and devs != {self.device}:
             raise ValueError(f"graph-safe mode: inputs on device(s) {sorted(devs)}, the state "
