@@ -75,6 +75,9 @@ TUNINGS = {
     "pw1": {"partial_weight": 1.0},
     "fused": {"launch": "fused"},
     "streams": {"launch": "streams"},
+    "share1": {"split_share": 1.0},
+    "share4": {"split_share": 4.0},
+    "rows32": {"max_rows": 32},
 }
 
 
@@ -128,6 +131,10 @@ CASE_SETS = {"forced": FORCED, "long": LONG, "sharing": SHARING, "layouts": _lay
              "planner": tuple((spec, heads, "pat", None, None, label)
                               for spec in PLANNER_SPECS for heads in ((32, 8), (32, 32))
                               for label in TUNINGS),
+             "long-tune": tuple((spec, (32, 8), "pat", None, None, label)
+                                for spec in ("1,16_16384,16", "1,32_16384,16", "1,16_2048,128")
+                                for label in ("default", "share1", "share4", "rows32", "rows64",
+                                              "streams", "fused")),
              "quickstart": tuple(("1,4,16_128,256,1024", (32, 8), p, None, None, "default")
                                  for p in ("pat", "query", "node", "cascade")),
              "nosharing": tuple(("256_4096", (32, 8), p, None, None, "default")

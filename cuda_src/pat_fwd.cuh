@@ -579,7 +579,7 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
     const int i = p / group;
     const int r = last[i];
     if (r < 0) continue;
-    merge_pair<D, T>(o_partial, lse_partial, merge.req_slot_indptr[r],
+    merge_pair<D, T, 1>(o_partial, lse_partial, merge.req_slot_indptr[r],
                      merge.req_slot_indptr[r + 1], r, kv_head * group + (p - i * group),
                      num_qo_heads, static_cast<T*>(merge.out), merge.lse_out, merge.out_sb,
                      merge.out_sh, merge.lse_sb, merge.lse_sh, lane);

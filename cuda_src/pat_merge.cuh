@@ -1,6 +1,7 @@
 // Merge kernel: combine each request's partial results with the log-sum-exp rule.
 //
-// One warp per (request, query head).  Request r owns partial slots
+// One warp per (request, query head), or, with p.block_per_pair, one block per pair (its warps
+// split the slots) when pairs are few and slots many.  Request r owns partial slots
 // req_slot_indptr[r] : req_slot_indptr[r + 1]; each slot holds an fp32 output already normalised
 // by its own softmax sum and the natural-log LSE of its scaled scores.  The merged output is
 //   out = sum_s exp(lse_s - M) * o_s / sum_s exp(lse_s - M),   lse = M + log(sum_s exp(lse_s - M))
@@ -20,24 +21,136 @@ namespace pat {
 // (ld.global.cg): they may have been written by other CTAs of the same launch, and an earlier
 // run may have left stale copies of the same addresses in this SM's L1.
 //
-// The merge is latency bound (a few KB per warp), so its loads are issued in parallel: lane i
-// loads the LSE of slot i (32 slots per round), the warp reduces the max and the weights with
-// shuffles, and the output vectors are loaded UNROLL slots at a time.  A slot-by-slot loop
-// waits for two dependent loads per slot (ncu, H100: 10.5 -> 8.2 us on a 16-request batch of 9
-// slots per request, 39 -> 27 us on a tree of 1216 leaves).
-// o += w * src[0 .. VEC), one vector load through L2.
+// The merge is latency bound (a few KB per warp), so its loads are issued in parallel: rounds of
+// 8 slots whose LSEs (one per lane) and output vectors are all in flight at once, the running
+// state raised to each round's max (online softmax), one memory latency per round.  A
+// slot-by-slot loop waits for two dependent loads per slot (ncu, H100: 10.5 -> 8.2 us on a
+// 16-request batch of 9 slots per request, 39 -> 27 us on a tree of 1216 leaves, when the LSEs
+// were read in a first pass and the vectors four slots at a time in a second).
+// dst[0 .. VEC) = src[0 .. VEC), one vector load through L2.
 template <int VEC>
-__device__ __forceinline__ void accumulate_vec(float (&o)[VEC], const float* src, float w) {
+__device__ __forceinline__ void load_vec(float (&dst)[VEC], const float* src) {
   if constexpr (VEC == 4) {
     const float4 v = __ldcg(reinterpret_cast<const float4*>(src));
-    o[0] += w * v.x; o[1] += w * v.y; o[2] += w * v.z; o[3] += w * v.w;
+    dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
   } else {
     const float2 v = __ldcg(reinterpret_cast<const float2*>(src));
-    o[0] += w * v.x; o[1] += w * v.y;
+    dst[0] = v.x; dst[1] = v.y;
   }
 }
 
+// A merge state: the largest LSE seen (mx), this lane's share of sum_s exp(lse_s - mx) (wsum,
+// summed over the warp at the end) and this lane's VEC elements of sum_s exp(lse_s - mx) * o_s.
+// nan: some slot's LSE was NaN (non-finite input), which makes the merged row NaN.
+template <int VEC>
+struct MergeState {
+  float o[VEC];
+  float wsum;
+  float mx;
+  bool nan;
+  __device__ __forceinline__ void init() {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) o[i] = 0.f;
+    wsum = 0.f;
+    mx = neg_inf();
+    nan = false;
+  }
+  // Raise the max to m_new (never lower): rescale what is summed so far; returns the max to
+  // weigh new slots against (0 while everything is empty, so -inf - -inf never happens).
+  __device__ __forceinline__ float raise(float m_new) {
+    const float m = fmaxf(mx, m_new);
+    const float m_use = m == neg_inf() ? 0.f : m;
+    const float a = expf(mx - m_use);  // 0 when nothing was summed yet
+    wsum *= a;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) o[i] *= a;
+    mx = m;
+    return m_use;
+  }
+};
+
+// Add the slots of request r, query head h that belong to `part` of `nparts` (slots s0 + part,
+// s0 + part + nparts, ...) to st.  Rounds of CH slots: lane j loads the LSE of the round's slot
+// j while every lane loads its elements of all CH output vectors, so a round costs one memory
+// latency (the weights need the max, the loads do not).  One warp.
+template <int HEAD_DIM, int CH = 8>
+__device__ __forceinline__ void merge_accumulate(const float* __restrict__ o_partial,
+                                                 const float* __restrict__ lse_partial, int s0,
+                                                 int s1, int h, int num_qo_heads, int part,
+                                                 int nparts, MergeState<HEAD_DIM / 32>& st,
+                                                 int lane) {
+  constexpr int VEC = HEAD_DIM / 32;  // elements per lane: 2 or 4
+  static_assert(CH >= 1 && CH <= 8, "1..8 slots per round");
+  constexpr unsigned FULL = 0xffffffffu;
+  const int first = s0 + part;
+  const int count = first < s1 ? (s1 - first + nparts - 1) / nparts : 0;
+  for (int base = 0; base < count; base += CH) {
+    const int cnt = count - base < CH ? count - base : CH;  // warp-uniform
+    const float ls = lane < cnt
+        ? __ldcg(lse_partial + (long long)(first + (base + lane) * nparts) * num_qo_heads + h)
+        : neg_inf();
+    float v[CH][VEC];
+#pragma unroll
+    for (int u = 0; u < CH; ++u) {
+      if (u < cnt) {
+        const long long slot = first + (base + u) * nparts;
+        load_vec<VEC>(v[u], o_partial + (slot * num_qo_heads + h) * HEAD_DIM + lane * VEC);
+      }
+    }
+    float m = ls;
+#pragma unroll
+    for (int off = 4; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, off));
+    m = __shfl_sync(FULL, m, 0);  // lanes 0..CH-1 hold the round's slots
+    st.nan |= __any_sync(FULL, ls != ls);
+    const float m_use = st.raise(m);
+    // an empty state (lse = -inf) weighs 0 and is skipped, so its output never enters the sum
+    const float w = ls == neg_inf() ? 0.f : expf(ls - m_use);
+    st.wsum += w;
+#pragma unroll
+    for (int u = 0; u < CH; ++u) {
+      const float wu = __shfl_sync(FULL, w, u);
+      if (u < cnt && wu != 0.f) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) st.o[i] += wu * v[u][i];
+      }
+    }
+  }
+}
+
+// Write one merged row: out = o / wsum (converted to TO) and lse = mx + log(wsum); no finite
+// state gives zeros and -inf, a NaN LSE gives NaN.  One warp.
 template <int HEAD_DIM, typename TO>
+__device__ __forceinline__ void merge_store(MergeState<HEAD_DIM / 32>& st, int r, int h,
+                                            TO* __restrict__ out, float* __restrict__ lse_out,
+                                            long long out_sb, long long out_sh, long long lse_sb,
+                                            long long lse_sh, int lane) {
+  constexpr int VEC = HEAD_DIM / 32;
+  float lse = st.mx;
+  if (st.nan) {
+    lse = __int_as_float(0x7fc00000);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) st.o[i] = lse;
+  } else if (st.mx != neg_inf()) {
+    float wsum = st.wsum;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, off);
+    const float inv = 1.f / wsum;  // wsum >= 1: the max slot contributes exp(0)
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) st.o[i] *= inv;
+    lse = st.mx + logf(wsum);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) st.o[i] = 0.f;
+  }
+  TO* dst = out + (long long)r * out_sb + (long long)h * out_sh + lane * VEC;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) dst[i] = ElemOps<TO>::from_float(st.o[i]);
+  if (lse_out != nullptr && lane == 0) lse_out[(long long)r * lse_sb + (long long)h * lse_sh] = lse;
+}
+
+// Merge request r, query head h (slots s0 .. s1 - 1) with one warp, CH slots per round (the
+// in-kernel merge of the forward kernel uses fewer: its registers count against the forward's).
+template <int HEAD_DIM, typename TO, int CH = 8>
 __device__ __forceinline__ void merge_pair(const float* __restrict__ o_partial,
                                            const float* __restrict__ lse_partial, int s0, int s1,
                                            int r, int h, int num_qo_heads, TO* __restrict__ out,
@@ -45,73 +158,59 @@ __device__ __forceinline__ void merge_pair(const float* __restrict__ o_partial,
                                            long long out_sh, long long lse_sb, long long lse_sh,
                                            int lane) {
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head_dim must be 64 or 128");
-  constexpr int VEC = HEAD_DIM / 32;  // elements per lane: 2 or 4
-  constexpr int UNROLL = 4;           // output vectors in flight per lane
-  constexpr unsigned FULL = 0xffffffffu;
-  float o[VEC];
-#pragma unroll
-  for (int i = 0; i < VEC; ++i) o[i] = 0.f;
-  float lse = neg_inf();
+  MergeState<HEAD_DIM / 32> st;
+  st.init();
+  merge_accumulate<HEAD_DIM, CH>(o_partial, lse_partial, s0, s1, h, num_qo_heads, 0, 1, st,
+                                 lane);
+  merge_store<HEAD_DIM, TO>(st, r, h, out, lse_out, out_sb, out_sh, lse_sb, lse_sh, lane);
+}
 
-  auto load = [&](int slot, float w) {
-    const float* src = o_partial + ((long long)slot * num_qo_heads + h) * HEAD_DIM + lane * VEC;
-    accumulate_vec<VEC>(o, src, w);
-  };
-  auto lse_of = [&](int slot) { return __ldcg(lse_partial + (long long)slot * num_qo_heads + h); };
-
-  if (s1 - s0 == 1) {
-    lse = lse_of(s0);
-    if (lse != neg_inf()) load(s0, 1.f);
-  } else {
-    // pass 1: the largest LSE, and whether any is NaN (fmaxf drops NaN: look for it separately)
-    float mx = neg_inf();
-    bool nan_lse = false;
-    float ls0 = neg_inf();  // this lane's slot of the first round, kept for pass 2
-    for (int base = s0; base < s1; base += 32) {
-      const float ls = base + lane < s1 ? lse_of(base + lane) : neg_inf();
-      if (base == s0) ls0 = ls;
-      mx = fmaxf(mx, ls);
-      nan_lse |= ls != ls;
-    }
+// The same pair merged by all WARPS warps of the block, warp w taking slots s0 + w, s0 + w +
+// WARPS, ...; the warps' states meet in shared memory (the same raise rule) and warp 0 stores.
+// For steps with few (request, head) pairs and many slots each (one long shared prefix split
+// over the SMs: 33 slots per pair on 1,16_16384,16), where a warp per pair leaves SMs idle.
+template <int HEAD_DIM, typename TO, int WARPS>
+__device__ __forceinline__ void merge_pair_block(const float* __restrict__ o_partial,
+                                                 const float* __restrict__ lse_partial, int s0,
+                                                 int s1, int r, int h, int num_qo_heads,
+                                                 TO* __restrict__ out, float* __restrict__ lse_out,
+                                                 long long out_sb, long long out_sh,
+                                                 long long lse_sb, long long lse_sh) {
+  constexpr int VEC = HEAD_DIM / 32;
+  constexpr int NR = WARPS > 1 ? WARPS - 1 : 1;
+  __shared__ float red_o[NR][HEAD_DIM];
+  __shared__ float red_w[NR][32];
+  __shared__ float red_m[NR];
+  __shared__ int red_nan[NR];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  MergeState<VEC> st;
+  st.init();
+  merge_accumulate<HEAD_DIM>(o_partial, lse_partial, s0, s1, h, num_qo_heads, warp, WARPS, st,
+                             lane);
+  if (warp > 0) {
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, off));
-    nan_lse = __any_sync(FULL, nan_lse);
-    if (nan_lse) {
-      const float nan = __int_as_float(0x7fc00000);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) o[i] = nan;
-      lse = nan;
-    } else if (mx != neg_inf()) {
-      // pass 2: weights w_s = exp(lse_s - max) (0 for an empty state: the identity), then the
-      // weighted sum of the output vectors, UNROLL independent loads at a time
-      float wsum = 0.f;
-      for (int base = s0; base < s1; base += 32) {
-        const float ls = base == s0 ? ls0 : (base + lane < s1 ? lse_of(base + lane) : neg_inf());
-        const float w = ls == neg_inf() ? 0.f : expf(ls - mx);
-        wsum += w;
-        const int cnt = s1 - base < 32 ? s1 - base : 32;  // warp-uniform
-        for (int j = 0; j < cnt; j += UNROLL) {
-          float wj[UNROLL];
-#pragma unroll
-          for (int u = 0; u < UNROLL; ++u) wj[u] = __shfl_sync(FULL, w, (j + u) & 31);
-#pragma unroll
-          for (int u = 0; u < UNROLL; ++u)
-            if (j + u < cnt && wj[u] != 0.f) load(base + j + u, wj[u]);
-        }
-      }
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) wsum += __shfl_xor_sync(FULL, wsum, off);
-      const float inv = 1.f / wsum;  // wsum >= 1: the max slot contributes exp(0)
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) o[i] *= inv;
-      lse = mx + logf(wsum);
+    for (int i = 0; i < VEC; ++i) red_o[warp - 1][lane * VEC + i] = st.o[i];
+    red_w[warp - 1][lane] = st.wsum;
+    if (lane == 0) {
+      red_m[warp - 1] = st.mx;
+      red_nan[warp - 1] = st.nan;
     }
   }
-
-  TO* dst = out + (long long)r * out_sb + (long long)h * out_sh + lane * VEC;
+  __syncthreads();  // the other warps' states are in shared memory
+  if (warp == 0) {
+#pragma unroll 1
+    for (int w = 0; w < WARPS - 1; ++w) {
+      const float mw = red_m[w];
+      st.nan |= red_nan[w] != 0;
+      const float m_use = st.raise(mw);
+      const float b = expf(mw - m_use);  // 0 for an empty warp state
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) dst[i] = ElemOps<TO>::from_float(o[i]);
-  if (lse_out != nullptr && lane == 0) lse_out[(long long)r * lse_sb + (long long)h * lse_sh] = lse;
+      for (int i = 0; i < VEC; ++i) st.o[i] += b * red_o[w][lane * VEC + i];
+      st.wsum += b * red_w[w][lane];
+    }
+    merge_store<HEAD_DIM, TO>(st, r, h, out, lse_out, out_sb, out_sh, lse_sb, lse_sh, lane);
+  }
+  __syncthreads();  // warp 0 has read the buffers before the next pair overwrites them
 }
 
 // Grid-stride over the (request, head) pairs, so a graph-safe launch can use a fixed grid while
@@ -123,6 +222,17 @@ __device__ __forceinline__ void pat_merge_body(const MergeParams& p) {
   const int lane = threadIdx.x & 31;
   const int batch = p.live_batch != nullptr ? *p.live_batch : p.batch;
   const long long pairs = (long long)batch * p.num_qo_heads;
+  if (p.block_per_pair) {  // block-uniform
+    for (long long pair = blockIdx.x; pair < pairs; pair += gridDim.x) {
+      const int r = (int)(pair / p.num_qo_heads);
+      const int h = (int)(pair - (long long)r * p.num_qo_heads);
+      merge_pair_block<HEAD_DIM, TO, WARPS>(p.o_partial, p.lse_partial, p.req_slot_indptr[r],
+                                            p.req_slot_indptr[r + 1], r, h, p.num_qo_heads,
+                                            static_cast<TO*>(p.out), p.lse_out, p.out_sb,
+                                            p.out_sh, p.lse_sb, p.lse_sh);
+    }
+    return;
+  }
   for (long long pair = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); pair < pairs;
        pair += (long long)gridDim.x * WARPS) {
     const int r = (int)(pair / p.num_qo_heads);
@@ -139,9 +249,10 @@ __device__ __forceinline__ void pat_merge_body(const MergeParams& p) {
 // Template arguments: head_dim, output element type, warps per block (one (request, head) pair
 // per warp at a time).  The Python side names each instantiation pat_merge_d{D}_{dtype}_w{W}.
 template <int HEAD_DIM, typename TO, int WARPS>
-// At least 48 resident warps per SM (75% occupancy): room for 40 registers.  With the thread
-// count alone ptxas aims at full occupancy on sm_80 (32 registers) and spills.
-__global__ void __launch_bounds__(WARPS * 32, 48 / WARPS) pat_merge_kernel(
+// At least 32 resident warps per SM (50% occupancy): room for 64 registers (8 output vectors in
+// flight per lane).  With the thread count alone ptxas aims at full occupancy on sm_80 (32
+// registers) and spills.
+__global__ void __launch_bounds__(WARPS * 32, 32 / WARPS) pat_merge_kernel(
     const __grid_constant__ pat::MergeParams p) {
   pat::pat_merge_body<HEAD_DIM, TO, WARPS>(p);
 }

@@ -65,7 +65,7 @@ struct MergeParams {
   int batch;
   int num_qo_heads;
   int reset_n;
-  int pad_;                    // explicit tail padding (the host struct spells it too)
+  int block_per_pair;          // 0: one warp per (request, head) pair; 1: one block per pair
 };
 
 // The host mirror (pat_core/kernel_params.py) checks its sizes against these.

@@ -54,7 +54,8 @@ import numpy as np
 from . import cuda_compile as cc
 from . import kernel_params as kp
 from .gpus import detect_gpu_name
-from .launch import FUSED_MAX_BLOCKS_PER_SM, FUSED_MAX_KV_LEN, use_fused_launch
+from .launch import (FUSED_MAX_BLOCKS_PER_SM, FUSED_MAX_KV_LEN, merge_block_per_pair,
+                     use_fused_launch)
 from .plan import Plan, dtype_name
 
 log = logging.getLogger("pat_core.cuda")
@@ -238,6 +239,9 @@ class CudaBackend:
         # CTA in one launch (per-CTA variant index); "auto": fused when the plan has several
         # groups and few blocks (launch latency dominates), else streams.  See _use_fused.
         self.launch_mode = os.environ.get("PAT_LAUNCH_MODE", "auto")
+        # merge kernel: "block" (one block per (request, head) pair, its warps splitting the
+        # slots), "warp" (one warp per pair) or "auto" (pat_core.launch.merge_block_per_pair)
+        self.merge_per_pair = "auto"
         self.fused_max_blocks_per_sm = FUSED_MAX_BLOCKS_PER_SM
         self.fused_max_kv_len = FUSED_MAX_KV_LEN
         # "kernel" (default): the separate merge kernel; "forward" (measured slower, kept as an
@@ -423,7 +427,8 @@ class CudaBackend:
         want_lse = bool(return_lse or lse is not None)
         rec = self._uploads.get(id(plan))
         sig = (kv_layout, qd.sig(), kd.sig(), vd.sig(), self.launch_mode,
-               self.fused_max_blocks_per_sm, self.fused_max_kv_len, self.merge_mode)
+               self.fused_max_blocks_per_sm, self.fused_max_kv_len, self.merge_mode,
+               self.merge_per_pair)
         prep = None
         if rec is not None and rec["version"] == plan.version:
             prep = rec["prepared"].get(sig)
@@ -505,11 +510,17 @@ class CudaBackend:
                                         (v.threads, 1, 1), prm, v.smem_bytes, self.fast_launch))
             mv = cc.MergeVariant(D, dtype)
             B = plan.batch_size
+            if self.merge_per_pair not in ("auto", "block", "warp"):
+                raise ValueError(f"merge_per_pair must be 'auto', 'block' or 'warp', got "
+                                 f"{self.merge_per_pair!r}")
+            per_block = (merge_block_per_pair(plan, self._num_sms())
+                         if self.merge_per_pair == "auto" else self.merge_per_pair == "block")
             mp = kp.MergeParams(o_partial=_ptr(o_part), lse_partial=_ptr(l_part),
                                 req_slot_indptr=_ptr(rec["req_slot_indptr"]), batch=B,
-                                num_qo_heads=Hq)
-            merge = _Launch(self._function(mv), ((B * Hq + mv.warps - 1) // mv.warps, 1, 1),
-                            (mv.threads, 1, 1), mp, 0, self.fast_launch)
+                                num_qo_heads=Hq, block_per_pair=int(per_block))
+            grid = B * Hq if per_block else (B * Hq + mv.warps - 1) // mv.warps
+            merge = _Launch(self._function(mv), (grid, 1, 1), (mv.threads, 1, 1), mp, 0,
+                            self.fast_launch)
             return {"device": dev, "dtype": dtype, "launches": launches,
                     "merge": None if in_fwd else merge,
                     "buf_gen": self._buffer_generation(dev)}
@@ -532,10 +543,13 @@ class CudaBackend:
         under ``launch_mode``, ``fused_max_blocks_per_sm`` and ``fused_max_kv_len``."""
         if not members:
             return False
-        sms = self.cp.cuda.runtime.getDeviceProperties(
-            self.cp.cuda.runtime.getDevice())["multiProcessorCount"]
-        return use_fused_launch(plan, sms, self.launch_mode, self.fused_max_blocks_per_sm,
-                                self.fused_max_kv_len)
+        return use_fused_launch(plan, self._num_sms(), self.launch_mode,
+                                self.fused_max_blocks_per_sm, self.fused_max_kv_len)
+
+    def _num_sms(self) -> int:
+        """SMs of the current device."""
+        rt = self.cp.cuda.runtime
+        return int(rt.getDeviceProperties(rt.getDevice())["multiProcessorCount"])
 
     def _alloc_like(self, qd: _Dev, shape, dtype: str):
         if qd.kind == "torch":

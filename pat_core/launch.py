@@ -6,9 +6,13 @@ simulator (:func:`sim.model.prepare`), so that the simulator prices the launch t
 ``"streams"``: one launch per tile group, groups on pooled streams.  ``"fused"``: every forward
 CTA in one launch, each block running its CTA's variant with the largest variant's threads,
 registers and shared memory.  ``"auto"`` (the default): fused when the plan is not serial and has two
-or more tile variants, at most ``max_blocks_per_sm`` thread blocks (CTAs x KV heads) per SM and no CTA longer
-than ``max_kv_len`` tokens: such a step is bound by launch latency and the tail of the slowest
-group, not by occupancy, which the fused block costs the small tiles.  With long CTAs the step
+or more tile variants, no CTA longer than ``max_kv_len`` tokens, and at most ``max_blocks_per_sm``
+thread blocks (CTAs x KV heads) per SM, and no more blocks than the fused kernel holds resident
+at once (:func:`fused_ctas_per_sm`): such a step is bound by launch latency and the tail of the
+slowest group, not by occupancy, which the fused block costs the small tiles.  The residency
+bound matters when the fused block is large: on ``1,16_16384,16`` (heads 32:8) 256 blocks of
+64x64 and 128 of 16x16 fused into 384 blocks of the 64x64 block's size, two resident per SM, so
+the step ran in two waves (ncu, H100: 56 us for the fused forward launch).  With long CTAs the step
 lasts hundreds of microseconds and the launches do not matter: on decode steps of a real chat
 trace (12k-token prompts, 10-45 requests) the fused launch measured 5-14% slower than the
 streams (``bench/results/trace_replay_h100/``).
@@ -16,8 +20,31 @@ streams (``bench/results/trace_replay_h100/``).
 from __future__ import annotations
 
 LAUNCH_MODES = ("auto", "fused", "streams")
+# The merge runs one block per (request, query head) pair, its warps splitting the pair's
+# partial slots, when there are at most this many pairs per SM and requests average at least
+# MERGE_BLOCK_MIN_SLOTS slots; otherwise one warp per pair.
+MERGE_BLOCK_MAX_PAIRS_PER_SM = 8
+MERGE_BLOCK_MIN_SLOTS = 4
 FUSED_MAX_BLOCKS_PER_SM = 4
 FUSED_MAX_KV_LEN = 2048
+
+
+def fused_ctas_per_sm(plan) -> int:
+    """Resident blocks per SM of the fused kernel for ``plan``: each block takes the largest
+    threads, registers and shared memory of the plan's tile variants
+    (:func:`pat_core.tiles.kernel_resources`, on the GPU the plan was made for)."""
+    from .gpus import get_gpu
+    from .tiles import TileResources, kernel_resources
+    gpu = get_gpu(plan.gpu)
+    rs = [kernel_resources(int(m), int(n), plan.head_dim, plan.kv_dtype, gpu)
+          for m, n in {tuple(plan.tile_configs[int(k)]) for k in plan.group_tile}]
+    rs = [r for r in rs if r is not None]
+    if not rs:
+        return 0
+    big = TileResources(m=0, n=0, threads=max(r.threads for r in rs),
+                        registers=max(r.registers for r in rs), smem=max(r.smem for r in rs),
+                        source="fused")
+    return big.ctas_per_sm(gpu)
 
 
 def use_fused_launch(plan, num_sms: int, mode: str = "auto",
@@ -34,4 +61,20 @@ def use_fused_launch(plan, num_sms: int, mode: str = "auto",
         return False                # serial plans keep their order; one variant, one launch
     if int(plan.cta_kv_len.max()) > max_kv_len:
         return False
-    return plan.num_ctas * plan.num_kv_heads <= max_blocks_per_sm * num_sms
+    per_sm = min(max_blocks_per_sm, fused_ctas_per_sm(plan))
+    return plan.num_ctas * plan.num_kv_heads <= per_sm * num_sms
+
+
+def merge_block_per_pair(plan, num_sms: int) -> bool:
+    """Whether the merge kernel gives each (request, query head) pair a whole block.
+
+    One warp per pair leaves the GPU nearly idle when pairs are few and each has many slots:
+    on ``1,16_16384,16`` (heads 32:8, 512 pairs of 33 slots) that merge took 18 us on an H100
+    (ncu; 4 warps per SM, each walking 33 slots).  A block per pair puts four warps on the same
+    pair's slots.  With many pairs (or few slots each) a warp per pair already fills the SMs and
+    the block's barrier and idle warps would only cost."""
+    pairs = plan.batch_size * plan.num_qo_heads
+    if pairs == 0:
+        return False
+    mean_slots = plan.num_slots / max(plan.batch_size, 1)
+    return pairs <= MERGE_BLOCK_MAX_PAIRS_PER_SM * num_sms and mean_slots >= MERGE_BLOCK_MIN_SLOTS

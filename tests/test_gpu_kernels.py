@@ -297,6 +297,24 @@ def test_launch_and_merge_modes(backend, launch_mode, merge_mode):
         backend.launch_mode, backend.merge_mode = saved
 
 
+@requires_gpu
+@pytest.mark.parametrize("spec", ("1,16_16384,16", "1,3,12_16,64,128", "8_64"))
+def test_merge_block_and_warp_modes(backend, spec):
+    """The merge with one block per (request, head) pair and with one warp per pair, each
+    forced on the same plan: both within tolerance of float64 and bit-identical on a rerun
+    (check_case), with outputs poisoned before each run."""
+    from pat_core.workloads import build_tree_batch
+    saved = backend.merge_per_pair
+    b = build_tree_batch(spec, page_size=16, seed=5)
+    try:
+        for mode in ("block", "warp"):
+            backend.merge_per_pair = mode
+            check_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages, 16, 32, 8, 128,
+                       "float16", seed=3)
+    finally:
+        backend.merge_per_pair = saved
+
+
 def test_launch_paths_agree(backend, monkeypatch):
     """Packed cuLaunchKernel launches and CuPy's generic launches give identical results.
 
@@ -359,7 +377,7 @@ def _gpu_reads(where, bt, page, slot, hq, hk):
 
 
 @requires_gpu
-@pytest.mark.parametrize("merge_mode", ("forward", "kernel"))
+@pytest.mark.parametrize("merge_mode", ("forward", "kernel", "kernel-block"))
 @pytest.mark.parametrize("packer", PACKERS)
 def test_nonfinite_input_propagates(backend, packer, merge_mode):
     """A NaN in q, or a NaN / +inf in one key or value, reaches exactly the rows that read it
@@ -372,8 +390,9 @@ def test_nonfinite_input_propagates(backend, packer, merge_mode):
     hq, hk, d, ps = 8, 2, 64, 16
     b = build_tree_batch("1,2,6_40,24,30", page_size=ps, seed=0)
     bt = as_block_table(b.block_tables, b.seq_lens, ps)
-    saved = backend.merge_mode
-    backend.merge_mode = merge_mode
+    saved = backend.merge_mode, backend.merge_per_pair
+    backend.merge_mode = merge_mode.split("-")[0]
+    backend.merge_per_pair = "block" if merge_mode.endswith("block") else "warp"
     try:
         w = PrefixAttentionWrapper(backend="cuda", packer=packer)
         w._gpu_backend = backend
@@ -412,4 +431,4 @@ def test_nonfinite_input_propagates(backend, packer, merge_mode):
             fin = np.isfinite(ref)
             np.testing.assert_allclose(out[fin], ref[fin], rtol=2e-2, atol=2e-2)
     finally:
-        backend.merge_mode = saved
+        backend.merge_mode, backend.merge_per_pair = saved

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from pat_core import Planner
-from pat_core.launch import use_fused_launch
+from pat_core.launch import fused_ctas_per_sm, merge_block_per_pair, use_fused_launch
 from pat_core.workloads import build_tree_batch
 from sim.model import prepare
 
@@ -24,6 +24,29 @@ def test_auto_fuses_small_short_multi_variant_plans_only():
     assert not use_fused_launch(_plan("16_512"), 132)                 # one variant
     with pytest.raises(ValueError, match="launch_mode"):
         use_fused_launch(small, 132, "fast")
+
+
+def test_auto_never_fuses_past_one_resident_wave():
+    """1,16_16384,16 at 32:8: 384 blocks (256 of 64x64, 128 of 16x16) fit 4 per SM, but the fused
+    block is the 64x64 block, two resident per SM: fusing would run two waves."""
+    plan = _plan("1,16_16384,16")
+    blocks = plan.num_ctas * plan.num_kv_heads
+    assert blocks <= 4 * 132 and int(plan.cta_kv_len.max()) <= 2048
+    per_sm = fused_ctas_per_sm(plan)
+    assert 1 <= per_sm < 4 and blocks > per_sm * 132
+    assert not use_fused_launch(plan, 132)
+    assert use_fused_launch(plan, 132, max_blocks_per_sm=4) is False
+    assert use_fused_launch(plan, -(-blocks // per_sm))      # enough SMs for one wave: fused
+    assert fused_ctas_per_sm(_plan("1,16_2048,128")) >= 1
+
+
+def test_merge_block_per_pair_only_for_few_pairs_with_many_slots():
+    few_many = _plan("1,16_16384,16")          # 16 requests x 32 heads, 33 slots each
+    assert few_many.num_slots / few_many.batch_size >= 4
+    assert merge_block_per_pair(few_many, 132)
+    assert not merge_block_per_pair(few_many, 16 * 32 // 8 - 1)   # too many pairs per SM
+    one_slot = _plan("64_512")                  # no sharing: one slot per request
+    assert not merge_block_per_pair(one_slot, 132)
 
 
 def test_simulator_models_the_fused_launch():
