@@ -48,6 +48,17 @@ FORCED = tuple(
         ((128, 64), None, "default"), ((128, 64), (4, 2, 32), "w4-s2"),
         ((128, 64), (8, 3, 16), "rw16-w8"),
         ((128, 128), None, "default"), ((128, 128), (4, 2, 32), "w4-s2")))
+# the Hopper warpgroup (wgmma) layout for every tile of 64 or more rows: (warps, stages, 64)
+WG_LAYOUTS = {(64, 16): (4, 3, 64), (64, 32): (4, 3, 64), (64, 64): (4, 3, 64),
+              (64, 128): (4, 2, 64), (128, 16): (8, 3, 64), (128, 32): (8, 3, 64),
+              (128, 64): (8, 2, 64), (128, 128): (8, 2, 64)}
+FORCED_WG = tuple(
+    ("256_4096", (32, 8), "query", tile, over, label)
+    for tile, over, label in (
+        ((64, 64), (4, 3, 64), "wg-s3"), ((64, 64), (4, 2, 64), "wg-s2"),
+        ((64, 32), (4, 3, 64), "wg-s3"), ((64, 128), (4, 2, 64), "wg-s2"),
+        ((128, 32), (8, 3, 64), "wg-s3"), ((128, 64), (8, 2, 64), "wg-s2"),
+        ((128, 64), (8, 3, 64), "wg-s3"), ((128, 128), (8, 2, 64), "wg-s2")))
 LONG = tuple(
     (spec, (32, 8), "pat", None, None, "default")
     for spec in ("1,16_16384,16", "1,32_16384,16"))
@@ -78,6 +89,7 @@ TUNINGS = {
     "share1": {"split_share": 1.0},
     "share4": {"split_share": 4.0},
     "rows32": {"max_rows": 32},
+    "wg": {"layouts": WG_LAYOUTS},
 }
 
 
@@ -87,6 +99,7 @@ def apply_tuning(label: str, planner, backend):
     (the backend may be shared between cases)."""
     from pat_core.planner import Tuning
     tun = dict(TUNINGS[label])
+    tun.pop("layouts", None)   # kernel layouts: set by run_case (cuda_compile.VARIANT_OVERRIDES)
     saved = backend.launch_mode, backend.merge_mode
     backend.launch_mode = tun.pop("launch", backend.launch_mode)
     backend.merge_mode = tun.pop("merge", backend.merge_mode)
@@ -124,7 +137,10 @@ def _layout_candidates():
     return tuple(out)
 
 
-CASE_SETS = {"forced": FORCED, "long": LONG, "sharing": SHARING, "layouts": _layout_candidates(),
+CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
+             "wg": tuple((spec, heads, "pat", None, None, label)
+                         for spec in ("1,16_16384,16", "1,32_16384,16") + SHARING_SPECS
+                         for heads in ((32, 8), (32, 32)) for label in ("default", "wg")), "long": LONG, "sharing": SHARING, "layouts": _layout_candidates(),
              "nosharing-n": tuple(("128_2048", heads, "query", (16, n), None, f"n{n}")
                                   for heads in ((32, 8), (16, 8), (32, 32))
                                   for n in (32, 64, 128)),
@@ -159,10 +175,13 @@ def run_case(backend, case, iters, copy_bw, flush, seed=0) -> dict:
            "label": label}
     cc.VARIANT_OVERRIDES.clear()
     if TUNINGS.get(label):
-        row["tuning"] = dict(TUNINGS[label])
+        row["tuning"] = {k: (v if k != "layouts" else
+                             {f"{m}x{n}": list(lay) for (m, n), lay in v.items()})
+                         for k, v in TUNINGS[label].items()}
     restore = lambda: None  # noqa: E731
     if over is not None and tile is not None:
         cc.VARIANT_OVERRIDES[tuple(tile)] = tuple(over)
+    cc.VARIANT_OVERRIDES.update(TUNINGS.get(label, {}).get("layouts", {}))
     try:
         b = build_tree_batch(spec, page_size=ps, seed=seed)
         g = torch.Generator(device="cuda").manual_seed(seed)

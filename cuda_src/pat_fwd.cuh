@@ -27,6 +27,7 @@
 
 #include "pat_common.cuh"
 #include "pat_merge.cuh"
+#include "pat_wgmma.cuh"
 
 namespace pat {
 
@@ -56,22 +57,34 @@ struct FwdTraits {
   static constexpr int RW = RW_;
   static constexpr int THREADS = WARPS * 32;
 
-  static constexpr int MI = RW / 16;                              // 16-row MMA blocks per warp
-  static constexpr bool Q_IN_REGS = MI == 1;
-  static constexpr int WARPS_M = M / RW;                          // warps splitting the rows
+  // RW_ == 64: the Hopper warpgroup layout (pat_wgmma.cuh): each group of 4 warps owns 64 rows
+  // through wgmma, each warp holding 16 of them in registers; one token slice; sm_90a only.
+  static constexpr bool WG = RW == 64;
+  static constexpr int MI = WG ? 1 : RW / 16;                     // 16-row MMA blocks per warp
+  static constexpr bool Q_IN_REGS = !WG && MI == 1;
+  static constexpr int WARPS_M = WG ? M / 16 : M / RW;            // warps splitting the rows
   static constexpr int WARPS_N = WARPS / WARPS_M;                 // warps splitting a tile's tokens
   static constexpr int NW = N / WARPS_N;                          // tokens per warp per tile
 #ifndef PAT_KC_RW32
 #define PAT_KC_RW32 32
 #endif
   static constexpr int KC_MAX = MI == 1 ? 64 : PAT_KC_RW32;       // tokens per softmax step
-  static constexpr int KC = NW < KC_MAX ? NW : KC_MAX;
+  static constexpr int KC = WG ? NW : (NW < KC_MAX ? NW : KC_MAX);
   static constexpr int CHUNKS = D / 8;                            // 16-byte chunks per row
 
   static constexpr int Q_BYTES = M * D * 2;
   static constexpr int KV_TILE_ELEMS = N * D;                     // one K (or V) stage
   static constexpr int KV_BYTES = STAGES * 2 * KV_TILE_ELEMS * 2;
-  static constexpr int SMEM_BYTES = Q_BYTES + KV_BYTES;           // dynamic shared memory
+  // the warpgroup layout aligns its tiles to 1024 bytes (the swizzle atom) at run time
+  static constexpr int SMEM_ALIGN_PAD = WG ? 1024 : 0;
+  static constexpr int SMEM_BYTES = Q_BYTES + KV_BYTES + SMEM_ALIGN_PAD;  // dynamic shared memory
+
+  // Element offset of 16-byte chunk `ch` of row `row` in a tile of R rows (Q: R = M, K/V: R = N).
+  template <int R>
+  static __device__ __forceinline__ int off(int row, int ch) {
+    if constexpr (WG) return wg_swz<R>(row, ch);
+    else return swz<D>(row, ch);
+  }
 
   // Cross-warp combine buffer (aliases the Q tile and KV ring after the main loop): per writing
   // warp, the accumulator fragment plus running max and sum, stored [register][lane].  When the
@@ -91,7 +104,9 @@ struct FwdTraits {
   static constexpr int KV_LOADS = (NW * CHUNKS + SLICE_THREADS - 1) / SLICE_THREADS;
 
   static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
-  static_assert(RW == 16 || RW == 32, "a warp owns 16 or 32 query rows");
+  static_assert(RW == 16 || RW == 32 || RW == 64, "16 or 32 rows per warp, or 64 per warpgroup");
+  static_assert(!WG || (D == 128 && WARPS == M / 16 && M % 64 == 0),
+                "warpgroup layout: head_dim 128, 64 or 128 rows, one warp per 16 rows");
   static_assert(M % RW == 0 && M >= 16 && M <= 128, "m must be a multiple of the warp rows, <= 128");
   static_assert(N % 16 == 0 && N >= 16 && N <= 256, "n must be a multiple of 16 in [16, 256]");
   static_assert(WARPS >= 1 && WARPS <= 8, "1..8 warps");
@@ -133,7 +148,7 @@ struct KvTileLoader {
 
   __device__ __forceinline__ void load(T* sK, T* sV, int tile, int stage, int row0,
                                       int tid) const {
-    constexpr int D = Tr::D, N = Tr::N, CHUNKS = Tr::CHUNKS, THREADS = Tr::SLICE_THREADS;
+    constexpr int N = Tr::N, CHUNKS = Tr::CHUNKS, THREADS = Tr::SLICE_THREADS;
     constexpr int NW = Tr::NW;
     T* dK = sK + stage * Tr::KV_TILE_ELEMS;
     T* dV = sV + stage * Tr::KV_TILE_ELEMS;
@@ -161,8 +176,8 @@ struct KvTileLoader {
           vs = v_cache + (page * v_sp + slot * v_st + v_col);
           bytes = 16;
         }
-        cp_async_16(smem_u32(dK + swz<D>(row, ch)), ks, bytes);
-        cp_async_16(smem_u32(dV + swz<D>(row, ch)), vs, bytes);
+        cp_async_16(smem_u32(dK + Tr::template off<N>(row, ch)), ks, bytes);
+        cp_async_16(smem_u32(dV + Tr::template off<N>(row, ch)), vs, bytes);
 // </tutorial:gather>
       }
     }
@@ -200,6 +215,130 @@ __device__ __forceinline__ float raise_max(float& m_run, float m_cand, float& al
   return m_use;
 }
 
+// One online-softmax step over the scores of MI row blocks x J column blocks of 8 (the m16n8
+// accumulator layout of both tensor-core paths: s[mi][j][0..1] row lane/4, [2..3] row + 8):
+// raise each row's running max m_run (log2 domain), turn the raw scores into
+// P = exp2(score * scale - max) in place, rescale the running sum l_run and the accumulator acc.
+template <int MI, int J, int DJ>
+__device__ __forceinline__ void online_softmax_step(float (&s)[MI][J][4], float (&m_run)[MI][2],
+                                                    float (&l_run)[MI][2],
+                                                    float (&acc)[MI][DJ][4], float scale_log2) {
+// <tutorial:online-softmax>
+  // Online softmax, per row (hr = 0: row g, hr = 1: row g + 8): raise the running max, turn
+  // the scores into exp2(score * scale - max) with one FFMA each, rescale the running sum.
+  float alpha[MI][2];
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      float mx = neg_inf();
+#pragma unroll
+      for (int j = 0; j < J; ++j) mx = fmaxf(mx, fmaxf(s[mi][j][2 * hr], s[mi][j][2 * hr + 1]));
+      // the four lanes of a quad hold the same row
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // scale > 0, so max(raw) * scale is the max of the scaled scores (-inf stays -inf)
+      const float neg_m = -raise_max(m_run[mi][hr], mx * scale_log2, alpha[mi][hr]);
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        s[mi][j][2 * hr] = exp2f(fmaf(s[mi][j][2 * hr], scale_log2, neg_m));
+        s[mi][j][2 * hr + 1] = exp2f(fmaf(s[mi][j][2 * hr + 1], scale_log2, neg_m));
+        sum += s[mi][j][2 * hr] + s[mi][j][2 * hr + 1];
+      }
+      l_run[mi][hr] = l_run[mi][hr] * alpha[mi][hr] + sum;
+    }
+  }
+  // Rescale the accumulator only when some row's max moved (once the max has settled, most
+  // steps skip these MI * D / 2 multiplies); warp-uniform vote.
+  bool moved = false;
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi) moved |= (alpha[mi][0] != 1.f) | (alpha[mi][1] != 1.f);
+  if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int dt = 0; dt < DJ; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mi][dt][e] *= alpha[mi][e >> 1];
+  }
+// </tutorial:online-softmax>
+}
+
+// The KV walk of the warpgroup layout (Tr::WG): every warp gathers its share of each tile (one
+// token slice, CTA-wide barriers), then warpgroup g computes S = Q[64g .. 64g + 63] K^T with
+// wgmma from shared memory, the online softmax on S in registers, and O += P V with P from
+// registers.  Each tile's MMAs are waited for before the registers are touched.
+template <typename Tr, typename Loader>
+__device__ __forceinline__ void pat_wg_loop(typename Tr::T* sQ, typename Tr::T* sK,
+                                            typename Tr::T* sV, const Loader& loader,
+                                            int num_tiles, int kv_len, float scale_log2, int warp,
+                                            int lane, int tid, float (&acc)[1][Tr::D / 8][4],
+                                            float (&m_run)[1][2], float (&l_run)[1][2]) {
+  using T = typename Tr::T;
+  constexpr int M = Tr::M, N = Tr::N, D = Tr::D, STAGES = Tr::STAGES;
+  const int g = warp >> 2;  // warpgroup: rows 64g .. 64g + 63
+  const unsigned q_addr = smem_u32(sQ) + g * 64 * 128;  // first row of this group, first half
+  const unsigned k_addr = smem_u32(sK), v_addr = smem_u32(sV);
+  constexpr unsigned Q_HALF = M * 128, KV_HALF = N * 128, STAGE_BYTES = N * D * 2;
+  for (int t = 0; t < num_tiles; ++t) {
+    const int tn = t + STAGES - 1;
+    if (tn < num_tiles) loader.load(sK, sV, tn, tn % STAGES, 0, tid);
+    cp_async_commit();
+    cp_async_wait<STAGES - 1>();
+    fence_proxy_async();  // this thread's copies of tile t (and Q) -> the tensor cores' view
+    cta_sync<Tr>();       // every thread's copies of tile t have landed
+    const unsigned st = (t % STAGES) * STAGE_BYTES;
+
+    // S = Q K^T: D / 16 steps of k16; the first overwrites S
+    float s[1][N / 8][4];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const unsigned koff = (kk & 3) * 32;  // k16 step inside a 64-element half
+      const unsigned long long da = wg_desc(q_addr + (kk >> 2) * Q_HALF + koff, 16, 1024);
+      const unsigned long long db = wg_desc(k_addr + st + (kk >> 2) * KV_HALF + koff, 16, 1024);
+      wgmma_ss<T, N>(s[0], da, db, kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wg_fence_regs(s[0]);
+
+    const int valid = kv_len - t * N;
+    if (valid < N) {  // the range's last tile: mask tokens past its end
+#pragma unroll
+      for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (j * 8 + ((lane & 3) << 1) + (e & 1) >= valid) s[0][j][e] = neg_inf();
+    }
+    online_softmax_step<1, N / 8, D / 8>(s, m_run, l_run, acc, scale_log2);
+
+    // O += P V: k16 steps over the tile's tokens, P from registers
+    wg_fence_regs(acc[0]);
+    wgmma_fence();
+#pragma unroll
+    for (int kt = 0; kt < N / 16; ++kt) {
+      unsigned pa[4];
+      pa[0] = ElemOps<T>::pack2(s[0][2 * kt][0], s[0][2 * kt][1]);
+      pa[1] = ElemOps<T>::pack2(s[0][2 * kt][2], s[0][2 * kt][3]);
+      pa[2] = ElemOps<T>::pack2(s[0][2 * kt + 1][0], s[0][2 * kt + 1][1]);
+      pa[3] = ElemOps<T>::pack2(s[0][2 * kt + 1][2], s[0][2 * kt + 1][3]);
+#ifndef PAT_WG_V_SWAP
+      const unsigned long long db = wg_desc(v_addr + st + kt * 16 * 128, KV_HALF, 1024);
+#else
+      const unsigned long long db = wg_desc(v_addr + st + kt * 16 * 128, 1024, KV_HALF);
+#endif
+      wgmma_rs_n128<T>(acc[0], pa, db);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wg_fence_regs(acc[0]);
+    cta_sync<Tr>();  // every warpgroup is done with stage t % STAGES before it is refilled
+  }
+  cp_async_wait<0>();
+}
+
 // One work item: Plan CTA `cta` for KV head `kv_head`.  Returns with every cp.async group drained;
 // a caller that runs another item in the same block puts a cta_sync<Tr>() in between (the last
 // phase reads shared memory that the next item's prologue overwrites).
@@ -220,8 +359,11 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
   const float scale_log2 = p.scale_log2;
   const MergeArgs& merge = p.merge;
 
-  T* sQ = reinterpret_cast<T*>(pat_dyn_smem);
-  T* sK = reinterpret_cast<T*>(pat_dyn_smem + Tr::Q_BYTES);  // [STAGES][N][D], swizzled rows
+  unsigned char* smem_base = pat_dyn_smem;
+  if constexpr (Tr::WG)  // 1024-byte aligned tiles (the 128-byte swizzle repeats every 1024 B)
+    smem_base += (1024u - (smem_u32(pat_dyn_smem) & 1023u)) & 1023u;
+  T* sQ = reinterpret_cast<T*>(smem_base);
+  T* sK = reinterpret_cast<T*>(smem_base + Tr::Q_BYTES);  // [STAGES][N][D], swizzled rows
   T* sV = sK + STAGES * Tr::KV_TILE_ELEMS;                     // [STAGES][N][D], swizzled rows
 
   // Opaque to the optimiser: in the graph-safe loop (run_items) nothing derived from the thread
@@ -259,7 +401,7 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
         src = q + (long long)cta_req[req_begin + ri] * p.q_sb + (long long)head * p.q_sh + ch * 8;
         bytes = 16;
       }
-      cp_async_16(smem_u32(sQ + swz<D>(row, ch)), src, bytes);
+      cp_async_16(smem_u32(sQ + Tr::template off<M>(row, ch)), src, bytes);
     }
   }
 
@@ -313,6 +455,10 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
       ldmatrix_x4(qf[0][kk], smem_u32(sQ + swz<D>(wm * 16 + q_lrow, kk * 2 + (lane >> 4))));
   }
 
+  if constexpr (Tr::WG) {
+    pat_wg_loop<Tr>(sQ, sK, sV, loader, num_tiles, kv_len, scale_log2, warp, lane, tid, acc,
+                    m_run, l_run);
+  } else {
   for (int t = 0; t < num_tiles; ++t) {
 // <tutorial:loop-top>
     // Keep STAGES - 1 tiles in flight: issue (this slice of) tile t + STAGES - 1 into the stage
@@ -384,47 +530,7 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
             }
       }
 
-// <tutorial:online-softmax>
-      // Online softmax, per row (hr = 0: row g, hr = 1: row g + 8): raise the running max, turn
-      // the scores into exp2(score * scale - max) with one FFMA each, rescale the running sum.
-      float alpha[MI][2];
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi) {
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          float mx = neg_inf();
-#pragma unroll
-          for (int j = 0; j < KC / 8; ++j)
-            mx = fmaxf(mx, fmaxf(s[mi][j][2 * hr], s[mi][j][2 * hr + 1]));
-          // the four lanes of a quad hold the same row
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          // scale > 0, so max(raw) * scale is the max of the scaled scores (-inf stays -inf)
-          const float neg_m = -raise_max(m_run[mi][hr], mx * scale_log2, alpha[mi][hr]);
-          float sum = 0.f;
-#pragma unroll
-          for (int j = 0; j < KC / 8; ++j) {
-            s[mi][j][2 * hr] = exp2f(fmaf(s[mi][j][2 * hr], scale_log2, neg_m));
-            s[mi][j][2 * hr + 1] = exp2f(fmaf(s[mi][j][2 * hr + 1], scale_log2, neg_m));
-            sum += s[mi][j][2 * hr] + s[mi][j][2 * hr + 1];
-          }
-          l_run[mi][hr] = l_run[mi][hr] * alpha[mi][hr] + sum;
-        }
-      }
-      // Rescale the accumulator only when some row's max moved (once the max has settled, most
-      // steps skip these MI * D / 2 multiplies); warp-uniform vote.
-      bool moved = false;
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi) moved |= (alpha[mi][0] != 1.f) | (alpha[mi][1] != 1.f);
-      if (__any_sync(0xffffffffu, moved)) {
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-          for (int dt = 0; dt < D / 8; ++dt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mi][dt][e] *= alpha[mi][e >> 1];
-      }
-// </tutorial:online-softmax>
+      online_softmax_step<MI, KC / 8, D / 8>(s, m_run, l_run, acc, scale_log2);
 
       // O += P V: P (rounded to the input dtype) comes straight from the S accumulators, two
       // adjacent n8 blocks forming one k16 A fragment.
@@ -458,6 +564,7 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
   }
   cp_async_wait<0>();  // only empty groups can remain; drain them before smem is reused
 // </tutorial:loop-end>
+  }
 
   // Full row sums: reduce the per-thread partial sums over the quad.
 #pragma unroll

@@ -267,9 +267,8 @@ class CudaBackend:
             if fn is not None:
                 return fn
             log.info("compile %s", variant.key)
-            mod = self.cp.RawModule(code=cc.module_source(variant), options=cc.nvrtc_options(),
-                                    name_expressions=[variant.name_expression])
-            fn = mod.get_function(variant.name_expression)
+            mod, name = _raw_module(self.cp, variant)
+            fn = mod.get_function(name)
             smem = variant.smem_bytes
             # opt in near the 48 KB default too: the limit counts static shared memory as well
             # (the graph-safe kernels have a few bytes), so 48 KB of dynamic alone is too much
@@ -969,14 +968,57 @@ def _variant_from(v):
     raise TypeError(f"variants: expected FwdVariant, MergeVariant or key, got {type(v).__name__}")
 
 
+_SM90A_DIR: list = []   # one temporary folder per process for the sm_90a modules
+
+
+def _raw_module(cp, variant):
+    """``(RawModule, function name)`` of one variant.
+
+    Every variant but the warpgroup ones goes through CuPy's RawModule (NVRTC for the device's
+    own architecture, CuPy's on-disk cache).  The warpgroup (wgmma) variants need the sm_90a
+    target, which RawModule cannot be asked for (it adds ``-arch`` for the device itself):
+    they are compiled here with NVRTC for sm_90a and the module is loaded from the cubin.
+    """
+    if not getattr(variant, "warpgroup", False):
+        mod = cp.RawModule(code=cc.module_source(variant), options=cc.nvrtc_options(),
+                           name_expressions=[variant.name_expression])
+        return mod, variant.name_expression
+    import tempfile
+    from cupy_backends.cuda.libs import nvrtc
+    prog = nvrtc.createProgram(cc.module_source(variant), variant.key + ".cu", (), ())
+    try:
+        nvrtc.addNameExpression(prog, variant.name_expression)
+        opts = cc.nvrtc_options() + ("-arch=sm_90a", "--device-as-default-execution-space")
+        cuda_path = cp.cuda.get_cuda_path()
+        if cuda_path and os.path.isdir(os.path.join(cuda_path, "include")):
+            opts += (f"-I{os.path.join(cuda_path, 'include')}",)
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"NVRTC failed for {variant.key} (sm_90a):\n"
+                               f"{nvrtc.getProgramLog(prog)}") from e
+        name = nvrtc.getLoweredName(prog, variant.name_expression)
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    if not _SM90A_DIR:
+        _SM90A_DIR.append(tempfile.mkdtemp(prefix="pat_sm90a_"))
+    path = os.path.join(_SM90A_DIR[0], variant.key + ".cubin")
+    with open(path, "wb") as fh:
+        fh.write(cubin)
+    return cp.RawModule(path=path), name
+
+
 def _compile_one(fields) -> str:
-    """Worker-process body: compile one variant into CuPy's on-disk cache."""
+    """Worker-process body: compile one variant into CuPy's on-disk cache (the sm_90a
+    warpgroup variants are compiled where they are loaded: they have no such cache)."""
     kind, args = fields
     import cupy
     v = cc.FwdVariant(*args) if kind == "fwd" else cc.MergeVariant(*args)
-    mod = cupy.RawModule(code=cc.module_source(v), options=cc.nvrtc_options(),
-                         name_expressions=[v.name_expression])
-    mod.get_function(v.name_expression)
+    if getattr(v, "warpgroup", False):
+        return v.key
+    mod, name = _raw_module(cupy, v)
+    mod.get_function(name)
     return v.key
 
 

@@ -79,6 +79,9 @@ def source_hash(src_dir: Path | None = None) -> str:
 
 
 # ------------------------------------------------------------------------------ variant rules
+# rows_per_warp value that selects the Hopper warpgroup (wgmma) layout: 64 rows per group of four
+# warps, one warp per 16 rows (cuda_src/pat_wgmma.cuh); head_dim 128, m 64 or 128, sm_90a only.
+WG_ROWS = 64
 def default_rows_per_warp(m: int) -> int:
     """Query rows one warp owns: 32 for tiles of 64 rows or more, else 16.
 
@@ -200,7 +203,12 @@ class FwdVariant:
 
     @property
     def smem_bytes(self) -> int:
-        return fwd_smem_bytes(self.m, self.n, self.head_dim, self.stages)
+        return fwd_smem_bytes(self.m, self.n, self.head_dim, self.stages, self.rows_per_warp)
+
+    @property
+    def warpgroup(self) -> bool:
+        """The Hopper warpgroup (wgmma) layout: rows_per_warp 64, built for sm_90a only."""
+        return self.rows_per_warp == WG_ROWS
 
     def explicit_instantiation(self) -> str:
         return f"template __global__ void {self.name_expression}(const __grid_constant__ pat::FwdParams);"
@@ -264,13 +272,15 @@ class MergeVariant:
         return f"template __global__ void {self.name_expression}(const __grid_constant__ pat::MergeParams);"
 
 
-def fwd_smem_bytes(m: int, n: int, head_dim: int, stages: int) -> int:
+def fwd_smem_bytes(m: int, n: int, head_dim: int, stages: int, rows_per_warp: int = 16) -> int:
     """Dynamic shared memory of a forward variant (mirrors FwdTraits::SMEM_BYTES).
 
-    Q tile (m x d, 2 bytes) + `stages` x (K tile + V tile) (n x d, 2 bytes each).  The cross-warp
-    combine buffer reuses the KV ring, so it adds nothing.
+    Q tile (m x d, 2 bytes) + `stages` x (K tile + V tile) (n x d, 2 bytes each), plus 1024 bytes
+    for the warpgroup layout, which aligns its tiles to the 1024-byte swizzle atom at run time.
+    The cross-warp combine buffer reuses the KV ring, so it adds nothing.
     """
-    return m * head_dim * 2 + stages * 2 * n * head_dim * 2
+    pad = 1024 if rows_per_warp == WG_ROWS else 0
+    return m * head_dim * 2 + stages * 2 * n * head_dim * 2 + pad
 
 
 def fwd_variant_feasible(v: FwdVariant, smem_limit: int = SMEM_LIMIT["sm_90"]) -> bool:
