@@ -284,7 +284,8 @@ class CudaBackend:
     def variants_for(self, plan: Plan, dtype: str | None = None) -> list:
         """Forward variants plus the merge variant a Plan needs (for `dtype`, default the plan's)."""
         dtype = dtype_name(dtype or plan.kv_dtype)
-        fwd = [cc.FwdVariant.make(v.m, v.n, v.head_dim, dtype) for v in cc.plan_fwd_variants(plan)]
+        fwd = [cc.FwdVariant.make(v.m, v.n, v.head_dim, dtype, arch=self.arch)
+               for v in cc.plan_fwd_variants(plan, self.arch)]
         return fwd + [cc.MergeVariant(plan.head_dim, dtype)]
 
     def warmup(self, plan: Plan | None = None, variants=None, jobs: int | None = None) -> list:
@@ -299,7 +300,10 @@ class CudaBackend:
             if plan is not None:
                 variants = self.variants_for(plan)
             else:   # graph-safe (pull) kernels compile when a graph-safe wrapper needs them
-                variants = cc.all_fwd_variants(pulls=(False,)) + cc.all_merge_variants()
+                variants = [v for v in cc.all_fwd_variants(pulls=(False,))
+                            if v == cc.FwdVariant.make(v.m, v.n, v.head_dim, v.dtype,
+                                                       arch=self.arch)]
+                variants += cc.all_merge_variants()
         variants = [_variant_from(v) for v in variants]
         dev = self.cp.cuda.runtime.getDevice()
         todo = [v for v in variants if (dev, v.key) not in self._functions]
@@ -484,7 +488,8 @@ class CudaBackend:
                 base.merge.counters = _ptr(self._counters(plan.batch_size * Hk))
                 base.merge.req_slot_indptr = _ptr(rec["req_slot_indptr"])
             launches = []
-            members = [cc.FwdVariant.make(m, n, D, dtype) for _, (m, n), b, e in plan.groups()
+            members = [cc.FwdVariant.make(m, n, D, dtype, arch=self.arch)
+                       for _, (m, n), b, e in plan.groups()
                        if e > b]
             if self._use_fused(plan, members):
                 fv = cc.FusedVariant(D, dtype, tuple(dict.fromkeys(members)))
@@ -502,7 +507,7 @@ class CudaBackend:
             for _, (m, n), b, e in (plan.groups() if members else ()):
                 if e <= b:
                     continue
-                v = cc.FwdVariant.make(m, n, D, dtype)
+                v = cc.FwdVariant.make(m, n, D, dtype, arch=self.arch)
                 prm = _copy_params(base)
                 prm.cta_offset, prm.n_ctas = b, e - b
                 launches.append(_Launch(self._function(v), ((e - b) * Hk, 1, 1),
@@ -700,7 +705,8 @@ class StaticState:
         self.staging = np.frombuffer(self._pinned, dtype=np.int32, count=layout.total)
         self.copied = cp.cuda.Event(disable_timing=True)
         self.copied.record()
-        self.variants = [cc.FwdVariant.make(m, n, self.head_dim, self.dtype, pull=True)
+        self.variants = [cc.FwdVariant.make(m, n, self.head_dim, self.dtype, pull=True,
+                                            arch=backend.arch)
                          for m, n in layout.tiles]
         self.merge_variant = cc.MergeVariant(self.head_dim, self.dtype)
         backend.warmup(variants=self.variants + [self.merge_variant],
@@ -968,7 +974,15 @@ def _variant_from(v):
     raise TypeError(f"variants: expected FwdVariant, MergeVariant or key, got {type(v).__name__}")
 
 
-_SM90A_DIR: list = []   # one temporary folder per process for the sm_90a modules
+def _sm90a_cubin_path(variant, opts) -> str:
+    """Where the sm_90a cubin of ``variant`` built with ``opts`` is kept: CuPy's kernel cache
+    folder (``CUPY_CACHE_DIR``), named by the variant, the options and the source hash (part of
+    the options), so worker processes and later runs reuse it."""
+    import hashlib
+    root = os.environ.get("CUPY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cupy",
+                                                             "kernel_cache")
+    tag = hashlib.sha1("\0".join(opts).encode()).hexdigest()[:16]
+    return os.path.join(root, f"pat_sm90a_{variant.key}_{tag}.cubin")
 
 
 def _raw_module(cp, variant):
@@ -977,21 +991,25 @@ def _raw_module(cp, variant):
     Every variant but the warpgroup ones goes through CuPy's RawModule (NVRTC for the device's
     own architecture, CuPy's on-disk cache).  The warpgroup (wgmma) variants need the sm_90a
     target, which RawModule cannot be asked for (it adds ``-arch`` for the device itself):
-    they are compiled here with NVRTC for sm_90a and the module is loaded from the cubin.
+    they are compiled here with NVRTC for sm_90a, the cubin kept next to CuPy's cache
+    (:func:`_sm90a_cubin_path`) and the module loaded from it.
     """
     if not getattr(variant, "warpgroup", False):
         mod = cp.RawModule(code=cc.module_source(variant), options=cc.nvrtc_options(),
                            name_expressions=[variant.name_expression])
         return mod, variant.name_expression
-    import tempfile
     from cupy_backends.cuda.libs import nvrtc
+    opts = cc.nvrtc_options() + ("-arch=sm_90a", "--device-as-default-execution-space")
+    cuda_path = cp.cuda.get_cuda_path()
+    if cuda_path and os.path.isdir(os.path.join(cuda_path, "include")):
+        opts += (f"-I{os.path.join(cuda_path, 'include')}",)
+    path = _sm90a_cubin_path(variant, opts)
+    if os.path.exists(path) and os.path.exists(path + ".name"):
+        with open(path + ".name") as fh:
+            return cp.RawModule(path=path), fh.read()
     prog = nvrtc.createProgram(cc.module_source(variant), variant.key + ".cu", (), ())
     try:
         nvrtc.addNameExpression(prog, variant.name_expression)
-        opts = cc.nvrtc_options() + ("-arch=sm_90a", "--device-as-default-execution-space")
-        cuda_path = cp.cuda.get_cuda_path()
-        if cuda_path and os.path.isdir(os.path.join(cuda_path, "include")):
-            opts += (f"-I{os.path.join(cuda_path, 'include')}",)
         try:
             nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError as e:
@@ -1001,22 +1019,21 @@ def _raw_module(cp, variant):
         cubin = nvrtc.getCUBIN(prog)
     finally:
         nvrtc.destroyProgram(prog)
-    if not _SM90A_DIR:
-        _SM90A_DIR.append(tempfile.mkdtemp(prefix="pat_sm90a_"))
-    path = os.path.join(_SM90A_DIR[0], variant.key + ".cubin")
-    with open(path, "wb") as fh:
-        fh.write(cubin)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    # write then rename: a concurrent reader never sees half a file
+    for dst, data in ((path, cubin), (path + ".name", name.encode())):
+        tmp = f"{dst}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, dst)
     return cp.RawModule(path=path), name
 
 
 def _compile_one(fields) -> str:
-    """Worker-process body: compile one variant into CuPy's on-disk cache (the sm_90a
-    warpgroup variants are compiled where they are loaded: they have no such cache)."""
+    """Worker-process body: compile one variant into CuPy's on-disk cache."""
     kind, args = fields
     import cupy
     v = cc.FwdVariant(*args) if kind == "fwd" else cc.MergeVariant(*args)
-    if getattr(v, "warpgroup", False):
-        return v.key
     mod, name = _raw_module(cupy, v)
     mod.get_function(name)
     return v.key

@@ -138,16 +138,31 @@ def variant_speed() -> dict:
     return {(int(r["m"]), int(r["n"])): r for r in data.get("tiles", {}).values()}
 
 
-def default_layout(m: int, n: int, head_dim: int = 128) -> tuple:
-    """``(warps, stages, rows_per_warp)`` of the (m, n) variant: the fastest measured layout
-    (:func:`variant_speed`, head_dim 128, where it fits this head_dim's shared memory), else the
-    rules (:func:`rule_warps`, :func:`rule_stages`, :func:`default_rows_per_warp`)."""
+def default_layout(m: int, n: int, head_dim: int = 128, arch: str = "sm_90") -> tuple:
+    """``(warps, stages, rows_per_warp)`` of the (m, n) variant on ``arch``: the fastest measured
+    layout (:func:`variant_speed`, head_dim 128, where it fits this head_dim's shared memory;
+    where that is the warpgroup layout, which only sm_90 runs, other GPUs take the fastest
+    measured mma.sync layout, the record's ``sync``), else the rules (:func:`rule_warps`,
+    :func:`rule_stages`, :func:`default_rows_per_warp`)."""
     rec = variant_speed().get((int(m), int(n)))
     if rec is not None and head_dim == 128:
+        if int(rec["rows_per_warp"]) == WG_ROWS and arch != "sm_90":
+            rec = rec.get("sync")
+    if rec is not None and head_dim == 128:
         w, st, rw = int(rec["warps"]), int(rec["stages"]), int(rec["rows_per_warp"])
-        if fwd_smem_bytes(m, n, head_dim, st) <= SMEM_LIMIT["sm_90"]:
+        if fwd_smem_bytes(m, n, head_dim, st, rw) <= SMEM_LIMIT["sm_90"]:
             return w, st, rw
     return rule_warps(m, n), rule_stages(m, n, head_dim), default_rows_per_warp(m)
+
+
+# Architectures whose kernels the resource file describes: sm_90 (Hopper, the primary target)
+# and sm_80 (A100).  The warpgroup variants exist for sm_90 only (built as sm_90a).
+ARCHS = ("sm_80", "sm_90")
+
+
+def variant_archs(variant) -> tuple:
+    """Architectures ``variant`` is built for."""
+    return ("sm_90",) if getattr(variant, "warpgroup", False) else ARCHS
 
 
 def default_warps(m: int, n: int, head_dim: int = 128) -> int:
@@ -175,10 +190,13 @@ class FwdVariant:
     pull: bool = False     # graph-safe instantiation: fixed grid, blocks pull work items
 
     @classmethod
-    def make(cls, m: int, n: int, head_dim: int, dtype: str, pull: bool = False) -> "FwdVariant":
+    def make(cls, m: int, n: int, head_dim: int, dtype: str, pull: bool = False,
+             arch: str = "sm_90") -> "FwdVariant":
+        """The (m, n) variant in its default layout for ``arch`` ("sm_90", "sm_80", ...), or in
+        the layout VARIANT_OVERRIDES names."""
         over = VARIANT_OVERRIDES.get((int(m), int(n)))
         if over is None:
-            w, st, rw = default_layout(m, n, head_dim)
+            w, st, rw = default_layout(m, n, head_dim, arch)
         else:
             w, st = over[0], over[1]
             rw = over[2] if len(over) > 2 else default_rows_per_warp(m)
@@ -232,6 +250,11 @@ class FusedVariant:
     @property
     def smem_bytes(self) -> int:
         return max(v.smem_bytes for v in self.members)
+
+    @property
+    def warpgroup(self) -> bool:
+        """Built for sm_90a when any member uses the warpgroup (wgmma) layout."""
+        return any(v.warpgroup for v in self.members)
 
     @property
     def key(self) -> str:
@@ -290,16 +313,18 @@ def fwd_variant_feasible(v: FwdVariant, smem_limit: int = SMEM_LIMIT["sm_90"]) -
 def all_fwd_variants(head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_CTYPE), ms=TILE_MS, ns=TILE_NS,
                      pulls=(False, True)):
     """Every forward variant that fits the sm_90 shared-memory limit (n = 256 only at d = 64),
-    in both instantiations (one item per block, and the graph-safe pull loop)."""
+    in both instantiations (one item per block, and the graph-safe pull loop), in the default
+    layouts of sm_90 and of sm_80."""
     out = []
     for pull in pulls:
         for d in head_dims:
             for dt in dtypes:
                 for m in ms:
                     for n in ns:
-                        v = FwdVariant.make(m, n, d, dt, pull)
-                        if fwd_variant_feasible(v):
-                            out.append(v)
+                        for arch in ("sm_90", "sm_80"):   # their default layouts may differ
+                            v = FwdVariant.make(m, n, d, dt, pull, arch)
+                            if fwd_variant_feasible(v) and v not in out:
+                                out.append(v)
     return out
 
 
@@ -307,13 +332,14 @@ def all_merge_variants(head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_CTYPE)):
     return [MergeVariant(d, dt) for d in head_dims for dt in dtypes]
 
 
-def plan_fwd_variants(plan) -> list:
-    """Forward variants a Plan launches (one per distinct tile config of its launch groups)."""
+def plan_fwd_variants(plan, arch: str = "sm_90") -> list:
+    """Forward variants a Plan launches on ``arch`` (one per distinct tile config of its launch
+    groups)."""
     seen = []
     for _, (m, n), b, e in plan.groups():
         if e <= b:
             continue
-        v = FwdVariant.make(m, n, plan.head_dim, plan.kv_dtype)
+        v = FwdVariant.make(m, n, plan.head_dim, plan.kv_dtype, arch=arch)
         if v not in seen:
             seen.append(v)
     return seen

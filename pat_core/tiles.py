@@ -113,16 +113,17 @@ def kernel_resources(m: int, n: int, head_dim: int, dtype: str, gpu: GPUSpec,
         # no compiled kernels for this head_dim/dtype (no data file yet, or a shape only the
         # CPU executor runs, such as float32): the estimate stands in
         return estimate_resources(m, n, head_dim, dtype)
-    for v in family:
-        if (v["m"], v["n"]) == (m, n):
-            rep = v.get(_arch_of(gpu))
-            if rep is None:
-                return None
-            smem = int(rep.get("smem_static", 0)) + int(rep.get("smem_dynamic", 0))
-            return TileResources(m=m, n=n, threads=int(v["threads"]),
-                                 registers=int(rep["registers"]), smem=smem, source="nvcc",
-                                 stages=int(v.get("stages", STAGES)))
-    return None
+    arch = _arch_of(gpu)
+    key = cc.FwdVariant.make(m, n, head_dim, dtype, arch=arch).key   # this GPU's layout
+    v = data["variants"].get(key)
+    if v is None:   # a layout the file does not list (a benchmark's override): any of this tile
+        v = next((r for r in family if (r["m"], r["n"]) == (m, n) and r.get(arch)), None)
+    if v is None or v.get(arch) is None:
+        return None
+    rep = v[arch]
+    smem = int(rep.get("smem_static", 0)) + int(rep.get("smem_dynamic", 0))
+    return TileResources(m=m, n=n, threads=int(v["threads"]), registers=int(rep["registers"]),
+                         smem=smem, source="nvcc", stages=int(v.get("stages", STAGES)))
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,15 @@ def test_layouts_come_from_the_measured_table():
         assert (v.warps, v.stages, v.rows_per_warp) == (rec["warps"], rec["stages"],
                                                         rec["rows_per_warp"])
         assert f"_m{m}_n{n}_w{v.warps}_s{v.stages}_r{v.rows_per_warp}" in v.key
+        # the warpgroup layout is sm_90 only: other GPUs run the fastest mma.sync layout
+        if rec["rows_per_warp"] == cc.WG_ROWS:
+            assert v.warpgroup and cc.variant_archs(v) == ("sm_90",)
+            v80 = cc.FwdVariant.make(m, n, 128, "float16", arch="sm_80")
+            assert not v80.warpgroup and set(cc.variant_archs(v80)) == {"sm_80", "sm_90"}
+            sync = rec["sync"]
+            assert (v80.warps, v80.stages, v80.rows_per_warp) == (
+                sync["warps"], sync["stages"], sync["rows_per_warp"])
+    assert any(r["rows_per_warp"] == cc.WG_ROWS for r in table.values())
     # head_dim 64 was not measured: the rules apply
     v = cc.FwdVariant.make(128, 64, 64, "float16")
     assert (v.warps, v.stages) == (cc.rule_warps(128, 64), cc.rule_stages(128, 64, 64))
