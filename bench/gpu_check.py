@@ -96,11 +96,21 @@ def sanitize_case():
     import numpy as np
     from pat_core import PrefixAttentionWrapper
     from pat_core.workloads import build_tree_batch
-    for spec, ps, hq, hk, d, layout in (("1,4,16_100,37,61", 16, 32, 8, 128, "NHD"),
-                                        ("1,3,9_70,20,33", 1, 12, 4, 64, "HND")):
+    from pat_core import cuda_compile as cc
+    cases = [("1,4,16_100,37,61", 16, 32, 8, 128, "NHD", None),
+             ("1,3,9_70,20,33", 1, 12, 4, 64, "HND", None)]
+    if cc.FwdVariant.make(64, 64, 128, "float16").warpgroup:   # sm_90: every warpgroup tile
+        cases += [("1,32_300,20", 16, 32, 8, 128, "NHD", t)
+                  for t in ((64, 16), (64, 32), (64, 64), (64, 128), (128, 16), (128, 32),
+                            (128, 64), (128, 128))]
+    for spec, ps, hq, hk, d, layout, tile in cases:
+        cc.VARIANT_OVERRIDES.clear()
+        if tile is not None:   # the warpgroup layout, two stages, forced onto every CTA
+            cc.VARIANT_OVERRIDES[tile] = (tile[0] // 16, 2, cc.WG_ROWS)
         b = build_tree_batch(spec, page_size=ps, seed=2)
         w = PrefixAttentionWrapper(backend="cuda", packer="pat", kv_layout=layout)
-        plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16")
+        plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16",
+                      tile=tile)
         rng = np.random.default_rng(0)
         shape = (b.num_pages, ps, hk, d) if layout == "NHD" else (b.num_pages, hk, ps, d)
         k = cupy.asarray(rng.standard_normal(shape).astype(np.float16))
@@ -109,7 +119,9 @@ def sanitize_case():
         out, lse = w.run(q, (k, v), return_lse=True)
         cupy.cuda.Device().synchronize()
         print(f"{spec} {layout}: groups={plan.num_groups} tiles={plan.stats()['tiles']} "
+              f"variants={[v.key for v in w._gpu_backend.variants_for(plan)][:-1]} "
               f"finite={bool(cupy.isfinite(out).all())}")
+    cc.VARIANT_OVERRIDES.clear()
 
 
 def step_sanitizer(out_dir):
