@@ -90,6 +90,9 @@ TUNINGS = {
     "share4": {"split_share": 4.0},
     "rows32": {"max_rows": 32},
     "wg": {"layouts": WG_LAYOUTS},
+    "share3": {"split_share": 3.0},
+    "n32": {"kv_tile_table": ((1 << 62, 32),)},
+    "n32-share3": {"kv_tile_table": ((1 << 62, 32),), "split_share": 3.0},
 }
 
 
@@ -154,8 +157,9 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                               for label in TUNINGS),
              "long-tune": tuple((spec, (32, 8), "pat", None, None, label)
                                 for spec in ("1,16_16384,16", "1,32_16384,16", "1,16_2048,128")
-                                for label in ("default", "share1", "share4", "rows32", "rows64",
-                                              "streams", "fused")),
+                                for label in ("default", "share1", "share3", "share4", "rows32",
+                                              "rows64", "streams", "fused", "n32",
+                                              "n32-share3")),
              "quickstart": tuple(("1,4,16_128,256,1024", (32, 8), p, None, None, "default")
                                  for p in ("pat", "query", "node", "cascade")),
              "nosharing": tuple(("256_4096", (32, 8), p, None, None, "default")
