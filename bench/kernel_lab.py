@@ -18,6 +18,13 @@ Case sets:
   tiles, layout A/B (16 vs 32 rows per warp).
 * ``long``: one shared 16k-token prefix, 64 and 128 rows (``1,16_16384,16``, ``1,32_16384,16``).
 * ``sharing``: the development sharing batches, pat and query.
+* ``forced-wg``: the ``forced`` workload on the Hopper warpgroup (``wgmma``) layout of each
+  64- and 128-row tile; ``wg``: the long and sharing batches with the default layouts and with
+  the warpgroup layout forced for every tile of 64 or more rows (label ``wg``).
+* ``layouts``: every tile with its candidate layouts (the data of ``--write-table``);
+  ``long-tune``: the long-prefix batches under planner settings; ``planner``: the sharing
+  batches under every planner setting of ``TUNINGS``; ``quickstart``, ``nosharing``,
+  ``nosharing-n``: the quick-start batch per packer, the no-sharing batches.
 
 Writes ``DIR/kernel_lab.json`` (environment, copy bandwidth, every row) and prints a table last.
 """
@@ -148,7 +155,8 @@ def _layout_candidates():
 CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
              "wg": tuple((spec, heads, "pat", None, None, label)
                          for spec in ("1,16_16384,16", "1,32_16384,16") + SHARING_SPECS
-                         for heads in ((32, 8), (32, 32)) for label in ("default", "wg")), "long": LONG, "sharing": SHARING, "layouts": _layout_candidates(),
+                         for heads in ((32, 8), (32, 32)) for label in ("default", "wg")),
+             "long": LONG, "sharing": SHARING, "layouts": _layout_candidates(),
              "nosharing-n": tuple(("128_2048", heads, "query", (16, n), None, f"n{n}")
                                   for heads in ((32, 8), (16, 8), (32, 32))
                                   for n in (32, 64, 128)),
