@@ -510,4 +510,37 @@ gather = "\n".join(line for _, line in excerpt("gather"))
 assert "pages[" in gather and "cp_async_16" in gather
 
 # %% [markdown]
+# ## Two tensor-core paths
+#
+# The excerpts above are the `mma.sync` path: each warp owns 16 or 32 query rows and feeds the
+# tensor cores one `m16n8k16` instruction at a time from registers it loads with `ldmatrix`. A
+# 128-row tile does 128 FLOP per KV byte, and there that path reaches only 59-67% of copy
+# bandwidth on the H100 (the table's `sync` records, printed below): the warps spend their
+# issue slots waiting on instruction latencies. On Hopper
+# (sm_90) the 64- and 128-row tiles instead run on `wgmma` (`cuda_src/pat_wgmma.cuh`): a
+# *warpgroup* of four warps owns 64 rows, one instruction computes a 64 x n block of scores
+# straight from shared memory, and the registers it leaves behind hold the scores in the same
+# layout as `mma.sync`'s, so the online-softmax code above serves both. The tile's shared
+# memory then has to be in the layout the instruction reads (128-byte swizzle, 1024-byte
+# aligned). Which path a tile takes is a per-GPU choice of the variant's layout, from the same
+# measured table as `n` (`rows_per_warp` 64 means the warpgroup layout):
+
+# %%
+for m, n in ((16, 64), (64, 64), (128, 32), (128, 64)):
+    v90 = cuda_compile.FwdVariant.make(m, n, 128, "float16", arch="sm_90")
+    v80 = cuda_compile.FwdVariant.make(m, n, 128, "float16", arch="sm_80")
+    print(f"{m:3d}x{n:<3d} H100: {v90.warps} warps, rows/warp {v90.rows_per_warp:2d}"
+          f"{' (wgmma)' if v90.warpgroup else ''};  A100: {v80.warps} warps, rows/warp "
+          f"{v80.rows_per_warp}")
+    assert not v80.warpgroup                     # sm_80 has no wgmma
+    assert v90.warpgroup == (m >= 64)            # these tiles: wgmma exactly from 64 rows up
+print("128-row tiles, measured % of copy bandwidth on the H100 (the table's pick per n):",
+      {n: round(100 * sel.measured_speed(128, n)) for n in sel.n_by_m[128]})
+sync128 = {n: rec["sync"]["frac_copy"] for (m, n), rec in cuda_compile.variant_speed().items()
+           if m == 128 and "sync" in rec}
+print("the same tiles on the best mma.sync layout:",
+      {n: round(100 * f) for n, f in sorted(sync128.items())})
+assert sync128 and all(0.585 <= f <= 0.675 for f in sync128.values())   # "59-67%"
+
+# %% [markdown]
 # Next: [tutorial 3](03_merge.ipynb) puts the partial results back together.
