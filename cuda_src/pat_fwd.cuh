@@ -215,6 +215,35 @@ __device__ __forceinline__ float raise_max(float& m_run, float m_cand, float& al
   return m_use;
 }
 
+// Scores of tokens at or past `valid` set to -inf: s holds MI row blocks x J column blocks of 8
+// (the m16n8 accumulator layout both tensor-core paths share) for the tile tokens tok0 ..
+// tok0 + 8J - 1.  Only the last step of a range has any (warp-uniform test).
+template <int MI, int J>
+__device__ __forceinline__ void mask_past_end(float (&s)[MI][J][4], int tok0, int valid,
+                                              int lane) {
+  if (tok0 + 8 * J > valid) {
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int j = 0; j < J; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = tok0 + j * 8 + ((lane & 3) << 1) + (e & 1);
+          if (tok >= valid) s[mi][j][e] = neg_inf();
+        }
+  }
+}
+
+// P for O += P V: the k16 A fragment of column blocks 2kk and 2kk + 1 of one row block of
+// scores, rounded to the input type (the same register layout for mma.sync and wgmma).
+template <typename T, int J>
+__device__ __forceinline__ void pack_p(const float (&s)[J][4], int kk, unsigned (&a)[4]) {
+  a[0] = ElemOps<T>::pack2(s[2 * kk][0], s[2 * kk][1]);
+  a[1] = ElemOps<T>::pack2(s[2 * kk][2], s[2 * kk][3]);
+  a[2] = ElemOps<T>::pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  a[3] = ElemOps<T>::pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
 // One online-softmax step over the scores of MI row blocks x J column blocks of 8 (the m16n8
 // accumulator layout of both tensor-core paths: s[mi][j][0..1] row lane/4, [2..3] row + 8):
 // raise each row's running max m_run (log2 domain), turn the raw scores into
@@ -304,14 +333,7 @@ __device__ __forceinline__ void pat_wg_loop(typename Tr::T* sQ, typename Tr::T* 
     wgmma_wait<0>();
     wg_fence_regs(s[0]);
 
-    const int valid = kv_len - t * N;
-    if (valid < N) {  // the range's last tile: mask tokens past its end
-#pragma unroll
-      for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (j * 8 + ((lane & 3) << 1) + (e & 1) >= valid) s[0][j][e] = neg_inf();
-    }
+    mask_past_end<1, N / 8>(s, 0, kv_len - t * N, lane);
     online_softmax_step<1, N / 8, D / 8>(s, m_run, l_run, acc, scale_log2);
 
     // O += P V: k16 steps over the tile's tokens, P from registers
@@ -320,15 +342,8 @@ __device__ __forceinline__ void pat_wg_loop(typename Tr::T* sQ, typename Tr::T* 
 #pragma unroll
     for (int kt = 0; kt < N / 16; ++kt) {
       unsigned pa[4];
-      pa[0] = ElemOps<T>::pack2(s[0][2 * kt][0], s[0][2 * kt][1]);
-      pa[1] = ElemOps<T>::pack2(s[0][2 * kt][2], s[0][2 * kt][3]);
-      pa[2] = ElemOps<T>::pack2(s[0][2 * kt + 1][0], s[0][2 * kt + 1][1]);
-      pa[3] = ElemOps<T>::pack2(s[0][2 * kt + 1][2], s[0][2 * kt + 1][3]);
-#ifndef PAT_WG_V_SWAP
+      pack_p<T, N / 8>(s[0], kt, pa);
       const unsigned long long db = wg_desc(v_addr + st + kt * 16 * 128, KV_HALF, 1024);
-#else
-      const unsigned long long db = wg_desc(v_addr + st + kt * 16 * 128, 1024, KV_HALF);
-#endif
       wgmma_rs_n128<T>(acc[0], pa, db);
     }
     wgmma_commit();
@@ -517,18 +532,7 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
         }
       }
 
-      // Mask tokens past the range (only the last step of a range has any: warp-uniform test).
-      if (tok0 + KC > valid) {
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-          for (int j = 0; j < KC / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int tok = tok0 + j * 8 + ((lane & 3) << 1) + (e & 1);
-              if (tok >= valid) s[mi][j][e] = neg_inf();
-            }
-      }
+      mask_past_end<MI, KC / 8>(s, tok0, valid, lane);  // tokens past the range
 
       online_softmax_step<MI, KC / 8, D / 8>(s, m_run, l_run, acc, scale_log2);
 
@@ -538,12 +542,7 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
       for (int kk = 0; kk < KC / 16; ++kk) {
         unsigned pa[MI][4];
 #pragma unroll
-        for (int mi = 0; mi < MI; ++mi) {
-          pa[mi][0] = ElemOps<T>::pack2(s[mi][2 * kk][0], s[mi][2 * kk][1]);
-          pa[mi][1] = ElemOps<T>::pack2(s[mi][2 * kk][2], s[mi][2 * kk][3]);
-          pa[mi][2] = ElemOps<T>::pack2(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
-          pa[mi][3] = ElemOps<T>::pack2(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
-        }
+        for (int mi = 0; mi < MI; ++mi) pack_p<T, KC / 8>(s[mi], kk, pa[mi]);
         const int row = tok0 + kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
 #pragma unroll
         for (int dt = 0; dt < D / 16; ++dt) {
