@@ -22,6 +22,9 @@ Case sets:
   64- and 128-row tile; ``wg``: the long and sharing batches with the default layouts and with
   the warpgroup layout forced for every tile of 64 or more rows (label ``wg``).
 * ``layouts``: every tile with its candidate layouts (the data of ``--write-table``);
+  ``short``: deep trees whose leaves are 16- and 32-token CTAs, under the short-KV layouts
+  (single-stage ring, one warp); ``m128``: the batches with 128-row CTAs over a shared prefix,
+  with their ``n`` forced to 64 or 128;
   ``long-tune``: the long-prefix batches under planner settings; ``planner``: the sharing
   batches under every planner setting of ``TUNINGS``; ``quickstart``, ``nosharing``,
   ``nosharing-n``: the quick-start batch per packer, the no-sharing batches.
@@ -100,6 +103,14 @@ TUNINGS = {
     "share3": {"split_share": 3.0},
     "n32": {"kv_tile_table": ((1 << 62, 32),)},
     "n32-share3": {"kv_tile_table": ((1 << 62, 32),), "split_share": 3.0},
+    # short-KV tiles with a single-stage ring (tile 0 loads with Q; smaller blocks, more per SM)
+    "short-s1": {"layouts": {(16, 16): (1, 1, 16), (16, 32): (2, 1, 16)}},
+    "short-w1s1": {"layouts": {(16, 16): (1, 1, 16), (16, 32): (1, 1, 16)}},
+    "short-w1s2": {"layouts": {(16, 32): (1, 2, 16)}},
+    # n of the 128-row tiles forced (their KV is mostly shared, read from L2: compute bound)
+    "m128n64": {"n_by_m": {128: 64}},
+    "m128n128": {"n_by_m": {128: 128}},
+    "m128n64-s3": {"n_by_m": {128: 64}, "layouts": {(128, 64): (8, 3, 64)}},
 }
 
 
@@ -110,6 +121,7 @@ def apply_tuning(label: str, planner, backend):
     from pat_core.planner import Tuning
     tun = dict(TUNINGS[label])
     tun.pop("layouts", None)   # kernel layouts: set by run_case (cuda_compile.VARIANT_OVERRIDES)
+    tun.pop("n_by_m", None)    # forced n per m: set by run_case (forced_n)
     saved = backend.launch_mode, backend.merge_mode
     backend.launch_mode = tun.pop("launch", backend.launch_mode)
     backend.merge_mode = tun.pop("merge", backend.merge_mode)
@@ -125,6 +137,27 @@ PLANNER_SPECS = ("1,16_2048,128", "1,4,64_256,1024,64", "1,2,8,128_512,128,256,3
                  "1,2,4,8,16,32,64_256,128,64,64,32,32,32",
                  "1,8,16,32,64,128,1024_256,128,64,32,32,32,32",
                  "1,4,16,64,256,1024_1024,256,128,64,32,32")
+
+
+def forced_n(n_by_m):
+    """Make every TileSelector give tiles of ``m`` rows ``n_by_m[m]`` tokens per step (where
+    that tile is feasible); returns a function that undoes it."""
+    from pat_core import tiles
+    orig = tiles.TileSelector.pick_n
+
+    def pick_n(self, m, kv_len):
+        n = n_by_m.get(int(m))
+        return n if n is not None and n in self.n_by_m[int(m)] else orig(self, m, kv_len)
+    tiles.TileSelector.pick_n = pick_n
+
+    def undo():
+        tiles.TileSelector.pick_n = orig
+    return undo
+
+
+SHORT_SPECS = ("1,4,16,64,256,1024_1024,256,128,64,32,32", "1,8,64,512_128,512,64,32",
+               "1,1024_1024,16", "1,4,16,64,256_512,256,128,64,32",
+               "1,8,16,32,64,128,1024_256,128,64,32,32,32,32")
 
 
 def _layout_candidates():
@@ -157,6 +190,12 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                          for spec in ("1,16_16384,16", "1,32_16384,16") + SHARING_SPECS
                          for heads in ((32, 8), (32, 32)) for label in ("default", "wg")),
              "long": LONG, "sharing": SHARING, "layouts": _layout_candidates(),
+             "short": tuple((spec, heads, "pat", None, None, label)
+                            for spec in SHORT_SPECS for heads in ((32, 8), (32, 32))
+                            for label in ("default", "short-s1", "short-w1s1", "short-w1s2")),
+             "m128": tuple((spec, (32, 8), "pat", None, None, label)
+                           for spec in SHORT_SPECS[:3] + ("1,32_16384,16",)
+                           for label in ("default", "m128n64", "m128n128", "m128n64-s3")),
              "nosharing-n": tuple(("128_2048", heads, "query", (16, n), None, f"n{n}")
                                   for heads in ((32, 8), (16, 8), (32, 32))
                                   for n in (32, 64, 128)),
@@ -196,6 +235,8 @@ def run_case(backend, case, iters, copy_bw, flush, seed=0) -> dict:
                              {f"{m}x{n}": list(lay) for (m, n), lay in v.items()})
                          for k, v in TUNINGS[label].items()}
     restore = lambda: None  # noqa: E731
+    undo_n = forced_n(TUNINGS[label]["n_by_m"]) if "n_by_m" in TUNINGS.get(label, {}) \
+        else (lambda: None)
     if over is not None and tile is not None:
         cc.VARIANT_OVERRIDES[tuple(tile)] = tuple(over)
     cc.VARIANT_OVERRIDES.update(TUNINGS.get(label, {}).get("layouts", {}))
@@ -258,6 +299,7 @@ def run_case(backend, case, iters, copy_bw, flush, seed=0) -> dict:
         row["error"] = f"{type(e).__name__}: {e}"[:500]
     finally:
         restore()
+        undo_n()
         cc.VARIANT_OVERRIDES.clear()
         torch.cuda.empty_cache()
     return row

@@ -113,7 +113,11 @@ struct FwdTraits {
   static_assert(WARPS % WARPS_M == 0, "warps must tile the rows");
   static_assert(N % WARPS_N == 0 && NW % 16 == 0, "each warp needs whole k16 token blocks");
   static_assert(NW % KC == 0 && KC % 16 == 0, "softmax steps must tile a warp's tokens");
-  static_assert(STAGES >= 2 && STAGES <= 4, "2..4 pipeline stages");
+  static_assert(STAGES >= 1 && STAGES <= 4, "1..4 pipeline stages");
+  static_assert(!WG || STAGES >= 2, "the warpgroup layout needs a ring of at least 2 stages");
+  // Tiles the prologue issues: STAGES - 1, or with a single stage tile 0 (together with Q, so
+  // a short range costs one memory round trip; later tiles then load one at a time).
+  static constexpr int PRE = STAGES > 1 ? STAGES - 1 : 1;
   static_assert(SLICE_THREADS % CHUNKS == 0, "a thread keeps one 16-byte column across rows");
   static_assert(WARPS_N <= 15, "one named barrier per token slice");
   static_assert(WARPS_N == 1 || COMB_FIT >= 1,
@@ -431,11 +435,12 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
   const int stid = wm * 32 + lane;  // thread index within the slice group
 
 // <tutorial:prologue>
-  // Prologue: group 0 = Q, groups 1..STAGES-1 = tiles 0..STAGES-2 (possibly empty groups).
+  // Prologue: group 0 = Q, groups 1..PRE = tiles 0..PRE-1 (possibly empty groups); PRE is
+  // STAGES - 1, or 1 for a single-stage ring.
   cp_async_commit();
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < num_tiles) loader.load(sK, sV, s, s, slice_row0, stid);
+  for (int s = 0; s < Tr::PRE; ++s) {
+    if (s < num_tiles) loader.load(sK, sV, s, s % STAGES, slice_row0, stid);
     cp_async_commit();
   }
 // </tutorial:prologue>
@@ -458,8 +463,8 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
     l_run[mi][0] = l_run[mi][1] = 0.f;
   }
 
-  // Wait for the Q group only (the STAGES - 1 tile groups behind it may still be in flight).
-  cp_async_wait<STAGES - 1>();
+  // Wait for the Q group only (the PRE tile groups behind it may still be in flight).
+  cp_async_wait<Tr::PRE>();
   // Barrier: every thread's Q copies have landed and are visible before any warp reads Q rows
   // that other threads fetched.
   cta_sync<Tr>();
@@ -479,8 +484,11 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
     // Keep STAGES - 1 tiles in flight: issue (this slice of) tile t + STAGES - 1 into the stage
     // read during iteration t - 1 (released by that iteration's trailing barrier).  Always
     // commit, even an empty group, so that the wait below counts groups uniformly.
-    const int tn = t + STAGES - 1;
-    if (tn < num_tiles) loader.load(sK, sV, tn, tn % STAGES, slice_row0, stid);
+    // A single stage has no room to prefetch: tile t (t > 0) loads here, into the stage the
+    // previous iteration released, and is waited for at once.
+    const int tn = STAGES > 1 ? t + STAGES - 1 : t;
+    if (tn < num_tiles && (STAGES > 1 || t > 0))
+      loader.load(sK, sV, tn, tn % STAGES, slice_row0, stid);
     cp_async_commit();
     cp_async_wait<STAGES - 1>();
     // Slice barrier: every copy of this slice of tile t has landed (each thread waited for its
@@ -701,8 +709,9 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
 // a resident block: left free, the compiler gave the 2-warp 16x32 block ~170 registers, 2 warps
 // per scheduler, 4 blocks per SM where its shared memory holds 6 (ncu, the 16x32 kernel of a
 // 1216-leaf tree: 360 us, and 290 us once it held 6).  MIN_BLOCKS = the blocks shared memory
-// allows (1 KB reserved per block; 228 KB per SM on sm_90, 164 KB on sm_80), which caps
-// registers at 65536 / (MIN_BLOCKS * THREADS).  Not for long-KV tiles: with it the no-sharing
+// allows (1 KB reserved per block; 228 KB per SM on sm_90, 164 KB on sm_80), but never more
+// than leaves each thread kShortTileRegs registers, which caps registers at
+// 65536 / (MIN_BLOCKS * THREADS) (a single-stage ring's small blocks would spill otherwise).  Not for long-KV tiles: with it the no-sharing
 // batch 128_2048 (one 2048-token CTA per request) ran 3% slower on 16x64 and 11% on 16x32, and
 // the larger tiles' accumulators spill under such a cap (32x32: 48 bytes, 128x16: 776 bytes at
 // head_dim 128).  PAT_SMEM_OCCUPANCY=0 turns the request off.
@@ -717,12 +726,17 @@ constexpr int smem_per_sm() {
   return 233472;
 #endif
 }
+// Registers a 16-row warp needs without spilling at head_dim 128 (accumulators, Q fragments,
+// scores, gather addresses: 164-168 as compiled); the cap never asks for fewer.
+constexpr int kShortTileRegs = 168;
 template <int D, int M, int N, int WARPS, int STAGES>
 constexpr int fwd_min_blocks() {
   constexpr int smem = M * D * 2 + STAGES * 2 * N * D * 2 + 1024;  // FwdTraits::SMEM_BYTES + 1 KB
   constexpr int by_smem = smem_per_sm() / smem;
   constexpr int by_threads = 2048 / (WARPS * 32);
-  constexpr int b = by_smem < by_threads ? by_smem : by_threads;
+  constexpr int by_regs = 65536 / (WARPS * 32 * kShortTileRegs);
+  constexpr int b0 = by_smem < by_threads ? by_smem : by_threads;
+  constexpr int b = b0 < by_regs ? b0 : by_regs;
   return (PAT_SMEM_OCCUPANCY == 0 || M > 16 || N > 32 || b < 1) ? 1 : (b > 32 ? 32 : b);
 }
 }  // namespace pat
