@@ -99,6 +99,8 @@ def sanitize_case():
     from pat_core import cuda_compile as cc
     cases = [("1,4,16_100,37,61", 16, 32, 8, 128, "NHD", None),
              ("1,3,9_70,20,33", 1, 12, 4, 64, "HND", None)]
+    # the short-KV tiles (single-stage ring) forced onto CTAs of many tiles
+    cases += [("1,4,16_100,37,61", 16, 32, 8, 128, "NHD", t) for t in ((16, 16), (16, 32))]
     arch = f"sm_{cupy.cuda.Device().compute_capability}"
     if cc.FwdVariant.make(64, 64, 128, "float16", arch=arch).warpgroup:   # every warpgroup tile
         cases += [("1,32_300,20", 16, 32, 8, 128, "NHD", t)

@@ -138,12 +138,32 @@ def variant_speed() -> dict:
     return {(int(r["m"]), int(r["n"])): r for r in data.get("tiles", {}).values()}
 
 
-def default_layout(m: int, n: int, head_dim: int = 128, arch: str = "sm_90") -> tuple:
-    """``(warps, stages, rows_per_warp)`` of the (m, n) variant on ``arch``: the fastest measured
+# Short-KV tiles.  The selector gives 16-row tiles n <= 32 only to CTAs of at most 96 tokens
+# (tree leaves and the short nodes packed with them), whose blocks are bound by the latency of
+# their few dependent loads, not by bandwidth per block: what counts is how many blocks an SM
+# holds.  One warp and a single-stage ring (tile 0 loads together with Q; a later tile loads once
+# the previous one is computed) make the 16x32 block 20 KB of shared memory and 32 threads: 10
+# resident per SM instead of 6 two-warp blocks with a 2-stage ring.  So these layouts are chosen
+# on the short-KV batches (``bench/kernel_lab.py --cases short``, H100), not on the 4096-token
+# batch of the variant-speed table: the deep trees ran 2-8% faster at 32:32 heads and up to 3%
+# faster at 32:8, one 32:8 tree (whose 16x32 CTAs hold 2-3 tiles) 3% slower; see bench/NOTES.md.
+# Not for the graph-safe pull loop: its blocks stay resident and run item after item, and at
+# the register budget of 10 single-warp blocks per SM the loop spills.
+SHORT_KV_LAYOUTS = {(16, 16): (1, 1, 16), (16, 32): (1, 1, 16)}
+
+
+def default_layout(m: int, n: int, head_dim: int = 128, arch: str = "sm_90",
+                   pull: bool = False) -> tuple:
+    """``(warps, stages, rows_per_warp)`` of the (m, n) variant on ``arch``: the short-KV layout
+    (:data:`SHORT_KV_LAYOUTS`) for the 16-row tiles of short CTAs, unless ``pull`` (the
+    graph-safe instantiation); else the fastest measured
     layout (:func:`variant_speed`, head_dim 128, where it fits this head_dim's shared memory;
     where that is the warpgroup layout, which only sm_90 runs, other GPUs take the fastest
     measured mma.sync layout, the record's ``sync``), else the rules (:func:`rule_warps`,
     :func:`rule_stages`, :func:`default_rows_per_warp`)."""
+    short = None if pull else SHORT_KV_LAYOUTS.get((int(m), int(n)))
+    if short is not None:
+        return short
     rec = variant_speed().get((int(m), int(n)))
     if rec is not None and head_dim == 128:
         if int(rec["rows_per_warp"]) == WG_ROWS and arch != "sm_90":
@@ -196,7 +216,7 @@ class FwdVariant:
         the layout VARIANT_OVERRIDES names."""
         over = VARIANT_OVERRIDES.get((int(m), int(n)))
         if over is None:
-            w, st, rw = default_layout(m, n, head_dim, arch)
+            w, st, rw = default_layout(m, n, head_dim, arch, pull)
         else:
             w, st = over[0], over[1]
             rw = over[2] if len(over) > 2 else default_rows_per_warp(m)

@@ -166,8 +166,8 @@ def test_param_structs_match_the_header():
 def test_every_kernel_takes_one_struct():
     """The explicit instantiations (nvcc resource report) and the name expressions agree with
     the kernels' single-struct signature."""
-    fv = cc.FwdVariant.make(16, 32, 128, "float16")
-    pv = cc.FwdVariant.make(16, 32, 128, "float16", pull=True)
+    fv = cc.FwdVariant.make(16, 64, 128, "float16")
+    pv = cc.FwdVariant.make(16, 64, 128, "float16", pull=True)
     assert fv.key + "_pull" == pv.key and fv.name_expression.endswith(", false>")
     assert pv.name_expression.endswith(", true>")
     assert "(const __grid_constant__ pat::FwdParams)" in fv.explicit_instantiation()

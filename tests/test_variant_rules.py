@@ -10,6 +10,11 @@ def test_layouts_come_from_the_measured_table():
     assert table, "pat_core/data/variant_speed_h100.json is missing"
     for (m, n), rec in table.items():
         v = cc.FwdVariant.make(m, n, 128, "float16")
+        if (m, n) in cc.SHORT_KV_LAYOUTS:   # chosen on the short-KV batches instead
+            assert (v.warps, v.stages, v.rows_per_warp) == cc.SHORT_KV_LAYOUTS[(m, n)]
+            pv = cc.FwdVariant.make(m, n, 128, "float16", pull=True)
+            v = cc.FwdVariant(pv.head_dim, pv.dtype, m, n, pv.warps, pv.stages,
+                              pv.rows_per_warp)   # the graph-safe loop keeps the table's
         assert (v.warps, v.stages, v.rows_per_warp) == (rec["warps"], rec["stages"],
                                                         rec["rows_per_warp"])
         assert f"_m{m}_n{n}_w{v.warps}_s{v.stages}_r{v.rows_per_warp}" in v.key
