@@ -24,7 +24,8 @@ Case sets:
 * ``layouts``: every tile with its candidate layouts (the data of ``--write-table``);
   ``short``: deep trees whose leaves are 16- and 32-token CTAs, under the short-KV layouts
   (single-stage ring, one warp); ``m128``: the batches with 128-row CTAs over a shared prefix,
-  with their ``n`` forced to 64 or 128;
+  with their ``n`` forced to 64 or 128; ``merge-heads``: the same trees and a small batch with
+  the merge warps taking 1, 2 or 4 heads of a request;
   ``long-tune``: the long-prefix batches under planner settings; ``planner``: the sharing
   batches under every planner setting of ``TUNINGS``; ``quickstart``, ``nosharing``,
   ``nosharing-n``: the quick-start batch per packer, the no-sharing batches.
@@ -107,6 +108,8 @@ TUNINGS = {
     "short-s1": {"layouts": {(16, 16): (1, 1, 16), (16, 32): (2, 1, 16)}},
     "short-w1s1": {"layouts": {(16, 16): (1, 1, 16), (16, 32): (1, 1, 16)}},
     "short-w1s2": {"layouts": {(16, 32): (1, 2, 16)}},
+    # heads of a request per merge warp forced (default: pat_core.launch.merge_heads_per_warp)
+    "mh1": {"merge_heads": 1}, "mh2": {"merge_heads": 2}, "mh4": {"merge_heads": 4},
     # n of the 128-row tiles forced (their KV is mostly shared, read from L2: compute bound)
     "m128n64": {"n_by_m": {128: 64}},
     "m128n128": {"n_by_m": {128: 128}},
@@ -122,13 +125,14 @@ def apply_tuning(label: str, planner, backend):
     tun = dict(TUNINGS[label])
     tun.pop("layouts", None)   # kernel layouts: set by run_case (cuda_compile.VARIANT_OVERRIDES)
     tun.pop("n_by_m", None)    # forced n per m: set by run_case (forced_n)
-    saved = backend.launch_mode, backend.merge_mode
+    saved = backend.launch_mode, backend.merge_mode, backend.merge_heads_per_warp
     backend.launch_mode = tun.pop("launch", backend.launch_mode)
     backend.merge_mode = tun.pop("merge", backend.merge_mode)
+    backend.merge_heads_per_warp = tun.pop("merge_heads", backend.merge_heads_per_warp)
     planner.tuning = Tuning(**tun)
 
     def restore():
-        backend.launch_mode, backend.merge_mode = saved
+        backend.launch_mode, backend.merge_mode, backend.merge_heads_per_warp = saved
     return restore
 
 
@@ -193,6 +197,10 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
              "short": tuple((spec, heads, "pat", None, None, label)
                             for spec in SHORT_SPECS for heads in ((32, 8), (32, 32))
                             for label in ("default", "short-s1", "short-w1s1", "short-w1s2")),
+             "merge-heads": tuple((spec, heads, "pat", None, None, label)
+                                  for spec in SHORT_SPECS + ("1,16_2048,128",)
+                                  for heads in ((32, 8), (32, 32))
+                                  for label in ("default", "mh1", "mh2", "mh4")),
              "m128": tuple((spec, (32, 8), "pat", None, None, label)
                            for spec in SHORT_SPECS[:3] + ("1,32_16384,16",)
                            for label in ("default", "m128n64", "m128n128", "m128n64-s3")),

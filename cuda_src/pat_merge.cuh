@@ -69,49 +69,67 @@ struct MergeState {
   }
 };
 
-// Add the slots of request r, query head h that belong to `part` of `nparts` (slots s0 + part,
-// s0 + part + nparts, ...) to st.  Rounds of CH slots: lane j loads the LSE of the round's slot
-// j while every lane loads its elements of all CH output vectors, so a round costs one memory
-// latency (the weights need the max, the loads do not).  One warp.
-template <int HEAD_DIM, int CH = 8>
+// Add the slots of request r, query heads h0 .. h0 + NH - 1 that belong to `part` of `nparts`
+// (slots s0 + part, s0 + part + nparts, ...) to st[0 .. NH).  Rounds of CH slots: lane
+// hh * CH + j loads the LSE of the round's slot j for head h0 + hh while every lane loads its
+// elements of all NH x CH output vectors, so a round costs one memory latency (the weights need
+// the max, the loads do not).  With NH > 1 one warp keeps NH heads' vectors in flight at once:
+// a request with few slots per head then still gives each warp several KB to load.  One warp;
+// NH * CH <= 32, CH a power of two.
+template <int HEAD_DIM, int CH, int NH>
 __device__ __forceinline__ void merge_accumulate(const float* __restrict__ o_partial,
                                                  const float* __restrict__ lse_partial, int s0,
-                                                 int s1, int h, int num_qo_heads, int part,
-                                                 int nparts, MergeState<HEAD_DIM / 32>& st,
+                                                 int s1, int h0, int num_qo_heads, int part,
+                                                 int nparts, MergeState<HEAD_DIM / 32> (&st)[NH],
                                                  int lane) {
   constexpr int VEC = HEAD_DIM / 32;  // elements per lane: 2 or 4
-  static_assert(CH >= 1 && CH <= 8, "1..8 slots per round");
+  static_assert(CH >= 1 && CH <= 8 && (CH & (CH - 1)) == 0, "1, 2, 4 or 8 slots per round");
+  static_assert(NH >= 1 && NH * CH <= 32, "one LSE per lane");
   constexpr unsigned FULL = 0xffffffffu;
   const int first = s0 + part;
   const int count = first < s1 ? (s1 - first + nparts - 1) / nparts : 0;
+  const int jh = lane / CH, js = lane - jh * CH;  // the (head, slot) whose LSE this lane loads
   for (int base = 0; base < count; base += CH) {
     const int cnt = count - base < CH ? count - base : CH;  // warp-uniform
-    const float ls = lane < cnt
-        ? __ldcg(lse_partial + (long long)(first + (base + lane) * nparts) * num_qo_heads + h)
+    const float ls = jh < NH && js < cnt
+        ? __ldcg(lse_partial + (long long)(first + (base + js) * nparts) * num_qo_heads + h0 + jh)
         : neg_inf();
-    float v[CH][VEC];
+    float v[NH][CH][VEC];
 #pragma unroll
-    for (int u = 0; u < CH; ++u) {
-      if (u < cnt) {
-        const long long slot = first + (base + u) * nparts;
-        load_vec<VEC>(v[u], o_partial + (slot * num_qo_heads + h) * HEAD_DIM + lane * VEC);
+    for (int hh = 0; hh < NH; ++hh)
+#pragma unroll
+      for (int u = 0; u < CH; ++u) {
+        if (u < cnt) {
+          const long long slot = first + (base + u) * nparts;
+          load_vec<VEC>(v[hh][u],
+                        o_partial + (slot * num_qo_heads + h0 + hh) * HEAD_DIM + lane * VEC);
+        }
       }
-    }
+    // the round's max per head: reduce within each group of CH lanes
     float m = ls;
 #pragma unroll
-    for (int off = 4; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, off));
-    m = __shfl_sync(FULL, m, 0);  // lanes 0..CH-1 hold the round's slots
-    st.nan |= __any_sync(FULL, ls != ls);
-    const float m_use = st.raise(m);
+    for (int off = CH / 2; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, off));
+    const unsigned nan_lanes = __ballot_sync(FULL, ls != ls);
+    float my_use = 0.f;  // the max this lane's slot is weighed against (its head's)
+#pragma unroll
+    for (int hh = 0; hh < NH; ++hh) {
+      const float mh = __shfl_sync(FULL, m, hh * CH);
+      st[hh].nan |= ((nan_lanes >> (hh * CH)) & ((1u << CH) - 1u)) != 0u;
+      const float m_use = st[hh].raise(mh);
+      if (jh == hh) my_use = m_use;
+    }
     // an empty state (lse = -inf) weighs 0 and is skipped, so its output never enters the sum
-    const float w = ls == neg_inf() ? 0.f : expf(ls - m_use);
-    st.wsum += w;
+    const float w = ls == neg_inf() ? 0.f : expf(ls - my_use);
 #pragma unroll
-    for (int u = 0; u < CH; ++u) {
-      const float wu = __shfl_sync(FULL, w, u);
-      if (u < cnt && wu != 0.f) {
+    for (int hh = 0; hh < NH; ++hh) {
+      st[hh].wsum += jh == hh ? w : 0.f;  // per-lane shares, summed over the warp at the end
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) st.o[i] += wu * v[u][i];
+      for (int u = 0; u < CH; ++u) {
+        const float wu = __shfl_sync(FULL, w, hh * CH + u);
+        if (u < cnt && wu != 0.f) {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) st[hh].o[i] += wu * v[hh][u][i];
+        }
       }
     }
   }
@@ -150,7 +168,8 @@ __device__ __forceinline__ void merge_store(MergeState<HEAD_DIM / 32>& st, int r
 
 // Merge request r, query head h (slots s0 .. s1 - 1) with one warp, CH slots per round (the
 // in-kernel merge of the forward kernel uses fewer: its registers count against the forward's).
-template <int HEAD_DIM, typename TO, int CH = 8>
+// With NH > 1: query heads h .. h + NH - 1 of request r together (CH slots of each per round).
+template <int HEAD_DIM, typename TO, int CH = 8, int NH = 1>
 __device__ __forceinline__ void merge_pair(const float* __restrict__ o_partial,
                                            const float* __restrict__ lse_partial, int s0, int s1,
                                            int r, int h, int num_qo_heads, TO* __restrict__ out,
@@ -158,11 +177,15 @@ __device__ __forceinline__ void merge_pair(const float* __restrict__ o_partial,
                                            long long out_sh, long long lse_sb, long long lse_sh,
                                            int lane) {
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head_dim must be 64 or 128");
-  MergeState<HEAD_DIM / 32> st;
-  st.init();
-  merge_accumulate<HEAD_DIM, CH>(o_partial, lse_partial, s0, s1, h, num_qo_heads, 0, 1, st,
-                                 lane);
-  merge_store<HEAD_DIM, TO>(st, r, h, out, lse_out, out_sb, out_sh, lse_sb, lse_sh, lane);
+  MergeState<HEAD_DIM / 32> st[NH];
+#pragma unroll
+  for (int hh = 0; hh < NH; ++hh) st[hh].init();
+  merge_accumulate<HEAD_DIM, CH, NH>(o_partial, lse_partial, s0, s1, h, num_qo_heads, 0, 1, st,
+                                     lane);
+#pragma unroll
+  for (int hh = 0; hh < NH; ++hh)
+    merge_store<HEAD_DIM, TO>(st[hh], r, h + hh, out, lse_out, out_sb, out_sh, lse_sb, lse_sh,
+                              lane);
 }
 
 // The same pair merged by all WARPS warps of the block, warp w taking slots s0 + w, s0 + w +
@@ -183,10 +206,11 @@ __device__ __forceinline__ void merge_pair_block(const float* __restrict__ o_par
   __shared__ float red_m[NR];
   __shared__ int red_nan[NR];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  MergeState<VEC> st;
-  st.init();
-  merge_accumulate<HEAD_DIM>(o_partial, lse_partial, s0, s1, h, num_qo_heads, warp, WARPS, st,
-                             lane);
+  MergeState<VEC> sts[1];
+  sts[0].init();
+  merge_accumulate<HEAD_DIM, 8, 1>(o_partial, lse_partial, s0, s1, h, num_qo_heads, warp, WARPS,
+                                   sts, lane);
+  MergeState<VEC>& st = sts[0];
   if (warp > 0) {
 #pragma unroll
     for (int i = 0; i < VEC; ++i) red_o[warp - 1][lane * VEC + i] = st.o[i];
@@ -213,16 +237,31 @@ __device__ __forceinline__ void merge_pair_block(const float* __restrict__ o_par
   __syncthreads();  // warp 0 has read the buffers before the next pair overwrites them
 }
 
+// Warp per (request, NH consecutive heads) unit, grid-stride over `units`, CH slots per round.
+template <int HEAD_DIM, typename TO, int WARPS, int CH, int NH>
+__device__ __forceinline__ void merge_warps(const MergeParams& p, long long units, int lane) {
+  const int hg = p.num_qo_heads / NH;  // head groups per request
+  for (long long u = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); u < units;
+       u += (long long)gridDim.x * WARPS) {
+    const int r = (int)(u / hg);
+    const int h = (int)(u - (long long)r * hg) * NH;
+    merge_pair<HEAD_DIM, TO, CH, NH>(p.o_partial, p.lse_partial, p.req_slot_indptr[r],
+                                     p.req_slot_indptr[r + 1], r, h, p.num_qo_heads,
+                                     static_cast<TO*>(p.out), p.lse_out, p.out_sb, p.out_sh,
+                                     p.lse_sb, p.lse_sh, lane);
+  }
+}
+
 // Grid-stride over the (request, head) pairs, so a graph-safe launch can use a fixed grid while
 // the live batch (p.live_batch) changes between replays.  Block 0 also zeroes the forward work
 // counters (p.reset): the merge runs after every forward launch of the step has finished.
-template <int HEAD_DIM, typename TO, int WARPS>
+template <int HEAD_DIM, typename TO, int WARPS, int NH>
 __device__ __forceinline__ void pat_merge_body(const MergeParams& p) {
   if (p.reset != nullptr && blockIdx.x == 0 && (int)threadIdx.x < p.reset_n) p.reset[threadIdx.x] = 0;
   const int lane = threadIdx.x & 31;
   const int batch = p.live_batch != nullptr ? *p.live_batch : p.batch;
   const long long pairs = (long long)batch * p.num_qo_heads;
-  if (p.block_per_pair) {  // block-uniform
+  if (NH == 1 && p.block_per_pair) {  // block-uniform; the launcher pairs it with NH == 1
     for (long long pair = blockIdx.x; pair < pairs; pair += gridDim.x) {
       const int r = (int)(pair / p.num_qo_heads);
       const int h = (int)(pair - (long long)r * p.num_qo_heads);
@@ -233,26 +272,25 @@ __device__ __forceinline__ void pat_merge_body(const MergeParams& p) {
     }
     return;
   }
-  for (long long pair = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5); pair < pairs;
-       pair += (long long)gridDim.x * WARPS) {
-    const int r = (int)(pair / p.num_qo_heads);
-    const int h = (int)(pair - (long long)r * p.num_qo_heads);
-    merge_pair<HEAD_DIM, TO>(p.o_partial, p.lse_partial, p.req_slot_indptr[r],
-                             p.req_slot_indptr[r + 1], r, h, p.num_qo_heads,
-                             static_cast<TO*>(p.out), p.lse_out, p.out_sb, p.out_sh, p.lse_sb,
-                             p.lse_sh, lane);
-  }
+  // NH heads per warp (the launcher checks num_qo_heads % NH == 0); 8 / NH slots per round
+  merge_warps<HEAD_DIM, TO, WARPS, 8 / NH, NH>(p, pairs / NH, lane);
 }
 
 }  // namespace pat
 
-// Template arguments: head_dim, output element type, warps per block (one (request, head) pair
-// per warp at a time).  The Python side names each instantiation pat_merge_d{D}_{dtype}_w{W}.
-template <int HEAD_DIM, typename TO, int WARPS>
-// At least 32 resident warps per SM (50% occupancy): room for 64 registers (8 output vectors in
-// flight per lane).  With the thread count alone ptxas aims at full occupancy on sm_80 (32
-// registers) and spills.
-__global__ void __launch_bounds__(WARPS * 32, 32 / WARPS) pat_merge_kernel(
+// Template arguments: head_dim, output element type, warps per block, heads of a request per
+// warp in warp mode (NH: 1, 2 or 4).  The Python side names each instantiation
+// pat_merge_d{D}_{dtype}_w{W}, with an _h{NH} suffix for NH > 1.
+// Registers: NH = 1 asks for 32 resident warps per SM (50% occupancy), room for 64 registers
+// (8 output vectors in flight per lane; with the thread count alone ptxas aims at full
+// occupancy on sm_80, 32 registers, and spills).  NH heads keep NH x 8 / NH vectors plus NH
+// merge states per lane: 2 and 4 heads spill at 64 and 80 registers, so they ask for 16 warps
+// (128 registers); each of their warps has NH times the loads in flight.
+namespace pat {
+constexpr int merge_min_blocks(int warps, int nh) { return (nh == 1 ? 32 : 16) / warps; }
+}  // namespace pat
+template <int HEAD_DIM, typename TO, int WARPS, int NH>
+__global__ void __launch_bounds__(WARPS * 32, pat::merge_min_blocks(WARPS, NH)) pat_merge_kernel(
     const __grid_constant__ pat::MergeParams p) {
-  pat::pat_merge_body<HEAD_DIM, TO, WARPS>(p);
+  pat::pat_merge_body<HEAD_DIM, TO, WARPS, NH>(p);
 }

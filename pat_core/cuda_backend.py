@@ -55,7 +55,7 @@ from . import cuda_compile as cc
 from . import kernel_params as kp
 from .gpus import detect_gpu_name
 from .launch import (FUSED_MAX_BLOCKS_PER_SM, FUSED_MAX_KV_LEN, merge_block_per_pair,
-                     use_fused_launch)
+                     merge_heads_per_warp, use_fused_launch)
 from .plan import Plan, dtype_name
 
 log = logging.getLogger("pat_core.cuda")
@@ -242,6 +242,9 @@ class CudaBackend:
         # merge kernel: "block" (one block per (request, head) pair, its warps splitting the
         # slots), "warp" (one warp per pair) or "auto" (pat_core.launch.merge_block_per_pair)
         self.merge_per_pair = "auto"
+        # warp mode: heads of a request per merge warp, 1, 2 or 4 (None: by
+        # pat_core.launch.merge_heads_per_warp)
+        self.merge_heads_per_warp = None
         self.fused_max_blocks_per_sm = FUSED_MAX_BLOCKS_PER_SM
         self.fused_max_kv_len = FUSED_MAX_KV_LEN
         # "kernel" (default): the separate merge kernel; "forward" (measured slower, kept as an
@@ -286,7 +289,8 @@ class CudaBackend:
         dtype = dtype_name(dtype or plan.kv_dtype)
         fwd = [cc.FwdVariant.make(v.m, v.n, v.head_dim, dtype, arch=self.arch)
                for v in cc.plan_fwd_variants(plan, self.arch)]
-        return fwd + [cc.MergeVariant(plan.head_dim, dtype)]
+        nh = self._merge_layout(plan)[1]
+        return fwd + [cc.MergeVariant(plan.head_dim, dtype, cc.MERGE_WARPS, nh)]
 
     def warmup(self, plan: Plan | None = None, variants=None, jobs: int | None = None) -> list:
         """Compile the variants `plan` needs, or those listed (FwdVariant/MergeVariant objects
@@ -431,7 +435,7 @@ class CudaBackend:
         rec = self._uploads.get(id(plan))
         sig = (kv_layout, qd.sig(), kd.sig(), vd.sig(), self.launch_mode,
                self.fused_max_blocks_per_sm, self.fused_max_kv_len, self.merge_mode,
-               self.merge_per_pair)
+               self.merge_per_pair, self.merge_heads_per_warp)
         prep = None
         if rec is not None and rec["version"] == plan.version:
             prep = rec["prepared"].get(sig)
@@ -512,22 +516,36 @@ class CudaBackend:
                 prm.cta_offset, prm.n_ctas = b, e - b
                 launches.append(_Launch(self._function(v), ((e - b) * Hk, 1, 1),
                                         (v.threads, 1, 1), prm, v.smem_bytes, self.fast_launch))
-            mv = cc.MergeVariant(D, dtype)
             B = plan.batch_size
-            if self.merge_per_pair not in ("auto", "block", "warp"):
-                raise ValueError(f"merge_per_pair must be 'auto', 'block' or 'warp', got "
-                                 f"{self.merge_per_pair!r}")
-            per_block = (merge_block_per_pair(plan, self._num_sms())
-                         if self.merge_per_pair == "auto" else self.merge_per_pair == "block")
+            per_block, nh = self._merge_layout(plan)
+            mv = cc.MergeVariant(D, dtype, cc.MERGE_WARPS, nh)
             mp = kp.MergeParams(o_partial=_ptr(o_part), lse_partial=_ptr(l_part),
                                 req_slot_indptr=_ptr(rec["req_slot_indptr"]), batch=B,
                                 num_qo_heads=Hq, block_per_pair=int(per_block))
-            grid = B * Hq if per_block else (B * Hq + mv.warps - 1) // mv.warps
+            units = B * Hq // nh
+            grid = B * Hq if per_block else (units + mv.warps - 1) // mv.warps
             merge = _Launch(self._function(mv), (grid, 1, 1), (mv.threads, 1, 1), mp, 0,
                             self.fast_launch)
             return {"device": dev, "dtype": dtype, "launches": launches,
                     "merge": None if in_fwd else merge,
                     "buf_gen": self._buffer_generation(dev)}
+
+    def _merge_layout(self, plan: Plan) -> tuple:
+        """``(block_per_pair, heads_per_warp)`` of the merge launch for ``plan``: the
+        ``merge_per_pair`` and ``merge_heads_per_warp`` settings, or the launch policy's
+        choice (:mod:`pat_core.launch`) where they are automatic."""
+        if self.merge_per_pair not in ("auto", "block", "warp"):
+            raise ValueError(f"merge_per_pair must be 'auto', 'block' or 'warp', got "
+                             f"{self.merge_per_pair!r}")
+        per_block = (merge_block_per_pair(plan, self._num_sms())
+                     if self.merge_per_pair == "auto" else self.merge_per_pair == "block")
+        if per_block:
+            return True, 1
+        nh = self.merge_heads_per_warp or merge_heads_per_warp(plan, self._num_sms())
+        if nh not in cc.MERGE_HEADS or plan.num_qo_heads % nh:
+            raise ValueError(f"merge_heads_per_warp must be one of {cc.MERGE_HEADS} and divide "
+                             f"num_qo_heads={plan.num_qo_heads}, got {nh!r}")
+        return False, int(nh)
 
     def _counters(self, n: int):
         """int32 counters of the in-kernel merge, ``n`` at least; zero between runs (the CTA
@@ -1044,7 +1062,7 @@ def _compile_in_workers(variants, jobs: int) -> None:
     from concurrent.futures import ProcessPoolExecutor
     fields = [("fwd" if isinstance(v, cc.FwdVariant) else "merge",
                (v.head_dim, v.dtype, v.m, v.n, v.warps, v.stages, v.rows_per_warp, v.pull) if isinstance(v, cc.FwdVariant)
-               else (v.head_dim, v.dtype, v.warps)) for v in variants]
+               else (v.head_dim, v.dtype, v.warps, v.heads)) for v in variants]
     ctx = mp.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(jobs, len(fields)), mp_context=ctx) as ex:
         for key in ex.map(_compile_one, fields):

@@ -30,6 +30,7 @@ TILE_MS = (16, 32, 64, 128)
 TILE_NS = (16, 32, 64, 128, 256)
 SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}  # max dynamic smem per block (opt-in)
 MERGE_WARPS = 4
+MERGE_HEADS = (1, 2, 4)   # heads per merge warp (pat_core.launch.merge_heads_per_warp)
 SOURCE_SUFFIXES = (".cu", ".cuh", ".h")
 
 
@@ -294,14 +295,17 @@ class MergeVariant:
     head_dim: int
     dtype: str
     warps: int = MERGE_WARPS
+    heads: int = 1     # heads of one request per warp in warp mode (1, 2 or 4)
 
     @property
     def key(self) -> str:
-        return f"pat_merge_d{self.head_dim}_{DTYPE_SHORT[self.dtype]}_w{self.warps}"
+        suffix = f"_h{self.heads}" if self.heads > 1 else ""
+        return f"pat_merge_d{self.head_dim}_{DTYPE_SHORT[self.dtype]}_w{self.warps}{suffix}"
 
     @property
     def name_expression(self) -> str:
-        return f"pat_merge_kernel<{self.head_dim}, {DTYPE_CTYPE[self.dtype]}, {self.warps}>"
+        return (f"pat_merge_kernel<{self.head_dim}, {DTYPE_CTYPE[self.dtype]}, {self.warps}, "
+                f"{self.heads}>")
 
     @property
     def threads(self) -> int:
@@ -349,7 +353,8 @@ def all_fwd_variants(head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_CTYPE), ms=TILE_MS,
 
 
 def all_merge_variants(head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_CTYPE)):
-    return [MergeVariant(d, dt) for d in head_dims for dt in dtypes]
+    return [MergeVariant(d, dt, MERGE_WARPS, nh) for d in head_dims for dt in dtypes
+            for nh in MERGE_HEADS]
 
 
 def plan_fwd_variants(plan, arch: str = "sm_90") -> list:

@@ -298,21 +298,27 @@ def test_launch_and_merge_modes(backend, launch_mode, merge_mode):
 
 
 @requires_gpu
-@pytest.mark.parametrize("spec", ("1,16_16384,16", "1,3,12_16,64,128", "8_64"))
+@pytest.mark.parametrize("spec", ("1,16_16384,16", "1,3,12_16,64,128", "8_64",
+                                  "1,4,16_100,37,61"))
 def test_merge_block_and_warp_modes(backend, spec):
-    """The merge with one block per (request, head) pair and with one warp per pair, each
-    forced on the same plan: both within tolerance of float64 and bit-identical on a rerun
-    (check_case), with outputs poisoned before each run."""
+    """The merge with one block per (request, head) pair and with one warp per 1, 2 or 4 heads
+    of a request, each forced on the same plan: all within tolerance of float64 and
+    bit-identical on a rerun (check_case), with outputs poisoned before each run."""
     from pat_core.workloads import build_tree_batch
-    saved = backend.merge_per_pair
+    saved = backend.merge_per_pair, backend.merge_heads_per_warp
     b = build_tree_batch(spec, page_size=16, seed=5)
     try:
-        for mode in ("block", "warp"):
-            backend.merge_per_pair = mode
+        for mode, nh in (("block", None), ("warp", 1), ("warp", 2), ("warp", 4)):
+            backend.merge_per_pair, backend.merge_heads_per_warp = mode, nh
+            for d in (128, 64):
+                check_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages, 16, 32, 8,
+                           d, "float16", seed=3)
+        backend.merge_per_pair, backend.merge_heads_per_warp = "warp", 3
+        with pytest.raises(ValueError, match="merge_heads_per_warp"):
             check_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages, 16, 32, 8, 128,
                        "float16", seed=3)
     finally:
-        backend.merge_per_pair = saved
+        backend.merge_per_pair, backend.merge_heads_per_warp = saved
 
 
 def test_launch_paths_agree(backend, monkeypatch):
@@ -377,7 +383,8 @@ def _gpu_reads(where, bt, page, slot, hq, hk):
 
 
 @requires_gpu
-@pytest.mark.parametrize("merge_mode", ("forward", "kernel", "kernel-block"))
+@pytest.mark.parametrize("merge_mode", ("forward", "kernel", "kernel-block", "kernel-h2",
+                                        "kernel-h4"))
 @pytest.mark.parametrize("packer", PACKERS)
 def test_nonfinite_input_propagates(backend, packer, merge_mode):
     """A NaN in q, or a NaN / +inf in one key or value, reaches exactly the rows that read it
@@ -390,9 +397,11 @@ def test_nonfinite_input_propagates(backend, packer, merge_mode):
     hq, hk, d, ps = 8, 2, 64, 16
     b = build_tree_batch("1,2,6_40,24,30", page_size=ps, seed=0)
     bt = as_block_table(b.block_tables, b.seq_lens, ps)
-    saved = backend.merge_mode, backend.merge_per_pair
+    saved = backend.merge_mode, backend.merge_per_pair, backend.merge_heads_per_warp
     backend.merge_mode = merge_mode.split("-")[0]
     backend.merge_per_pair = "block" if merge_mode.endswith("block") else "warp"
+    # the merge warp taking 2 or 4 heads of a request: a NaN must stay in its own head's rows
+    backend.merge_heads_per_warp = int(merge_mode[-1]) if merge_mode[-2:-1] == "h" else None
     try:
         w = PrefixAttentionWrapper(backend="cuda", packer=packer)
         w._gpu_backend = backend
@@ -431,4 +440,4 @@ def test_nonfinite_input_propagates(backend, packer, merge_mode):
             fin = np.isfinite(ref)
             np.testing.assert_allclose(out[fin], ref[fin], rtol=2e-2, atol=2e-2)
     finally:
-        backend.merge_mode, backend.merge_per_pair = saved
+        backend.merge_mode, backend.merge_per_pair, backend.merge_heads_per_warp = saved
