@@ -139,18 +139,17 @@ def variant_speed() -> dict:
     return {(int(r["m"]), int(r["n"])): r for r in data.get("tiles", {}).values()}
 
 
-# Short-KV tiles.  The selector gives 16-row tiles n <= 32 only to CTAs of at most 96 tokens
-# (tree leaves and the short nodes packed with them), whose blocks are bound by the latency of
+# Short-KV tiles.  The selector gives 16x16 tiles only to CTAs of at most 16 tokens (one page:
+# the leaves of a wide tree), a single KV tile each, whose blocks are bound by the latency of
 # their few dependent loads, not by bandwidth per block: what counts is how many blocks an SM
-# holds.  One warp and a single-stage ring (tile 0 loads together with Q; a later tile loads once
-# the previous one is computed) make the 16x32 block 20 KB of shared memory and 32 threads: 10
-# resident per SM instead of 6 two-warp blocks with a 2-stage ring.  So these layouts are chosen
-# on the short-KV batches (``bench/kernel_lab.py --cases short``, H100), not on the 4096-token
-# batch of the variant-speed table: the deep trees ran 2-8% faster at 32:32 heads and up to 3%
-# faster at 32:8, one 32:8 tree (whose 16x32 CTAs hold 2-3 tiles) 3% slower; see bench/NOTES.md.
-# Not for the graph-safe pull loop: its blocks stay resident and run item after item, and at
-# the register budget of 10 single-warp blocks per SM the loop spills.
-SHORT_KV_LAYOUTS = {(16, 16): (1, 1, 16), (16, 32): (1, 1, 16)}
+# holds.  One warp and a single-stage ring (tile 0 loads together with Q) make the block 12 KB
+# of shared memory and 32 threads.  Measured on an H100 (bench/NOTES.md, round 6): the 1024-leaf
+# batch 1,1024_1024,16 ran 5-8% faster at every head config.  The same layout for 16x32 made the
+# deep trees of 32-token leaves 2-8% faster at 32:32 heads but batches whose 16x32 CTAs hold two
+# or three tiles (64-96 tokens) up to 29% slower (no prefetch between their tiles), so 16x32
+# keeps the table's layout until a launch group can be split by tile count.
+# Not for the graph-safe pull loop: its blocks stay resident and run item after item.
+SHORT_KV_LAYOUTS = {(16, 16): (1, 1, 16)}
 
 
 def default_layout(m: int, n: int, head_dim: int = 128, arch: str = "sm_90",
