@@ -25,7 +25,8 @@ Case sets:
   ``short``: deep trees whose leaves are 16- and 32-token CTAs, under the short-KV layouts
   (single-stage ring, one warp); ``m128``: the batches with 128-row CTAs over a shared prefix,
   with their ``n`` forced to 64 or 128; ``merge-heads``: the same trees and a small batch with
-  the merge warps taking 1, 2 or 4 heads of a request;
+  the merge warps taking 1, 2 or 4 heads of a request; ``short-check``: the batches that moved
+  between full comparisons, default vs the one-head merge vs the single-stage 16x32 layout;
   ``long-tune``: the long-prefix batches under planner settings; ``planner``: the sharing
   batches under every planner setting of ``TUNINGS``; ``quickstart``, ``nosharing``,
   ``nosharing-n``: the quick-start batch per packer, the no-sharing batches.
@@ -201,6 +202,16 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                   for spec in SHORT_SPECS + ("1,16_2048,128",)
                                   for heads in ((32, 8), (32, 32))
                                   for label in ("default", "mh1", "mh2", "mh4")),
+             "short-check": tuple((spec, heads, "pat", None, None, label)
+                                  for spec, heads in (
+                                      ("1,8,64,512_128,512,64,32", (32, 32)),
+                                      ("1,8,64,512_128,512,64,32", (32, 8)),
+                                      ("1,4,16,64,256_512,256,128,64,32", (32, 32)),
+                                      ("3,24,96_1024,64,512", (16, 8)),
+                                      ("3,24,96_1024,64,512", (32, 8)),
+                                      ("1,4,64_256,1024,64", (32, 8)),
+                                      ("1,4,16,64,256,1024_1024,256,128,64,32,32", (32, 32)))
+                                  for label in ("default", "mh1", "short-w1s1")),
              "m128": tuple((spec, (32, 8), "pat", None, None, label)
                            for spec in SHORT_SPECS[:3] + ("1,32_16384,16",)
                            for label in ("default", "m128n64", "m128n128", "m128n64-s3")),
