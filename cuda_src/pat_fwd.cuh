@@ -711,10 +711,10 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
 // 1216-leaf tree: 360 us, and 290 us once it held 6).  MIN_BLOCKS = the blocks shared memory
 // allows (1 KB reserved per block; 228 KB per SM on sm_90, 164 KB on sm_80), but never more
 // than leaves each thread kShortTileRegs registers, which caps registers at
-// 65536 / (MIN_BLOCKS * THREADS) (a single-stage ring's small blocks would spill otherwise).  Not for long-KV tiles: with it the no-sharing
-// batch 128_2048 (one 2048-token CTA per request) ran 3% slower on 16x64 and 11% on 16x32, and
-// the larger tiles' accumulators spill under such a cap (32x32: 48 bytes, 128x16: 776 bytes at
-// head_dim 128).  PAT_SMEM_OCCUPANCY=0 turns the request off.
+// 65536 / (MIN_BLOCKS * THREADS) (a single-stage ring's small blocks would spill otherwise).
+// Not for long-KV tiles: with it the no-sharing batch 128_2048 (one 2048-token CTA per
+// request) ran 3% slower on 16x64 and 11% on 16x32, and the larger tiles' accumulators spill
+// under such a cap (32x32: 48 bytes, 128x16: 776 bytes at head_dim 128).  PAT_SMEM_OCCUPANCY=0 turns the request off.
 #ifndef PAT_SMEM_OCCUPANCY
 #define PAT_SMEM_OCCUPANCY 1
 #endif

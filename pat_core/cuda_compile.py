@@ -12,7 +12,8 @@ the one home of the variant rules (rows per warp, warps, stages; the measured la
 ``pat_core/data/variant_speed_h100.json``): the launcher, the nvcc resource report, the tile
 solver and the tutorials read them from here.  A fused variant (``pat_fwd_fused_kernel``) runs
 several forward variants in one launch, chosen per CTA.  The key is the CuPy name expression's label, the compile
-cache key and the log line.  A merge variant is ``pat_merge_kernel<HEAD_DIM, TO, WARPS>``.
+cache key and the log line.  A merge variant is ``pat_merge_kernel<HEAD_DIM, TO, WARPS, NH>`` (NH heads of a
+request per warp).
 """
 from __future__ import annotations
 
