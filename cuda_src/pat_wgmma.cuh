@@ -74,92 +74,48 @@ __device__ __forceinline__ void wg_fence_regs(float (&d)[J][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
 }
 
-// One instruction string per shape; the element type ("f16" or "bf16") is pasted in as a
-// string literal.
-#define PAT_WGMMA_SS_N16(TY) \
+// The accumulator operands of one m64nN instruction: row blocks 0 .. N/8 - 1 of d, each one
+// m16n8 fragment of four floats; each longer list extends the shorter one.
+#define PAT_WG_D8(J) "+f"(d[J][0]), "+f"(d[J][1]), "+f"(d[J][2]), "+f"(d[J][3])
+#define PAT_WG_D_N16 PAT_WG_D8(0), PAT_WG_D8(1)
+#define PAT_WG_D_N32 PAT_WG_D_N16, PAT_WG_D8(2), PAT_WG_D8(3)
+#define PAT_WG_D_N64 PAT_WG_D_N32, PAT_WG_D8(4), PAT_WG_D8(5), PAT_WG_D8(6), PAT_WG_D8(7)
+#define PAT_WG_D_N128 \
+  PAT_WG_D_N64, PAT_WG_D8(8), PAT_WG_D8(9), PAT_WG_D8(10), PAT_WG_D8(11), PAT_WG_D8(12), \
+      PAT_WG_D8(13), PAT_WG_D8(14), PAT_WG_D8(15)
+
+// Accumulator register numbers %0 .. %(N / 2 - 1), each longer list extending the shorter one;
+// the descriptors and `accumulate` take the next three numbers.
+#define PAT_WG_R8 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define PAT_WG_R16 PAT_WG_R8 ", %8, %9, %10, %11, %12, %13, %14, %15"
+#define PAT_WG_R32 PAT_WG_R16 ", %16, %17, %18, %19, %20, %21, %22, %23, " \
+  "%24, %25, %26, %27, %28, %29, %30, %31"
+#define PAT_WG_R64 PAT_WG_R32 ", %32, %33, %34, %35, %36, %37, %38, %39, " \
+  "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, " \
+  "%56, %57, %58, %59, %60, %61, %62, %63"
+
+// One instruction per shape: SS = A and B from shared-memory descriptors (`accumulate` = 0
+// overwrites D), RS = A from registers.  TY, the element type ("f16" or "bf16"), is pasted in as
+// a string literal.
+#define PAT_WGMMA_SS(N, TY, DREGS, DA, DB, ACC) \
   asm volatile( \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n" \
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32." TY "." TY " " \
-      "{%0, %1, %2, %3, %4, %5, %6, %7}, " \
-      "%8, %9, p, 1, 1, 0, 0;\n}\n" \
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
-        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]) \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %" #ACC ", 0;\n" \
+      "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " \
+      "{" DREGS "}, %" #DA ", %" #DB ", p, 1, 1, 0, 0;\n}\n" \
+      : PAT_WG_D_N##N \
       : "l"(da), "l"(db), "r"(accumulate))
 
-#define PAT_WGMMA_SS_N32(TY) \
-  asm volatile( \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" \
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " " \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, " \
-      "%16, %17, p, 1, 1, 0, 0;\n}\n" \
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
-        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
-        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
-        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]) \
-      : "l"(da), "l"(db), "r"(accumulate))
-
-#define PAT_WGMMA_SS_N64(TY) \
-  asm volatile( \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
-      "%32, %33, p, 1, 1, 0, 0;\n}\n" \
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
-        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
-        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
-        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
-        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
-        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
-        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]) \
-      : "l"(da), "l"(db), "r"(accumulate))
-
-#define PAT_WGMMA_SS_N128(TY) \
-  asm volatile( \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
-      "%64, %65, p, 1, 1, 0, 0;\n}\n" \
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
-        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
-        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
-        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
-        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
-        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
-        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), \
-        "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
-        "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), \
-        "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), \
-        "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
-        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), \
-        "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), \
-        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
-        "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]) \
-      : "l"(da), "l"(db), "r"(accumulate))
+#define PAT_WGMMA_SS_N16(TY) PAT_WGMMA_SS(16, TY, PAT_WG_R8, 8, 9, 10)
+#define PAT_WGMMA_SS_N32(TY) PAT_WGMMA_SS(32, TY, PAT_WG_R16, 16, 17, 18)
+#define PAT_WGMMA_SS_N64(TY) PAT_WGMMA_SS(64, TY, PAT_WG_R32, 32, 33, 34)
+#define PAT_WGMMA_SS_N128(TY) PAT_WGMMA_SS(128, TY, PAT_WG_R64, 64, 65, 66)
 
 #define PAT_WGMMA_RS_N128(TY) \
   asm volatile( \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
       "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
-      "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n" \
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
-        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
-        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
-        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
-        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
-        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
-        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), \
-        "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
-        "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), \
-        "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), \
-        "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
-        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), \
-        "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), \
-        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
-        "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]) \
+      "{" PAT_WG_R64 "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n" \
+      : PAT_WG_D_N128 \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1))
 
 // S[64 x N] (+)= A (descriptor) . B (descriptor); accumulate = 0 overwrites S.
@@ -194,5 +150,15 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[16][4], const unsigned 
 #undef PAT_WGMMA_SS_N64
 #undef PAT_WGMMA_SS_N128
 #undef PAT_WGMMA_RS_N128
+#undef PAT_WGMMA_SS
+#undef PAT_WG_R8
+#undef PAT_WG_R16
+#undef PAT_WG_R32
+#undef PAT_WG_R64
+#undef PAT_WG_D_N16
+#undef PAT_WG_D_N32
+#undef PAT_WG_D_N64
+#undef PAT_WG_D_N128
+#undef PAT_WG_D8
 
 }  // namespace pat
