@@ -97,21 +97,30 @@ def sanitize_case():
     from pat_core import PrefixAttentionWrapper
     from pat_core.workloads import build_tree_batch
     from pat_core import cuda_compile as cc
-    cases = [("1,4,16_100,37,61", 16, 32, 8, 128, "NHD", None),
-             ("1,3,9_70,20,33", 1, 12, 4, 64, "HND", None)]
+    from pat_core.cuda_backend import CudaBackend
+    backend = CudaBackend()
+    cases = [("1,4,16_100,37,61", 16, 32, 8, 128, "NHD", None, "off"),
+             ("1,3,9_70,20,33", 1, 12, 4, 64, "HND", None, "off")]
     # the short-KV tiles (default layouts: a single-stage ring) forced onto CTAs of many tiles
-    cases += [("1,4,16_100,37,61", 16, 32, 8, 128, "NHD", t) for t in ((16, 16), (16, 32))]
+    cases += [("1,4,16_100,37,61", 16, 32, 8, 128, "NHD", t, "off") for t in ((16, 16), (16, 32))]
+    # the one-tile CTAs in a launch of their own, and in the piped kernel (producer and consumer
+    # warps; "piped-all": its multi-tile fallback too)
+    cases += [("1,8,64_128,64,32", 16, 32, 8, 128, "NHD", None, "split"),
+              ("1,8,64_128,64,32", 16, 32, 8, 128, "NHD", None, "piped"),
+              ("1,6,30_70,45,29", 7, 16, 4, 64, "HND", None, "piped-all")]
     arch = f"sm_{cupy.cuda.Device().compute_capability}"
     if cc.FwdVariant.make(64, 64, 128, "float16", arch=arch).warpgroup:   # every warpgroup tile
-        cases += [("1,32_300,20", 16, 32, 8, 128, "NHD", t)
+        cases += [("1,32_300,20", 16, 32, 8, 128, "NHD", t, "off")
                   for t in ((64, 16), (64, 32), (64, 64), (64, 128), (128, 16), (128, 32),
                             (128, 64), (128, 128))]
-    for spec, ps, hq, hk, d, layout, tile in cases:
+    for spec, ps, hq, hk, d, layout, tile, one_tile in cases:
         cc.VARIANT_OVERRIDES.clear()
+        backend.one_tile = one_tile
         if tile is not None and tile[0] >= 64:   # the warpgroup layout, two stages
             cc.VARIANT_OVERRIDES[tile] = (tile[0] // 16, 2, cc.WG_ROWS)
         b = build_tree_batch(spec, page_size=ps, seed=2)
         w = PrefixAttentionWrapper(backend="cuda", packer="pat", kv_layout=layout)
+        w._gpu_backend = backend
         plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16",
                       tile=tile)
         rng = np.random.default_rng(0)
@@ -121,8 +130,9 @@ def sanitize_case():
         q = cupy.asarray(rng.standard_normal((b.batch_size, hq, d)).astype(np.float16))
         out, lse = w.run(q, (k, v), return_lse=True)
         cupy.cuda.Device().synchronize()
-        print(f"{spec} {layout}: groups={plan.num_groups} tiles={plan.stats()['tiles']} "
-              f"variants={[v.key for v in w._gpu_backend.variants_for(plan)][:-1]} "
+        print(f"{spec} {layout} one_tile={one_tile}: groups={plan.num_groups} "
+              f"tiles={plan.stats()['tiles']} "
+              f"variants={[v.key for v in backend.variants_for(plan)][:-1]} "
               f"finite={bool(cupy.isfinite(out).all())}")
     cc.VARIANT_OVERRIDES.clear()
 

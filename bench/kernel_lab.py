@@ -27,6 +27,8 @@ Case sets:
   with their ``n`` forced to 64 or 128; ``merge-heads``: the same trees and a small batch with
   the merge warps taking 1, 2 or 4 heads of a request; ``short-check``: the batches that moved
   between full comparisons, default vs the one-head merge vs the single-stage 16x32 layout;
+  ``one-tile``: the deep trees and leaf batches with the one-tile CTAs of 16-row groups in
+  their group's launch, in a launch of their own (several layouts), and in the piped kernel;
   ``long-tune``: the long-prefix batches under planner settings; ``planner``: the sharing
   batches under every planner setting of ``TUNINGS``; ``quickstart``, ``nosharing``,
   ``nosharing-n``: the quick-start batch per packer, the no-sharing batches.
@@ -115,6 +117,13 @@ TUNINGS = {
     "m128n64": {"n_by_m": {128: 64}},
     "m128n128": {"n_by_m": {128: 128}},
     "m128n64-s3": {"n_by_m": {128: 64}, "layouts": {(128, 64): (8, 3, 64)}},
+    # the one-tile CTAs of 16-row groups (pat_core.launch.one_tile_split): in the group's own
+    # launch, in the piped kernel, and in other one-tile layouts
+    "one-tile-off": {"one_tile": "off"},
+    "piped": {"one_tile": "piped"},
+    "piped-w1i3": {"one_tile": "piped", "layouts": {("piped", 16): (1, 3), ("piped", 32): (1, 3)}},
+    "one-tile-w2s1": {"layouts": {("one-tile", 16, 32): (2, 1, 16)}},
+    "one-tile-w1s2": {"layouts": {("one-tile", 16, 32): (1, 2, 16)}},
 }
 
 
@@ -126,14 +135,17 @@ def apply_tuning(label: str, planner, backend):
     tun = dict(TUNINGS[label])
     tun.pop("layouts", None)   # kernel layouts: set by run_case (cuda_compile.VARIANT_OVERRIDES)
     tun.pop("n_by_m", None)    # forced n per m: set by run_case (forced_n)
-    saved = backend.launch_mode, backend.merge_mode, backend.merge_heads_per_warp
+    saved = (backend.launch_mode, backend.merge_mode, backend.merge_heads_per_warp,
+             backend.one_tile)
     backend.launch_mode = tun.pop("launch", backend.launch_mode)
+    backend.one_tile = tun.pop("one_tile", backend.one_tile)
     backend.merge_mode = tun.pop("merge", backend.merge_mode)
     backend.merge_heads_per_warp = tun.pop("merge_heads", backend.merge_heads_per_warp)
     planner.tuning = Tuning(**tun)
 
     def restore():
-        backend.launch_mode, backend.merge_mode, backend.merge_heads_per_warp = saved
+        (backend.launch_mode, backend.merge_mode, backend.merge_heads_per_warp,
+         backend.one_tile) = saved
     return restore
 
 
@@ -212,6 +224,12 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                       ("1,4,64_256,1024,64", (32, 8)),
                                       ("1,4,16,64,256,1024_1024,256,128,64,32,32", (32, 32)))
                                   for label in ("default", "mh1", "short-w1s1")),
+             "one-tile": tuple((spec, heads, "pat", None, None, label)
+                            for spec in SHORT_SPECS + ("1,4,64_256,1024,64", "3,24,96_1024,64,512",
+                                                       "1,2,4,8,16,32,64_256,128,64,64,32,32,32")
+                            for heads in ((32, 8), (32, 32))
+                            for label in ("one-tile-off", "default", "one-tile-w2s1",
+                                          "one-tile-w1s2", "piped")),
              "m128": tuple((spec, (32, 8), "pat", None, None, label)
                            for spec in SHORT_SPECS[:3] + ("1,32_16384,16",)
                            for label in ("default", "m128n64", "m128n128", "m128n64-s3")),
@@ -251,7 +269,7 @@ def run_case(backend, case, iters, copy_bw, flush, seed=0) -> dict:
     cc.VARIANT_OVERRIDES.clear()
     if TUNINGS.get(label):
         row["tuning"] = {k: (v if k != "layouts" else
-                             {f"{m}x{n}": list(lay) for (m, n), lay in v.items()})
+                             {"x".join(map(str, key)): list(lay) for key, lay in v.items()})
                          for k, v in TUNINGS[label].items()}
     restore = lambda: None  # noqa: E731
     undo_n = forced_n(TUNINGS[label]["n_by_m"]) if "n_by_m" in TUNINGS.get(label, {}) \

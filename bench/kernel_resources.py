@@ -63,8 +63,12 @@ def compile_variant(variant, arch: str, nvcc: str = "nvcc", src_dir=None) -> dic
 
 
 def variant_record(v) -> dict:
-    rec = {"kind": "merge" if isinstance(v, cc.MergeVariant) else "forward",
-           "head_dim": v.head_dim, "dtype": v.dtype, "warps": v.warps, "threads": v.threads}
+    kind = ("merge" if isinstance(v, cc.MergeVariant) else
+            "piped" if isinstance(v, cc.PipedVariant) else "forward")
+    rec = {"kind": kind, "head_dim": v.head_dim, "dtype": v.dtype, "warps": v.warps,
+           "threads": v.threads}
+    if isinstance(v, cc.PipedVariant):
+        rec = {"m": v.m, "n": v.n, **rec, "stages": 1, "items": v.items}
     if isinstance(v, cc.FwdVariant):
         rec = {"m": v.m, "n": v.n, **rec, "stages": v.stages, "rows_per_warp": v.rows_per_warp,
                "pull": v.pull}
@@ -116,7 +120,7 @@ def problems(data: dict) -> list:
 
 
 def build(jobs=None, nvcc="nvcc") -> dict:
-    variants = cc.all_fwd_variants() + cc.all_merge_variants()
+    variants = cc.all_fwd_variants() + cc.all_piped_variants() + cc.all_merge_variants()
     return {
         "generator": "bench/kernel_resources.py",
         "nvcc": cc.nvcc_version(nvcc),

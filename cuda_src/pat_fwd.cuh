@@ -62,6 +62,9 @@ struct FwdTraits {
   static constexpr bool WG = RW == 64;
   static constexpr int MI = WG ? 1 : RW / 16;                     // 16-row MMA blocks per warp
   static constexpr bool Q_IN_REGS = !WG && MI == 1;
+  // Q fragments a warp keeps in registers ([QF_MI][QF_K][4]; a 1 x 1 dummy when Q stays in smem)
+  static constexpr int QF_MI = Q_IN_REGS ? MI : 1;
+  static constexpr int QF_K = Q_IN_REGS ? D / 16 : 1;
   static constexpr int WARPS_M = WG ? M / 16 : M / RW;            // warps splitting the rows
   static constexpr int WARPS_N = WARPS / WARPS_M;                 // warps splitting a tile's tokens
   static constexpr int NW = N / WARPS_N;                          // tokens per warp per tile
@@ -358,55 +361,38 @@ __device__ __forceinline__ void pat_wg_loop(typename Tr::T* sQ, typename Tr::T* 
   cp_async_wait<0>();
 }
 
-// One work item: Plan CTA `cta` for KV head `kv_head`.  Returns with every cp.async group drained;
-// a caller that runs another item in the same block puts a cta_sync<Tr>() in between (the last
-// phase reads shared memory that the next item's prologue overwrites).
+// What a work item reads of its Plan CTA (the CTA tables of pat_core/plan.py).
+struct CtaWork {
+  int req_begin;  // the CTA's first entry in cta_req / cta_slot
+  int n_rows;     // live query rows: requests x group (at most M)
+  int kv_start;   // first KV position of the range
+  int kv_len;     // tokens in the range
+  int page_base;  // cta_pages + page_base, indexed by absolute page number, is the page list
+};
+
 template <typename Tr>
-__device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
-                                             const int kv_head) {
-  using T = typename Tr::T;
-  constexpr int D = Tr::D, M = Tr::M, N = Tr::N, THREADS = Tr::THREADS, STAGES = Tr::STAGES;
-  constexpr int CHUNKS = Tr::CHUNKS, MI = Tr::MI, NW = Tr::NW, KC = Tr::KC;
-  const T* __restrict__ q = static_cast<const T*>(p.q);
-  float* __restrict__ o_partial = p.o_partial;
-  float* __restrict__ lse_partial = p.lse_partial;
+__device__ __forceinline__ CtaWork cta_work(const FwdParams& p, int cta) {
   const int* __restrict__ cta_req_indptr = p.cta_req_indptr;
+  CtaWork w;
+  w.req_begin = cta_req_indptr[cta];
+  const int rows = (cta_req_indptr[cta + 1] - w.req_begin) * p.group;
+  w.n_rows = rows < Tr::M ? rows : Tr::M;  // the planner guarantees rows <= m; never overrun smem
+  w.kv_start = p.cta_kv_start[cta];
+  w.kv_len = p.cta_kv_len[cta];
+  w.page_base = p.cta_page_indptr[cta] - w.kv_start / p.page_size;
+  return w;
+}
+
+// Q rows of the item -> shared memory (cp.async; rows >= n_rows zero-filled).  Row i * group + j
+// is request i of the CTA, query head kv_head * group + j.
+template <typename Tr>
+__device__ __forceinline__ void load_q_rows(const FwdParams& p, const CtaWork& w, int kv_head,
+                                            typename Tr::T* sQ, int tid) {
+  using T = typename Tr::T;
+  constexpr int M = Tr::M, CHUNKS = Tr::CHUNKS, THREADS = Tr::THREADS;
+  const T* __restrict__ q = static_cast<const T*>(p.q);
   const int* __restrict__ cta_req = p.cta_req;
-  const int* __restrict__ cta_slot = p.cta_slot;
-  const int group = p.group, num_qo_heads = p.num_qo_heads, num_kv_heads = p.num_kv_heads;
-  const int page_size = p.page_size;
-  const float scale_log2 = p.scale_log2;
-  const MergeArgs& merge = p.merge;
-
-  unsigned char* smem_base = pat_dyn_smem;
-  if constexpr (Tr::WG)  // 1024-byte aligned tiles (the 128-byte swizzle repeats every 1024 B)
-    smem_base += (1024u - (smem_u32(pat_dyn_smem) & 1023u)) & 1023u;
-  T* sQ = reinterpret_cast<T*>(smem_base);
-  T* sK = reinterpret_cast<T*>(smem_base + Tr::Q_BYTES);  // [STAGES][N][D], swizzled rows
-  T* sV = sK + STAGES * Tr::KV_TILE_ELEMS;                     // [STAGES][N][D], swizzled rows
-
-  // Opaque to the optimiser: in the graph-safe loop (run_items) nothing derived from the thread
-  // index is hoisted out of the loop and kept live across items (the large tiles spilled).
-  int tid_ = threadIdx.x;
-  asm volatile("" : "+r"(tid_));
-  const int tid = tid_;
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
-  // Token slice outermost: warps w and w + 4 share an SM sub-partition (scheduler), so with more
-  // than one slice the two warps a scheduler holds belong to different slices, which are
-  // independent pipelines and drift apart: one computes softmax while the other issues MMAs.
-  const int wn = warp / Tr::WARPS_M;  // token slice of this warp
-  const int wm = warp - wn * Tr::WARPS_M;  // row group of this warp
-
-  const int req_begin = cta_req_indptr[cta];
-  int n_rows = (cta_req_indptr[cta + 1] - req_begin) * group;
-  n_rows = n_rows < M ? n_rows : M;  // the planner guarantees rows <= m; never overrun smem
-  const int kv_start = p.cta_kv_start[cta];
-  const int kv_len = p.cta_kv_len[cta];
-  const int page_base = p.cta_page_indptr[cta] - kv_start / page_size;  // absolute page -> list
-  const int num_tiles = (kv_len + N - 1) / N;
-
-  // ---- Q rows -> shared memory (rows >= n_rows zero-filled) ----------------------------------
+  const int group = p.group;
 #pragma unroll
   for (int it = 0; it < Tr::Q_LOADS; ++it) {
     const int id = tid + it * THREADS;
@@ -414,164 +400,163 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
       const int row = id / CHUNKS, ch = id % CHUNKS;
       const T* src = q;
       int bytes = 0;
-      if (row < n_rows) {
+      if (row < w.n_rows) {
         const int ri = row / group;
         const int head = kv_head * group + (row - ri * group);
-        src = q + (long long)cta_req[req_begin + ri] * p.q_sb + (long long)head * p.q_sh + ch * 8;
+        src = q + (long long)cta_req[w.req_begin + ri] * p.q_sb + (long long)head * p.q_sh +
+              ch * 8;
         bytes = 16;
       }
       cp_async_16(smem_u32(sQ + Tr::template off<M>(row, ch)), src, bytes);
     }
   }
+}
 
-  // ---- KV tile gather: token -> page -> (K row, V row) ---------------------------------------
+// The KV gatherer of one item: token -> page -> (K row, V row) of this KV head.
+template <typename Tr>
+__device__ __forceinline__ KvTileLoader<Tr> kv_loader(const FwdParams& p, const CtaWork& w,
+                                                      int kv_head) {
+  using T = typename Tr::T;
+  const int page_size = p.page_size;
   const int page_shift = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
-  const KvTileLoader<Tr> loader{static_cast<const T*>(p.k_cache),
-                                static_cast<const T*>(p.v_cache), p.cta_pages + page_base,
-                                kv_start, kv_len, page_size, page_shift, kv_head,
-                                p.k_sp, p.k_st, p.k_sh, p.v_sp, p.v_st, p.v_sh};
+  return KvTileLoader<Tr>{static_cast<const T*>(p.k_cache), static_cast<const T*>(p.v_cache),
+                          p.cta_pages + w.page_base, w.kv_start, w.kv_len, page_size,
+                          page_shift, kv_head, p.k_sp, p.k_st, p.k_sh, p.v_sp, p.v_st, p.v_sh};
+}
 
-  const int slice_row0 = wn * NW;  // this warp's token slice within every tile
-  const int stid = wm * 32 + lane;  // thread index within the slice group
-
-// <tutorial:prologue>
-  // Prologue: group 0 = Q, groups 1..PRE = tiles 0..PRE-1 (possibly empty groups); PRE is
-  // STAGES - 1, or 1 for a single-stage ring.
-  cp_async_commit();
+// The online-softmax state of a warp's rows: accumulator, running max (log2 domain) and running
+// sum (this thread's columns only until finish_item reduces it over the quad), set to empty.
+template <typename Tr>
+__device__ __forceinline__ void init_state(float (&acc)[Tr::MI][Tr::D / 8][4],
+                                           float (&m_run)[Tr::MI][2], float (&l_run)[Tr::MI][2]) {
 #pragma unroll
-  for (int s = 0; s < Tr::PRE; ++s) {
-    if (s < num_tiles) loader.load(sK, sV, s, s % STAGES, slice_row0, stid);
-    cp_async_commit();
-  }
-// </tutorial:prologue>
-
-  // Q fragments of the 16-row warps stay in registers for the whole KV walk; 32-row warps
-  // re-read theirs from shared memory per k-step (FlashAttention-2's layout).
-  constexpr int QF_MI = Tr::Q_IN_REGS ? MI : 1;
-  constexpr int QF_K = Tr::Q_IN_REGS ? D / 16 : 1;
-  unsigned qf[QF_MI][QF_K][4];
-  float acc[MI][D / 8][4];
-  float m_run[MI][2];  // running max of the scaled scores (log2 domain), rows g and g + 8
-  float l_run[MI][2];  // running sum of exponentials (this thread's columns only until the end)
+  for (int mi = 0; mi < Tr::MI; ++mi) {
 #pragma unroll
-  for (int mi = 0; mi < MI; ++mi) {
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt)
+    for (int dt = 0; dt < Tr::D / 8; ++dt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[mi][dt][e] = 0.f;
     m_run[mi][0] = m_run[mi][1] = neg_inf();
     l_run[mi][0] = l_run[mi][1] = 0.f;
   }
+}
 
-  // Wait for the Q group only (the PRE tile groups behind it may still be in flight).
-  cp_async_wait<Tr::PRE>();
-  // Barrier: every thread's Q copies have landed and are visible before any warp reads Q rows
-  // that other threads fetched.
-  cta_sync<Tr>();
-  const int q_lrow = (lane & 7) + ((lane >> 3) & 1) * 8;  // ldmatrix row of this lane (A operand)
+// ldmatrix row of this lane for an A operand (16 x 16 fragment).
+__device__ __forceinline__ int a_frag_row(int lane) { return (lane & 7) + ((lane >> 3) & 1) * 8; }
+
+// Q fragments of a 16-row warp (row group wm), kept in registers for the whole KV walk.
+template <typename Tr>
+__device__ __forceinline__ void load_q_frags(const typename Tr::T* sQ, int wm, int lane,
+                                             unsigned (&qf)[Tr::QF_MI][Tr::QF_K][4]) {
   if constexpr (Tr::Q_IN_REGS) {
+    const int q_lrow = a_frag_row(lane);
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      ldmatrix_x4(qf[0][kk], smem_u32(sQ + swz<D>(wm * 16 + q_lrow, kk * 2 + (lane >> 4))));
+    for (int kk = 0; kk < Tr::D / 16; ++kk)
+      ldmatrix_x4(qf[0][kk],
+                  smem_u32(sQ + swz<Tr::D>(wm * 16 + q_lrow, kk * 2 + (lane >> 4))));
   }
+}
 
-  if constexpr (Tr::WG) {
-    pat_wg_loop<Tr>(sQ, sK, sV, loader, num_tiles, kv_len, scale_log2, warp, lane, tid, acc,
-                    m_run, l_run);
-  } else {
-  for (int t = 0; t < num_tiles; ++t) {
-// <tutorial:loop-top>
-    // Keep STAGES - 1 tiles in flight: issue (this slice of) tile t + STAGES - 1 into the stage
-    // read during iteration t - 1 (released by that iteration's trailing barrier).  Always
-    // commit, even an empty group, so that the wait below counts groups uniformly.
-    // A single stage has no room to prefetch: tile t (t > 0) loads here, into the stage the
-    // previous iteration released, and is waited for at once.
-    const int tn = STAGES > 1 ? t + STAGES - 1 : t;
-    if (tn < num_tiles && (STAGES > 1 || t > 0))
-      loader.load(sK, sV, tn, tn % STAGES, slice_row0, stid);
-    cp_async_commit();
-    cp_async_wait<STAGES - 1>();
-    // Slice barrier: every copy of this slice of tile t has landed (each thread waited for its
-    // own); make them visible to the slice's warps before any of them reads the rows.
-    slice_sync<Tr>(wn);
-// </tutorial:loop-top>
-
-    const T* cK = sK + (t % STAGES) * Tr::KV_TILE_ELEMS;
-    const T* cV = sV + (t % STAGES) * Tr::KV_TILE_ELEMS;
-    const int valid = kv_len - t * N;  // tokens of this tile inside the range (may exceed N)
-
+// One KV tile of the mma.sync layouts, for this warp's rows (group wm) and token slice wn: in
+// softmax steps of KC tokens, S = Q K^T (raw scores), tokens at or past `valid` masked, the
+// online-softmax step, O += P V with P straight from the S accumulators.  cK / cV: the tile's
+// stage in shared memory; valid: tokens of the tile inside the range (may exceed N).
+template <typename Tr>
+__device__ __forceinline__ void sync_tile(const typename Tr::T* sQ,
+                                          const unsigned (&qf)[Tr::QF_MI][Tr::QF_K][4],
+                                          const typename Tr::T* cK, const typename Tr::T* cV,
+                                          int valid, int wn, int wm, int lane, float scale_log2,
+                                          float (&acc)[Tr::MI][Tr::D / 8][4],
+                                          float (&m_run)[Tr::MI][2], float (&l_run)[Tr::MI][2]) {
+  using T = typename Tr::T;
+  constexpr int D = Tr::D, MI = Tr::MI, NW = Tr::NW, KC = Tr::KC;
+  const int q_lrow = a_frag_row(lane);
 #pragma unroll Tr::STEP_UNROLL
-    for (int c = 0; c < NW / KC; ++c) {
-      const int tok0 = wn * NW + c * KC;  // first tile token of this softmax step
-      if (tok0 >= valid) break;  // warp-uniform: the rest of this slice is past the end
+  for (int c = 0; c < NW / KC; ++c) {
+    const int tok0 = wn * NW + c * KC;  // first tile token of this softmax step
+    if (tok0 >= valid) break;  // warp-uniform: the rest of this slice is past the end
 
-      // S = Q K^T for KC tokens (raw scores; the scale is folded into the exponent below).
-      float s[MI][KC / 8][4];
+    // S = Q K^T for KC tokens (raw scores; the scale is folded into the exponent below).
+    float s[MI][KC / 8][4];
 #pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
+    for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int j = 0; j < KC / 8; ++j)
+      for (int j = 0; j < KC / 8; ++j)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[mi][j][e] = 0.f;
+        for (int e = 0; e < 4; ++e) s[mi][j][e] = 0.f;
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        unsigned qs[Tr::Q_IN_REGS ? 1 : MI][4];
-        if constexpr (!Tr::Q_IN_REGS) {
+    for (int kk = 0; kk < D / 16; ++kk) {
+      unsigned qs[Tr::Q_IN_REGS ? 1 : MI][4];
+      if constexpr (!Tr::Q_IN_REGS) {
 #pragma unroll
-          for (int mi = 0; mi < MI; ++mi)
-            ldmatrix_x4(qs[mi], smem_u32(sQ + swz<D>((wm * MI + mi) * 16 + q_lrow,
-                                                     kk * 2 + (lane >> 4))));
-        }
-#pragma unroll
-        for (int j = 0; j < KC / 16; ++j) {
-          unsigned b[4];
-          const int row = tok0 + j * 16 + ((lane >> 4) << 3) + (lane & 7);
-          ldmatrix_x4(b, smem_u32(cK + swz<D>(row, kk * 2 + ((lane >> 3) & 1))));
-          if constexpr (Tr::Q_IN_REGS) {
-            mma_16816<T>(s[0][2 * j], qf[0][kk], b[0], b[1]);
-            mma_16816<T>(s[0][2 * j + 1], qf[0][kk], b[2], b[3]);
-          } else {
-#pragma unroll
-            for (int mi = 0; mi < MI; ++mi) {
-              mma_16816<T>(s[mi][2 * j], qs[mi], b[0], b[1]);
-              mma_16816<T>(s[mi][2 * j + 1], qs[mi], b[2], b[3]);
-            }
-          }
-        }
+        for (int mi = 0; mi < MI; ++mi)
+          ldmatrix_x4(qs[mi], smem_u32(sQ + swz<D>((wm * MI + mi) * 16 + q_lrow,
+                                                   kk * 2 + (lane >> 4))));
       }
-
-      mask_past_end<MI, KC / 8>(s, tok0, valid, lane);  // tokens past the range
-
-      online_softmax_step<MI, KC / 8, D / 8>(s, m_run, l_run, acc, scale_log2);
-
-      // O += P V: P (rounded to the input dtype) comes straight from the S accumulators, two
-      // adjacent n8 blocks forming one k16 A fragment.
 #pragma unroll
-      for (int kk = 0; kk < KC / 16; ++kk) {
-        unsigned pa[MI][4];
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi) pack_p<T, KC / 8>(s[mi], kk, pa[mi]);
-        const int row = tok0 + kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
-#pragma unroll
-        for (int dt = 0; dt < D / 16; ++dt) {
-          unsigned b[4];
-          ldmatrix_x4_trans(b, smem_u32(cV + swz<D>(row, dt * 2 + (lane >> 4))));
+      for (int j = 0; j < KC / 16; ++j) {
+        unsigned b[4];
+        const int row = tok0 + j * 16 + ((lane >> 4) << 3) + (lane & 7);
+        ldmatrix_x4(b, smem_u32(cK + swz<D>(row, kk * 2 + ((lane >> 3) & 1))));
+        if constexpr (Tr::Q_IN_REGS) {
+          mma_16816<T>(s[0][2 * j], qf[0][kk], b[0], b[1]);
+          mma_16816<T>(s[0][2 * j + 1], qf[0][kk], b[2], b[3]);
+        } else {
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi) {
-            mma_16816<T>(acc[mi][2 * dt], pa[mi], b[0], b[1]);
-            mma_16816<T>(acc[mi][2 * dt + 1], pa[mi], b[2], b[3]);
+            mma_16816<T>(s[mi][2 * j], qs[mi], b[0], b[1]);
+            mma_16816<T>(s[mi][2 * j + 1], qs[mi], b[2], b[3]);
           }
         }
       }
     }
-// <tutorial:loop-end>
-    // Slice barrier: the slice's warps are done reading their rows of stage t % STAGES before
-    // iteration t + 1 issues cp.async into the stage it frees.
-    slice_sync<Tr>(wn);
+
+    mask_past_end<MI, KC / 8>(s, tok0, valid, lane);  // tokens past the range
+
+    online_softmax_step<MI, KC / 8, D / 8>(s, m_run, l_run, acc, scale_log2);
+
+    // O += P V: P (rounded to the input dtype) comes straight from the S accumulators, two
+    // adjacent n8 blocks forming one k16 A fragment.
+#pragma unroll
+    for (int kk = 0; kk < KC / 16; ++kk) {
+      unsigned pa[MI][4];
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) pack_p<T, KC / 8>(s[mi], kk, pa[mi]);
+      const int row = tok0 + kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
+#pragma unroll
+      for (int dt = 0; dt < D / 16; ++dt) {
+        unsigned b[4];
+        ldmatrix_x4_trans(b, smem_u32(cV + swz<D>(row, dt * 2 + (lane >> 4))));
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+          mma_16816<T>(acc[mi][2 * dt], pa[mi], b[0], b[1]);
+          mma_16816<T>(acc[mi][2 * dt + 1], pa[mi], b[2], b[3]);
+        }
+      }
+    }
   }
-  cp_async_wait<0>();  // only empty groups can remain; drain them before smem is reused
-// </tutorial:loop-end>
-  }
+}
+
+// The end of a work item, after its KV walk: full row sums, the token slices' states combined
+// (through `scratch`, shared memory of at least Tr::SMEM_BYTES that the item no longer reads),
+// the normalised partial output o_partial[slot, head, :] and its natural-log LSE written for every
+// live row, and with merge.counters set the in-kernel merge of the requests this item completes.
+// Warps of token slices other than 0 return after the combine.
+template <typename Tr>
+__device__ __forceinline__ void finish_item(const FwdParams& p, const CtaWork& w, int cta,
+                                            int kv_head, float (&acc)[Tr::MI][Tr::D / 8][4],
+                                            float (&m_run)[Tr::MI][2], float (&l_run)[Tr::MI][2],
+                                            int wn, int wm, int lane, int stid,
+                                            unsigned char* scratch) {
+  using T = typename Tr::T;
+  constexpr int D = Tr::D, MI = Tr::MI;
+  float* __restrict__ o_partial = p.o_partial;
+  float* __restrict__ lse_partial = p.lse_partial;
+  const int* __restrict__ cta_req_indptr = p.cta_req_indptr;
+  const int* __restrict__ cta_req = p.cta_req;
+  const int* __restrict__ cta_slot = p.cta_slot;
+  const int group = p.group, num_qo_heads = p.num_qo_heads, num_kv_heads = p.num_kv_heads;
+  const MergeArgs& merge = p.merge;
+  const int req_begin = w.req_begin, n_rows = w.n_rows;
 
   // Full row sums: reduce the per-thread partial sums over the quad.
 #pragma unroll
@@ -587,7 +572,7 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
     // (raise_max), in rounds of COMB_PER_ROUND token slices when not all fit the KV ring.
     // Layout [slot][register][lane]: each lane reads back exactly what the same lane of the
     // partner warp wrote, so no fragment re-layout is needed and accesses are conflict-free.
-    float* comb = reinterpret_cast<float*>(pat_dyn_smem);
+    float* comb = reinterpret_cast<float*>(scratch);
     constexpr int SR = Tr::STATE_REGS;
     constexpr int PR = Tr::COMB_PER_ROUND;
 #pragma unroll 1
@@ -675,7 +660,7 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
   // Release: make this CTA's partial writes visible device-wide before they are counted.
   __threadfence();
   slice_sync<Tr>(0);
-  int* last = reinterpret_cast<int*>(pat_dyn_smem);  // smem is free: the combine has finished
+  int* last = reinterpret_cast<int*>(scratch);  // free: the combine has finished
   const int n_req = cta_req_indptr[cta + 1] - req_begin;
   for (int i = stid; i < n_req; i += Tr::SLICE_THREADS) {
     const int r = cta_req[req_begin + i];
@@ -689,15 +674,116 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
   slice_sync<Tr>(0);
   // Acquire: the counts observed above order the other CTAs' partial writes before our reads.
   __threadfence();
-  for (int p = wm; p < n_req * group; p += Tr::WARPS_M) {
-    const int i = p / group;
+  for (int pr = wm; pr < n_req * group; pr += Tr::WARPS_M) {
+    const int i = pr / group;
     const int r = last[i];
     if (r < 0) continue;
     merge_pair<D, T, 1>(o_partial, lse_partial, merge.req_slot_indptr[r],
-                     merge.req_slot_indptr[r + 1], r, kv_head * group + (p - i * group),
+                     merge.req_slot_indptr[r + 1], r, kv_head * group + (pr - i * group),
                      num_qo_heads, static_cast<T*>(merge.out), merge.lse_out, merge.out_sb,
                      merge.out_sh, merge.lse_sb, merge.lse_sh, lane);
   }
+}
+
+// One work item: Plan CTA `cta` for KV head `kv_head`.  Returns with every cp.async group drained;
+// a caller that runs another item in the same block puts a cta_sync<Tr>() in between (the last
+// phase reads shared memory that the next item's prologue overwrites).
+template <typename Tr>
+__device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
+                                             const int kv_head) {
+  using T = typename Tr::T;
+  constexpr int N = Tr::N, STAGES = Tr::STAGES, NW = Tr::NW;
+
+  unsigned char* smem_base = pat_dyn_smem;
+  if constexpr (Tr::WG)  // 1024-byte aligned tiles (the 128-byte swizzle repeats every 1024 B)
+    smem_base += (1024u - (smem_u32(pat_dyn_smem) & 1023u)) & 1023u;
+  T* sQ = reinterpret_cast<T*>(smem_base);
+  T* sK = reinterpret_cast<T*>(smem_base + Tr::Q_BYTES);  // [STAGES][N][D], swizzled rows
+  T* sV = sK + STAGES * Tr::KV_TILE_ELEMS;                     // [STAGES][N][D], swizzled rows
+
+  // Opaque to the optimiser: in the graph-safe loop (run_items) nothing derived from the thread
+  // index is hoisted out of the loop and kept live across items (the large tiles spilled).
+  int tid_ = threadIdx.x;
+  asm volatile("" : "+r"(tid_));
+  const int tid = tid_;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  // Token slice outermost: warps w and w + 4 share an SM sub-partition (scheduler), so with more
+  // than one slice the two warps a scheduler holds belong to different slices, which are
+  // independent pipelines and drift apart: one computes softmax while the other issues MMAs.
+  const int wn = warp / Tr::WARPS_M;  // token slice of this warp
+  const int wm = warp - wn * Tr::WARPS_M;  // row group of this warp
+
+  const CtaWork w = cta_work<Tr>(p, cta);
+  const int kv_len = w.kv_len;
+  const int num_tiles = (kv_len + N - 1) / N;
+
+  load_q_rows<Tr>(p, w, kv_head, sQ, tid);
+  const KvTileLoader<Tr> loader = kv_loader<Tr>(p, w, kv_head);
+
+  const int slice_row0 = wn * NW;  // this warp's token slice within every tile
+  const int stid = wm * 32 + lane;  // thread index within the slice group
+
+// <tutorial:prologue>
+  // Prologue: group 0 = Q, groups 1..PRE = tiles 0..PRE-1 (possibly empty groups); PRE is
+  // STAGES - 1, or 1 for a single-stage ring.
+  cp_async_commit();
+#pragma unroll
+  for (int s = 0; s < Tr::PRE; ++s) {
+    if (s < num_tiles) loader.load(sK, sV, s, s % STAGES, slice_row0, stid);
+    cp_async_commit();
+  }
+// </tutorial:prologue>
+
+  // Q fragments of the 16-row warps stay in registers for the whole KV walk; 32-row warps
+  // re-read theirs from shared memory per k-step (FlashAttention-2's layout).
+  unsigned qf[Tr::QF_MI][Tr::QF_K][4];
+  float acc[Tr::MI][Tr::D / 8][4];
+  float m_run[Tr::MI][2];  // running max of the scaled scores (log2 domain), rows g and g + 8
+  float l_run[Tr::MI][2];  // running sum of exponentials
+  init_state<Tr>(acc, m_run, l_run);
+
+  // Wait for the Q group only (the PRE tile groups behind it may still be in flight).
+  cp_async_wait<Tr::PRE>();
+  // Barrier: every thread's Q copies have landed and are visible before any warp reads Q rows
+  // that other threads fetched.
+  cta_sync<Tr>();
+  load_q_frags<Tr>(sQ, wm, lane, qf);
+
+  if constexpr (Tr::WG) {
+    pat_wg_loop<Tr>(sQ, sK, sV, loader, num_tiles, kv_len, p.scale_log2, warp, lane, tid, acc,
+                    m_run, l_run);
+  } else {
+  for (int t = 0; t < num_tiles; ++t) {
+// <tutorial:loop-top>
+    // Keep STAGES - 1 tiles in flight: issue (this slice of) tile t + STAGES - 1 into the stage
+    // read during iteration t - 1 (released by that iteration's trailing barrier).  Always
+    // commit, even an empty group, so that the wait below counts groups uniformly.
+    // A single stage has no room to prefetch: tile t (t > 0) loads here, into the stage the
+    // previous iteration released, and is waited for at once.
+    const int tn = STAGES > 1 ? t + STAGES - 1 : t;
+    if (tn < num_tiles && (STAGES > 1 || t > 0))
+      loader.load(sK, sV, tn, tn % STAGES, slice_row0, stid);
+    cp_async_commit();
+    cp_async_wait<STAGES - 1>();
+    // Slice barrier: every copy of this slice of tile t has landed (each thread waited for its
+    // own); make them visible to the slice's warps before any of them reads the rows.
+    slice_sync<Tr>(wn);
+// </tutorial:loop-top>
+
+    sync_tile<Tr>(sQ, qf, sK + (t % STAGES) * Tr::KV_TILE_ELEMS,
+                  sV + (t % STAGES) * Tr::KV_TILE_ELEMS, kv_len - t * N, wn, wm, lane,
+                  p.scale_log2, acc, m_run, l_run);
+// <tutorial:loop-end>
+    // Slice barrier: the slice's warps are done reading their rows of stage t % STAGES before
+    // iteration t + 1 issues cp.async into the stage it frees.
+    slice_sync<Tr>(wn);
+  }
+  cp_async_wait<0>();  // only empty groups can remain; drain them before smem is reused
+// </tutorial:loop-end>
+  }
+
+  finish_item<Tr>(p, w, cta, kv_head, acc, m_run, l_run, wn, wm, lane, stid, pat_dyn_smem);
 }
 
 }  // namespace pat
@@ -788,6 +874,181 @@ __device__ __forceinline__ void run_items(const FwdParams& p) {
   }
 }
 }  // namespace pat
+
+namespace pat {
+// Named barriers of the piped launch: bar.sync waits for `count` threads, bar.arrive counts
+// this warp in without waiting (a producer / consumer hand-off).
+__device__ __forceinline__ void named_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+// Piped launch (pat_fwd_piped_kernel): streams of short items.  A one-tile item (a tree leaf of
+// a page or two) is three dependent memory round trips (CTA tables, page list, K/V rows) and
+// little arithmetic; one item per block pays them in full every time and leaves its shared
+// memory idle while it waits or computes.  Here a block stays resident and splits the roles:
+// one producer warp draws items (numbered as in run_items) from a counter, reads their CTA
+// tables and page lists, and gathers each item's Q rows and KV tile into the next free buffer
+// of a ring of R; Tr::WARPS consumer warps compute the items in order.  Full / empty
+// buffers are handed over with named barriers (FULL[b] = 1 + b, EMPTY[b] = 1 + R + b; barrier
+// 0 is the consumers' own).  Items are drawn rather than assigned by block index because the
+// launch shares the GPU with the plan's other launches: a block that becomes resident late
+// must not own a fixed share of the work.  Tr is a 16-row, Q-in-registers, single-stage
+// layout; its SMEM_BYTES is one buffer (Q tile + one K and one V tile).  An item longer than one
+// tile stays correct (the consumers load its later tiles themselves, one at a time); the
+// launcher gives this kernel one-tile items only (pat_core/launch.py).
+// p.work_counter: two ints, zero at launch: [0] items drawn, [1] blocks finished; the last block
+// to finish sets both back to zero for the next launch.
+template <typename Tr, int R>
+__device__ __forceinline__ void run_piped(const FwdParams& p) {
+  static_assert(Tr::Q_IN_REGS && Tr::WARPS_M == 1 && Tr::STAGES == 1 && !Tr::WG,
+                "piped items: 16-row warps, Q in registers, one token slice per warp, 1 stage");
+  static_assert(R >= 2 && R <= 4, "2..4 buffers per block");
+  using T = typename Tr::T;
+  // the producer warp's view of a buffer: the same tile, gathered by one warp
+  using Tp = FwdTraits<Tr::D, T, 16, Tr::N, 1, 1, 16>;
+  static_assert(Tp::SMEM_BYTES == Tr::SMEM_BYTES, "one buffer layout");
+  constexpr int N = Tr::N, ALL = Tr::THREADS + 32;
+  constexpr int META = 8;  // per buffer: item, CTA, KV head, the CtaWork fields
+  const int hk = p.num_kv_heads;
+  const int total = p.n_ctas * hk;
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  int* const counter = p.work_counter;
+  __shared__ int s_meta[R][META];
+  auto buffer = [&](int b) { return pat_dyn_smem + b * Tr::SMEM_BYTES; };
+
+  if (warp == Tr::WARPS) {
+    // ---- producer ------------------------------------------------------------------------
+    // lane 0 draws one item ahead, so the atomic's latency hides behind a gather
+    int next = 0;
+    if (lane == 0) next = atomicAdd(counter, 1);
+    int j = 0;
+#pragma unroll 1
+    for (;; ++j) {
+      const int b = j % R;
+      const int item = __shfl_sync(0xffffffffu, next, 0);
+      if (lane == 0 && item < total) next = atomicAdd(counter, 1);
+      if (j >= R) named_sync(1 + R + b, ALL);  // the consumers are done with item j - R
+      if (item < total) {
+        int cta, kv_head;
+        if (p.head_minor) {
+          const int c = item / hk;
+          kv_head = item - c * hk;
+          cta = p.cta_offset + c;
+        } else {
+          kv_head = item / p.n_ctas;
+          cta = p.cta_offset + (item - kv_head * p.n_ctas);
+        }
+        const CtaWork w = cta_work<Tp>(p, cta);
+        if (lane == 0) {
+          s_meta[b][0] = item; s_meta[b][1] = cta; s_meta[b][2] = kv_head;
+          s_meta[b][3] = w.req_begin; s_meta[b][4] = w.n_rows; s_meta[b][5] = w.kv_start;
+          s_meta[b][6] = w.kv_len; s_meta[b][7] = w.page_base;
+        }
+        T* sQ = reinterpret_cast<T*>(buffer(b));
+        T* sK = reinterpret_cast<T*>(buffer(b) + Tr::Q_BYTES);
+        load_q_rows<Tp>(p, w, kv_head, sQ, lane);
+        if (w.kv_len > 0)
+          kv_loader<Tp>(p, w, kv_head).load(sK, sK + Tr::KV_TILE_ELEMS, 0, 0, 0, lane);
+      } else if (lane == 0) {
+        s_meta[b][0] = total;  // sentinel: the consumers stop here
+      }
+      cp_async_commit();
+      // item j - 1 has landed: hand its buffer over (the barrier orders the copies before the
+      // consumers' reads)
+      if (j >= 1) {
+        cp_async_wait<1>();
+        named_arrive(1 + (j - 1) % R, ALL);
+      }
+      if (item >= total) {
+        named_arrive(1 + b, ALL);  // the sentinel
+        break;
+      }
+    }
+    cp_async_wait<0>();
+    // balance the consumers' last EMPTY arrivals (items j - R + 1 .. j - 1)
+#pragma unroll 1
+    for (int j2 = j + 1; j2 < j + R; ++j2)
+      if (j2 >= R) named_sync(1 + R + j2 % R, ALL);
+    // The last block out resets the counters: every other block has drawn its last item.
+    if (lane == 0) {
+      __threadfence();
+      if (atomicAdd(counter + 1, 1) == (int)gridDim.x - 1) {
+        counter[0] = 0;
+        counter[1] = 0;
+      }
+    }
+    return;
+  }
+
+  // ---- consumers ---------------------------------------------------------------------------
+  const int wn = warp;            // token slice (WARPS_M == 1)
+  const int slice_row0 = wn * Tr::NW;
+#pragma unroll 1
+  for (int k = 0;; ++k) {
+    const int b = k % R;
+    named_sync(1 + b, ALL);  // FULL[b]: the item's Q rows, KV tile and metadata are in place
+    if (s_meta[b][0] >= total) break;
+    const int cta = s_meta[b][1], kv_head = s_meta[b][2];
+    CtaWork w;
+    w.req_begin = s_meta[b][3]; w.n_rows = s_meta[b][4]; w.kv_start = s_meta[b][5];
+    w.kv_len = s_meta[b][6]; w.page_base = s_meta[b][7];
+    unsigned char* buf = buffer(b);
+    const T* sQ = reinterpret_cast<const T*>(buf);
+    T* sK = reinterpret_cast<T*>(buf + Tr::Q_BYTES);
+    T* sV = sK + Tr::KV_TILE_ELEMS;
+    unsigned qf[Tr::QF_MI][Tr::QF_K][4];
+    float acc[Tr::MI][Tr::D / 8][4];
+    float m_run[Tr::MI][2], l_run[Tr::MI][2];
+    init_state<Tr>(acc, m_run, l_run);
+    load_q_frags<Tr>(sQ, 0, lane, qf);
+    const int num_tiles = (w.kv_len + N - 1) / N;
+#pragma unroll 1
+    for (int t = 0; t < num_tiles; ++t) {
+      if (t > 0) {  // longer than one tile: this warp's slice of the next tile, at once
+        __syncwarp();  // every lane is done reading the previous tile
+        kv_loader<Tr>(p, w, kv_head).load(sK, sV, t, 0, slice_row0, lane);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncwarp();
+      }
+      sync_tile<Tr>(sQ, qf, sK, sV, w.kv_len - t * N, wn, 0, lane, p.scale_log2, acc, m_run,
+                    l_run);
+    }
+    __syncwarp();
+    finish_item<Tr>(p, w, cta, kv_head, acc, m_run, l_run, wn, 0, lane, lane, buf);
+    named_arrive(1 + R + b, ALL);  // EMPTY[b]: this warp is done with the buffer
+  }
+}
+
+// Blocks per SM the piped launch asks for: as many as shared memory holds (R buffers of one
+// single-stage 16 x N layout each, 1 KB reserved per block), never below kShortTileRegs
+// registers per thread.
+template <int D, int N, int WARPS, int R>
+constexpr int piped_min_blocks() {
+  constexpr int smem = R * (16 * D * 2 + 2 * N * D * 2) + 1024;
+  constexpr int by_smem = smem_per_sm() / smem;
+  constexpr int by_threads = 2048 / ((WARPS + 1) * 32);
+  constexpr int by_regs = 65536 / ((WARPS + 1) * 32 * kShortTileRegs);
+  constexpr int b0 = by_smem < by_threads ? by_smem : by_threads;
+  constexpr int b = b0 < by_regs ? b0 : by_regs;
+  return b < 1 ? 1 : (b > 32 ? 32 : b);
+}
+}  // namespace pat
+
+// Piped entry point (see run_piped).  Template arguments: head_dim, element type, n, consumer
+// warps, buffers; the block has one more warp (the producer).  The Python side names it
+// pat_fwd_piped_d{D}_{dtype}_m16_n{N}_w{W}_i{R}.
+template <int HEAD_DIM, typename T, int N, int WARPS, int R>
+__global__ void __launch_bounds__((WARPS + 1) * 32,
+                                  (pat::piped_min_blocks<HEAD_DIM, N, WARPS, R>()))
+    pat_fwd_piped_kernel(const __grid_constant__ pat::FwdParams p) {
+  pat::run_piped<pat::FwdTraits<HEAD_DIM, T, 16, N, WARPS, 1, 16>, R>(p);
+}
 
 // Kernel entry point.  Template arguments: head_dim, element type, m, n, warps, stages, rows per
 // warp, pull (graph-safe fixed grid, see run_items); the Python side names each instantiation

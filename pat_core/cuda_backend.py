@@ -55,7 +55,7 @@ from . import cuda_compile as cc
 from . import kernel_params as kp
 from .gpus import detect_gpu_name
 from .launch import (FUSED_MAX_BLOCKS_PER_SM, FUSED_MAX_KV_LEN, merge_block_per_pair,
-                     merge_heads_per_warp, use_fused_launch)
+                     merge_heads_per_warp, one_tile_split, use_fused_launch)
 from .plan import Plan, dtype_name
 
 log = logging.getLogger("pat_core.cuda")
@@ -246,6 +246,11 @@ class CudaBackend:
         # pat_core.launch.merge_heads_per_warp)
         self.merge_heads_per_warp = None
         self.fused_max_blocks_per_sm = FUSED_MAX_BLOCKS_PER_SM
+        # one-tile CTAs of 16-row groups: "off" (the default: in their group's launch),
+        # "split" (a launch of their own in the one-tile layout) or "piped" (the piped kernel),
+        # both measured slower and kept as ablations, "piped-all" (a test mode)
+        # (pat_core.launch.one_tile_split); env PAT_ONE_TILE
+        self.one_tile = os.environ.get("PAT_ONE_TILE", "off")
         self.fused_max_kv_len = FUSED_MAX_KV_LEN
         # "kernel" (default): the separate merge kernel; "forward" (measured slower, kept as an
         # ablation): the forward CTA that writes a request's last partial slot merges it (a
@@ -289,6 +294,14 @@ class CudaBackend:
         dtype = dtype_name(dtype or plan.kv_dtype)
         fwd = [cc.FwdVariant.make(v.m, v.n, v.head_dim, dtype, arch=self.arch)
                for v in cc.plan_fwd_variants(plan, self.arch)]
+        for _, (m, n), b, e in plan.groups():
+            s, kind, _ = one_tile_split(plan, b, e, self._num_sms(), self.one_tile)
+            if s < e:
+                v = (cc.PipedVariant.make(n, plan.head_dim, dtype) if kind == "piped" else
+                     cc.FwdVariant.make(m, n, plan.head_dim, dtype, arch=self.arch,
+                                        one_tile=True))
+                if v not in fwd:
+                    fwd.append(v)
         nh = self._merge_layout(plan)[1]
         return fwd + [cc.MergeVariant(plan.head_dim, dtype, cc.MERGE_WARPS, nh)]
 
@@ -511,11 +524,29 @@ class CudaBackend:
             for _, (m, n), b, e in (plan.groups() if members else ()):
                 if e <= b:
                     continue
-                v = cc.FwdVariant.make(m, n, D, dtype, arch=self.arch)
-                prm = _copy_params(base)
-                prm.cta_offset, prm.n_ctas = b, e - b
-                launches.append(_Launch(self._function(v), ((e - b) * Hk, 1, 1),
-                                        (v.threads, 1, 1), prm, v.smem_bytes, self.fast_launch))
+                # the group's one-tile tail may get a launch of its own (launch.one_tile_split)
+                s, kind, grid = one_tile_split(plan, b, e, self._num_sms(), self.one_tile)
+                if s > b:
+                    v = cc.FwdVariant.make(m, n, D, dtype, arch=self.arch)
+                    prm = _copy_params(base)
+                    prm.cta_offset, prm.n_ctas = b, s - b
+                    launches.append(_Launch(self._function(v), ((s - b) * Hk, 1, 1),
+                                            (v.threads, 1, 1), prm, v.smem_bytes,
+                                            self.fast_launch))
+                if s < e:
+                    prm = _copy_params(base)
+                    prm.cta_offset, prm.n_ctas = s, e - s
+                    ctr = None
+                    if kind == "piped":
+                        v = cc.PipedVariant.make(n, D, dtype)
+                        # two int32 work counters of this launch, zero between runs (the
+                        # kernel's last block resets them)
+                        ctr = cp.zeros(2, dtype=cp.int32)
+                        prm.work_counter = _ptr(ctr)
+                    else:
+                        v = cc.FwdVariant.make(m, n, D, dtype, arch=self.arch, one_tile=True)
+                    launches.append(_Launch(self._function(v), (grid, 1, 1), (v.threads, 1, 1),
+                                            prm, v.smem_bytes, self.fast_launch, keep=ctr))
             B = plan.batch_size
             per_block, nh = self._merge_layout(plan)
             mv = cc.MergeVariant(D, dtype, cc.MERGE_WARPS, nh)
@@ -982,14 +1013,15 @@ def _check_plan_tiles(plan: Plan) -> None:
 
 
 def _variant_from(v):
-    if isinstance(v, (cc.FwdVariant, cc.MergeVariant)):
+    if isinstance(v, (cc.FwdVariant, cc.PipedVariant, cc.MergeVariant)):
         return v
     if isinstance(v, str):
-        for cand in cc.all_fwd_variants() + cc.all_merge_variants():
+        for cand in cc.all_fwd_variants() + cc.all_piped_variants() + cc.all_merge_variants():
             if cand.key == v:
                 return cand
         raise ValueError(f"variants: unknown kernel variant {v!r}")
-    raise TypeError(f"variants: expected FwdVariant, MergeVariant or key, got {type(v).__name__}")
+    raise TypeError(f"variants: expected FwdVariant, PipedVariant, MergeVariant or key, got "
+                    f"{type(v).__name__}")
 
 
 def _sm90a_cubin_path(variant, opts) -> str:
@@ -1051,7 +1083,7 @@ def _compile_one(fields) -> str:
     """Worker-process body: compile one variant into CuPy's on-disk cache."""
     kind, args = fields
     import cupy
-    v = cc.FwdVariant(*args) if kind == "fwd" else cc.MergeVariant(*args)
+    v = {"fwd": cc.FwdVariant, "piped": cc.PipedVariant, "merge": cc.MergeVariant}[kind](*args)
     mod, name = _raw_module(cupy, v)
     mod.get_function(name)
     return v.key
@@ -1060,9 +1092,14 @@ def _compile_one(fields) -> str:
 def _compile_in_workers(variants, jobs: int) -> None:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
-    fields = [("fwd" if isinstance(v, cc.FwdVariant) else "merge",
-               (v.head_dim, v.dtype, v.m, v.n, v.warps, v.stages, v.rows_per_warp, v.pull) if isinstance(v, cc.FwdVariant)
-               else (v.head_dim, v.dtype, v.warps, v.heads)) for v in variants]
+    def fields_of(v):
+        if isinstance(v, cc.FwdVariant):
+            return "fwd", (v.head_dim, v.dtype, v.m, v.n, v.warps, v.stages, v.rows_per_warp,
+                           v.pull)
+        if isinstance(v, cc.PipedVariant):
+            return "piped", (v.head_dim, v.dtype, v.n, v.warps, v.items)
+        return "merge", (v.head_dim, v.dtype, v.warps, v.heads)
+    fields = [fields_of(v) for v in variants]
     ctx = mp.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(jobs, len(fields)), mp_context=ctx) as ex:
         for key in ex.map(_compile_one, fields):

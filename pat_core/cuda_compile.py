@@ -151,6 +151,13 @@ def variant_speed() -> dict:
 # keeps the table's layout until a launch group can be split by tile count.
 # Not for the graph-safe pull loop: its blocks stay resident and run item after item.
 SHORT_KV_LAYOUTS = {(16, 16): (1, 1, 16)}
+# Layout of the one-tile CTAs of a 16-row launch group (KV length <= n: tree leaves of a page or
+# two) when they run in a launch of their own (pat_core.launch.one_tile_split, mode "split", an
+# ablation), so that the group's longer CTAs keep their prefetching ring: one warp and one stage
+# is a 20 KB block at n = 32, 11 resident per SM instead of 6.  Measured on an H100 (round 7):
+# 4% faster on the 6-level 1024-leaf tree at 32:32 heads, up to 17% slower elsewhere (the
+# concurrent launches lose the group's longest-first order).
+ONE_TILE_LAYOUTS = {(16, 32): (1, 1, 16)}
 
 
 def default_layout(m: int, n: int, head_dim: int = 128, arch: str = "sm_90",
@@ -212,10 +219,14 @@ class FwdVariant:
 
     @classmethod
     def make(cls, m: int, n: int, head_dim: int, dtype: str, pull: bool = False,
-             arch: str = "sm_90") -> "FwdVariant":
+             arch: str = "sm_90", one_tile: bool = False) -> "FwdVariant":
         """The (m, n) variant in its default layout for ``arch`` ("sm_90", "sm_80", ...), or in
-        the layout VARIANT_OVERRIDES names."""
+        the layout VARIANT_OVERRIDES names; ``one_tile``: the layout of a launch of one-tile CTAs
+        (:data:`ONE_TILE_LAYOUTS`, or the ``("one-tile", m, n)`` override) where there is one."""
         over = VARIANT_OVERRIDES.get((int(m), int(n)))
+        if one_tile and not pull:
+            over = VARIANT_OVERRIDES.get(("one-tile", int(m), int(n)),
+                                         ONE_TILE_LAYOUTS.get((int(m), int(n)), over))
         if over is None:
             w, st, rw = default_layout(m, n, head_dim, arch, pull)
         else:
@@ -251,6 +262,73 @@ class FwdVariant:
 
     def explicit_instantiation(self) -> str:
         return f"template __global__ void {self.name_expression}(const __grid_constant__ pat::FwdParams);"
+
+
+# Piped launches (pat_fwd_piped_kernel, cuda_src/pat_fwd.cuh run_piped): the one-tile CTAs of a
+# 16-row launch group with n in PIPED_LAYOUTS run in a grid of resident blocks, each drawing items
+# from a counter: a producer warp gathers the next items into a ring of buffers while consumer
+# warps compute.  Per n: (consumer warps, buffers).  An ablation (pat_core.launch.one_tile_split,
+# mode "piped"): measured slower than one item per block on an H100 (bench/NOTES.md, round 7).
+PIPED_LAYOUTS = {16: (1, 2), 32: (2, 2)}
+
+
+@dataclass(frozen=True, order=True)
+class PipedVariant:
+    """``pat_fwd_piped_kernel<HEAD_DIM, T, N, WARPS, ITEMS>``: 16-row tiles of n tokens computed by
+    ``warps`` consumer warps, fed by one producer warp through ``items`` single-stage buffers."""
+
+    head_dim: int
+    dtype: str
+    n: int
+    warps: int
+    items: int
+    m: int = 16
+
+    @classmethod
+    def make(cls, n: int, head_dim: int, dtype: str) -> "PipedVariant":
+        """The piped variant of 16 x n tiles in its layout (:data:`PIPED_LAYOUTS`, or the
+        ``("piped", n)`` entry of VARIANT_OVERRIDES)."""
+        w, r = VARIANT_OVERRIDES.get(("piped", int(n)), PIPED_LAYOUTS[int(n)])
+        return cls(int(head_dim), str(dtype), int(n), int(w), int(r))
+
+    @property
+    def key(self) -> str:
+        return (f"pat_fwd_piped_d{self.head_dim}_{DTYPE_SHORT[self.dtype]}_m16_n{self.n}"
+                f"_w{self.warps}_i{self.items}")
+
+    @property
+    def name_expression(self) -> str:
+        return (f"pat_fwd_piped_kernel<{self.head_dim}, {DTYPE_CTYPE[self.dtype]}, {self.n}, "
+                f"{self.warps}, {self.items}>")
+
+    @property
+    def threads(self) -> int:
+        return 32 * (self.warps + 1)   # the consumer warps and one producer warp
+
+    @property
+    def stages(self) -> int:
+        return 1
+
+    @property
+    def rows_per_warp(self) -> int:
+        return 16
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.items * fwd_smem_bytes(16, self.n, self.head_dim, 1)
+
+    @property
+    def warpgroup(self) -> bool:
+        return False
+
+    def explicit_instantiation(self) -> str:
+        return f"template __global__ void {self.name_expression}(const __grid_constant__ pat::FwdParams);"
+
+
+def all_piped_variants(head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_CTYPE)):
+    """The piped variant of every n in :data:`PIPED_LAYOUTS`, head_dim and dtype."""
+    return [PipedVariant.make(n, d, dt) for d in head_dims for dt in dtypes
+            for n in sorted(PIPED_LAYOUTS)]
 
 
 @dataclass(frozen=True)
@@ -338,7 +416,7 @@ def all_fwd_variants(head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_CTYPE), ms=TILE_MS,
                      pulls=(False, True)):
     """Every forward variant that fits the sm_90 shared-memory limit (n = 256 only at d = 64),
     in both instantiations (one item per block, and the graph-safe pull loop), in the default
-    layouts of sm_90 and of sm_80."""
+    layouts of sm_90 and of sm_80 and the one-tile layouts (:data:`ONE_TILE_LAYOUTS`)."""
     out = []
     for pull in pulls:
         for d in head_dims:
@@ -346,9 +424,10 @@ def all_fwd_variants(head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_CTYPE), ms=TILE_MS,
                 for m in ms:
                     for n in ns:
                         for arch in ("sm_90", "sm_80"):   # their default layouts may differ
-                            v = FwdVariant.make(m, n, d, dt, pull, arch)
-                            if fwd_variant_feasible(v) and v not in out:
-                                out.append(v)
+                            for one in (False, True):
+                                v = FwdVariant.make(m, n, d, dt, pull, arch, one_tile=one)
+                                if fwd_variant_feasible(v) and v not in out:
+                                    out.append(v)
     return out
 
 

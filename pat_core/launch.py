@@ -16,6 +16,10 @@ the step ran in two waves (ncu, H100: 56 us for the fused forward launch).  With
 lasts hundreds of microseconds and the launches do not matter: on decode steps of a real chat
 trace (12k-token prompts, 10-45 requests) the fused launch measured 5-14% slower than the
 streams (``bench/results/trace_replay_h100/``).
+
+One-tile CTAs (:func:`one_tile_split`, ablations, off by default): the one-tile tail of a 16-row
+launch group (tree leaves of a page or two) can run in a launch of its own, with a layout made
+for it or in the piped kernel.
 """
 from __future__ import annotations
 
@@ -99,3 +103,49 @@ def merge_heads_per_warp(plan, num_sms: int) -> int:
         if plan.num_qo_heads % nh == 0 and waves >= nh:
             return nh
     return 1
+
+
+# One-tile CTAs (KV length <= n) of a 16-row launch group.  "off" (the backend's default): they
+# stay in their group's launch.  Two ablations, both measured slower on an H100 (bench/NOTES.md,
+# round 7): "split" gives the group's one-tile tail a launch of its own in the one-tile layout
+# (pat_core.cuda_compile.ONE_TILE_LAYOUTS); "piped" sends it to the piped kernel (resident
+# blocks, a producer warp gathering items for consumer warps).  "piped-all" sends whole eligible
+# groups there (a test mode: the kernel's multi-tile fallback runs).
+ONE_TILE_MODES = ("off", "split", "piped", "piped-all")
+
+
+def piped_blocks_per_sm(plan, n: int) -> int:
+    """Resident blocks per SM of the piped variant of 16 x ``n`` tiles for ``plan``'s GPU."""
+    from .gpus import get_gpu
+    from .tiles import piped_resources
+    gpu = get_gpu(plan.gpu)
+    return max(1, piped_resources(n, plan.head_dim, plan.kv_dtype, gpu).ctas_per_sm(gpu))
+
+
+def one_tile_split(plan, b: int, e: int, num_sms: int, mode: str = "off") -> tuple:
+    """``(s, kind, grid)``: CTAs ``b .. s - 1`` of the launch group ``[b, e)`` run in the
+    group's usual launch, CTAs ``s .. e - 1`` in a launch of ``kind`` ("one-tile": the one-tile
+    layout, one block per item; "piped": the piped kernel) with ``grid`` blocks; ``s == e``:
+    nothing split off.  The split-off CTAs are the group's one-tile CTAs after its last longer
+    one (a group is ordered longest first, so they are its tail).  Eligible groups: 16 rows and
+    an n with a one-tile layout ("split") or a piped layout ("piped", "piped-all")."""
+    from .cuda_compile import ONE_TILE_LAYOUTS, PIPED_LAYOUTS
+    if mode not in ONE_TILE_MODES:
+        raise ValueError(f"one_tile must be one of {ONE_TILE_MODES}, got {mode!r}")
+    if mode == "off" or e <= b:
+        return e, None, 0
+    m, n = (int(x) for x in plan.tile_configs[int(plan.cta_tile[b])])
+    piped = mode.startswith("piped")
+    if m != 16 or (n not in PIPED_LAYOUTS if piped else (m, n) not in ONE_TILE_LAYOUTS):
+        return e, None, 0
+    hk = plan.num_kv_heads
+    if mode == "piped-all":
+        s = b
+    else:
+        longer = (plan.cta_kv_len[b:e] > n).nonzero()[0]
+        s = b + (int(longer[-1]) + 1 if len(longer) else 0)
+        if s == e:
+            return e, None, 0
+    if not piped:
+        return s, "one-tile", (e - s) * hk
+    return s, "piped", min((e - s) * hk, piped_blocks_per_sm(plan, n) * num_sms)

@@ -321,6 +321,57 @@ def test_merge_block_and_warp_modes(backend, spec):
         backend.merge_per_pair, backend.merge_heads_per_warp = saved
 
 
+@requires_gpu
+@pytest.mark.parametrize("spec,page_size", (("1,256_64,16", 16), ("1,8,64_128,64,32", 16),
+                                            ("2,200_64,16", 5), ("1,4,64_256,1024,64", 16),
+                                            ("1,6,30_70,45,29", 7), ("3,24_40,30", 1)))
+def test_one_tile_launches(backend, spec, page_size):
+    """The one-tile CTAs of 16-row groups in a launch of their own ("split": the one-tile layout;
+    "piped": the piped kernel, a producer warp feeding consumer warps; "piped-all": whole
+    groups to the piped kernel, so CTAs of several tiles take its fallback path) at head_dim 128
+    and 64, GQA groups 1 and 4, both dtypes, both cache layouts, KV heads major and minor in item
+    order, with the separate and the in-kernel merge: within tolerance of float64 and
+    bit-identical on a rerun (check_case; the piped kernel's work counters must be back at zero
+    after every run), and the split-off launch really runs."""
+    from pat_core import cuda_compile as cc
+    from pat_core.workloads import build_tree_batch
+    saved = backend.one_tile, backend.launch_mode, backend.head_minor, backend.merge_mode
+    b = build_tree_batch(spec, page_size=page_size, seed=5)
+    cases = [("split", 128, (32, 8), "float16", "NHD", True, "kernel"),
+             ("piped", 128, (32, 8), "float16", "NHD", True, "kernel"),
+             ("piped-all", 128, (32, 32), "float16", "NHD", True, "kernel"),
+             ("piped-all", 64, (16, 4), "bfloat16", "HND", False, "kernel"),
+             ("piped", 128, (32, 32), "bfloat16", "HND", False, "forward"),
+             ("split", 64, (32, 32), "float16", "NHD", False, "forward")]
+    try:
+        backend.launch_mode = "streams"
+        for mode, d, (hq, hk), dtype, layout, minor, merge in cases:
+            backend.one_tile, backend.head_minor, backend.merge_mode = mode, minor, merge
+            plan, _, _ = check_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages,
+                                    page_size, hq, hk, d, dtype, layout=layout, seed=3)
+            # which groups must split, from the plan itself
+            tails = [(m, n) for _, (m, n), g0, g1 in plan.groups()
+                     if m == 16 and (plan.cta_kv_len[g0:g1] <= n).any()]
+            variants = backend.variants_for(plan)
+            if mode == "split":
+                want = any((m, n) in cc.ONE_TILE_LAYOUTS for m, n in tails)
+                got = any(isinstance(v, cc.FwdVariant) and (v.m, v.n) in cc.ONE_TILE_LAYOUTS
+                          and (v.warps, v.stages, v.rows_per_warp) ==
+                          cc.ONE_TILE_LAYOUTS[(v.m, v.n)] for v in variants)
+            else:
+                want = any(n in cc.PIPED_LAYOUTS for _, n in tails) or (
+                    mode == "piped-all" and any(m == 16 and n in cc.PIPED_LAYOUTS
+                                                for _, (m, n), _, _ in plan.groups()))
+                got = any(isinstance(v, cc.PipedVariant) for v in variants)
+            assert got == want, (mode, plan.summary(), [v.key for v in variants])
+        backend.one_tile = "sometimes"
+        with pytest.raises(ValueError, match="one_tile"):
+            check_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages, page_size, 32,
+                       8, 128, "float16", seed=3)
+    finally:
+        backend.one_tile, backend.launch_mode, backend.head_minor, backend.merge_mode = saved
+
+
 def test_launch_paths_agree(backend, monkeypatch):
     """Packed cuLaunchKernel launches and CuPy's generic launches give identical results.
 

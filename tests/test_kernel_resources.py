@@ -34,14 +34,17 @@ def data():
 def test_schema_and_completeness(data):
     assert data["generator"] == "bench/kernel_resources.py"
     assert data["nvcc"] and data["source_hash"]
-    want = {v.key: v for v in cc.all_fwd_variants() + cc.all_merge_variants()}
+    want = {v.key: v for v in cc.all_fwd_variants() + cc.all_piped_variants() +
+            cc.all_merge_variants()}
     assert set(data["variants"]) == set(want), "variant list differs from pat_core.cuda_compile"
     for key, rec in data["variants"].items():
         v = want[key]
         assert rec["head_dim"] == v.head_dim and rec["dtype"] == v.dtype
         assert rec["warps"] == v.warps and rec["threads"] == v.threads
-        if isinstance(v, cc.FwdVariant):
+        if isinstance(v, (cc.FwdVariant, cc.PipedVariant)):
             assert (rec["m"], rec["n"], rec["stages"]) == (v.m, v.n, v.stages)
+        assert rec["kind"] == ("piped" if isinstance(v, cc.PipedVariant) else
+                               "merge" if isinstance(v, cc.MergeVariant) else "forward"), key
         assert set(a for a in ("sm_80", "sm_90") if a in rec) == set(cc.variant_archs(v)), key
         for arch in cc.variant_archs(v):
             r = rec[arch]

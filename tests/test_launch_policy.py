@@ -60,3 +60,37 @@ def test_simulator_models_the_fused_launch():
     # the fused block takes the largest variant's shared memory (and threads, registers)
     assert fused.need[T + 1, 0] == max(streams.need[k, 0] for k in set(plan.group_tile.tolist()))
     assert np.array_equal(np.sort(fused.blk_bytes), np.sort(streams.blk_bytes))
+
+
+def test_one_tile_split_takes_the_one_tile_tail_of_16_row_groups():
+    """one_tile_split: "off" never splits; "split" and "piped" split off exactly the CTAs after
+    a 16-row group's last CTA longer than n (a group is ordered longest first), only for the
+    n with a one-tile or piped layout; "piped-all" takes whole eligible groups; the piped grid
+    never exceeds the items or the resident blocks; an unknown mode names the setting."""
+    from pat_core import cuda_compile as cc
+    from pat_core.launch import one_tile_split, piped_blocks_per_sm
+    plan = _plan("1,8,64,512_128,512,64,32", heads=(32, 32))
+    hk = plan.num_kv_heads
+    checked = 0
+    for _, (m, n), b, e in plan.groups():
+        assert one_tile_split(plan, b, e, 132, "off") == (e, None, 0)
+        lens = plan.cta_kv_len[b:e]
+        assert (np.diff(lens) <= 0).all(), "a launch group is ordered longest first"
+        s, kind, grid = one_tile_split(plan, b, e, 132, "split")
+        if m == 16 and (m, n) in cc.ONE_TILE_LAYOUTS and (lens <= n).any():
+            assert kind == "one-tile" and (lens[s - b:] <= n).all() and (lens[:s - b] > n).all()
+            assert grid == (e - s) * hk
+            checked += 1
+        else:
+            assert (s, kind) == (e, None)
+        s, kind, grid = one_tile_split(plan, b, e, 132, "piped")
+        if m == 16 and n in cc.PIPED_LAYOUTS and (lens <= n).any():
+            assert kind == "piped" and (lens[s - b:] <= n).all() and (lens[:s - b] > n).all()
+            assert grid == min((e - s) * hk, piped_blocks_per_sm(plan, n) * 132)
+            s_all, _, _ = one_tile_split(plan, b, e, 132, "piped-all")
+            assert s_all == b
+        else:
+            assert (s, kind) == (e, None)
+    assert checked == 1     # the 16x32 group: 512 leaves of 32 tokens after 64 nodes of 64
+    with pytest.raises(ValueError, match="one_tile"):
+        one_tile_split(plan, 0, plan.num_ctas, 132, "sometimes")

@@ -53,3 +53,23 @@ def test_fused_variant_takes_the_largest_member():
     assert f.name_expression.startswith(f"pat_fwd_fused_kernel<128, __half, {f.threads}, ")
     assert f.name_expression.count("pat::FwdTraits<") == 2
     assert f.key != cc.FusedVariant(128, "float16", (b, a)).key   # order is the CTA index
+
+
+def test_piped_and_one_tile_variants():
+    """The piped variant's key, threads (consumer warps + the producer warp) and shared memory
+    (one single-stage 16 x n buffer per item in flight) follow its layout; the one-tile layout
+    applies only where the table has one and never to the graph-safe instantiation."""
+    for n, (w, r) in cc.PIPED_LAYOUTS.items():
+        v = cc.PipedVariant.make(n, 128, "float16")
+        assert v.key == f"pat_fwd_piped_d128_f16_m16_n{n}_w{w}_i{r}"
+        assert v.name_expression == f"pat_fwd_piped_kernel<128, __half, {n}, {w}, {r}>"
+        assert v.threads == 32 * (w + 1)
+        assert v.smem_bytes == r * cc.fwd_smem_bytes(16, n, 128, 1)
+        assert v in cc.all_piped_variants()
+    for (m, n), lay in cc.ONE_TILE_LAYOUTS.items():
+        v = cc.FwdVariant.make(m, n, 128, "float16", one_tile=True)
+        assert (v.warps, v.stages, v.rows_per_warp) == lay and v in cc.all_fwd_variants()
+        assert cc.FwdVariant.make(m, n, 128, "float16", pull=True, one_tile=True) == \
+            cc.FwdVariant.make(m, n, 128, "float16", pull=True)
+    assert cc.FwdVariant.make(64, 64, 128, "float16", one_tile=True) == \
+        cc.FwdVariant.make(64, 64, 128, "float16")
