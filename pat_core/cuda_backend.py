@@ -294,8 +294,9 @@ class CudaBackend:
         dtype = dtype_name(dtype or plan.kv_dtype)
         fwd = [cc.FwdVariant.make(v.m, v.n, v.head_dim, dtype, arch=self.arch)
                for v in cc.plan_fwd_variants(plan, self.arch)]
+        num_sms = self._num_sms()
         for _, (m, n), b, e in plan.groups():
-            s, kind, _ = one_tile_split(plan, b, e, self._num_sms(), self.one_tile)
+            s, kind, _ = one_tile_split(plan, b, e, num_sms, self.one_tile)
             if s < e:
                 v = (cc.PipedVariant.make(n, plan.head_dim, dtype) if kind == "piped" else
                      cc.FwdVariant.make(m, n, plan.head_dim, dtype, arch=self.arch,
@@ -521,11 +522,12 @@ class CudaBackend:
                                         (fv.threads, 1, 1), prm, fv.smem_bytes,
                                         self.fast_launch, keep=cta_variant))
                 members = []
+            num_sms = self._num_sms()
             for _, (m, n), b, e in (plan.groups() if members else ()):
                 if e <= b:
                     continue
                 # the group's one-tile tail may get a launch of its own (launch.one_tile_split)
-                s, kind, grid = one_tile_split(plan, b, e, self._num_sms(), self.one_tile)
+                s, kind, grid = one_tile_split(plan, b, e, num_sms, self.one_tile)
                 if s > b:
                     v = cc.FwdVariant.make(m, n, D, dtype, arch=self.arch)
                     prm = _copy_params(base)
