@@ -50,6 +50,14 @@ __device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, int s
                "r"(src_bytes));
 }
 
+// a * b as a 64-bit product of two 32-bit operands: one wide multiply-add in SASS, where a
+// product of two sign-extended 64-bit values may cost several
+__device__ __forceinline__ long long mul_wide(int a, int b) {
+  long long r;
+  asm("mul.wide.s32 %0, %1, %2;\n" : "=l"(r) : "r"(a), "r"(b));
+  return r;
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Wait until at most `N` of this thread's committed copy groups are still in flight.

@@ -144,50 +144,59 @@ extern __shared__ __align__(128) unsigned char pat_dyn_smem[];
 // plain strides in elements (page, token, head), so NHD, HND and strided views share one code
 // path.  A thread keeps one 16-byte column `ch` and strides over rows
 // (SLICE_THREADS % CHUNKS == 0).
+//
+// The gather is most of a short block's instructions, so each row costs little: the host checks
+// that a page's stride and every offset inside a page fit in 32 bits, so a row's address is one
+// 32x32->64 multiply (page id x page stride) plus a 32-bit in-page offset; rows past the range
+// are clamped to the last token (a valid address) and copy 0 bytes (zero fill), so the loop has
+// no branches; power-of-two pages (the common case) get their own loop without a division.
 template <typename Tr>
 struct KvTileLoader {
   using T = typename Tr::T;
   const T* __restrict__ k_cache;
   const T* __restrict__ v_cache;
   const int* __restrict__ pages;  // indexed by absolute page number (pos / page_size)
-  int kv_start, kv_len, page_size, page_shift, kv_head;  // page_shift: log2(page_size) or -1
-  long long k_sp, k_st, k_sh, v_sp, v_st, v_sh;
+  int kv_start, kv_len, page_size, page_shift;  // page_shift: log2(page_size) or -1
+  int k_sp, k_st, k_head, v_sp, v_st, v_head;   // element strides; *_head = kv_head x head stride
 
-  __device__ __forceinline__ void load(T* sK, T* sV, int tile, int stage, int row0,
-                                      int tid) const {
+  template <bool POW2>
+  __device__ __forceinline__ void load_rows(T* dK, T* dV, int tile_base, int row0,
+                                            int tid) const {
     constexpr int N = Tr::N, CHUNKS = Tr::CHUNKS, THREADS = Tr::SLICE_THREADS;
     constexpr int NW = Tr::NW;
-    T* dK = sK + stage * Tr::KV_TILE_ELEMS;
-    T* dV = sV + stage * Tr::KV_TILE_ELEMS;
-// <tutorial:gather>
-    const int tile_base = tile * N;
     const int ch = tid % CHUNKS;
-    const long long k_col = (long long)kv_head * k_sh + ch * 8;
-    const long long v_col = (long long)kv_head * v_sh + ch * 8;
+    const int k_col = k_head + ch * 8;
+    const int v_col = v_head + ch * 8;
+    const int last = kv_len - 1;  // >= 0: a tile is only loaded when the range has tokens
 #pragma unroll Tr::LOAD_UNROLL
     for (int it = 0; it < Tr::KV_LOADS; ++it) {
       const int id = tid + it * THREADS;
       if ((NW * CHUNKS) % THREADS == 0 || id < NW * CHUNKS) {
+// <tutorial:gather>
         const int row = row0 + id / CHUNKS;
         const int tok = tile_base + row;
-        const T* ks = k_cache;
-        const T* vs = v_cache;
-        int bytes = 0;
-        if (tok < kv_len) {
-          const int pos = kv_start + tok;
-          // power-of-two pages (the common case) avoid an integer division per row
-          const int pidx = page_shift >= 0 ? (pos >> page_shift) : pos / page_size;
-          const long long page = pages[pidx];
-          const long long slot = pos - pidx * page_size;
-          ks = k_cache + (page * k_sp + slot * k_st + k_col);
-          vs = v_cache + (page * v_sp + slot * v_st + v_col);
-          bytes = 16;
-        }
+        const int bytes = tok <= last ? 16 : 0;
+        const int pos = kv_start + (tok <= last ? tok : last);
+        const int pidx = POW2 ? (pos >> page_shift) : pos / page_size;
+        const int slot = pos - pidx * page_size;
+        const int page = pages[pidx];
+        const T* ks = k_cache + (mul_wide(page, k_sp) + (slot * k_st + k_col));
+        const T* vs = v_cache + (mul_wide(page, v_sp) + (slot * v_st + v_col));
         cp_async_16(smem_u32(dK + Tr::template off<N>(row, ch)), ks, bytes);
         cp_async_16(smem_u32(dV + Tr::template off<N>(row, ch)), vs, bytes);
 // </tutorial:gather>
       }
     }
+  }
+
+  __device__ __forceinline__ void load(T* sK, T* sV, int tile, int stage, int row0,
+                                      int tid) const {
+    T* dK = sK + stage * Tr::KV_TILE_ELEMS;
+    T* dV = sV + stage * Tr::KV_TILE_ELEMS;
+    if (page_shift >= 0)
+      load_rows<true>(dK, dV, tile * Tr::N, row0, tid);
+    else
+      load_rows<false>(dK, dV, tile * Tr::N, row0, tid);
   }
 };
 
@@ -383,6 +392,14 @@ __device__ __forceinline__ CtaWork cta_work(const FwdParams& p, int cta) {
   return w;
 }
 
+// row / group for a row of a tile (row < 256), given inv_group = 1.f / group: an integer division
+// costs tens of instructions, and a short block does several.  The fraction of (row + 0.5) / group
+// is at least 0.5 / group away from an integer (or the quotient is 0 when group > 256), far more
+// than the float product's error (< 2^-15).
+__device__ __forceinline__ int div_rows(int row, float inv_group) {
+  return __float2int_rz(((float)row + 0.5f) * inv_group);
+}
+
 // Q rows of the item -> shared memory (cp.async; rows >= n_rows zero-filled).  Row i * group + j
 // is request i of the CTA, query head kv_head * group + j.
 template <typename Tr>
@@ -393,6 +410,7 @@ __device__ __forceinline__ void load_q_rows(const FwdParams& p, const CtaWork& w
   const T* __restrict__ q = static_cast<const T*>(p.q);
   const int* __restrict__ cta_req = p.cta_req;
   const int group = p.group;
+  const float inv_group = 1.f / (float)group;
 #pragma unroll
   for (int it = 0; it < Tr::Q_LOADS; ++it) {
     const int id = tid + it * THREADS;
@@ -401,10 +419,11 @@ __device__ __forceinline__ void load_q_rows(const FwdParams& p, const CtaWork& w
       const T* src = q;
       int bytes = 0;
       if (row < w.n_rows) {
-        const int ri = row / group;
+        const int ri = div_rows(row, inv_group);
         const int head = kv_head * group + (row - ri * group);
-        src = q + (long long)cta_req[w.req_begin + ri] * p.q_sb + (long long)head * p.q_sh +
-              ch * 8;
+        // 32-bit strides and in-row offsets (the host checks: _check_offsets_32bit)
+        src = q + (mul_wide(cta_req[w.req_begin + ri], (int)p.q_sb) +
+                   (head * (int)p.q_sh + ch * 8));
         bytes = 16;
       }
       cp_async_16(smem_u32(sQ + Tr::template off<M>(row, ch)), src, bytes);
@@ -419,9 +438,11 @@ __device__ __forceinline__ KvTileLoader<Tr> kv_loader(const FwdParams& p, const 
   using T = typename Tr::T;
   const int page_size = p.page_size;
   const int page_shift = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
+  // 32-bit strides: the host checks that they and every in-page offset fit (_check_offsets_32bit)
   return KvTileLoader<Tr>{static_cast<const T*>(p.k_cache), static_cast<const T*>(p.v_cache),
-                          p.cta_pages + w.page_base, w.kv_start, w.kv_len, page_size,
-                          page_shift, kv_head, p.k_sp, p.k_st, p.k_sh, p.v_sp, p.v_st, p.v_sh};
+                          p.cta_pages + w.page_base, w.kv_start, w.kv_len, page_size, page_shift,
+                          (int)p.k_sp, (int)p.k_st, kv_head * (int)p.k_sh,
+                          (int)p.v_sp, (int)p.v_st, kv_head * (int)p.v_sh};
 }
 
 // The online-softmax state of a warp's rows: accumulator, running max (log2 domain) and running
@@ -555,6 +576,7 @@ __device__ __forceinline__ void finish_item(const FwdParams& p, const CtaWork& w
   const int* __restrict__ cta_req = p.cta_req;
   const int* __restrict__ cta_slot = p.cta_slot;
   const int group = p.group, num_qo_heads = p.num_qo_heads, num_kv_heads = p.num_kv_heads;
+  const float inv_group = 1.f / (float)group;
   const MergeArgs& merge = p.merge;
   const int req_begin = w.req_begin, n_rows = w.n_rows;
 
@@ -633,7 +655,7 @@ __device__ __forceinline__ void finish_item(const FwdParams& p, const CtaWork& w
     for (int hr = 0; hr < 2; ++hr) {
       const int row = (wm * MI + mi) * 16 + (lane >> 2) + hr * 8;
       if (row < n_rows) {
-        const int ri = row / group;
+        const int ri = div_rows(row, inv_group);
         const int head = kv_head * group + (row - ri * group);
         const long long slot = cta_slot[req_begin + ri];
         const float l = l_run[mi][hr];
@@ -675,7 +697,7 @@ __device__ __forceinline__ void finish_item(const FwdParams& p, const CtaWork& w
   // Acquire: the counts observed above order the other CTAs' partial writes before our reads.
   __threadfence();
   for (int pr = wm; pr < n_req * group; pr += Tr::WARPS_M) {
-    const int i = pr / group;
+    const int i = div_rows(pr, inv_group);
     const int r = last[i];
     if (r < 0) continue;
     merge_pair<D, T, 1>(o_partial, lse_partial, merge.req_slot_indptr[r],

@@ -171,7 +171,8 @@ def _check_rows(t: _Dev, name: str, ndim: int):
 def _check_cache(qd: _Dev, kd: _Dev, vd: _Dev, kv_layout: str, page_size: int, Hk: int,
                  D: int) -> tuple:
     """Check the paged KV cache against the plan's page size, KV heads and head_dim, and the
-    16-byte alignment of q and both caches.  Returns ``(num_pages, (page, token, head) axes)``."""
+    16-byte alignment and 32-bit offsets of q and both caches.  Returns ``(num_pages, (page,
+    token, head) axes)``."""
     _check_rows(kd, "k_cache", 4)
     _check_rows(vd, "v_cache", 4)
     if kd.shape != vd.shape:
@@ -188,7 +189,26 @@ def _check_cache(qd: _Dev, kd: _Dev, vd: _Dev, kv_layout: str, page_size: int, H
     _check_aligned(qd, "q", (0, 1))
     _check_aligned(kd, "k_cache", (0, 1, 2))
     _check_aligned(vd, "v_cache", (0, 1, 2))
+    _check_offsets_32bit(qd, "q", outer=0, inner=(1, 2))
+    _check_offsets_32bit(kd, "k_cache", outer=axes[0], inner=(axes[1], axes[2], 3))
+    _check_offsets_32bit(vd, "v_cache", outer=axes[0], inner=(axes[1], axes[2], 3))
     return int(num_pages), axes
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def _check_offsets_32bit(t: _Dev, name: str, outer: int, inner: tuple):
+    """The forward kernel's gather forms an address as (outer index) x (outer stride), one
+    32x32 -> 64-bit multiply, plus a 32-bit offset inside the outer slice (a page of the cache, a
+    row of q): both must fit in int32.  True of any cache a GPU can hold in the usual layouts
+    (a page of 16 tokens x 8 heads x 128 is 16,384 elements); a strided view that breaks it is
+    rejected here rather than read out of bounds."""
+    inner_span = sum((t.shape[a] - 1) * abs(t.strides[a]) for a in inner)
+    if abs(t.strides[outer]) > _INT32_MAX or inner_span > _INT32_MAX:
+        raise ValueError(f"{name}: element strides {t.strides} (shape {t.shape}) are too large: "
+                         f"the kernels need the stride of axis {outer} and the span of one slice "
+                         f"along it within 2**31 - 1 elements")
 
 
 def _check_aligned(t: _Dev, name: str, axes):

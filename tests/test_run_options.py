@@ -185,3 +185,47 @@ def test_cuda_backend_limits_checked_at_plan():
     with pytest.raises(ValueError, match="kv_data_type='float32' is not supported by the CUDA"):
         w._check_backend_limits(128, "float32")
     w._check_backend_limits(128, "bfloat16")
+
+
+# ------------------------------------------------------------------ 32-bit gather offsets
+class _FakeDeviceArray:
+    """Metadata of a device array (no memory behind it): what the CUDA backend's input checks
+    read, so they can be tested without a GPU."""
+
+    def __init__(self, shape, strides):
+        self.__cuda_array_interface__ = {
+            "data": (1 << 20, False), "shape": tuple(shape), "typestr": "<f2",
+            "strides": tuple(2 * s for s in strides), "version": 3}
+
+
+def _contiguous_strides(shape):
+    st, acc = [], 1
+    for s in reversed(shape):
+        st.append(acc)
+        acc *= s
+    return tuple(reversed(st))
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_cuda_backend_rejects_caches_past_32bit_offsets(layout):
+    from pat_core.cuda_backend import _Dev, _check_cache
+    pages, ps, hk, d = 8, 16, 2, 128
+    shape = (pages, ps, hk, d) if layout == "NHD" else (pages, hk, ps, d)
+    q = _Dev(_FakeDeviceArray((3, 4, d), _contiguous_strides((3, 4, d))), "q")
+    ok = _Dev(_FakeDeviceArray(shape, _contiguous_strides(shape)), "k_cache")
+    assert _check_cache(q, ok, ok, layout, ps, hk, d)[0] == pages
+    # a page stride past int32 (e.g. a view into a huge buffer): rejected, naming the argument
+    st = list(_contiguous_strides(shape))
+    st[0] = 2**31 + 8
+    big = _Dev(_FakeDeviceArray(shape, st), "v_cache")
+    with pytest.raises(ValueError, match="v_cache: element strides"):
+        _check_cache(q, ok, big, layout, ps, hk, d)
+    # the span inside one page past int32
+    st = list(_contiguous_strides(shape))
+    st[1] = 2**31 - 8
+    with pytest.raises(ValueError, match="k_cache: element strides"):
+        _check_cache(q, _Dev(_FakeDeviceArray(shape, st), "k_cache"), ok, layout, ps, hk, d)
+    # q's row stride past int32
+    qbig = _Dev(_FakeDeviceArray((3, 4, d), (2**31 + 8, d, 1)), "q")
+    with pytest.raises(ValueError, match="q: element strides"):
+        _check_cache(qbig, ok, ok, layout, ps, hk, d)

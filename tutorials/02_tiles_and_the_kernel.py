@@ -502,7 +502,8 @@ for call in ("cp_async_commit", "cp_async_wait<STAGES - 1>", "cp_async_wait<0>")
 # The gather itself is where paging shows up: each 16-byte `cp.async` copies part of one token's
 # K or V row, and the token's address comes from the CTA's page list
 # (`token -> page id -> row`), so a CTA can read a prefix scattered over any pages of the cache.
-# Tokens past the CTA's range are copied as zero bytes (`bytes = 0`) and masked later.
+# Tokens past the CTA's range read the last token's address but copy zero bytes (`bytes = 0`)
+# and are masked later.
 
 # %%
 show("gather")
