@@ -12,11 +12,11 @@ if [ $# -lt 2 ]; then
 fi
 out="$1"; base="$2"; shift 2
 mkdir -p "$out"
+out="$(cd "$out" && pwd)"   # absolute: the baseline runs from its own folder
 export PYTHONUNBUFFERED=1
-here="$PWD"
 python3 bench/kernel_lab.py --out "$out" --tag _new1 "$@" > "$out/new1.log" 2>&1
 echo "new (1): exit $?"
-(cd "$base" && python3 bench/kernel_lab.py --out "$here/$out" --tag _base "$@") > "$out/base.log" 2>&1
+(cd "$base" && python3 bench/kernel_lab.py --out "$out" --tag _base "$@") > "$out/base.log" 2>&1
 echo "base: exit $?"
 python3 bench/kernel_lab.py --out "$out" --tag _new2 "$@" > "$out/new2.log" 2>&1
 echo "new (2): exit $?"
