@@ -111,6 +111,9 @@ TUNINGS = {
     "short-s1": {"layouts": {(16, 16): (1, 1, 16), (16, 32): (2, 1, 16)}},
     "short-w1s1": {"layouts": {(16, 16): (1, 1, 16), (16, 32): (1, 1, 16)}},
     "short-w1s2": {"layouts": {(16, 32): (1, 2, 16)}},
+    # 16x32 on one warp and one stage, and n = 32 only up to 32 tokens (one tile per CTA)
+    "short32-w1s1": {"kv_tile_table": ((16, 16), (32, 32), (1 << 62, 64)),
+                     "layouts": {(16, 16): (1, 1, 16), (16, 32): (1, 1, 16)}},
     # heads of a request per merge warp forced (default: pat_core.launch.merge_heads_per_warp)
     "mh1": {"merge_heads": 1}, "mh2": {"merge_heads": 2}, "mh4": {"merge_heads": 4},
     # n of the 128-row tiles forced (their KV is mostly shared, read from L2: compute bound)
@@ -231,6 +234,13 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                             for heads in ((32, 8), (32, 32))
                             for label in ("default", "split", "one-tile-w2s1",
                                           "one-tile-w1s2", "piped")),
+             "leaf-check": tuple((spec, heads, packer, None, None, label)
+                                 for spec in tuple(dict.fromkeys(SHARING_SPECS + PLANNER_SPECS))
+                                 + ("128_2048",)
+                                 for heads in ((32, 8), (32, 32))
+                                 for packer in (("pat", "query") if spec == "128_2048"
+                                                else ("pat",))
+                                 for label in ("default", "short-w1s1", "short32-w1s1")),
              "m128": tuple((spec, (32, 8), "pat", None, None, label)
                            for spec in SHORT_SPECS[:3] + ("1,32_16384,16",)
                            for label in ("default", "m128n64", "m128n128", "m128n64-s3")),
