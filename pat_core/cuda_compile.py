@@ -141,16 +141,18 @@ def variant_speed() -> dict:
 
 
 # Short-KV tiles.  The selector gives 16x16 tiles only to CTAs of at most 16 tokens (one page:
-# the leaves of a wide tree), a single KV tile each, whose blocks are bound by the latency of
-# their few dependent loads, not by bandwidth per block: what counts is how many blocks an SM
-# holds.  One warp and a single-stage ring (tile 0 loads together with Q) make the block 12 KB
-# of shared memory and 32 threads.  Measured on an H100 (bench/NOTES.md, round 6): the 1024-leaf
-# batch 1,1024_1024,16 ran 5-8% faster at every head config.  The same layout for 16x32 made the
-# deep trees of 32-token leaves 2-8% faster at 32:32 heads but batches whose 16x32 CTAs hold two
-# or three tiles (64-96 tokens) up to 29% slower (no prefetch between their tiles), so 16x32
-# keeps the table's layout until a launch group can be split by tile count.
+# the leaves of a wide tree) and 16x32 tiles to CTAs of 17-96 tokens (the 32-token leaves of deep
+# trees, mostly one KV tile each).  Their blocks are bound by the latency of their few dependent
+# loads, not by bandwidth per block: what counts is how many blocks an SM holds.  One warp and a
+# single-stage ring (tile 0 loads together with Q) make the block 12 KB (16x16) or 20 KB (16x32)
+# of shared memory and 32 threads.  Measured on an H100 (bench/NOTES.md): the 1024-leaf batch
+# 1,1024_1024,16 ran 5-8% faster at every head config (round 6).  For 16x32 the same layout was
+# up to 29% slower in round 6 on batches whose 16x32 CTAs hold two or three tiles (no prefetch
+# between them); since the gather costs fewer instructions per row (round 8) it measures 3-6%
+# faster on the deep trees and within noise on every other development batch, so 16x32 takes it
+# too.
 # Not for the graph-safe pull loop: its blocks stay resident and run item after item.
-SHORT_KV_LAYOUTS = {(16, 16): (1, 1, 16)}
+SHORT_KV_LAYOUTS = {(16, 16): (1, 1, 16), (16, 32): (1, 1, 16)}
 # Layout of the one-tile CTAs of a 16-row launch group (KV length <= n: tree leaves of a page or
 # two) when they run in a launch of their own (pat_core.launch.one_tile_split, mode "split", an
 # ablation), so that the group's longer CTAs keep their prefetching ring: one warp and one stage
