@@ -334,6 +334,7 @@ def test_one_tile_launches(backend, spec, page_size):
     bit-identical on a rerun (check_case; the piped kernel's work counters must be back at zero
     after every run), and the split-off launch really runs."""
     from pat_core import cuda_compile as cc
+    from pat_core.launch import one_tile_split
     from pat_core.workloads import build_tree_batch
     saved = backend.one_tile, backend.launch_mode, backend.head_minor, backend.merge_mode
     b = build_tree_batch(spec, page_size=page_size, seed=5)
@@ -354,10 +355,16 @@ def test_one_tile_launches(backend, spec, page_size):
                      if m == 16 and (plan.cta_kv_len[g0:g1] <= n).any()]
             variants = backend.variants_for(plan)
             if mode == "split":
+                # the one-tile layout may equal the group's own (16x32 since round 8), so the
+                # split shows in the launch list, not in the variants; the split-off launch
+                # running is what check_case's comparison with float64 shows
                 want = any((m, n) in cc.ONE_TILE_LAYOUTS for m, n in tails)
-                got = any(isinstance(v, cc.FwdVariant) and (v.m, v.n) in cc.ONE_TILE_LAYOUTS
-                          and (v.warps, v.stages, v.rows_per_warp) ==
-                          cc.ONE_TILE_LAYOUTS[(v.m, v.n)] for v in variants)
+                got = any(one_tile_split(plan, g0, g1, backend._num_sms(), mode)[0] < g1
+                          for _, _, g0, g1 in plan.groups())
+                keys = {v.key for v in variants}
+                assert all(cc.FwdVariant.make(m, n, d, dtype, arch=backend.arch,
+                                              one_tile=True).key in keys
+                           for m, n in tails if (m, n) in cc.ONE_TILE_LAYOUTS)
             else:
                 want = any(n in cc.PIPED_LAYOUTS for _, n in tails) or (
                     mode == "piped-all" and any(m == 16 and n in cc.PIPED_LAYOUTS
