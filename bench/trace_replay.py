@@ -106,18 +106,6 @@ def prepare_synthetic(args) -> int:
     return 0
 
 
-def _settle(torch, k, v, ms: float) -> None:
-    """Read the KV cache, untimed, for ``ms`` milliseconds.  Right after a step's float64
-    reference (seconds of FP64 work on large steps) the first method timed ran up to 18% slower
-    than the same method timed later in the step, whichever method came first (H100, 32:32 chat
-    steps; bench/NOTES.md, round 8): the GPU has to settle before the timed runs."""
-    t0 = time.perf_counter()
-    while (time.perf_counter() - t0) * 1e3 < ms:
-        k.sum()
-        v.sum()
-        torch.cuda.synchronize()
-
-
 def load_steps(path):
     z = np.load(path)
     meta = json.loads(bytes(z["meta"]).decode())
@@ -159,7 +147,6 @@ def time_steps(args) -> int:
             ref = reference_fp64(torch, q, k, v, table, lens, ps)
             tol = max(2 * rel_err(torch, torch_attention(torch, q, k, v, table, lens, ps), ref),
                       2.0 ** -11)
-            _settle(torch, k, v, args.settle_ms)
             for method in args.methods:
                 row = dict(step=m["step"], time_ms=m["time_ms"], batch=m["batch"],
                            heads=heads, method=method, unique_tokens=m["unique_tokens"],
@@ -375,9 +362,6 @@ def main(argv=None) -> int:
                    help=f"of {METHODS}; also pat@LABEL: pat with bench/kernel_lab.py's planner "
                         "tuning LABEL (an ablation)")
     t.add_argument("--reps", type=int, default=10)
-    t.add_argument("--settle-ms", type=float, default=500.0,
-                   help="untimed reads of the KV cache after each step's float64 reference, "
-                        "before the first timed method (default 500)")
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
         if args.steps < 1:
