@@ -158,7 +158,8 @@ SHORT_KV_LAYOUTS = {(16, 16): (1, 1, 16), (16, 32): (1, 1, 16)}
 # ablation), so that the group's longer CTAs keep their prefetching ring: one warp and one stage
 # is a 20 KB block at n = 32, 11 resident per SM instead of 6.  Measured on an H100 (round 7):
 # 4% faster on the 6-level 1024-leaf tree at 32:32 heads, up to 17% slower elsewhere (the
-# concurrent launches lose the group's longest-first order).
+# concurrent launches lose the group's longest-first order).  Since round 8 every 16x32 CTA takes
+# this layout (SHORT_KV_LAYOUTS), so "split" only separates the one-tile tail's launch.
 ONE_TILE_LAYOUTS = {(16, 32): (1, 1, 16)}
 
 
