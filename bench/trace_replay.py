@@ -19,8 +19,8 @@ that of a plain same-dtype torch implementation, or 2**-11), then times it with 
 L2 flushed before each run, median of ``--reps``: eagerly and as a CUDA graph captured for that
 step's plan.  Each step first runs its first method once untimed (``--no-throwaway`` skips it):
 the graph replay of whichever method came first after the float64 reference measured up to 18%
-slow on long steps.  Methods: ``pat``, ``query`` (pat's kernels, one request per CTA), ``fi-decode``
-(FlashInfer's batch decode, when it imports) and ``pat-graph``: pat's graph-safe mode, one
+slow on long steps.  Methods: ``pat``, ``query`` (pat's kernels, one request per CTA),
+``fi-decode`` (FlashInfer's batch decode, when it imports) and ``pat-graph``: pat's graph-safe mode, one
 wrapper and ONE graph per head configuration, captured at the first step and replayed for every
 later step after ``plan()`` (limits from the largest step; ``graph_us`` is that replay, what a
 serving loop sees), so its ratio to ``pat`` is the price of graph safety.
