@@ -850,29 +850,36 @@ constexpr int fwd_min_blocks() {
 }  // namespace pat
 
 namespace pat {
+// Item i of a launch of n_ctas CTAs -> (CTA within the launch, KV head): CTA i / num_kv_heads,
+// KV head i % num_kv_heads with head_minor (adjacent heads of a CTA read the same tokens at about
+// the same time), else CTA i % n_ctas, KV head i / n_ctas.  Shared by the launches that map
+// blocks or drawn items to work (the pull loop below is head-minor only and decodes inline).
+__device__ __forceinline__ void item_cta_head(const FwdParams& p, int item, int& cta_local,
+                                              int& kv_head) {
+  if (p.head_minor) {
+    cta_local = item / p.num_kv_heads;
+    kv_head = item - cta_local * p.num_kv_heads;
+  } else {
+    kv_head = item / p.n_ctas;
+    cta_local = item - kv_head * p.n_ctas;
+  }
+}
+
 // Block -> work items.  The usual launch (PULL = false) has exactly the launch's items in its
 // grid and block b runs item b.  A graph-safe launch (PULL = true, p.live set) has a fixed grid:
 // its blocks pull items from p.work_counter until the live count in device memory is reached,
 // so one captured launch serves every later plan.  Pulling rather than striding lets a block that
 // drew a short item take the next one (a group's CTAs are ordered longest first).  The two are
 // separate instantiations: in one kernel the loop costs the large tiles registers and spills.
-// Item i is CTA i / num_kv_heads, KV head i % num_kv_heads with head_minor (adjacent heads of a
-// CTA read the same tokens at about the same time), else CTA i % n_ctas, head i / n_ctas.
+// Item order of a launch: see item_cta_head.
 template <typename Tr, bool PULL>
 __device__ __forceinline__ void run_items(const FwdParams& p) {
-  const int hk = p.num_kv_heads;
   if constexpr (!PULL) {
-    const int b = (int)blockIdx.x;
     int cta_local, kv_head;
-    if (p.head_minor) {
-      cta_local = b / hk;
-      kv_head = b - cta_local * hk;
-    } else {
-      kv_head = b / p.n_ctas;
-      cta_local = b - kv_head * p.n_ctas;
-    }
+    item_cta_head(p, (int)blockIdx.x, cta_local, kv_head);
     pat_fwd_body<Tr>(p, p.cta_offset + cta_local, kv_head);
   } else {
+    const int hk = p.num_kv_heads;
     // Blocks past the live item count never get work (the others pull every item): leave
     // before touching the counter, so an unused variant's launch costs one load per block.
     if ((int)blockIdx.x >= p.live[1] * hk) return;
@@ -957,14 +964,8 @@ __device__ __forceinline__ void run_piped(const FwdParams& p) {
       if (j >= R) named_sync(1 + R + b, ALL);  // the consumers are done with item j - R
       if (item < total) {
         int cta, kv_head;
-        if (p.head_minor) {
-          const int c = item / hk;
-          kv_head = item - c * hk;
-          cta = p.cta_offset + c;
-        } else {
-          kv_head = item / p.n_ctas;
-          cta = p.cta_offset + (item - kv_head * p.n_ctas);
-        }
+        item_cta_head(p, item, cta, kv_head);
+        cta += p.cta_offset;
         const CtaWork w = cta_work<Tp>(p, cta);
         if (lane == 0) {
           s_meta[b][0] = item; s_meta[b][1] = cta; s_meta[b][2] = kv_head;
@@ -1104,10 +1105,8 @@ __global__ void __launch_bounds__(THREADS, 1) pat_fwd_fused_kernel(
     const __grid_constant__ pat::FwdParams p) {
   static_assert(((Trs::THREADS <= THREADS) && ...), "block too small for a variant");
   static_assert(((Trs::D == HEAD_DIM) && ...), "variants of one head_dim");
-  const int b = (int)blockIdx.x;
-  const int hk = p.num_kv_heads;
-  const int cta = p.head_minor ? b / hk : b - (b / p.n_ctas) * p.n_ctas;
-  const int kv_head = p.head_minor ? b - cta * hk : b / p.n_ctas;
+  int cta, kv_head;  // the fused launch covers the whole plan (cta_offset 0)
+  pat::item_cta_head(p, (int)blockIdx.x, cta, kv_head);
   const int want = p.cta_variant[cta];
   int idx = 0;
   (void)(pat::run_if<Trs>(want, idx, p, cta, kv_head) || ...);
