@@ -281,6 +281,9 @@ class CudaBackend:
         # as can be resident); an ablation knob, env PAT_GRAPH_BLOCKS_PER_SM
         env_cap = os.environ.get("PAT_GRAPH_BLOCKS_PER_SM", "")
         self.graph_blocks_per_sm = int(env_cap) if env_cap.strip() else None
+        # graph-safe mode: every launch on the caller's stream in order instead of forked onto
+        # pool streams (an ablation knob for the cost of the fork/join, bench/graph_safe_cost.py)
+        self.static_serial = False
         self._buffers: dict = {}      # device -> (num_floats, o_partial memptr, lse memptr)
 
     # ------------------------------------------------------------------ compile
@@ -732,7 +735,8 @@ class CudaBackend:
         cp = self.cp
         with cp.cuda.Device(state.device):
             _set_out(prep["merge"].params, out_args)
-            self._enqueue(prep["launches"], prep["merge"], self._caller_stream(qd).ptr, False)
+            self._enqueue(prep["launches"], prep["merge"], self._caller_stream(qd).ptr,
+                          self.static_serial)
         return (out, lse) if want_lse else out
 
 

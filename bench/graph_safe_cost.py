@@ -1,0 +1,178 @@
+"""Where graph-safe mode's fixed cost goes: launches in a CUDA graph, measured by leaving parts out.
+
+Graph-safe mode (``use_cuda_graph=True``) replays a fixed launch set: one pull-mode forward
+launch per reachable tile plus the merge, forked onto pool streams.  On small steps its replay
+is ~20 us slower than a graph captured for the step's own plan (bench/NOTES.md).  This script
+times, on the same step and in one process (CUDA events, L2 flushed, median):
+
+* ``exact``: a graph captured for the step's own plan (the usual path);
+* ``gs-all``: graph-safe mode with every reachable tile (the default launch set);
+* ``gs-all-serial``: the same launch set on one stream, no fork/join;
+* ``gs-used`` / ``gs-used-serial``: graph-safe mode whose launch set is only the tiles this
+  plan uses (what fewer launches would buy);
+
+and, without pat, graphs of ``K`` trivial kernels (each block reads one int and exits) forked
+over ``K`` streams or chained on one, for the per-launch cost of a graph node.  Every pat row is
+checked against float64 attention first.
+
+    python bench/graph_safe_cost.py --out DIR [--specs ...] [--heads 32:8 ...] [--reps 30]
+
+Writes ``DIR/graph_safe_cost.json`` and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (str(ROOT), str(ROOT / "bench")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+SPECS = ("1,3,12_16,64,128", "1,4,16_128,256,1024", "1,16_2048,128", "1,4,64_256,1024,64",
+         "1,2,4,8,16,32,64_256,128,64,64,32,32,32")
+
+_TRIVIAL = r"""
+extern "C" __global__ void trivial(const int* live) {
+  if ((int)blockIdx.x >= live[0]) return;
+}
+"""
+
+
+def time_graph(torch, fn, reps, flush):
+    from common import graph_times
+    return float(np.median(graph_times(fn, reps, flush=flush))) * 1e3
+
+
+def micro(torch, cp, reps):
+    """Graph replay time of K trivial launches, forked over K streams or chained on one."""
+    from common import time_events
+    kern = cp.RawKernel(_TRIVIAL, "trivial")
+    live = cp.zeros(1, dtype=cp.int32)
+    rows = []
+    for grid in (132, 1320):
+        for k in (1, 2, 4, 8, 12):
+            for mode in ("forked", "chained"):
+                streams = [torch.cuda.Stream() for _ in range(k)]
+
+                def body():
+                    cur = torch.cuda.current_stream()
+                    if mode == "chained":
+                        s = cp.cuda.ExternalStream(cur.cuda_stream)
+                        for _ in range(k):
+                            kern((grid,), (32,), (live,), stream=s)
+                        return
+                    ev = torch.cuda.Event()
+                    ev.record(cur)
+                    joins = []
+                    for st in streams:
+                        st.wait_event(ev)
+                        kern((grid,), (32,), (live,), stream=cp.cuda.ExternalStream(st.cuda_stream))
+                        j = torch.cuda.Event()
+                        j.record(st)
+                        joins.append(j)
+                    for j in joins:
+                        cur.wait_event(j)
+
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    body()
+                torch.cuda.synchronize()
+                us = float(np.median(time_events(g.replay, reps))) * 1e3
+                rows.append(dict(kind="micro", grid=grid, launches=k, mode=mode, graph_us=us))
+                print(f"micro grid {grid:5d} K {k:2d} {mode:8s} {us:7.2f} us")
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--specs", nargs="+", default=list(SPECS))
+    ap.add_argument("--heads", nargs="+", default=["32:8", "32:32"])
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args(argv)
+
+    import cupy as cp
+    import torch
+
+    import pat_core
+    from common import git_sha, l2_flusher
+    from compare import reference_fp64, rel_err, torch_attention
+    from pat_core.static_plan import StaticLayout, StaticLimits
+    from pat_core.workloads import build_tree_batch
+
+    flush = l2_flusher()
+    rows = micro(torch, cp, 200)
+    d, ps, dtype = 128, 16, torch.float16
+    for heads in args.heads:
+        hq, hk = (int(x) for x in heads.split(":"))
+        for spec in args.specs:
+            b = build_tree_batch(spec, page_size=ps)
+            g = torch.Generator(device="cuda").manual_seed(0)
+            k = torch.randn((b.num_pages, ps, hk, d), generator=g, device="cuda", dtype=dtype)
+            v = torch.randn(k.shape, generator=g, device="cuda", dtype=dtype)
+            q = torch.randn((b.batch_size, hq, d), generator=g, device="cuda", dtype=dtype)
+            ref = reference_fp64(torch, q, k, v, b.block_tables, b.seq_lens, ps)
+            tol = max(2 * rel_err(torch, torch_attention(torch, q, k, v, b.block_tables,
+                                                         b.seq_lens, ps), ref), 2.0 ** -11)
+            row = dict(kind="step", spec=spec, heads=heads, batch=b.batch_size)
+            w = pat_core.PrefixAttentionWrapper(backend="cuda", packer="pat")
+            plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16")
+            row["tiles"] = plan.stats()["tiles"]
+            fn = lambda: w.run(q, (k, v))  # noqa: E731
+            fn()   # throwaway (the first graph after the reference can be slow)
+            row["exact"] = time_graph(torch, fn, args.reps, flush)
+
+            be = w._gpu_backend
+            entries = int(((b.seq_lens.astype(np.int64) + ps - 1) // ps).sum())
+            lim = StaticLimits.make(b.batch_size, entries, plan.num_ctas, plan.num_slots)
+            from pat_core.static_plan import reachable_tiles
+            sel = w.planner.tile_selector(d, "float16", None)
+            used = tuple(sorted({tuple(int(x) for x in t.split("x"))
+                                 for t in row["tiles"]}, key=lambda t: (-t[0], -t[1])))
+            out = torch.empty_like(q)
+            for name, tiles in (("gs-all", reachable_tiles(sel)), ("gs-used", used)):
+                st = be.static_state(StaticLayout(lim, tiles), hq, hk, d, ps, "float16",
+                                     plan.sm_scale)
+                st.write(plan, torch.cuda.current_stream().cuda_stream)
+                row[f"{name}-launches"] = len(tiles) + 1
+                for serial in (False, True):
+                    be.static_serial = serial
+                    key = name + ("-serial" if serial else "")
+                    gfn = lambda: be.run_static(st, q, k, v, out=out)  # noqa: E731
+                    gfn()
+                    torch.cuda.synchronize()
+                    err = rel_err(torch, out, ref)
+                    if err > tol:
+                        row[key] = None
+                        row[key + "-error"] = err
+                        print(f"{spec} {heads} {key}: WRONG ({err:.2e})")
+                        continue
+                    row[key] = time_graph(torch, gfn, args.reps, flush)
+                be.static_serial = False
+            rows.append(row)
+            print(f"{spec:40s} {heads:5s} exact {row['exact']:7.1f} | all {row['gs-all']:7.1f}"
+                  f" serial {row['gs-all-serial']:7.1f} | used({row['gs-used-launches']}) "
+                  f"{row['gs-used']:7.1f} serial {row['gs-used-serial']:7.1f}")
+            del k, v, q, ref
+            torch.cuda.empty_cache()
+    res = dict(benchmark="graph_safe_cost", device=torch.cuda.get_device_name(),
+               git_sha=git_sha(), versions=dict(python=platform.python_version(),
+                                                torch=torch.__version__, cupy=cp.__version__,
+                                                pat=pat_core.__version__),
+               reps=args.reps, method_note="CUDA events around graph replay, L2 flushed "
+               "before each pat replay (not the micro rows), median", rows=rows)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "graph_safe_cost.json").write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
