@@ -10,9 +10,13 @@ times, on the same step and in one process (CUDA events, L2 flushed, median):
 * ``gs-all-serial``: the same launch set on one stream, no fork/join;
 * ``gs-used`` / ``gs-used-serial``: graph-safe mode whose launch set is only the tiles this
   plan uses (what fewer launches would buy);
+* ``gs-all-co100``: the default launch set with every kernel's preferred shared-memory
+  carveout at 100% (``CudaBackend.smem_carveout``), so concurrent kernels never ask the SM for
+  different L1 / shared splits;
 
 and, without pat, graphs of ``K`` trivial kernels (each block reads one int and exits) forked
-over ``K`` streams or chained on one, for the per-launch cost of a graph node.  Every pat row is
+over ``K`` streams or chained on one, for the per-launch cost of a graph node; also with the
+graph-safe launch set's block sizes and shared memory (with and without the 100% carveout).  Every pat row is
 checked against float64 attention first.
 
     python bench/graph_safe_cost.py --out DIR [--specs ...] [--heads 32:8 ...] [--reps 30]
@@ -39,9 +43,14 @@ SPECS = ("1,3,12_16,64,128", "1,4,16_128,256,1024", "1,16_2048,128", "1,4,64_256
 
 _TRIVIAL = r"""
 extern "C" __global__ void trivial(const int* live) {
+  extern __shared__ int s[];
   if ((int)blockIdx.x >= live[0]) return;
+  s[threadIdx.x] = 0;
 }
 """
+# (threads, dynamic shared memory) of the graph-safe launch set at head_dim 128 (fp16, H100)
+_GS_SHAPES = ((128, 98304), (128, 65536), (128, 81920), (64, 49152), (64, 40960), (256, 106496),
+              (128, 57344), (64, 32768), (128, 69632), (64, 36864), (32, 20480))
 
 
 def time_graph(torch, fn, reps, flush):
@@ -53,40 +62,52 @@ def micro(torch, cp, reps):
     """Graph replay time of K trivial launches, forked over K streams or chained on one."""
     from common import time_events
     kern = cp.RawKernel(_TRIVIAL, "trivial")
+    kern.max_dynamic_shared_size_bytes = max(sm for _, sm in _GS_SHAPES)
     live = cp.zeros(1, dtype=cp.int32)
     rows = []
-    for grid in (132, 1320):
-        for k in (1, 2, 4, 8, 12):
-            for mode in ("forked", "chained"):
-                streams = [torch.cuda.Stream() for _ in range(k)]
+    cases = [(grid, k, mode, "plain") for grid in (132, 1320) for k in (1, 2, 4, 8, 12)
+             for mode in ("forked", "chained")]
+    cases += [(1320, 11, mode, shapes) for mode in ("forked", "chained")
+              for shapes in ("gs-shapes", "gs-shapes-carveout100")]
+    for grid, k, mode, shapes in cases:
+        # 9: CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT (-1: the driver's default)
+        try:
+            cp.cuda.driver.funcSetAttribute(kern.kernel.ptr, 9,
+                                            100 if shapes.endswith("carveout100") else -1)
+        except Exception as e:  # noqa: BLE001 (reported; the row still runs)
+            print(f"carveout attribute: {e}")
+        dims = _GS_SHAPES if shapes.startswith("gs") else ((32, 0),) * k
+        streams = [torch.cuda.Stream() for _ in range(k)]
 
-                def body():
-                    cur = torch.cuda.current_stream()
-                    if mode == "chained":
-                        s = cp.cuda.ExternalStream(cur.cuda_stream)
-                        for _ in range(k):
-                            kern((grid,), (32,), (live,), stream=s)
-                        return
-                    ev = torch.cuda.Event()
-                    ev.record(cur)
-                    joins = []
-                    for st in streams:
-                        st.wait_event(ev)
-                        kern((grid,), (32,), (live,), stream=cp.cuda.ExternalStream(st.cuda_stream))
-                        j = torch.cuda.Event()
-                        j.record(st)
-                        joins.append(j)
-                    for j in joins:
-                        cur.wait_event(j)
+        def body():
+            cur = torch.cuda.current_stream()
+            if mode == "chained":
+                s = cp.cuda.ExternalStream(cur.cuda_stream)
+                for th, sm in dims:
+                    kern((grid,), (th,), (live,), stream=s, shared_mem=sm)
+                return
+            ev = torch.cuda.Event()
+            ev.record(cur)
+            joins = []
+            for st, (th, sm) in zip(streams, dims):
+                st.wait_event(ev)
+                kern((grid,), (th,), (live,), stream=cp.cuda.ExternalStream(st.cuda_stream),
+                     shared_mem=sm)
+                j = torch.cuda.Event()
+                j.record(st)
+                joins.append(j)
+            for j in joins:
+                cur.wait_event(j)
 
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    body()
-                torch.cuda.synchronize()
-                us = float(np.median(time_events(g.replay, reps))) * 1e3
-                rows.append(dict(kind="micro", grid=grid, launches=k, mode=mode, graph_us=us))
-                print(f"micro grid {grid:5d} K {k:2d} {mode:8s} {us:7.2f} us")
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            body()
+        torch.cuda.synchronize()
+        us = float(np.median(time_events(g.replay, reps))) * 1e3
+        rows.append(dict(kind="micro", grid=grid, launches=k, mode=mode, shapes=shapes,
+                         graph_us=us))
+        print(f"micro grid {grid:5d} K {k:2d} {mode:8s} {shapes:22s} {us:7.2f} us")
     return rows
 
 
@@ -129,7 +150,6 @@ def main(argv=None) -> int:
             fn()   # throwaway (the first graph after the reference can be slow)
             row["exact"] = time_graph(torch, fn, args.reps, flush)
 
-            be = w._gpu_backend
             entries = int(((b.seq_lens.astype(np.int64) + ps - 1) // ps).sum())
             lim = StaticLimits.make(b.batch_size, entries, plan.num_ctas, plan.num_slots)
             from pat_core.static_plan import reachable_tiles
@@ -137,12 +157,16 @@ def main(argv=None) -> int:
             used = tuple(sorted({tuple(int(x) for x in t.split("x"))
                                  for t in row["tiles"]}, key=lambda t: (-t[0], -t[1])))
             out = torch.empty_like(q)
-            for name, tiles in (("gs-all", reachable_tiles(sel)), ("gs-used", used)):
+            be_co = pat_core.PrefixAttentionWrapper(backend="cuda", packer="pat")._gpu_backend
+            be_co.smem_carveout = 100
+            for name, tiles, be in (("gs-all", reachable_tiles(sel), w._gpu_backend),
+                                    ("gs-used", used, w._gpu_backend),
+                                    ("gs-all-co100", reachable_tiles(sel), be_co)):
                 st = be.static_state(StaticLayout(lim, tiles), hq, hk, d, ps, "float16",
                                      plan.sm_scale)
                 st.write(plan, torch.cuda.current_stream().cuda_stream)
                 row[f"{name}-launches"] = len(tiles) + 1
-                for serial in (False, True):
+                for serial in ((False,) if name.endswith("co100") else (False, True)):
                     be.static_serial = serial
                     key = name + ("-serial" if serial else "")
                     gfn = lambda: be.run_static(st, q, k, v, out=out)  # noqa: E731
@@ -159,7 +183,8 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"{spec:40s} {heads:5s} exact {row['exact']:7.1f} | all {row['gs-all']:7.1f}"
                   f" serial {row['gs-all-serial']:7.1f} | used({row['gs-used-launches']}) "
-                  f"{row['gs-used']:7.1f} serial {row['gs-used-serial']:7.1f}")
+                  f"{row['gs-used']:7.1f} serial {row['gs-used-serial']:7.1f} | all carveout100 "
+                  f"{row['gs-all-co100']:7.1f}")
             del k, v, q, ref
             torch.cuda.empty_cache()
     res = dict(benchmark="graph_safe_cost", device=torch.cuda.get_device_name(),
