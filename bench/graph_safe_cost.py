@@ -6,17 +6,20 @@ is ~20 us slower than a graph captured for the step's own plan (bench/NOTES.md).
 times, on the same step and in one process (CUDA events, L2 flushed, median):
 
 * ``exact``: a graph captured for the step's own plan (the usual path);
-* ``gs-all``: graph-safe mode with every reachable tile (the default launch set);
+* ``gs-all``: graph-safe mode with every reachable tile (what a wrapper whose
+  ``max_batch_size`` allows 128-row CTAs gets);
 * ``gs-all-serial``: the same launch set on one stream, no fork/join;
 * ``gs-used`` / ``gs-used-serial``: graph-safe mode whose launch set is only the tiles this
   plan uses (what fewer launches would buy);
-* ``gs-all-co100``: the default launch set with every kernel's preferred shared-memory
-  carveout at 100% (``CudaBackend.smem_carveout``), so concurrent kernels never ask the SM for
-  different L1 / shared splits;
+* ``gs-bucket``: the launch set a wrapper with ``max_batch_size`` = this batch gets (tiles up
+  to the rows such a batch can put in one CTA);
+* ``exact-compact`` / ``gs-bucket-compact``: the same with the KV-length table
+  :data:`COMPACT` (no 16-token tiles), the plan's own graph and the graph-safe one;
 
 and, without pat, graphs of ``K`` trivial kernels (each block reads one int and exits) forked
 over ``K`` streams or chained on one, for the per-launch cost of a graph node; also with the
-graph-safe launch set's block sizes and shared memory (with and without the 100% carveout).  Every pat row is
+graph-safe launch set's block sizes and shared memory (with and without a 100% preferred
+shared-memory carveout, ``CudaBackend.smem_carveout``).  Every pat row is
 checked against float64 attention first.
 
     python bench/graph_safe_cost.py --out DIR [--specs ...] [--heads 32:8 ...] [--reps 30]
@@ -26,6 +29,7 @@ Writes ``DIR/graph_safe_cost.json`` and prints a table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
@@ -51,6 +55,14 @@ extern "C" __global__ void trivial(const int* live) {
 # (threads, dynamic shared memory) of the graph-safe launch set at head_dim 128 (fp16, H100)
 _GS_SHAPES = ((128, 98304), (128, 65536), (128, 81920), (64, 49152), (64, 40960), (256, 106496),
               (128, 57344), (64, 32768), (128, 69632), (64, 36864), (32, 20480))
+
+
+# the KV-length -> n table without the 16-token tiles (n = 32 up to 96 tokens, else 64)
+COMPACT = ((96, 32), (1 << 62, 64))
+
+
+def _f(x) -> str:
+    return "   wrong" if x is None else f"{x:8.1f}"
 
 
 def time_graph(torch, fn, reps, flush):
@@ -117,6 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("--specs", nargs="+", default=list(SPECS))
     ap.add_argument("--heads", nargs="+", default=["32:8", "32:32"])
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--no-micro", dest="micro", action="store_false",
+                    help="skip the trivial-kernel graphs")
     args = ap.parse_args(argv)
 
     import cupy as cp
@@ -125,11 +139,11 @@ def main(argv=None) -> int:
     import pat_core
     from common import git_sha, l2_flusher
     from compare import reference_fp64, rel_err, torch_attention
-    from pat_core.static_plan import StaticLayout, StaticLimits
+    from pat_core.static_plan import StaticLayout, StaticLimits, reachable_tiles
     from pat_core.workloads import build_tree_batch
 
     flush = l2_flusher()
-    rows = micro(torch, cp, 200)
+    rows = micro(torch, cp, 200) if args.micro else []
     d, ps, dtype = 128, 16, torch.float16
     for heads in args.heads:
         hq, hk = (int(x) for x in heads.split(":"))
@@ -149,24 +163,37 @@ def main(argv=None) -> int:
             fn = lambda: w.run(q, (k, v))  # noqa: E731
             fn()   # throwaway (the first graph after the reference can be slow)
             row["exact"] = time_graph(torch, fn, args.reps, flush)
+            # the compact KV-length table (n in {32, 64}: no 16-token tiles)
+            wc = pat_core.PrefixAttentionWrapper(backend="cuda", packer="pat")
+            wc.planner.tuning = dataclasses.replace(wc.planner.tuning, kv_tile_table=COMPACT)
+            plan_c = wc.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16")
+            row["tiles-compact"] = plan_c.stats()["tiles"]
+            fnc = lambda: wc.run(q, (k, v))  # noqa: E731
+            fnc()
+            torch.cuda.synchronize()
+            row["exact-compact-error"] = rel_err(torch, fnc(), ref)
+            row["exact-compact"] = time_graph(torch, fnc, args.reps, flush) \
+                if row["exact-compact-error"] <= tol else None
 
             entries = int(((b.seq_lens.astype(np.int64) + ps - 1) // ps).sum())
-            lim = StaticLimits.make(b.batch_size, entries, plan.num_ctas, plan.num_slots)
-            from pat_core.static_plan import reachable_tiles
+            out = torch.empty_like(q)
+            max_rows = b.batch_size * (hq // hk)
             sel = w.planner.tile_selector(d, "float16", None)
+            sel_c = wc.planner.tile_selector(d, "float16", None)
             used = tuple(sorted({tuple(int(x) for x in t.split("x"))
                                  for t in row["tiles"]}, key=lambda t: (-t[0], -t[1])))
-            out = torch.empty_like(q)
-            be_co = pat_core.PrefixAttentionWrapper(backend="cuda", packer="pat")._gpu_backend
-            be_co.smem_carveout = 100
-            for name, tiles, be in (("gs-all", reachable_tiles(sel), w._gpu_backend),
-                                    ("gs-used", used, w._gpu_backend),
-                                    ("gs-all-co100", reachable_tiles(sel), be_co)):
+            cases = (("gs-all", reachable_tiles(sel), w, plan),
+                     ("gs-used", used, w, plan),
+                     ("gs-bucket", reachable_tiles(sel, max_rows=max_rows), w, plan),
+                     ("gs-bucket-compact", reachable_tiles(sel_c, COMPACT, max_rows), wc, plan_c))
+            for name, tiles, wr, pl in cases:
+                be = wr._gpu_backend
+                lim = StaticLimits.make(b.batch_size, entries, pl.num_ctas, pl.num_slots)
                 st = be.static_state(StaticLayout(lim, tiles), hq, hk, d, ps, "float16",
-                                     plan.sm_scale)
-                st.write(plan, torch.cuda.current_stream().cuda_stream)
+                                     pl.sm_scale)
+                st.write(pl, torch.cuda.current_stream().cuda_stream)
                 row[f"{name}-launches"] = len(tiles) + 1
-                for serial in ((False,) if name.endswith("co100") else (False, True)):
+                for serial in ((False, True) if name in ("gs-all", "gs-used") else (False,)):
                     be.static_serial = serial
                     key = name + ("-serial" if serial else "")
                     gfn = lambda: be.run_static(st, q, k, v, out=out)  # noqa: E731
@@ -181,10 +208,13 @@ def main(argv=None) -> int:
                     row[key] = time_graph(torch, gfn, args.reps, flush)
                 be.static_serial = False
             rows.append(row)
-            print(f"{spec:40s} {heads:5s} exact {row['exact']:7.1f} | all {row['gs-all']:7.1f}"
-                  f" serial {row['gs-all-serial']:7.1f} | used({row['gs-used-launches']}) "
-                  f"{row['gs-used']:7.1f} serial {row['gs-used-serial']:7.1f} | all carveout100 "
-                  f"{row['gs-all-co100']:7.1f}")
+            print(f"{spec:40s} {heads:5s} exact {_f(row['exact'])} compact "
+                  f"{_f(row['exact-compact'])} | all {_f(row['gs-all'])} serial "
+                  f"{_f(row['gs-all-serial'])} | used({row['gs-used-launches']}) "
+                  f"{_f(row['gs-used'])} serial {_f(row['gs-used-serial'])} | "
+                  f"bucket({row['gs-bucket-launches']}) {_f(row['gs-bucket'])} | "
+                  f"bucket-compact({row['gs-bucket-compact-launches']}) "
+                  f"{_f(row['gs-bucket-compact'])}")
             del k, v, q, ref
             torch.cuda.empty_cache()
     res = dict(benchmark="graph_safe_cost", device=torch.cuda.get_device_name(),

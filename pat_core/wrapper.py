@@ -81,7 +81,8 @@ class PrefixAttentionWrapper:
     use_cuda_graph : graph-safe mode (CUDA backend only; FlashInfer's convention).  Device
         buffers are allocated once for the limits below, :meth:`plan` writes each new plan into
         them (an asynchronous copy on the current stream), and :meth:`run` always enqueues the
-        same launches with the same arguments: one per tile the planner can pick, each over a
+        same launches with the same arguments: one per tile the planner can pick for batches of
+        at most ``max_batch_size`` requests (so a small batch bucket gets few launches), each over a
         fixed grid whose blocks pull work until the live count in device memory, then a merge
         that reads the live batch size from device memory.  A CUDA graph captured around one
         :meth:`run` therefore stays correct for every later plan within the limits.  Replays
@@ -224,7 +225,9 @@ class PrefixAttentionWrapper:
         if self._static is None:
             from .static_plan import StaticLayout, reachable_tiles
             sel = self.planner.tile_selector(plan.head_dim, plan.kv_dtype, tile)
-            layout = StaticLayout(self.static_limits, reachable_tiles(sel))
+            # a CTA holds at most max_batch_size requests x the GQA group rows
+            max_rows = self.static_limits.max_batch_size * (plan.num_qo_heads // plan.num_kv_heads)
+            layout = StaticLayout(self.static_limits, reachable_tiles(sel, max_rows=max_rows))
             layout.check(plan)          # refuse before allocating anything
             self._static = self._gpu_backend.static_state(
                 layout, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.page_size,

@@ -88,11 +88,33 @@ def test_reachable_tiles_cover_every_plan(b, heads, d, dtype):
         planner = Planner(packer, "h100")
         plan = planner.plan(b.block_tables, b.seq_lens, hq, hk, d, b.page_size,
                             kv_data_type=dtype)
-        tiles = set(reachable_tiles(planner.tile_selector(d, dtype)))
-        assert {tuple(t) for t in plan.tile_configs.tolist()} <= tiles
+        sel = planner.tile_selector(d, dtype)
+        tiles = set(reachable_tiles(sel))
+        used = {tuple(t) for t in plan.tile_configs.tolist()}
+        assert used <= tiles
+        # bounded by the batch: a wrapper whose max_batch_size is this batch still has them
+        bounded = set(reachable_tiles(sel, max_rows=b.batch_size * (hq // hk)))
+        assert used <= bounded <= tiles
         # the documented page bound: block-table entries plus one per CTA
         entries = int(((b.seq_lens.astype(np.int64) + b.page_size - 1) // b.page_size).sum())
         assert plan.cta_pages.shape[0] <= entries + plan.num_ctas
+
+
+def test_reachable_tiles_bounded_by_rows():
+    """A small batch bucket gets only the row tiles it can reach."""
+    sel = Planner("pat", "h100").tile_selector(128, "float16")
+    full = reachable_tiles(sel)
+    assert {m for m, _ in full} == {16, 32, 64, 128}
+    assert {m for m, _ in reachable_tiles(sel, max_rows=4)} == {16}
+    assert {m for m, _ in reachable_tiles(sel, max_rows=16)} == {16}
+    assert {m for m, _ in reachable_tiles(sel, max_rows=17)} == {16, 32}
+    assert {m for m, _ in reachable_tiles(sel, max_rows=64)} == {16, 32, 64}
+    assert reachable_tiles(sel, max_rows=1000) == full
+    for m, n in full:       # the n choices of a kept m do not change
+        if m == 16:
+            assert (m, n) in reachable_tiles(sel, max_rows=1)
+    with pytest.raises(ValueError, match="max_rows"):
+        reachable_tiles(sel, max_rows=0)
 
 
 def test_limits_are_named():
