@@ -23,7 +23,9 @@ slow on long steps.  Methods: ``pat``, ``query`` (pat's kernels, one request per
 ``fi-decode`` (FlashInfer's batch decode, when it imports) and ``pat-graph``: pat's graph-safe mode, one
 wrapper and ONE graph per head configuration, captured at the first step and replayed for every
 later step after ``plan()`` (limits from the largest step; ``graph_us`` is that replay, what a
-serving loop sees), so its ratio to ``pat`` is the price of graph safety.
+serving loop sees), so its ratio to ``pat`` is the price of graph safety; ``pat-graph-bucket``:
+the same with one wrapper and graph per power-of-two batch bucket (``max_batch_size`` = the
+bucket), as serving engines capture decode per batch size.
 
 ``prepare-synthetic --specs SPEC ... --out STEPS.npz`` stores tree specs
 (:func:`pat_core.workloads.build_tree_batch`) in the same format, so the synthetic workloads go
@@ -50,7 +52,8 @@ for p in (str(ROOT), str(ROOT / "bench")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-METHODS = ("pat", "query", "fi-decode", "pat-graph")
+METHODS = ("pat", "query", "fi-decode", "pat-graph", "pat-graph-bucket")
+GRAPH_SAFE = ("pat-graph", "pat-graph-bucket")
 
 
 def prepare(args) -> int:
@@ -142,8 +145,9 @@ def time_steps(args) -> int:
         g = torch.Generator(device="cuda").manual_seed(0)
         k = torch.randn((n_pages, ps, hk, d), generator=g, device="cuda", dtype=dtype)
         v = torch.randn(k.shape, generator=g, device="cuda", dtype=dtype)
-        gs = _GraphSafe(pat_core, torch, steps, hq, hk, d, ps, k, v) \
-            if "pat-graph" in args.methods else None
+        gs = {m: _GraphSafe(pat_core, torch, steps, hq, hk, d, ps, k, v,
+                            buckets=m == "pat-graph-bucket")
+              for m in GRAPH_SAFE if m in args.methods}
         for i, (m, table, lens) in enumerate(steps):
             q = torch.randn((table.shape[0], hq, d), generator=g, device="cuda", dtype=dtype)
             ref = reference_fp64(torch, q, k, v, table, lens, ps)
@@ -151,7 +155,8 @@ def time_steps(args) -> int:
                       2.0 ** -11)
             # a throwaway run of one method first: on long steps the first method timed after
             # the reference got a slow graph replay (up to 18%; bench/NOTES.md, round 8)
-            first = [x for x in args.methods if x != "pat-graph"][:1] if args.throwaway else []
+            first = [x for x in args.methods if x not in GRAPH_SAFE][:1] if args.throwaway \
+                else []
             for j, method in enumerate(first + list(args.methods)):
                 row = dict(throwaway=j < len(first), step=m["step"], time_ms=m["time_ms"],
                            batch=m["batch"],
@@ -159,21 +164,22 @@ def time_steps(args) -> int:
                            read_tokens=m["read_tokens"], shares=m["unique_tokens"] <
                            m["read_tokens"])
                 try:
-                    if method == "pat-graph":
+                    if method in GRAPH_SAFE:
+                        g_s = gs[method]
                         t0 = time.perf_counter()
-                        plan = gs.plan(table, lens)
+                        plan = g_s.plan(table, lens)
                         row["plan_ms"] = (time.perf_counter() - t0) * 1e3
                         st = plan.stats()
                         row.update(num_ctas=st["num_ctas"], total_bytes=st["total_bytes"],
-                                   tiles=st["tiles"], launches=gs.num_launches)
-                        out = gs.replay(q)
+                                   tiles=st["tiles"], launches=g_s.num_launches)
+                        out = g_s.replay(q)
                         row["rel_err"] = rel_err(torch, out, ref)
                         row["correct"] = bool(row["rel_err"] <= tol)
                         if row["correct"]:
                             row["eager_us"] = float(np.median(time_events(
-                                gs.eager, args.reps, flush=flush))) * 1e3
+                                g_s.eager, args.reps, flush=flush))) * 1e3
                             row["graph_us"] = float(np.median(time_events(
-                                gs.graph.replay, args.reps, flush=flush))) * 1e3
+                                g_s.graph.replay, args.reps, flush=flush))) * 1e3
                         else:
                             print(f"step {m['step']} {heads} {method}: WRONG "
                                   f"({row['rel_err']:.2e})")
@@ -241,50 +247,73 @@ def time_steps(args) -> int:
 
 class _GraphSafe:
     """pat's graph-safe mode over a run of steps: one wrapper sized for the largest step, one
-    graph captured at the first plan and replayed for every later one."""
+    graph captured at the first plan and replayed for every later one.  With ``buckets``, as
+    serving engines capture decode: one wrapper and graph per power-of-two batch bucket
+    (``max_batch_size`` = the bucket, the other limits from the steps that fall in it), each
+    captured at its first step."""
 
-    def __init__(self, pat_core, torch, steps, hq, hk, d, ps, k, v):
+    def __init__(self, pat_core, torch, steps, hq, hk, d, ps, k, v, buckets=False):
         from pat_core import Planner
         from pat_core.gpus import detect_gpu_name
-        self.torch, self.k, self.v = torch, k, v
+        self.pat_core, self.torch, self.k, self.v = pat_core, torch, k, v
         self.hq, self.hk, self.d, self.ps = hq, hk, d, ps
         probe = Planner("pat", detect_gpu_name(torch.cuda.get_device_name()) or "h100")
         plans = [probe.plan(t, ln, hq, hk, d, ps) for _, t, ln in steps]
-        max_b = max(p.batch_size for p in plans)
-        entries = max(int(((ln.astype(np.int64) + ps - 1) // ps).sum()) for _, _, ln in steps)
-        self.w = pat_core.PrefixAttentionWrapper(
-            backend="cuda", packer="pat", use_cuda_graph=True, max_batch_size=max_b,
-            max_num_pages=entries, max_ctas=max(p.num_ctas for p in plans),
-            max_partials=max(p.num_slots for p in plans))
-        self.q = torch.zeros((max_b, hq, d), dtype=k.dtype, device="cuda")
-        self.out = torch.zeros_like(self.q)
-        self.graph = None
+        self.buckets = buckets
+        self.limits = {}
+        for p, (_, _, ln) in zip(plans, steps):
+            key = self._bucket(p.batch_size)
+            entries = int(((ln.astype(np.int64) + ps - 1) // ps).sum())
+            old = self.limits.get(key, (0, 0, 0, 0))
+            self.limits[key] = (max(old[0], key if buckets else p.batch_size),
+                                max(old[1], entries), max(old[2], p.num_ctas),
+                                max(old[3], p.num_slots))
+        self.states = {}       # bucket -> [wrapper, q, out, graph]
+        self.cur = None
         self.batch = 0
         self.num_launches = None
 
+    def _bucket(self, batch: int) -> int:
+        return 1 << max(0, int(batch) - 1).bit_length() if self.buckets else 0
+
     def plan(self, table, lens):
-        plan = self.w.plan(table, lens, self.hq, self.hk, self.d, self.ps,
-                           kv_data_type="float16")
+        key = self._bucket(table.shape[0])
+        st = self.states.get(key)
+        if st is None:
+            max_b, entries, ctas, slots = self.limits[key]
+            w = self.pat_core.PrefixAttentionWrapper(
+                backend="cuda", packer="pat", use_cuda_graph=True, max_batch_size=max_b,
+                max_num_pages=entries, max_ctas=ctas, max_partials=slots)
+            q = self.torch.zeros((max_b, self.hq, self.d), dtype=self.k.dtype, device="cuda")
+            st = self.states[key] = [w, q, self.torch.zeros_like(q), None]
+        self.cur = st
+        plan = st[0].plan(table, lens, self.hq, self.hk, self.d, self.ps,
+                          kv_data_type="float16")
         self.batch = plan.batch_size
-        if self.graph is None:
+        if st[3] is None:
             torch = self.torch
             self.eager()
             torch.cuda.synchronize()
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            st[3] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(st[3]):
                 self.eager()
             torch.cuda.synchronize()
-            self.num_launches = len(self.w._static.variants) + 1
+        self.num_launches = len(st[0]._static.variants) + 1
         return plan
 
+    @property
+    def graph(self):
+        return self.cur[3]
+
     def eager(self):
-        return self.w.run(self.q, (self.k, self.v), out=self.out)
+        w, q, out, _ = self.cur
+        return w.run(q, (self.k, self.v), out=out)
 
     def replay(self, q):
-        self.q[:self.batch] = q
-        self.graph.replay()
+        self.cur[1][:self.batch] = q
+        self.cur[3].replay()
         self.torch.cuda.synchronize()
-        return self.out[:self.batch].clone()
+        return self.cur[2][:self.batch].clone()
 
 
 class _Batch:
@@ -333,11 +362,14 @@ def summarise(rows) -> dict:
         if spq:
             s["vs_query_geomean"] = round(math.exp(float(np.mean(np.log(spq)))), 3)
         # graph-safe replay over the graph captured for each step's own plan (> 1: slower)
-        gsr = [v["pat-graph"]["graph_us"] / v["pat"]["graph_us"] for v in by.values()
-               if "pat" in v and "pat-graph" in v]
-        if gsr:
-            s["graph_safe_over_exact_geomean"] = round(math.exp(float(np.mean(np.log(gsr)))), 3)
-            s["graph_safe_over_exact_max"] = round(float(max(gsr)), 3)
+        for gm, tag in (("pat-graph", ""), ("pat-graph-bucket", "_bucket")):
+            gsr = [v[gm]["graph_us"] / v["pat"]["graph_us"] for v in by.values()
+                   if "pat" in v and gm in v]
+            if gsr:
+                s[f"graph_safe{tag}_over_exact_geomean"] = round(
+                    math.exp(float(np.mean(np.log(gsr)))), 3)
+                s[f"graph_safe{tag}_over_exact_max"] = round(float(max(gsr)), 3)
+                s[f"graph_safe{tag}_within_10pct"] = f"{sum(x <= 1.1 for x in gsr)}/{len(gsr)}"
         out[heads] = s
     return out
 
@@ -380,7 +412,7 @@ def main(argv=None) -> int:
         return prepare_synthetic(args)
     for m in args.methods:
         base, _, label = m.partition("@")
-        if base not in METHODS or (label and base in ("fi-decode", "pat-graph")):
+        if base not in METHODS or (label and base in ("fi-decode",) + GRAPH_SAFE):
             ap.error(f"--methods: unknown method {m!r}")
         if label:
             from kernel_lab import TUNINGS
