@@ -883,7 +883,7 @@ class StaticState:
         want = {}
         for prep in self.prepared.values():
             for i, ln in enumerate(prep["launches"]):
-                want[(int(getattr(ln.fn, "kernel", ln.fn).ptr), bytes(ln.params))] = i
+                want[(int(ln.fn.ptr), bytes(ln.params))] = i
         size = ctypes.sizeof(kp.FwdParams)
         nodes: dict = {}
         for node, func, arg0 in kernel_nodes(graph):
