@@ -13,8 +13,6 @@ times, on the same step and in one process (CUDA events, L2 flushed, median):
   plan uses (what fewer launches would buy);
 * ``gs-bucket``: the launch set a wrapper with ``max_batch_size`` = this batch gets (tiles up
   to the rows such a batch can put in one CTA);
-* ``gs-all-bound`` / ``gs-bucket-bound``: those launch sets with the graph bound to the state
-  (``PrefixAttentionWrapper.bind_graph``): launches whose tile has no CTA are disabled nodes;
 * ``exact-compact`` / ``gs-bucket-compact``: the same with the KV-length table
   :data:`COMPACT` (no 16-token tiles), the plan's own graph and the graph-safe one;
 
@@ -125,27 +123,6 @@ def micro(torch, cp, reps):
     return rows
 
 
-def time_bound(torch, fn, state, out, ref, tol, rel_err, reps, flush):
-    """Graph replay (ms -> us median) of ``fn`` captured with its graph bound to ``state``
-    (``StaticState.bind``: launches without CTAs disabled); ``None`` if the output is wrong."""
-    from common import time_events
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph(keep_graph=True)
-    with torch.cuda.graph(g):
-        fn()
-    g.instantiate()
-    state.bind(int(g.raw_cuda_graph()), int(g.raw_cuda_graph_exec()))
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    if not rel_err(torch, out, ref) <= tol:
-        return None
-    us = float(np.median(time_events(g.replay, reps, flush=flush))) * 1e3
-    state.bound.clear()
-    return us
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -230,18 +207,12 @@ def main(argv=None) -> int:
                         continue
                     row[key] = time_graph(torch, gfn, args.reps, flush)
                 be.static_serial = False
-                if name in ("gs-all", "gs-bucket") and row.get(name) is not None:
-                    # the same launch set, the graph bound so launches without work are off
-                    row[name + "-bound"] = time_bound(torch, gfn, st, out, ref, tol, rel_err,
-                                                      args.reps, flush)
             rows.append(row)
             print(f"{spec:40s} {heads:5s} exact {_f(row['exact'])} compact "
                   f"{_f(row['exact-compact'])} | all {_f(row['gs-all'])} serial "
                   f"{_f(row['gs-all-serial'])} | used({row['gs-used-launches']}) "
                   f"{_f(row['gs-used'])} serial {_f(row['gs-used-serial'])} | "
                   f"bucket({row['gs-bucket-launches']}) {_f(row['gs-bucket'])} | "
-                  f"all-bound {_f(row.get('gs-all-bound'))} bucket-bound "
-                  f"{_f(row.get('gs-bucket-bound'))} | "
                   f"bucket-compact({row['gs-bucket-compact-launches']}) "
                   f"{_f(row['gs-bucket-compact'])}")
             del k, v, q, ref

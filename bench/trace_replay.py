@@ -25,8 +25,7 @@ wrapper and ONE graph per head configuration, captured at the first step and rep
 later step after ``plan()`` (limits from the largest step; ``graph_us`` is that replay, what a
 serving loop sees), so its ratio to ``pat`` is the price of graph safety; ``pat-graph-bucket``:
 the same with one wrapper and graph per power-of-two batch bucket (``max_batch_size`` = the
-bucket), as serving engines capture decode per batch size; ``pat-graph-bind``: one graph bound
-to the wrapper (``bind_graph``), so each step's launches without work are disabled nodes.
+bucket), as serving engines capture decode per batch size.
 
 ``prepare-synthetic --specs SPEC ... --out STEPS.npz`` stores tree specs
 (:func:`pat_core.workloads.build_tree_batch`) in the same format, so the synthetic workloads go
@@ -53,8 +52,8 @@ for p in (str(ROOT), str(ROOT / "bench")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-METHODS = ("pat", "query", "fi-decode", "pat-graph", "pat-graph-bucket", "pat-graph-bind")
-GRAPH_SAFE = ("pat-graph", "pat-graph-bucket", "pat-graph-bind")
+METHODS = ("pat", "query", "fi-decode", "pat-graph", "pat-graph-bucket")
+GRAPH_SAFE = ("pat-graph", "pat-graph-bucket")
 
 
 def prepare(args) -> int:
@@ -147,7 +146,7 @@ def time_steps(args) -> int:
         k = torch.randn((n_pages, ps, hk, d), generator=g, device="cuda", dtype=dtype)
         v = torch.randn(k.shape, generator=g, device="cuda", dtype=dtype)
         gs = {m: _GraphSafe(pat_core, torch, steps, hq, hk, d, ps, k, v,
-                            buckets=m == "pat-graph-bucket", bind=m == "pat-graph-bind")
+                            buckets=m == "pat-graph-bucket")
               for m in GRAPH_SAFE if m in args.methods}
         for i, (m, table, lens) in enumerate(steps):
             q = torch.randn((table.shape[0], hq, d), generator=g, device="cuda", dtype=dtype)
@@ -251,17 +250,16 @@ class _GraphSafe:
     graph captured at the first plan and replayed for every later one.  With ``buckets``, as
     serving engines capture decode: one wrapper and graph per power-of-two batch bucket
     (``max_batch_size`` = the bucket, the other limits from the steps that fall in it), each
-    captured at its first step.  With ``bind``, each graph is bound to its wrapper
-    (``bind_graph``): launches whose tile has no CTA in a step's plan are disabled nodes."""
+    captured at its first step."""
 
-    def __init__(self, pat_core, torch, steps, hq, hk, d, ps, k, v, buckets=False, bind=False):
+    def __init__(self, pat_core, torch, steps, hq, hk, d, ps, k, v, buckets=False):
         from pat_core import Planner
         from pat_core.gpus import detect_gpu_name
         self.pat_core, self.torch, self.k, self.v = pat_core, torch, k, v
         self.hq, self.hk, self.d, self.ps = hq, hk, d, ps
         probe = Planner("pat", detect_gpu_name(torch.cuda.get_device_name()) or "h100")
         plans = [probe.plan(t, ln, hq, hk, d, ps) for _, t, ln in steps]
-        self.buckets, self.bind = buckets, bind
+        self.buckets = buckets
         self.limits = {}
         for p, (_, _, ln) in zip(plans, steps):
             key = self._bucket(p.batch_size)
@@ -296,12 +294,10 @@ class _GraphSafe:
             torch = self.torch
             self.eager()
             torch.cuda.synchronize()
-            st[3] = torch.cuda.CUDAGraph(keep_graph=self.bind)
+            st[3] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(st[3]):
                 self.eager()
             torch.cuda.synchronize()
-            if self.bind:
-                st[0].bind_graph(st[3])
         self.num_launches = len(st[0]._static.variants) + 1
         return plan
 
@@ -366,8 +362,7 @@ def summarise(rows) -> dict:
         if spq:
             s["vs_query_geomean"] = round(math.exp(float(np.mean(np.log(spq)))), 3)
         # graph-safe replay over the graph captured for each step's own plan (> 1: slower)
-        for gm, tag in (("pat-graph", ""), ("pat-graph-bucket", "_bucket"),
-                        ("pat-graph-bind", "_bind")):
+        for gm, tag in (("pat-graph", ""), ("pat-graph-bucket", "_bucket")):
             gsr = [v[gm]["graph_us"] / v["pat"]["graph_us"] for v in by.values()
                    if "pat" in v and gm in v]
             if gsr:

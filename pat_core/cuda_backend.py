@@ -798,8 +798,6 @@ class StaticState:
         self.prepared: dict = {}
         self.batch = None           # live batch of the last plan written
         self.plan = None
-        self.live_counts = None     # CTAs of each launch in the plan last written
-        self.bound = []             # bound graphs: [graph_exec, {launch: [nodes]}, {node: on}]
         self.max_rows = None        # q rows and KV pages of the inputs the launches were built
         self.num_pages = None       # for (a later plan must fit them: a graph keeps them)
 
@@ -868,46 +866,6 @@ class StaticState:
             self.copied.record(_external_stream(cp, stream_ptr, self.device))
         self.batch = plan.batch_size
         self.plan = plan
-        counts = np.bincount(plan.cta_tile, minlength=len(plan.tile_configs))
-        per_tile = {tuple(int(x) for x in t): int(c) for t, c in zip(plan.tile_configs, counts)}
-        self.live_counts = [per_tile.get(t, 0) for t in self.layout.tiles]
-        for entry in self.bound:
-            self._apply(entry)
-
-    def bind(self, graph: int, graph_exec: int) -> int:
-        """Find this state's forward launches among the kernel nodes of a captured graph
-        (``cudaGraph_t``) and from now on keep those of launches with no CTA in the current
-        plan disabled in its instantiation ``graph_exec`` (:mod:`pat_core.graph_nodes`).
-        Returns the number of nodes bound; ``ValueError`` when the graph holds none."""
-        from .graph_nodes import kernel_nodes, node_arg_bytes
-        want = {}
-        for prep in self.prepared.values():
-            for i, ln in enumerate(prep["launches"]):
-                want[(int(ln.fn.ptr), bytes(ln.params))] = i
-        size = ctypes.sizeof(kp.FwdParams)
-        nodes: dict = {}
-        for node, func, arg0 in kernel_nodes(graph):
-            i = want.get((func, node_arg_bytes(arg0, size)))
-            if i is not None:
-                nodes.setdefault(i, []).append(node)
-        if not nodes:
-            raise ValueError("graph: none of this wrapper's graph-safe launches is in it "
-                             "(capture run() after the first plan(), with the same inputs)")
-        entry = [int(graph_exec), nodes, {}]
-        self.bound.append(entry)
-        self._apply(entry)
-        return sum(len(v) for v in nodes.values())
-
-    def _apply(self, entry) -> None:
-        """Enable exactly the bound nodes whose launch has CTAs in the plan last written."""
-        from .graph_nodes import set_enabled
-        graph_exec, nodes, state = entry
-        for i, ns in nodes.items():
-            on = self.live_counts is None or self.live_counts[i] > 0
-            for nd in ns:
-                if state.get(nd) != on:
-                    set_enabled(graph_exec, nd, on)
-                    state[nd] = on
 
     def prepare(self, qd: _Dev, kd: _Dev, vd: _Dev, kv_layout: str) -> dict:
         """Check the inputs and build the fixed launches for them."""

@@ -260,52 +260,6 @@ class PrefixAttentionWrapper:
         bt = BlockTable.from_csr(indptr, indices, last_page_len, page_size)
         return self.plan(bt, None, num_qo_heads, num_kv_heads, head_dim, page_size, **kwargs)
 
-    def bind_graph(self, graph) -> int:
-        """Graph-safe mode: let :meth:`plan` switch off, in a captured CUDA graph, the forward
-        launches that have no work in the current plan.
-
-        Graph-safe mode's graph holds one launch per reachable tile; each costs a replay
-        ~1-2 us even when its tile has no CTA, which on a small step is most of the step.
-        After binding, every :meth:`plan` (and this call, for the plan already written)
-        disables those nodes in the graph's instantiation and enables the others
-        (``cuGraphNodeSetEnabled``: no re-instantiation, effective from the next replay; see
-        :mod:`pat_core.graph_nodes`).  The merge launch always runs.
-
-        graph : a ``torch.cuda.CUDAGraph`` captured around :meth:`run` with
-            ``keep_graph=True`` (instantiated here if it is not yet), or a pair of ints
-            ``(cudaGraph_t, cudaGraphExec_t)`` from another framework.  Several graphs may be
-            bound (each with its own inputs captured).
-        Returns the number of kernel nodes bound; ``ValueError`` if the wrapper is not in
-        graph-safe mode, has no plan yet, or the graph holds none of its launches.
-        """
-        if not self.use_cuda_graph:
-            raise ValueError("bind_graph: the wrapper is not in graph-safe mode "
-                             "(use_cuda_graph=True)")
-        if self._static is None or not self._static.prepared:
-            raise ValueError("bind_graph: call plan() and capture run() first")
-        if isinstance(graph, tuple):
-            if len(graph) != 2:
-                raise ValueError("graph: expected (cudaGraph_t, cudaGraphExec_t) as two ints")
-            g, ex = (int(x) for x in graph)
-        else:
-            raw = getattr(graph, "raw_cuda_graph", None)
-            if raw is None:
-                raise TypeError(f"graph: expected a torch.cuda.CUDAGraph or a pair of ints, got "
-                                f"{type(graph).__name__}")
-            try:
-                g = int(raw())
-            except Exception as e:
-                raise ValueError("graph: its cudaGraph_t is not kept; capture it with "
-                                 "torch.cuda.CUDAGraph(keep_graph=True)") from e
-            try:
-                ex = int(graph.raw_cuda_graph_exec())
-            except Exception:
-                ex = 0
-            if not ex:
-                graph.instantiate()
-                ex = int(graph.raw_cuda_graph_exec())
-        return self._static.bind(g, ex)
-
     @property
     def current_plan(self) -> Plan:
         if self._plan is None:

@@ -96,11 +96,8 @@ class PagedCache:
 
 
 @requires_gpu
-@pytest.mark.parametrize("packer,bind", (("pat", False), ("cascade", False), ("pat", True),
-                                         ("cascade", True)))
-def test_one_capture_fifty_changing_steps(packer, bind):
-    """With ``bind``, the graph is bound to the wrapper (``bind_graph``) so launches whose tile
-    has no CTA are disabled in it: every step checks that exactly the plan's tiles are on."""
+@pytest.mark.parametrize("packer", ("pat", "cascade"))
+def test_one_capture_fifty_changing_steps(packer):
     import torch
     from pat_core import PrefixAttentionWrapper, dense_attention
     from pat_core.inputs import as_block_table
@@ -122,7 +119,6 @@ def test_one_capture_fifty_changing_steps(packer, bind):
     stream = torch.cuda.Stream()
     graph = None
     batches = []
-    toggles = []
     for step in range(50):
         # everything on one stream: cache writes, plan()'s copy, the replay
         with torch.cuda.stream(stream):
@@ -149,18 +145,9 @@ def test_one_capture_fifty_changing_steps(packer, bind):
                 # warm up outside the capture (compiles, builds the launches), then capture
                 w.run(q_buf, (cache.k, cache.v), out=out_buf, lse=lse_buf)
                 stream.synchronize()
-                graph = torch.cuda.CUDAGraph(keep_graph=True) if bind else torch.cuda.CUDAGraph()
+                graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, stream=stream):
                     w.run(q_buf, (cache.k, cache.v), out=out_buf, lse=lse_buf)
-                if bind:
-                    assert w.bind_graph(graph) == len(w._static.variants)
-            if bind:
-                _, nodes, state = w._static.bound[0]
-                used = {tuple(int(x) for x in t) for t in plan.tile_configs[plan.cta_tile]}
-                on = {w._static.layout.tiles[i] for i, ns in nodes.items()
-                      if all(state[nd] for nd in ns)}
-                assert on == used, (step, on, used)
-                toggles.append(frozenset(on))
             out_buf[:B] = float("nan")
             lse_buf[:B] = float("nan")
             graph.replay()
@@ -181,8 +168,6 @@ def test_one_capture_fifty_changing_steps(packer, bind):
         assert lerr < 1e-2, f"step {step}: lse error {lerr:.3e}"
     # the loop really changed the batch and reused freed pages
     assert len(set(batches)) >= 4 and cache.reused > 0, (batches, cache.reused)
-    if bind:   # the launch set really changed from step to step (nodes off and on again)
-        assert len(set(toggles)) >= 3, toggles
 
 
 @requires_gpu
@@ -210,17 +195,3 @@ def test_limits_and_inputs_are_checked():
         w.plan(bt, b.seq_lens, 32, 8, 128, PAGE)
     with pytest.raises(ValueError, match="rows"):
         w.run(q[:3], (k, k))
-    # bind_graph: the graph must be kept, and must hold this wrapper's launches
-    with pytest.raises(TypeError, match="graph"):
-        w.bind_graph(object())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        w.run(q, (k, k))
-    with pytest.raises(ValueError, match="keep_graph"):
-        w.bind_graph(g)
-    other = torch.cuda.CUDAGraph(keep_graph=True)
-    x = torch.zeros(8, device="cuda")
-    with torch.cuda.graph(other):
-        x.add_(1)
-    with pytest.raises(ValueError, match="none of this wrapper"):
-        w.bind_graph(other)
