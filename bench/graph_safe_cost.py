@@ -19,8 +19,8 @@ times, on the same step and in one process (CUDA events, L2 flushed, median):
 and, without pat, graphs of ``K`` trivial kernels (each block reads one int and exits) forked
 over ``K`` streams or chained on one, for the per-launch cost of a graph node; also with the
 graph-safe launch set's block sizes and shared memory (with and without a 100% preferred
-shared-memory carveout, ``CudaBackend.smem_carveout``).  Every pat row is
-checked against float64 attention first.
+shared-memory carveout on the kernel).  Every pat row is checked against float64 attention
+first.
 
     python bench/graph_safe_cost.py --out DIR [--specs ...] [--heads 32:8 ...] [--reps 30]
 

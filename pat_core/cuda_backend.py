@@ -284,10 +284,6 @@ class CudaBackend:
         # graph-safe mode: every launch on the caller's stream in order instead of forked onto
         # pool streams (an ablation knob for the cost of the fork/join, bench/graph_safe_cost.py)
         self.static_serial = False
-        # preferred shared-memory carveout (percent) set on every kernel as it loads (None: the
-        # driver's choice); an ablation knob, env PAT_SMEM_CARVEOUT
-        env_co = os.environ.get("PAT_SMEM_CARVEOUT", "")
-        self.smem_carveout = int(env_co) if env_co.strip() else None
         self._buffers: dict = {}      # device -> (num_floats, o_partial memptr, lse memptr)
 
     # ------------------------------------------------------------------ compile
@@ -312,8 +308,6 @@ class CudaBackend:
                     raise ValueError(f"{variant.key} needs {smem} bytes of shared memory; this "
                                      f"device allows {self.max_smem_optin}")
                 fn.max_dynamic_shared_size_bytes = smem
-            if self.smem_carveout is not None:
-                _set_carveout(self.cp, fn, self.smem_carveout)
             self._modules[key] = mod
             self._functions[key] = fn
             return fn
@@ -1065,15 +1059,6 @@ def _sm90a_cubin_path(variant, opts) -> str:
                                                              "kernel_cache")
     tag = hashlib.sha1("\0".join(opts).encode()).hexdigest()[:16]
     return os.path.join(root, f"pat_sm90a_{variant.key}_{tag}.cubin")
-
-
-def _set_carveout(cp, fn, percent: int) -> None:
-    """Preferred shared-memory carveout of one kernel, in percent of the unified L1/shared
-    memory (cudaFuncAttributePreferredSharedMemoryCarveout)."""
-    if not 0 <= int(percent) <= 100:
-        raise ValueError(f"smem_carveout must be 0..100 (percent), got {percent}")
-    # 9: CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-    cp.cuda.driver.funcSetAttribute(int(fn.ptr), 9, int(percent))
 
 
 def _raw_module(cp, variant):

@@ -229,9 +229,3 @@ def test_cuda_backend_rejects_caches_past_32bit_offsets(layout):
     qbig = _Dev(_FakeDeviceArray((3, 4, d), (2**31 + 8, d, 1)), "q")
     with pytest.raises(ValueError, match="q: element strides"):
         _check_cache(qbig, ok, ok, layout, ps, hk, d)
-
-
-def test_smem_carveout_is_checked():
-    from pat_core.cuda_backend import _set_carveout
-    with pytest.raises(ValueError, match="smem_carveout"):
-        _set_carveout(None, None, 101)
