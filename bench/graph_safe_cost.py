@@ -177,18 +177,21 @@ def main(argv=None) -> int:
 
             entries = int(((b.seq_lens.astype(np.int64) + ps - 1) // ps).sum())
             out = torch.empty_like(q)
-            max_rows = b.batch_size * (hq // hk)
+            # limits of a wrapper whose max_batch_size is this batch (its bucket)
+            lim = StaticLimits.make(b.batch_size, entries, max(plan.num_ctas, plan_c.num_ctas),
+                                    max(plan.num_slots, plan_c.num_slots))
+            max_rows = lim.max_cta_rows(plan.group_size)
             sel = w.planner.tile_selector(d, "float16", None)
             sel_c = wc.planner.tile_selector(d, "float16", None)
-            used = tuple(sorted({tuple(int(x) for x in t.split("x"))
-                                 for t in row["tiles"]}, key=lambda t: (-t[0], -t[1])))
+            cta_tiles = plan.tile_configs[plan.cta_tile]
+            used = tuple(sorted({tuple(int(x) for x in t) for t in cta_tiles},
+                                key=lambda t: (-t[0], -t[1])))   # reachable_tiles' order
             cases = (("gs-all", reachable_tiles(sel), w, plan),
                      ("gs-used", used, w, plan),
                      ("gs-bucket", reachable_tiles(sel, max_rows=max_rows), w, plan),
                      ("gs-bucket-compact", reachable_tiles(sel_c, COMPACT, max_rows), wc, plan_c))
             for name, tiles, wr, pl in cases:
                 be = wr._gpu_backend
-                lim = StaticLimits.make(b.batch_size, entries, pl.num_ctas, pl.num_slots)
                 st = be.static_state(StaticLayout(lim, tiles), hq, hk, d, ps, "float16",
                                      pl.sm_scale)
                 st.write(pl, torch.cuda.current_stream().cuda_stream)

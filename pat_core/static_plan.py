@@ -87,6 +87,11 @@ class StaticLimits:
     def page_entries(self) -> int:
         return self.max_num_pages + self.max_ctas
 
+    def max_cta_rows(self, group: int) -> int:
+        """The most query rows one CTA can hold under these limits: every request of the
+        batch x the GQA ``group`` (the ``max_rows`` of :func:`reachable_tiles`)."""
+        return self.max_batch_size * int(group)
+
 
 class StaticLayout:
     """Offsets of the Plan arrays in the fixed int32 buffer, for ``limits`` and ``tiles``.

@@ -225,8 +225,7 @@ class PrefixAttentionWrapper:
         if self._static is None:
             from .static_plan import StaticLayout, reachable_tiles
             sel = self.planner.tile_selector(plan.head_dim, plan.kv_dtype, tile)
-            # a CTA holds at most max_batch_size requests x the GQA group rows
-            max_rows = self.static_limits.max_batch_size * (plan.num_qo_heads // plan.num_kv_heads)
+            max_rows = self.static_limits.max_cta_rows(plan.group_size)
             layout = StaticLayout(self.static_limits, reachable_tiles(sel, max_rows=max_rows))
             layout.check(plan)          # refuse before allocating anything
             self._static = self._gpu_backend.static_state(
