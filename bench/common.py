@@ -61,6 +61,51 @@ def graph_times(fn, iters: int, flush=None) -> list:
     return time_events(g.replay, iters, flush=flush)
 
 
+def kernel_spans(fn, iters: int, flush=None, warmup: int = 2) -> list:
+    """Per-run GPU span of ``fn`` in ms: from the start of its first device activity (kernel,
+    memset or copy) to the end of its last, read from the profiler's device trace.
+
+    Unlike :func:`time_events` this leaves out the time between the host's launch call and the
+    first kernel starting (a graph launch's submission latency), so span vs event time splits a
+    small step's latency into launch cost and kernel time.  ``flush()`` runs before each call;
+    its device activity marks where one run ends and the next begins, so ``flush`` is
+    required.  Kernels inside a replayed CUDA graph are traced individually."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    if flush is None:
+        raise ValueError("kernel_spans: flush is required (it separates the runs)")
+    for _ in range(warmup):
+        flush()
+        fn()
+    torch.cuda.synchronize()
+    # the flush's own kernels, named once so they can be told apart from fn's
+    with profile(activities=[ProfilerActivity.CUDA]) as p0:
+        flush()
+        torch.cuda.synchronize()
+    flush_names = {e.name for e in p0.events() if e.device_type.name == "CUDA"}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flush()
+            fn()
+        torch.cuda.synchronize()
+    dev = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
+                 key=lambda e: e.time_range.start)
+    runs, cur = [], None
+    for e in dev:
+        if e.name in flush_names:
+            if cur:
+                runs.append(cur)
+            cur = []
+        elif cur is not None:
+            cur.append(e)
+    if cur:
+        runs.append(cur)
+    if len(runs) != iters:
+        raise RuntimeError(f"kernel_spans: found {len(runs)} runs in the trace, expected {iters}")
+    return [(max(e.time_range.end for e in r) - min(e.time_range.start for e in r)) * 1e-3
+            for r in runs]
+
+
 def l2_flusher(nbytes: int = 256 << 20):
     """A function that overwrites a buffer larger than L2, so the next run starts cold."""
     import torch
