@@ -61,19 +61,18 @@ def graph_times(fn, iters: int, flush=None) -> list:
     return time_events(g.replay, iters, flush=flush)
 
 
-def kernel_spans(fn, iters: int, flush=None, warmup: int = 2) -> list:
-    """Per-run GPU span of ``fn`` in ms: from the start of its first device activity (kernel,
-    memset or copy) to the end of its last, read from the profiler's device trace.
+def kernel_timeline(fn, iters: int, flush, warmup: int = 2) -> list:
+    """The device activities of ``iters`` runs of ``fn``, read from the profiler's trace.
 
-    Unlike :func:`time_events` this leaves out the time between the host's launch call and the
-    first kernel starting (a graph launch's submission latency), so span vs event time splits a
-    small step's latency into launch cost and kernel time.  ``flush()`` runs before each call;
-    its device activity marks where one run ends and the next begins, so ``flush`` is
-    required.  Kernels inside a replayed CUDA graph are traced individually."""
+    Returns one list per run of ``(name, start_us, duration_us)`` tuples, ``start_us``
+    relative to the run's first activity (kernel, memset or copy).  ``flush()`` runs before
+    each call; its activities mark where one run ends and the next begins, so it is required.
+    Kernels inside a replayed CUDA graph are traced one by one.  The profiler stays attached
+    to the process afterwards and slows later host launches: time events before, not after."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     if flush is None:
-        raise ValueError("kernel_spans: flush is required (it separates the runs)")
+        raise ValueError("kernel_timeline: flush is required (it separates the runs)")
     for _ in range(warmup):
         flush()
         fn()
@@ -101,9 +100,23 @@ def kernel_spans(fn, iters: int, flush=None, warmup: int = 2) -> list:
     if cur:
         runs.append(cur)
     if len(runs) != iters:
-        raise RuntimeError(f"kernel_spans: found {len(runs)} runs in the trace, expected {iters}")
-    return [(max(e.time_range.end for e in r) - min(e.time_range.start for e in r)) * 1e-3
-            for r in runs]
+        raise RuntimeError(f"kernel_timeline: found {len(runs)} runs in the trace, "
+                           f"expected {iters}")
+    out = []
+    for r in runs:
+        t0 = min(e.time_range.start for e in r)
+        out.append([(e.name, float(e.time_range.start - t0),
+                     float(e.time_range.end - e.time_range.start)) for e in r])
+    return out
+
+
+def kernel_spans(fn, iters: int, flush, warmup: int = 2) -> list:
+    """Per-run GPU span of ``fn`` in ms: from the start of its first device activity to the
+    end of its last (:func:`kernel_timeline`).  Unlike :func:`time_events` this leaves out the
+    time between the host's launch call and the first kernel starting (a graph launch's
+    submission latency)."""
+    return [max(s + d for _, s, d in r) * 1e-3
+            for r in kernel_timeline(fn, iters, flush, warmup)]
 
 
 def l2_flusher(nbytes: int = 256 << 20):

@@ -55,8 +55,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import (copy_bandwidth, git_sha, kernel_spans, l2_flusher, time_events,  # noqa: E402
-                    unique_kv_tokens)
+from common import copy_bandwidth, git_sha, l2_flusher, time_events, unique_kv_tokens  # noqa: E402
 from fasttree_map import (FASTTREE_COST, FASTTREE_KV_SPLITS, FASTTREE_KV_TILES,  # noqa: E402
                           FASTTREE_PARA_THRESH1, FASTTREE_PARA_THRESH2, FASTTREE_Q_TILES,
                           Unsupported, batch_token_tree, fasttree_nodes, fasttree_reason,
@@ -381,8 +380,6 @@ def parse_args(argv=None):
     ap.add_argument("--no-throwaway", dest="throwaway", action="store_false",
                     help="time the methods without a throwaway run of the first one per "
                          "configuration")
-    ap.add_argument("--no-span", dest="span", action="store_false",
-                    help="skip the profiler pass that records each graph replay's GPU span")
     ap.add_argument("--time-budget", type=float, default=None, metavar="S",
                     help="start no new configuration after S seconds (report still written)")
     ap.add_argument("--no-flashinfer", action="store_true")
@@ -530,14 +527,6 @@ def main(argv=None):
                                                        flush=flush)]
                     row["latency_graph_us"] = float(np.median(tg))
                     lat = row["latency_graph_us"]
-                    if args.span:
-                        # the replay's GPU span (first kernel start to last kernel end):
-                        # the replay time less the graph launch's submission latency
-                        try:
-                            sp = kernel_spans(gr.replay, args.reps, flush=flush, warmup=0)
-                            row["span_graph_us"] = float(np.median(sp)) * 1e3
-                        except Exception as e:  # noqa: BLE001 (reported, the row stands)
-                            row["span_error"] = f"{type(e).__name__}: {e}"
                 row.update(latency_us=lat, timing="graph" if "latency_graph_us" in row
                            else "eager", eff_bandwidth=floor_bytes / (lat * 1e-6),
                            floor_ratio=lat / floor_us)

@@ -28,6 +28,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tuning", default="default", help="planner tuning label (kernel_lab)")
     ap.add_argument("--fasttree", metavar="DIR", default=None)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--timeline", action="store_true",
+                    help="also capture a CUDA graph and print the device timeline of its "
+                         "median replay (each kernel's start and duration, L2 flushed)")
     args = ap.parse_args(argv)
     import numpy as np
     import torch
@@ -72,6 +75,23 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
     ts = time_events(fn, args.runs, flush=None)
     print(f"{args.method} {args.spec} {args.heads}: median eager {np.median(ts) * 1e3:.1f} us")
+    if args.timeline:
+        from common import graph_times, kernel_timeline, l2_flusher
+        flush = l2_flusher(128 << 20)
+        gr = torch.cuda.CUDAGraph()
+        fn()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(gr):
+            fn()
+        torch.cuda.synchronize()
+        tg = graph_times(fn, 20, flush=flush)
+        runs = kernel_timeline(gr.replay, 20, flush)
+        spans = [max(s + d for _, s, d in r) for r in runs]
+        med = runs[int(np.argsort(spans)[len(spans) // 2])]
+        print(f"graph replay {np.median(tg) * 1e3:.1f} us (events), span {np.median(spans):.1f} us;"
+              " median replay's kernels:")
+        for name, s0, dur in med:
+            print(f"  {s0:8.2f} +{dur:7.2f} us  {name[:90]}")
     return 0
 
 
