@@ -14,7 +14,7 @@ times, on the same step and in one process (CUDA events, L2 flushed, median):
 * ``gs-bucket``: the launch set a wrapper with ``max_batch_size`` = this batch gets (tiles up
   to the rows such a batch can put in one CTA);
 * ``exact-compact`` / ``gs-bucket-compact``: the same with the KV-length table
-  :data:`COMPACT` (no 16-token tiles), the plan's own graph and the graph-safe one;
+  ``--compact`` (default: no 16-token tiles), the plan's own graph and the graph-safe one;
 
 and, without pat, graphs of ``K`` trivial kernels (each block reads one int and exits) forked
 over ``K`` streams or chained on one, for the per-launch cost of a graph node; also with the
@@ -55,10 +55,6 @@ extern "C" __global__ void trivial(const int* live) {
 # (threads, dynamic shared memory) of the graph-safe launch set at head_dim 128 (fp16, H100)
 _GS_SHAPES = ((128, 98304), (128, 65536), (128, 81920), (64, 49152), (64, 40960), (256, 106496),
               (128, 57344), (64, 32768), (128, 69632), (64, 36864), (32, 20480))
-
-
-# the KV-length -> n table without the 16-token tiles (n = 32 up to 96 tokens, else 64)
-COMPACT = ((96, 32), (1 << 62, 64))
 
 
 def _f(x) -> str:
@@ -129,9 +125,19 @@ def main(argv=None) -> int:
     ap.add_argument("--specs", nargs="+", default=list(SPECS))
     ap.add_argument("--heads", nargs="+", default=["32:8", "32:32"])
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--compact", default="96:32,inf:64", metavar="TABLE",
+                    help="the other KV-length table the compact rows use, as MAX_LEN:N pairs "
+                         "(last MAX_LEN 'inf'); default: no 16-token tiles")
     ap.add_argument("--no-micro", dest="micro", action="store_false",
                     help="skip the trivial-kernel graphs")
     args = ap.parse_args(argv)
+    try:
+        compact = tuple((1 << 62 if a == "inf" else int(a), int(b))
+                        for a, b in (x.split(":") for x in args.compact.split(",")))
+    except ValueError:
+        ap.error(f"--compact: expected MAX_LEN:N pairs, got {args.compact!r}")
+    if compact[-1][0] != 1 << 62:
+        ap.error("--compact: the last MAX_LEN must be 'inf'")
 
     import cupy as cp
     import torch
@@ -165,7 +171,7 @@ def main(argv=None) -> int:
             row["exact"] = time_graph(torch, fn, args.reps, flush)
             # the compact KV-length table (n in {32, 64}: no 16-token tiles)
             wc = pat_core.PrefixAttentionWrapper(backend="cuda", packer="pat")
-            wc.planner.tuning = dataclasses.replace(wc.planner.tuning, kv_tile_table=COMPACT)
+            wc.planner.tuning = dataclasses.replace(wc.planner.tuning, kv_tile_table=compact)
             plan_c = wc.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16")
             row["tiles-compact"] = plan_c.stats()["tiles"]
             fnc = lambda: wc.run(q, (k, v))  # noqa: E731
@@ -189,7 +195,7 @@ def main(argv=None) -> int:
             cases = (("gs-all", reachable_tiles(sel), w, plan),
                      ("gs-used", used, w, plan),
                      ("gs-bucket", reachable_tiles(sel, max_rows=max_rows), w, plan),
-                     ("gs-bucket-compact", reachable_tiles(sel_c, COMPACT, max_rows), wc, plan_c))
+                     ("gs-bucket-compact", reachable_tiles(sel_c, compact, max_rows), wc, plan_c))
             for name, tiles, wr, pl in cases:
                 be = wr._gpu_backend
                 st = be.static_state(StaticLayout(lim, tiles), hq, hk, d, ps, "float16",
@@ -224,7 +230,7 @@ def main(argv=None) -> int:
                git_sha=git_sha(), versions=dict(python=platform.python_version(),
                                                 torch=torch.__version__, cupy=cp.__version__,
                                                 pat=pat_core.__version__),
-               reps=args.reps, method_note="CUDA events around graph replay, L2 flushed "
+               reps=args.reps, compact_table=[list(x) for x in compact], method_note="CUDA events around graph replay, L2 flushed "
                "before each pat replay (not the micro rows), median", rows=rows)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
