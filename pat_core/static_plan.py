@@ -232,4 +232,24 @@ def reachable_tiles(selector, kv_tile_table=None, max_rows=None) -> tuple:
     return tuple(sorted(out, key=lambda t: (-t[0], -t[1])))
 
 
-__all__ = ["StaticLayout", "StaticLimits", "reachable_tiles"]
+# KV-length table of a graph-safe wrapper whose CTAs all fit one 16-row tile: one n.
+ONE_N_TABLE = ((1 << 62, 64),)
+ONE_N_MAX_ROWS = 16
+
+
+def graph_safe_tile_table(limits: StaticLimits, group: int):
+    """The KV-length -> ``n`` table a graph-safe wrapper plans with, or ``None`` for the GPU's.
+
+    When every CTA fits one 16-row tile (``limits.max_cta_rows(group) <= 16``: at most four
+    requests at GQA group 4, sixteen at group 1), the default table still gives three launches
+    (n = 16, 32, 64), each costing a replay ~1-2 us when empty, where the exact plan usually
+    has one.  A single ``n = 64`` makes that one launch; the short CTAs it then covers do a
+    few masked MMA steps more, which costs less than the launches on such small steps
+    (H100, ``bench/graph_safe_cost.py --compact inf:64``: a 12k-token single request at 32:8
+    39.3 -> 36.0 us against 33.3 for its exact plan; bench/NOTES.md, round 10).  With more
+    rows per CTA the leaves of wide trees lose more than the launches save (a 64-request
+    tree at 32:32: 70.4 -> 84.8 us), so larger buckets keep the GPU's table."""
+    return ONE_N_TABLE if limits.max_cta_rows(group) <= ONE_N_MAX_ROWS else None
+
+
+__all__ = ["StaticLayout", "StaticLimits", "graph_safe_tile_table", "reachable_tiles"]

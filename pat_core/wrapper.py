@@ -33,6 +33,8 @@ page size within that works.  ``q`` and the KV cache share one dtype, fixed at
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from .inputs import BlockTable
@@ -92,6 +94,9 @@ class PrefixAttentionWrapper:
         the two).  A plan beyond a limit raises ``ValueError`` naming the limit.  The first
         plan fixes the heads, head_dim, page size, dtype, ``sm_scale`` and the launch set (the
         tiles its selector can pick, or the one ``tile=`` forces); ``serial`` is ignored.
+        When every CTA fits one 16-row tile (``max_batch_size x`` the GQA group ``<= 16``),
+        the planner uses one KV tile width, ``n = 64``, unless its tuning names a table
+        (:func:`~pat_core.static_plan.graph_safe_tile_table`): one forward launch, not three.
     max_batch_size, max_num_pages : graph-safe limits (required with ``use_cuda_graph``):
         requests per step, and block-table entries per step (the sum over requests of
         ``ceil(seq_len / page_size)``).
@@ -126,6 +131,7 @@ class PrefixAttentionWrapper:
         self.use_cuda_graph = bool(use_cuda_graph)
         self.static_limits = None
         self._static = None            # StaticState, made by the first plan()
+        self._auto_table = False       # the planner's KV tile table set by graph-safe mode
         if self.use_cuda_graph:
             if backend != "cuda":
                 raise ValueError("use_cuda_graph=True needs backend='cuda' (it fixes device "
@@ -210,6 +216,8 @@ class PrefixAttentionWrapper:
         if o_data_type is not None and dtype_name(o_data_type, "o_data_type") != q_dtype:
             _not_supported("plan", "o_data_type", o_data_type, None)
         self._check_backend_limits(head_dim, kv_dtype)
+        if self.use_cuda_graph and self._static is None:
+            self._graph_safe_table(num_qo_heads, num_kv_heads)
         plan = self.planner.plan(block_tables, seq_lens, num_qo_heads, num_kv_heads, head_dim,
                                  page_size, sm_scale=sm_scale, kv_data_type=kv_dtype,
                                  q_data_type=q_dtype, tile=tile, serial=serial, split=split)
@@ -219,6 +227,25 @@ class PrefixAttentionWrapper:
             self._gpu_backend.upload(plan)
         self._plan = plan
         return plan
+
+    def _graph_safe_table(self, num_qo_heads, num_kv_heads) -> None:
+        """Before the first graph-safe plan: plan small buckets with one KV tile width
+        (:func:`~pat_core.static_plan.graph_safe_tile_table`), unless the planner's tuning
+        already names a table."""
+        from .static_plan import graph_safe_tile_table
+        if self._auto_table:             # set by an earlier first plan that was refused
+            self.planner.tuning = dataclasses.replace(self.planner.tuning, kv_tile_table=None)
+            self._auto_table = False
+        if self.planner.tuning.kv_tile_table is not None:
+            return
+        if not (isinstance(num_qo_heads, (int, np.integer)) and
+                isinstance(num_kv_heads, (int, np.integer)) and num_kv_heads > 0 and
+                num_qo_heads % num_kv_heads == 0):
+            return                       # the planner names the bad argument
+        table = graph_safe_tile_table(self.static_limits, num_qo_heads // num_kv_heads)
+        if table is not None:
+            self.planner.tuning = dataclasses.replace(self.planner.tuning, kv_tile_table=table)
+            self._auto_table = True
 
     def _write_static(self, plan: Plan, tile) -> None:
         """Graph-safe mode: make the fixed state on the first plan, then copy each plan in."""

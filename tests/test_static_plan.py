@@ -195,3 +195,25 @@ def test_every_kernel_takes_one_struct():
     assert "(const __grid_constant__ pat::FwdParams)" in fv.explicit_instantiation()
     mv = cc.MergeVariant(128, "float16")
     assert "(const __grid_constant__ pat::MergeParams)" in mv.explicit_instantiation()
+
+
+def test_graph_safe_tile_table_rule():
+    """One KV tile width exactly when every CTA fits a 16-row tile; the plans made with it
+    stay inside the launch set it gives and compute the same attention."""
+    from pat_core.static_plan import ONE_N_TABLE, graph_safe_tile_table
+    lim = lambda b: StaticLimits(b, 4096, 256, 512)   # noqa: E731
+    assert graph_safe_tile_table(lim(4), 4) == ONE_N_TABLE
+    assert graph_safe_tile_table(lim(16), 1) == ONE_N_TABLE
+    assert graph_safe_tile_table(lim(5), 4) is None
+    assert graph_safe_tile_table(lim(17), 1) is None
+    planner = Planner("pat", "h100")
+    planner.tuning = dataclasses.replace(planner.tuning, kv_tile_table=ONE_N_TABLE)
+    sel = planner.tile_selector(128, "float16")
+    assert reachable_tiles(sel, max_rows=16) == ((16, 64),)
+    b = build_tree_batch("1,4_40,3", page_size=16)          # 4 requests, 3- and 16-token CTAs
+    plan = planner.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16, kv_data_type="float32")
+    assert {tuple(t) for t in plan.tile_configs.tolist()} == {(16, 64)}
+    k, v = random_kv_cache(b.num_pages, 16, 8, 128, seed=3)
+    q = np.random.default_rng(3).standard_normal((b.batch_size, 32, 128)).astype(np.float32)
+    ref = dense_attention(q, (k, v), b.block_tables, b.seq_lens, 16)
+    assert relative_error(execute(plan, q, k, v), ref) < 1e-5
