@@ -115,6 +115,8 @@ TUNINGS = {
     "short32-w1s1": {"kv_tile_table": ((16, 16), (32, 32), (1 << 62, 64)),
                      "layouts": {(16, 16): (1, 1, 16), (16, 32): (1, 1, 16)}},
     # heads of a request per merge warp forced (default: pat_core.launch.merge_heads_per_warp)
+    # the merge by the last CTA of each request, in the forward kernels (CudaBackend.merge_mode)
+    "merge-fwd": {"merge": "forward"},
     "mh1": {"merge_heads": 1}, "mh2": {"merge_heads": 2}, "mh4": {"merge_heads": 4},
     # n of the 128-row tiles forced (their KV is mostly shared, read from L2: compute bound)
     "m128n64": {"n_by_m": {128: 64}},
@@ -255,6 +257,12 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                 for label in ("default", "share1", "share3", "share4", "rows32",
                                               "rows64", "streams", "fused", "n32",
                                               "n32-share3")),
+             "merge-fwd": tuple((spec, heads, packer, None, None, label)
+                                for spec in ("1,32,256_64,64,1024", "128_2048", "256_4096",
+                                             "1,16_2048,128", "1,4,64_256,1024,64")
+                                for heads in ((32, 8), (64, 8), (16, 8), (32, 32))
+                                for packer in ("pat", "query")
+                                for label in ("default", "merge-fwd")),
              "quickstart": tuple(("1,4,16_128,256,1024", (32, 8), p, None, None, "default")
                                  for p in ("pat", "query", "node", "cascade")),
              "nosharing": tuple(("256_4096", (32, 8), p, None, None, "default")
