@@ -101,6 +101,7 @@ TUNINGS = {
     "fused": {"launch": "fused"},
     "streams": {"launch": "streams"},
     "share1": {"split_share": 1.0},
+    "share2": {"split_share": 2.0},
     "share4": {"split_share": 4.0},
     "rows32": {"max_rows": 32},
     "wg": {"layouts": WG_LAYOUTS},
@@ -263,6 +264,20 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                 for heads in ((32, 8), (64, 8), (16, 8), (32, 32))
                                 for packer in ("pat", "query")
                                 for label in ("default", "merge-fwd")),
+             # the configurations whose plans the automatic split share changes (round 10)
+             "auto-share": tuple((spec, heads, packer, None, None, label)
+                                 for spec, heads, packer in (
+                                     ("1,4,16_128,256,1024", (32, 8), "pat"),
+                                     ("1,4,16_128,256,1024", (16, 8), "pat"),
+                                     ("1,4,16_128,256,1024", (64, 8), "pat"),
+                                     ("1,4,16_128,256,1024", (32, 8), "query"),
+                                     ("1,16_2048,128", (32, 32), "pat"),
+                                     ("1,16_2048,128", (32, 8), "query"),
+                                     ("1,16_16384,16", (32, 32), "pat"),
+                                     ("1,16_16384,16", (32, 8), "query"),
+                                     ("1,16_16384,16", (32, 8), "pat"),
+                                     ("1,1024_1024,16", (32, 8), "pat"))
+                                 for label in ("default", "share2")),
              "quickstart": tuple(("1,4,16_128,256,1024", (32, 8), p, None, None, "default")
                                  for p in ("pat", "query", "node", "cascade")),
              "nosharing": tuple(("256_4096", (32, 8), p, None, None, "default")

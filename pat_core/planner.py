@@ -24,7 +24,7 @@ from .gpus import get_gpu
 from .inputs import BlockTable, _check_seq_lens, as_block_table, check_heads, check_size
 from .packers import PACKERS, PARTIAL_WEIGHT, Packs, pack
 from .plan import DTYPE_BYTES, Plan, dtype_name
-from .split import split_long_kv, split_threshold
+from .split import auto_split_share, split_long_kv, split_threshold
 from .tiles import TileSelector
 
 
@@ -35,7 +35,9 @@ class Tuning:
 
     ``max_rows``: cap on a CTA's query rows (``None``: the largest feasible tile).  Smaller
     caps cut shared nodes into more CTAs that re-read the same pages (mostly from L2).
-    ``split_share``: resident thread blocks per SM assumed by the ``"sm"`` split rule.
+    ``split_share``: resident thread blocks per SM assumed by the ``"sm"`` split rule
+    (``None``: :func:`pat_core.split.auto_split_share`, 2 or, when only packs of at most 16
+    rows are cut, 3).
     ``min_part``: shortest part the split makes (tokens).
     ``partial_weight``: multiplies the partial-result bytes in the ``pat`` profit model (above 1
     favours merging short nodes into their children's CTAs: fewer partials and thread blocks
@@ -51,7 +53,7 @@ class Tuning:
     """
 
     max_rows: int | None = None
-    split_share: float = 2.0
+    split_share: float | None = None
     min_part: int = 256
     partial_weight: float = PARTIAL_WEIGHT
     kv_tile_table: tuple | None = None
@@ -64,6 +66,8 @@ class Tuning:
             raise ValueError(f"max_rows must be None or a positive int, got {self.max_rows!r}")
         for name in ("split_share", "partial_weight"):
             v = getattr(self, name)
+            if name == "split_share" and v is None:
+                continue
             if not isinstance(v, (int, float, np.number)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
         if not isinstance(self.min_part, (int, np.integer)) or self.min_part < 1:
@@ -138,9 +142,12 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
         rule = split if isinstance(split, str) else "sm"
         if rule == "sm" and tuning.split_by == "work":
             weight = selector.row_time_weight(np.diff(packs.req_indptr) * group)
+        share = tuning.split_share
+        if share is None:
+            share = auto_split_share(length, np.diff(packs.req_indptr) * group, num_kv_heads,
+                                     gpu.num_sms, min_part=tuning.min_part)
         thr = split_threshold(length, num_kv_heads, gpu.num_sms, rule=rule,
-                              min_part=tuning.min_part, share=tuning.split_share,
-                              weight=weight)
+                              min_part=tuning.min_part, share=share, weight=weight)
     else:
         thr = int(length.max()) if length.size else 1
     src, kv_start, kv_len = split_long_kv(packs, thr, weight, min_part=tuning.min_part)

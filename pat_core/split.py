@@ -50,6 +50,37 @@ def split_threshold(kv_len: np.ndarray, num_kv_heads: int, num_sms: int,
     return max(1, int(np.ceil(max(float(min_part), per_sm))))
 
 
+# The "sm" rule's resident blocks per SM: the default, and the share used when every pack the
+# default would cut holds at most SHORT_ROWS query rows (see auto_split_share).
+DEFAULT_SPLIT_SHARE = 2.0
+SHORT_ROWS_SPLIT_SHARE = 3.0
+SHORT_ROWS = 16
+
+
+def auto_split_share(kv_len: np.ndarray, rows: np.ndarray, num_kv_heads: int, num_sms: int,
+                     min_part: int = 256) -> float:
+    """The ``share`` of the ``"sm"`` rule when the planner's tuning leaves it open.
+
+    ``kv_len``, ``rows``: int ``[K]``, each pack's KV tokens and query rows (requests x group).
+    Finer parts shorten the tail of a step whose long CTAs do not divide evenly over the SMs
+    (each pack is cut into whole parts, so the CTA count overshoots the target), and cost one
+    partial result per part and row.  When every pack the default share would cut has at most
+    16 rows (long private requests: decode steps of a chat trace), a part's partials are a few KB
+    against MBs of KV, and share 3 measured 0-6% faster than 2 on 19 of 20 real-trace steps at
+    32:8 (H100, bench/NOTES.md round 10).  When a cut pack has 64 or more rows (one long shared
+    prefix), its partials and merge grow with every part, and share 2 measured best (the 16k-token
+    prefixes: share 3 was 16-26% slower)."""
+    kv_len = np.asarray(kv_len)
+    if kv_len.size == 0:
+        return DEFAULT_SPLIT_SHARE
+    thr = split_threshold(kv_len, num_kv_heads, num_sms, min_part=min_part,
+                          share=DEFAULT_SPLIT_SHARE)
+    cut = kv_len > thr
+    if cut.any() and bool((np.asarray(rows)[cut] <= SHORT_ROWS).all()):
+        return SHORT_ROWS_SPLIT_SHARE
+    return DEFAULT_SPLIT_SHARE
+
+
 def split_long_kv(packs: Packs, threshold: int, weight: np.ndarray | None = None,
                   min_part: int = 16):
     """Split packs longer than ``threshold`` (divided by ``weight[p]`` when given, never below
