@@ -1,6 +1,6 @@
 """Model constants of the simulator, one JSON file per GPU under ``sim/data/``.
 
-The timing model (see :mod:`sim.model`) has eleven constants.  They are data, not code, so that a
+The timing model (see :mod:`sim.model`) has thirteen constants.  They are data, not code, so that a
 calibration run on a real GPU can replace the estimates without touching the model:
 
 =====================  ==========  ==================================================================
@@ -14,8 +14,11 @@ name                   unit        meaning
 ``tile_ns``            ns          fixed cost per KV tile (barriers, softmax bookkeeping)
 ``sm_flops``           flop/ns     tensor-core throughput of one SM on the ``Q K^T`` / ``P V`` tiles
 ``merge_slot_ns``      ns          merge kernel: time per partial slot of one (request, head) pair
+``start_ns``           ns          eager timing: fixed latency before the first launch is issued
 ``launch_ns``          ns          eager timing: host cost per kernel launch (issue interval)
 ``gap_ns``             ns          eager timing: device gap between a kernel and one that waits for it
+``graph_start_ns``     ns          graph timing: fixed latency of a graph replay before its first
+                                   kernel node is issued (the same for one launch or twelve)
 ``graph_launch_ns``    ns          graph timing: issue interval of the launches of a replayed graph
 ``graph_gap_ns``       ns          graph timing: gap between a kernel node and one that depends on it
 =====================  ==========  ==================================================================
@@ -54,6 +57,8 @@ class SimConstants:
     l2_bandwidth: float = 6000.0
     graph_launch_ns: float = 1500.0
     graph_gap_ns: float = 1500.0
+    start_ns: float = 0.0
+    graph_start_ns: float = 0.0
     source: str = "default estimate"
 
     def as_dict(self) -> dict:
@@ -74,6 +79,11 @@ class SimConstants:
         if timing == "eager":
             return float(self.launch_ns), float(self.gap_ns)
         return float(self.graph_launch_ns), float(self.graph_gap_ns)
+
+    def start_cost(self, timing: str = "graph") -> float:
+        """Fixed latency (ns) before the first launch of timing mode ``timing`` is issued."""
+        check_timing(timing)
+        return float(self.start_ns if timing == "eager" else self.graph_start_ns)
 
 
 TIMINGS = ("graph", "eager")
@@ -107,6 +117,9 @@ def default_constants(gpu) -> SimConstants:
       kernels issue ``mma.sync``, which does not reach the sm_90 ``wgmma`` peak, on small tiles.
     * L2: the spec's ``l2_bandwidth`` estimate.
     * launches: a few microseconds per eager launch, about a microsecond in a graph.
+    * fixed start latencies (``start_ns``, ``graph_start_ns``): 0, so that a constants file
+      without them predicts what it did before they existed; a fit starts them from
+      :data:`sim.calibration.START_GUESS_NS`.
     """
     spec = get_gpu(gpu)
     hbm = spec.hbm_bandwidth * spec.achieved_bw_fraction
@@ -124,6 +137,8 @@ def default_constants(gpu) -> SimConstants:
         l2_bandwidth=round(spec.l2_bandwidth or 2.0 * hbm, 1),
         graph_launch_ns=1500.0,
         graph_gap_ns=1500.0,
+        start_ns=0.0,
+        graph_start_ns=0.0,
         source="default estimate",
     )
 

@@ -16,10 +16,17 @@ between its resident blocks"; the fluid form also gets the tail and small batche
 partial reads and output writes, and ``merge_slot_ns`` per slot of its longest pair.
 
 Launch ``k`` (forward groups in plan order, then the merge) reaches the GPU at
-``(k + 1) * launch``; a launch that waits for another starts ``gap`` after it finishes.  The
-timing mode picks ``(launch, gap)``: ``graph`` (default) uses ``graph_launch_ns``/``graph_gap_ns``
-(a CUDA-graph replay: what a serving loop that captures decode sees), ``eager`` uses
-``launch_ns``/``gap_ns`` (``run()`` called from Python: each launch pays the host's cost).
+``start + (k + 1) * launch``; a launch that waits for another starts ``gap`` after it finishes.
+``start`` is paid once per step, ``launch`` once per launch: a graph replay has a fixed latency
+before its first kernel whatever the number of kernels, and each launch adds ~1-2 us (H100:
+a graph of one trivial kernel replays in 3-4 us with the L2 flush the calibration timings use,
+a pat step of two to three launches in 17-20 us; bench/NOTES.md, rounds 9 and 10), so folding
+the fixed part into ``launch`` would charge a plan of several small launch groups that latency
+once per group.  The
+timing mode picks ``(start, launch, gap)``: ``graph`` (default) uses ``graph_start_ns``/
+``graph_launch_ns``/``graph_gap_ns`` (a CUDA-graph replay: what a serving loop that captures
+decode sees), ``eager`` uses ``start_ns``/``launch_ns``/``gap_ns`` (``run()`` called from
+Python: each launch pays the host's cost).
 The predicted latency is the end of the merge kernel: what CUDA events around ``run()`` (or
 around the graph's replay) measure.
 
@@ -166,10 +173,11 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
 def run_timeline(wl: Workload, c: SimConstants, timing: str = "graph") -> Timeline:
     """Price ``wl`` under constants ``c`` in timing mode ``timing`` and run the timeline."""
     launch_ns, gap_ns = c.launch_costs(timing)
+    start_ns = c.start_cost(timing)
     latency = np.full(wl.blk_cfg.shape[0], float(c.block_ns))
     compute = wl.blk_tiles * c.tile_ns + wl.blk_flops / c.sm_flops + wl.blk_slots * c.merge_slot_ns
     ptr = np.array([ln.begin for ln in wl.launches] + [wl.launches[-1].end], dtype=np.int64)
-    issue = (np.arange(len(wl.launches), dtype=np.float64) + 1.0) * launch_ns
+    issue = start_ns + (np.arange(len(wl.launches), dtype=np.float64) + 1.0) * launch_ns
     phase = np.array([ln.phase for ln in wl.launches], dtype=np.int32)
     sm, lane, start, end, ps, pe = run_engine(
         wl.gpu.num_sms, sm_capacity(wl.gpu), wl.need, wl.blk_cfg, latency, wl.blk_bytes, compute,

@@ -131,7 +131,10 @@ def test_fit_recovers_synthetic_measurements(tmp_path):
     assert set(after["fit_workloads"]) == set(split["fit"])
     assert not set(after["fit_workloads"]) & set(after["validation_workloads"])
     assert consts.source.startswith("fit to calibration_h100.json")
-    assert {"launch_ns", "graph_launch_ns", "l2_bandwidth"} <= set(info["fitted"])
+    assert {"launch_ns", "graph_launch_ns", "l2_bandwidth", "graph_start_ns"} <= set(info["fitted"])
+    # the start latency, 0 in the starting constants, is searched from START_GUESS_NS (the search
+    # runs over logarithms and could not leave 0)
+    assert consts.graph_start_ns > 0.0
 
 
 def test_fit_only_moves_launch_constants_of_measured_modes(tmp_path):
