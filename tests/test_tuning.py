@@ -17,6 +17,7 @@ SETTINGS = [
     Tuning(max_rows=32, split_share=4.0, min_part=16),
     Tuning(partial_weight=50.0, kv_tile_table=((32, 16), (1 << 62, 32))),
     Tuning(split_by="work", split_share=8.0, min_part=16),
+    Tuning(split_share=2.0),
 ]
 
 
@@ -93,3 +94,32 @@ def test_split_by_work_cuts_slow_tiles_shorter(monkeypatch):
     assert big["tokens"].size and big["work"].size
     assert big["work"].max() < big["tokens"].max()
     assert big["work"].sum() == big["tokens"].sum()        # the same tokens, cut finer
+
+
+def test_auto_split_share():
+    """Share 3 exactly when every pack the share-2 threshold cuts has at most 16 rows; the
+    planner's default (split_share None) follows it."""
+    from pat_core.split import (DEFAULT_SPLIT_SHARE, SHORT_ROWS_SPLIT_SHARE, auto_split_share,
+                                split_threshold)
+    lens = np.array([12000, 9000, 300, 200])
+    assert split_threshold(lens, 8, 132, share=2.0) < 9000      # the two long packs are cut
+    assert auto_split_share(lens, np.array([4, 4, 64, 64]), 8, 132) == SHORT_ROWS_SPLIT_SHARE
+    assert auto_split_share(lens, np.array([4, 64, 4, 4]), 8, 132) == DEFAULT_SPLIT_SHARE
+    assert auto_split_share(lens, np.array([16, 16, 4, 4]), 8, 132) == SHORT_ROWS_SPLIT_SHARE
+    assert auto_split_share(lens, np.array([17, 4, 4, 4]), 8, 132) == DEFAULT_SPLIT_SHARE
+    short = np.array([200, 100])                  # nothing to cut: every pack under min_part
+    assert auto_split_share(short, np.array([4, 4]), 8, 132) == DEFAULT_SPLIT_SHARE
+    assert auto_split_share(np.array([], dtype=np.int64), np.array([]), 8, 132) == 2.0
+    # the quick-start batch at 32:8: 16 private 1024-token leaves of 4 rows each are cut
+    b = build_tree_batch("1,4,16_128,256,1024", page_size=16)
+    auto = Planner("pat", "h100").plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
+    p2 = Planner("pat", "h100", tuning=Tuning(split_share=2.0))
+    p3 = Planner("pat", "h100", tuning=Tuning(split_share=3.0))
+    two = p2.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
+    three = p3.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
+    assert auto.num_ctas == three.num_ctas > two.num_ctas
+    # the 16k-token prefix shared by 16 requests at 32:8 (64 rows) keeps share 2
+    b = build_tree_batch("1,16_16384,16", page_size=16)
+    auto = Planner("pat", "h100").plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
+    two = p2.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
+    assert np.array_equal(auto.cta_kv_len, two.cta_kv_len)
