@@ -67,8 +67,8 @@ def auto_split_share(kv_len: np.ndarray, rows: np.ndarray, num_kv_heads: int, nu
     partial result per part and row.  When every pack the default share would cut has at most
     16 rows (long private requests: decode steps of a chat trace), a part's partials are a few KB
     against MBs of KV: share 3 measured faster than 2 on 14 of 20 real-trace steps at 32:8 (by
-    up to 6%) and within 0.6% on the others, and 1% faster in geometric mean on 15 steps not
-    used for the choice (H100, bench/NOTES.md round 10).  When a cut pack has more rows (a long
+    up to 6%) and within 0.6% on the others, and 1% faster in geometric mean on a second
+    sample of 17 steps, 15 of them not used for the choice (H100, bench/NOTES.md round 10).  When a cut pack has more rows (a long
     prefix shared by 16 requests at group 4 has 64), its partials and merge grow with every
     part, and share 2 measured best (the 16k-token prefixes: share 3 was 16-26% slower)."""
     kv_len = np.asarray(kv_len)
