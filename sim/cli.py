@@ -171,16 +171,19 @@ def compare(batch, methods, heads, head_dim, gpu, dtype="float16", constants=Non
     return {"batch": batch.label, "batch_size": batch.batch_size, "gpu": get_gpu(gpu).name,
             "heads": [hq, hk], "head_dim": head_dim, "page_size": batch.page_size,
             "dtype": dtype, "constants_source": consts.source, "timing": timing,
-            "launch_ns": launch_ns, "gap_ns": gap_ns, "rows": rows}
+            "launch_ns": launch_ns, "gap_ns": gap_ns, "start_ns": consts.start_cost(timing),
+            "rows": rows}
 
 
 def timing_line(res: dict) -> str:
     """One line saying which launch costs the predictions include."""
     if res["timing"] == "eager":
-        return (f"timing: eager (run() from Python): host launch cost "
+        return (f"timing: eager (run() from Python): {res.get('start_ns', 0.0) / 1e3:.1f} us "
+                f"once, host launch cost "
                 f"{res['launch_ns'] / 1e3:.1f} us per launch, {res['gap_ns'] / 1e3:.2f} us "
                 f"between dependent kernels; --timing graph for a CUDA-graph replay")
-    return (f"timing: graph (CUDA-graph replay): in-graph launch gap "
+    return (f"timing: graph (CUDA-graph replay): {res.get('start_ns', 0.0) / 1e3:.2f} us once, "
+            f"in-graph launch gap "
             f"{res['launch_ns'] / 1e3:.2f} us, {res['gap_ns'] / 1e3:.2f} us between dependent "
             f"kernels; --timing eager adds the host's launch cost")
 

@@ -104,8 +104,10 @@ def test_l2_hits_use_l2_bandwidth_not_dram():
 def test_timing_modes_use_their_own_launch_constants():
     plan = _plan("1,4,16_128,256,1024", "pat", (32, 8))
     wl = prepare(plan)
+    # fixed start latencies 0 here: tests/test_sim_start_latency.py covers them
     c = load_constants("h100").with_values(launch_ns=20_000.0, gap_ns=500.0,
-                                           graph_launch_ns=1000.0, graph_gap_ns=2000.0)
+                                           graph_launch_ns=1000.0, graph_gap_ns=2000.0,
+                                           start_ns=0.0, graph_start_ns=0.0)
     eager, graph = predict(wl, c, "eager"), predict(wl, c, "graph")
     assert eager > graph
     # each mode reads only its own pair
