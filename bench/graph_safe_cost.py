@@ -169,7 +169,7 @@ def main(argv=None) -> int:
             fn = lambda: w.run(q, (k, v))  # noqa: E731
             fn()   # throwaway (the first graph after the reference can be slow)
             row["exact"] = time_graph(torch, fn, args.reps, flush)
-            # the compact KV-length table (n in {32, 64}: no 16-token tiles)
+            # the --compact KV-length table (default n in {32, 64}: no 16-token tiles)
             wc = pat_core.PrefixAttentionWrapper(backend="cuda", packer="pat")
             wc.planner.tuning = dataclasses.replace(wc.planner.tuning, kv_tile_table=compact)
             plan_c = wc.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16")
@@ -230,8 +230,9 @@ def main(argv=None) -> int:
                git_sha=git_sha(), versions=dict(python=platform.python_version(),
                                                 torch=torch.__version__, cupy=cp.__version__,
                                                 pat=pat_core.__version__),
-               reps=args.reps, compact_table=[list(x) for x in compact], method_note="CUDA events around graph replay, L2 flushed "
-               "before each pat replay (not the micro rows), median", rows=rows)
+               reps=args.reps, compact_table=[list(x) for x in compact],
+               method_note="CUDA events around graph replay, L2 flushed before each pat replay "
+               "(not the micro rows), median", rows=rows)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "graph_safe_cost.json").write_text(json.dumps(res, indent=1) + "\n")

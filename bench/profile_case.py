@@ -6,7 +6,9 @@
 ``SPEC``: a tree-spec workload (:mod:`pat_core.workloads`); ``HEADS``: ``HQ:HK``; method
 ``pat`` (optionally ``--tuning LABEL``, a planner tuning of ``bench/kernel_lab.py``),
 ``query`` or ``fasttree``.  The output is checked against float64 attention before the runs,
-so a profile is never taken of a wrong kernel.  Prints the plan's tiles and the median eager time.
+so a profile is never taken of a wrong kernel.  Prints the plan's tiles and the median eager time;
+``--timeline`` also prints each kernel's start and duration in a CUDA-graph replay (from the
+profiler, after all timings: the profiler slows later launches).
 """
 from __future__ import annotations
 
