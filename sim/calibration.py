@@ -328,10 +328,10 @@ def fit(data: dict, split: dict, gpu: str | None = None, start: SimConstants | N
                  for n in names])
     loss0 = loss(x0)
     # Two starts, the better fit-set loss kept: the given constants, and the same with each
-    # mode's launch interval cut to a fifth and the rest moved into its fixed start latency.
+    # mode's launch interval cut to a fifth and its start latency raised to the old interval.
     # From constants fitted before the start latency existed (interval ~7 us carrying the
-    # whole fixed cost) the search stalls halfway (H100: 5.3 us, loss 0.0127 against 0.0121
-    # from the second start).
+    # whole fixed cost) one search can stall halfway (H100, round-8 measurements: 5.3 us,
+    # loss 0.0127, against 0.0121 from the second start).
     x1 = x0.copy()
     for t, (sn, ln, _) in TIMING_FIT.items():
         if sn in names and ln in names:
