@@ -121,6 +121,8 @@ TUNINGS = {
     "mh1": {"merge_heads": 1}, "mh2": {"merge_heads": 2}, "mh4": {"merge_heads": 4},
     # n of the 128-row tiles forced (their KV is mostly shared, read from L2: compute bound)
     "m128n64": {"n_by_m": {128: 64}},
+    # n of the 64-row tiles forced to 32 (a smaller warpgroup block: 4 per SM instead of 2)
+    "m64n32": {"n_by_m": {64: 32}},
     "m128n128": {"n_by_m": {128: 128}},
     "m128n64-s3": {"n_by_m": {128: 64}, "layouts": {(128, 64): (8, 3, 64)}},
     # the one-tile CTAs of 16-row groups (pat_core.launch.one_tile_split): in the group's own
@@ -278,6 +280,12 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                      ("1,16_16384,16", (32, 8), "pat"),
                                      ("1,1024_1024,16", (32, 8), "pat"))
                                  for label in ("default", "share2")),
+             "m64": tuple((spec, heads, "pat", None, None, label)
+                          for spec in ("1,16_16384,16", "1,32_16384,16", "1,16_2048,128",
+                                       "1,2,8,128_512,128,256,32",
+                                       "1,8,16,32,64,128,1024_256,128,64,32,32,32,32")
+                          for heads in ((32, 8), (32, 32))
+                          for label in ("default", "m64n32")),
              "quickstart": tuple(("1,4,16_128,256,1024", (32, 8), p, None, None, "default")
                                  for p in ("pat", "query", "node", "cascade")),
              "nosharing": tuple(("256_4096", (32, 8), p, None, None, "default")
