@@ -153,32 +153,33 @@ def main(argv=None) -> int:
             v = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
             q = torch.randn((batch.batch_size, hq, args.head_dim), generator=gen, device="cuda",
                             dtype=dtype)
+
+            def planned(method):
+                """``(plan, run)`` of ``method`` on this batch and head configuration."""
+                packer, kw = planner_kwargs(method)
+                w = pat_core.PrefixAttentionWrapper(backend="cuda", packer=packer, gpu=gpu)
+                plan = w.plan(batch.block_tables, batch.seq_lens, hq, hk, args.head_dim,
+                              page_size, kv_data_type=args.dtype, **kw)
+                return plan, lambda: w.run(q, (k, v))
+
             if args.throwaway and args.methods:
                 # the first method timed after new K/V got a slow graph replay in other
                 # benchmarks (bench/NOTES.md, round 8), and pat, timed first here, measured
                 # up to 30% above identical node plans (round 10): run it once untimed
                 try:
-                    packer, kw = planner_kwargs(args.methods[0])
-                    w = pat_core.PrefixAttentionWrapper(backend="cuda", packer=packer, gpu=gpu)
-                    w.plan(batch.block_tables, batch.seq_lens, hq, hk, args.head_dim,
-                           page_size, kv_data_type=args.dtype, **kw)
-                    fn = lambda: w.run(q, (k, v))  # noqa: E731
+                    fn = planned(args.methods[0])[1]
                     time_us(fn, flush, 1, 2)
                     if not args.no_graph:
                         graph_times(fn, 2, flush=flush)
                 except Exception:  # noqa: BLE001 - the timed run reports the failure
                     pass
             for method in args.methods:
-                packer, kw = planner_kwargs(method)
                 rec = {"workload": wl, "method": method, "num_qo_heads": hq, "num_kv_heads": hk,
                        "head_dim": args.head_dim, "page_size": page_size,
                        "dtype": args.dtype,
                        "set": "fit" if (wl, page_size) in fit_set else "validation"}
                 try:
-                    w = pat_core.PrefixAttentionWrapper(backend="cuda", packer=packer, gpu=gpu)
-                    plan = w.plan(batch.block_tables, batch.seq_lens, hq, hk, args.head_dim,
-                                  page_size, kv_data_type=args.dtype, **kw)
-                    fn = lambda: w.run(q, (k, v))  # noqa: E731
+                    plan, fn = planned(method)
                     runs = time_us(fn, flush, args.warmup, args.reps)
                     rec["measured_eager_us"] = statistics.median(runs)
                     rec["runs_eager_us"] = [round(x, 3) for x in runs]

@@ -37,7 +37,7 @@ import dataclasses
 
 import numpy as np
 
-from .inputs import BlockTable
+from .inputs import BlockTable, check_heads
 from .packers import PACKERS
 from .plan import Plan, dtype_name
 from .planner import Planner
@@ -217,7 +217,7 @@ class PrefixAttentionWrapper:
             _not_supported("plan", "o_data_type", o_data_type, None)
         self._check_backend_limits(head_dim, kv_dtype)
         if self.use_cuda_graph and self._static is None:
-            self._graph_safe_table(num_qo_heads, num_kv_heads)
+            self._graph_safe_table(num_qo_heads, num_kv_heads, head_dim)
         plan = self.planner.plan(block_tables, seq_lens, num_qo_heads, num_kv_heads, head_dim,
                                  page_size, sm_scale=sm_scale, kv_data_type=kv_dtype,
                                  q_data_type=q_dtype, tile=tile, serial=serial, split=split)
@@ -228,7 +228,7 @@ class PrefixAttentionWrapper:
         self._plan = plan
         return plan
 
-    def _graph_safe_table(self, num_qo_heads, num_kv_heads) -> None:
+    def _graph_safe_table(self, num_qo_heads, num_kv_heads, head_dim) -> None:
         """Before the first graph-safe plan: plan small buckets with one KV tile width
         (:func:`~pat_core.static_plan.graph_safe_tile_table`), unless the planner's tuning
         already names a table."""
@@ -238,11 +238,8 @@ class PrefixAttentionWrapper:
             self._auto_table = False
         if self.planner.tuning.kv_tile_table is not None:
             return
-        if not (isinstance(num_qo_heads, (int, np.integer)) and
-                isinstance(num_kv_heads, (int, np.integer)) and num_kv_heads > 0 and
-                num_qo_heads % num_kv_heads == 0):
-            return                       # the planner names the bad argument
-        table = graph_safe_tile_table(self.static_limits, num_qo_heads // num_kv_heads)
+        hq, hk, _ = check_heads(num_qo_heads, num_kv_heads, head_dim)   # the planner's check
+        table = graph_safe_tile_table(self.static_limits, hq // hk)
         if table is not None:
             self.planner.tuning = dataclasses.replace(self.planner.tuning, kv_tile_table=table)
             self._auto_table = True

@@ -339,25 +339,20 @@ def fit(data: dict, split: dict, gpu: str | None = None, start: SimConstants | N
             launch = math.exp(x0[j])
             x1[i] = math.log(max(math.exp(x0[i]), launch))
             x1[j] = math.log(launch / 5.0)
-    res = None
+    runs = []
     for xs in (x0, x1) if not np.array_equal(x0, x1) else (x0,):
         simplex = np.vstack([xs] + [xs + 0.4 * np.eye(len(names))[i] for i in range(len(names))])
-        r = optimize.minimize(loss, xs, method="Nelder-Mead",
-                              options={"maxfev": max_evals, "initial_simplex": simplex,
-                                       "xatol": 1e-3, "fatol": 1e-7})
-        if res is None or r.fun < res.fun:
-            nfev = r.nfev + (res.nfev if res is not None else 0)
-            res = r
-            res.nfev = nfev
-        else:
-            res.nfev += r.nfev
+        runs.append(optimize.minimize(loss, xs, method="Nelder-Mead",
+                                      options={"maxfev": max_evals, "initial_simplex": simplex,
+                                               "xatol": 1e-3, "fatol": 1e-7}))
+    res = min(runs, key=lambda r: r.fun)       # the first on a tie, as before
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
     files = ", ".join(os.path.basename(f) for f in data.get("files", [])) or "measurements"
     fitted = consts(res.x).with_values(
         source=f"fit to {files} ({'; '.join(data.get('device', ['unknown device']))}, {stamp}); "
                f"fit workloads: {len(split['fit'])}, validation workloads: "
                f"{len(split['validation'])}")
-    info = {"loss_before": loss0, "loss_after": float(res.fun), "evaluations": int(res.nfev),
+    info = {"loss_before": loss0, "loss_after": float(res.fun), "evaluations": int(sum(r.nfev for r in runs)),
             "fitted": list(names)}
     return fitted, info
 
