@@ -1,8 +1,9 @@
 """Measure our kernels for the simulator's calibration (run on a GPU with the CUDA backend).
 
-Workloads: the standard ones (``pat_core.workloads.DESIGN_WORKLOADS``, page 16) form the fit
-set; :data:`VALIDATION_WORKLOADS` are unlike them (deep trees of many 32-token nodes, multi-root
-forests, page size 32) and form the validation set.  The file records that split, so
+Workloads: the benchmarks' development set (``pat_core.workloads.DESIGN_WORKLOADS`` and
+``DEEP_WORKLOADS``, page 16) forms the fit set; :data:`VALIDATION_WORKLOADS` were never used
+to develop or tune anything (deep trees of 32-token nodes only, multi-root forests, page size
+32) and form the validation set.  The file records that split, so
 ``python -m sim fit`` fits on the first and ``calibration-report`` judges on the second.
 
 For every workload x method x head config (``HEAD_CONFIGS``, GQA 1 to 8), plan with
@@ -12,7 +13,10 @@ CUDA-graph replay of the same call (what a serving loop that captures decode see
 first (compiles happen there), L2 flushed before every timed run, median of ``--reps`` (>= 20).
 Each record holds both measured latencies next to the simulator's predictions under the
 constants it had at the time; the file also holds the device name, its L2 size, git sha,
-versions, the split and the device's copy bandwidth (which the fit uses as ``hbm_bandwidth``).
+versions, the split and three device measurements the fit takes as they are instead of fitting
+them: the copy bandwidth (``hbm_bandwidth``), the L2 read bandwidth of a buffer that stays in
+L2 (``l2_bandwidth``) and the cost of one more forked launch in a replayed graph of empty
+kernels (``graph_launch_ns``; ``common.graph_launch_costs``).
 
     python bench/calibrate.py --out bench/results            # writes calibration_<gpu>.json
     python -m sim fit --measurements bench/results/calibration_h100.json --out sim/data/h100.json
@@ -39,7 +43,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import copy_bandwidth, git_sha, graph_times, time_events  # noqa: E402
+from common import (copy_bandwidth, git_sha, graph_launch_costs, graph_times,  # noqa: E402
+                    l2_read_bandwidth, time_events)
 
 METHODS = ("pat", "node", "compute", "query", "cascade", "pat-fixed", "pat-serial")
 
@@ -92,13 +97,13 @@ def planner_kwargs(method: str) -> tuple:
 
 
 def main(argv=None) -> int:
-    from pat_core.workloads import DESIGN_WORKLOADS, HEAD_CONFIGS
+    from pat_core.workloads import DEEP_WORKLOADS, DESIGN_WORKLOADS, HEAD_CONFIGS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results", help="output directory")
     ap.add_argument("--workloads", nargs="*", default=None,
-                    help="tree specs (SPEC or SPEC@PAGE); default: the design workloads (fit "
-                         "set) and VALIDATION_WORKLOADS")
+                    help="tree specs (SPEC or SPEC@PAGE); default: the design and deep "
+                         "workloads (fit set) and VALIDATION_WORKLOADS")
     ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
     ap.add_argument("--heads", nargs="*", default=[f"{a}:{b}" for a, b in HEAD_CONFIGS])
     ap.add_argument("--head-dim", type=int, default=128)
@@ -113,7 +118,7 @@ def main(argv=None) -> int:
     if args.reps < 20:
         ap.error("--reps must be >= 20 (median of at least 20 runs)")
     if args.workloads is None:
-        fit_set = [(w, args.page_size) for w in DESIGN_WORKLOADS]
+        fit_set = [(w, args.page_size) for w in DESIGN_WORKLOADS + DEEP_WORKLOADS]
         val_set = list(VALIDATION_WORKLOADS)
     else:
         fit_set = [parse_workload(w, args.page_size) for w in args.workloads]
@@ -136,7 +141,11 @@ def main(argv=None) -> int:
     consts = load_constants(gpu)
     dtype = getattr(torch, args.dtype)
     bw = copy_bandwidth(1 << 30, 20) / 1e9          # GB/s == bytes/ns
-    print(f"device {dev.name} ({gpu}), copy bandwidth {bw:.0f} GB/s", flush=True)
+    l2_bw = l2_read_bandwidth() / 1e9
+    launches = graph_launch_costs() if not args.no_graph else None
+    print(f"device {dev.name} ({gpu}), copy bandwidth {bw:.0f} GB/s, L2 read bandwidth "
+          f"{l2_bw:.0f} GB/s" + (f", one more forked graph launch {launches['fork_slope_ns']:.0f}"
+                                 f" ns" if launches else ""), flush=True)
     l2 = int(getattr(dev, "L2_cache_size", 50 << 20) or (50 << 20))
     scratch = torch.empty(2 * l2 // 4 + 1, dtype=torch.float32, device="cuda")
     flush = scratch.zero_
@@ -215,7 +224,8 @@ def main(argv=None) -> int:
         "device": dev.name, "gpu": gpu, "git_sha": git_sha(), "versions": versions(),
         "sm_count": dev.multi_processor_count, "l2_cache_bytes": l2,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "copy_bandwidth_gbps": bw, "warmup": args.warmup, "reps": args.reps,
+        "copy_bandwidth_gbps": bw, "l2_bandwidth_gbps": l2_bw, "graph_launch": launches,
+        "warmup": args.warmup, "reps": args.reps,
         "throwaway": bool(args.throwaway),
         "timing": "CUDA events around run() (eager) and around a CUDA-graph replay of it "
                   "(graph), L2 flushed before each run, median",

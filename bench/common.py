@@ -145,3 +145,111 @@ def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
     del x, y
     torch.cuda.empty_cache()
     return 2 * (nbytes // 2) * 2 / (ms * 1e-3)
+
+
+_L2_READ_SRC = r"""
+extern "C" __global__ void l2_read(const uint4* __restrict__ src, long long n16, int passes,
+                                   unsigned int* __restrict__ sink) {
+  // every thread strides over the buffer `passes` times; the XOR keeps the loads alive
+  unsigned int acc = 0;
+  long long stride = (long long)gridDim.x * blockDim.x;
+  for (int p = 0; p < passes; ++p) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += stride) {
+      uint4 v = src[i];
+      acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;   // practically never: no store traffic
+}
+"""
+
+
+def l2_read_bandwidth(nbytes: int | None = None, passes: int = 50, iters: int = 20) -> float:
+    """Read bandwidth of the L2 in bytes/s: every SM re-reads a buffer that fits in L2.
+
+    ``nbytes`` defaults to a quarter of the L2 (so it stays resident across passes; the L2 of
+    the H100/H200 is two partitions).  One kernel makes ``passes`` passes, so its launch cost
+    is amortised; the first pass brings the buffer in from HBM and is counted as an L2 read
+    too (1 of ``passes``).  Median of ``iters`` runs."""
+    import cupy as cp
+    import torch
+    dev = torch.cuda.get_device_properties(0)
+    l2 = int(getattr(dev, "L2_cache_size", 50 << 20) or (50 << 20))
+    nbytes = int(nbytes or l2 // 4) // 16 * 16
+    buf = cp.ones(nbytes // 4, dtype=cp.uint32)
+    sink = cp.zeros(1, dtype=cp.uint32)
+    kern = cp.RawKernel(_L2_READ_SRC, "l2_read")
+    grid = dev.multi_processor_count * 4
+    stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+
+    def run():
+        kern((grid,), (512,), (buf, np.int64(nbytes // 16), np.int32(passes), sink),
+             stream=stream)
+    ms = float(np.median(time_events(run, iters)))
+    return nbytes * passes / (ms * 1e-3)
+
+
+# an empty kernel: each block reads one int and exits.  Callers pass live[0] = 0, so no block
+# reaches the shared-memory store; it is there so that a launch asking for a plan kernel's
+# dynamic shared memory keeps that request (the compiler cannot drop it).
+TRIVIAL_KERNEL_SRC = r"""
+extern "C" __global__ void trivial(const int* live) {
+  extern __shared__ int s[];
+  if ((int)blockIdx.x >= live[0]) return;
+  s[threadIdx.x] = 0;
+}
+"""
+
+
+def graph_launch_costs(counts=(1, 2, 4, 8), grid: int = 132, reps: int = 100) -> dict:
+    """What each extra launch in a replayed CUDA graph costs, from graphs of empty kernels.
+
+    For each ``k`` in ``counts``: a graph of ``k`` trivial kernels forked onto ``k`` streams
+    and joined by one more (a plan's launch groups and its merge), and a graph of ``k + 1``
+    trivial kernels chained on one stream, each timed as every benchmark here times a replay
+    (events, L2 flushed before each run; median of ``reps``).  Returns ``{"forked_us": {k: us},
+    "chained_us": {k: us}, "fork_slope_ns": ns, "chain_slope_ns": ns}``: the slopes are the
+    least-squares cost of one more forked (resp. chained) launch."""
+    import cupy as cp
+    import torch
+    kern = cp.RawKernel(TRIVIAL_KERNEL_SRC, "trivial")
+    live = cp.zeros(1, dtype=cp.int32)
+    flush = l2_flusher(128 << 20)
+    pool = [torch.cuda.Stream() for _ in range(max(counts))]
+
+    def launch(tstream):
+        kern((grid,), (32,), (live,), stream=cp.cuda.ExternalStream(tstream.cuda_stream))
+
+    def forked(k):
+        main = torch.cuda.current_stream()
+        for s in pool[:k]:
+            s.wait_stream(main)
+            launch(s)
+        for s in pool[:k]:
+            main.wait_stream(s)
+        launch(main)
+
+    def chained(k):
+        main = torch.cuda.current_stream()
+        for _ in range(k + 1):
+            launch(main)
+
+    out = {"forked_us": {}, "chained_us": {}}
+    for name, body in (("forked_us", forked), ("chained_us", chained)):
+        for k in counts:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                body(k)
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                body(k)
+            torch.cuda.synchronize()
+            out[name][k] = float(np.median(time_events(g.replay, reps, flush=flush))) * 1e3
+    ks = np.array(counts, dtype=np.float64)
+    for name, slope in (("forked_us", "fork_slope_ns"), ("chained_us", "chain_slope_ns")):
+        ys = np.array([out[name][k] for k in counts])
+        out[slope] = float(np.polyfit(ks, ys, 1)[0]) * 1e3
+    return out

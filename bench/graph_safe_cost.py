@@ -45,13 +45,6 @@ for p in (str(ROOT), str(ROOT / "bench")):
 SPECS = ("1,3,12_16,64,128", "1,4,16_128,256,1024", "1,16_2048,128", "1,4,64_256,1024,64",
          "1,2,4,8,16,32,64_256,128,64,64,32,32,32")
 
-_TRIVIAL = r"""
-extern "C" __global__ void trivial(const int* live) {
-  extern __shared__ int s[];
-  if ((int)blockIdx.x >= live[0]) return;
-  s[threadIdx.x] = 0;
-}
-"""
 # (threads, dynamic shared memory) of the graph-safe launch set at head_dim 128 (fp16, H100)
 _GS_SHAPES = ((128, 98304), (128, 65536), (128, 81920), (64, 49152), (64, 40960), (256, 106496),
               (128, 57344), (64, 32768), (128, 69632), (64, 36864), (32, 20480))
@@ -68,8 +61,8 @@ def time_graph(torch, fn, reps, flush):
 
 def micro(torch, cp, reps):
     """Graph replay time of K trivial launches, forked over K streams or chained on one."""
-    from common import time_events
-    kern = cp.RawKernel(_TRIVIAL, "trivial")
+    from common import TRIVIAL_KERNEL_SRC, time_events
+    kern = cp.RawKernel(TRIVIAL_KERNEL_SRC, "trivial")
     kern.max_dynamic_shared_size_bytes = max(sm for _, sm in _GS_SHAPES)
     live = cp.zeros(1, dtype=cp.int32)
     rows = []

@@ -28,12 +28,6 @@ for p in (str(ROOT), str(ROOT / "bench")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-_TRIVIAL = r"""
-extern "C" __global__ void trivial(const int* live) {
-  if ((int)blockIdx.x >= live[0]) return;
-}
-"""
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -43,8 +37,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import cupy as cp
     import torch
-    from common import git_sha, kernel_spans, l2_flusher, time_events
-    kern = cp.RawKernel(_TRIVIAL, "trivial")
+    from common import TRIVIAL_KERNEL_SRC, git_sha, kernel_spans, l2_flusher, time_events
+    kern = cp.RawKernel(TRIVIAL_KERNEL_SRC, "trivial")
     live = cp.zeros(1, dtype=cp.int32)
     flush = l2_flusher(128 << 20)
     rows = []

@@ -41,8 +41,13 @@ the mean soft-L1 loss of ``log(predicted / measured)`` (scale :data:`LOSS_SCALE`
 for small misses, linear for outliers such as a host-side hiccup) with SciPy's Nelder-Mead over
 the logarithms of the constants.  The kernel constants are shared by both timing modes; each mode
 has its own launch constants (``start_ns``/``launch_ns``/``gap_ns`` eager, ``graph_start_ns``/
-``graph_launch_ns``/``graph_gap_ns`` graph).  The measured copy bandwidth, when present, fixes
-``hbm_bandwidth``.
+``graph_launch_ns``/``graph_gap_ns`` graph).  Three constants are measured directly on the device
+by ``bench/calibrate.py`` and, when the files hold them, fixed instead of fitted
+(:data:`MEASURED`): the copy bandwidth (``hbm_bandwidth``), the L2 read bandwidth
+(``l2_bandwidth``) and the cost of one more forked launch in a replayed graph of empty kernels
+(``graph_launch_ns``).  A free fit drives the last two where the fit set cannot pin them (L2 hits
+at hundreds of TB/s, i.e. free; a launch interval of ~6 us where graph replays start forked
+launches under 1 us apart), and the workloads it has not seen pay for it.
 :func:`report` prints in-sample (fit workloads) and out-of-sample (all other workloads) numbers
 side by side, per timing mode and per method: the median of ``|predicted / measured - 1|``,
 Spearman rank correlation, and on sharing workloads the rate at which the faster of ``pat`` and
@@ -72,6 +77,9 @@ KERNEL_FIT = ("sm_bandwidth", "block_ns", "tile_ns", "sm_flops", "merge_slot_ns"
 TIMING_FIT = {"eager": ("start_ns", "launch_ns", "gap_ns"),
               "graph": ("graph_start_ns", "graph_launch_ns", "graph_gap_ns")}
 DEFAULT_FIT = KERNEL_FIT + TIMING_FIT["eager"] + TIMING_FIT["graph"]
+# measurement-file key -> the constant it fixes (units: GB/s == bytes/ns, ns)
+MEASURED = {"copy_bandwidth_gbps": "hbm_bandwidth", "l2_bandwidth_gbps": "l2_bandwidth",
+            "graph_launch_interval_ns": "graph_launch_ns"}
 # Where a fit starts a start latency that is 0 in its starting constants (the search runs over
 # logarithms, so it cannot leave 0).
 START_GUESS_NS = 1000.0
@@ -158,13 +166,16 @@ def load_measurements(paths) -> dict:
     """Read measurement files (a path, a folder, or a list of them) into one set.
 
     Returns ``{"records": [...], "files": [...], "device", "gpu", "git_sha": [...],
-    "copy_bandwidth_gbps", "split"}``; each record has ``workload, method, num_qo_heads,
-    num_kv_heads, head_dim, page_size, dtype, timing, measured_us, file``.
+    "copy_bandwidth_gbps", "l2_bandwidth_gbps", "graph_launch_interval_ns", "split"}`` (each
+    device measurement the median over the files that hold it, else ``None``); each record has
+    ``workload, method, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, timing,
+    measured_us, file``.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [os.fspath(paths)]
     files = [f for p in paths for f in _measurement_files(os.fspath(p))]
-    recs, devices, shas, bws, split = [], [], [], [], {"fit": [], "validation": []}
+    recs, devices, shas, split = [], [], [], {"fit": [], "validation": []}
+    measured = {k: [] for k in MEASURED}
     gpu = None
     for f in files:
         with open(f) as fh:
@@ -172,11 +183,15 @@ def load_measurements(paths) -> dict:
         if data.get("benchmark") == "compare" and "rows" in data:
             got = _records_compare(data, f)
             if data.get("copy_bandwidth"):
-                bws.append(float(data["copy_bandwidth"]) / 1e9)
+                measured["copy_bandwidth_gbps"].append(float(data["copy_bandwidth"]) / 1e9)
         elif data.get("records"):
             got = _records_calibrate(data, f)
-            if data.get("copy_bandwidth_gbps"):
-                bws.append(float(data["copy_bandwidth_gbps"]))
+            for k in ("copy_bandwidth_gbps", "l2_bandwidth_gbps"):
+                if data.get(k):
+                    measured[k].append(float(data[k]))
+            if (data.get("graph_launch") or {}).get("fork_slope_ns"):
+                measured["graph_launch_interval_ns"].append(
+                    float(data["graph_launch"]["fork_slope_ns"]))
             for k in ("fit", "validation"):
                 split[k] += [w for w in data.get("split", {}).get(k, []) if w not in split[k]]
         else:
@@ -196,7 +211,7 @@ def load_measurements(paths) -> dict:
         gpu = detect_gpu_name(devices[0])
     return {"records": recs, "files": files, "device": sorted(set(devices)),
             "gpu": gpu, "git_sha": sorted(set(shas)),
-            "copy_bandwidth_gbps": float(np.median(bws)) if bws else None,
+            **{k: float(np.median(v)) if v else None for k, v in measured.items()},
             "split": split if (split["fit"] or split["validation"]) else None}
 
 
@@ -301,11 +316,13 @@ def fit(data: dict, split: dict, gpu: str | None = None, start: SimConstants | N
         raise ValueError("no records in the fit set")
     prep = prepared or Prepared(recs, gpu)
     c0 = start or load_constants(gpu)
-    bw = data.get("copy_bandwidth_gbps")
     names = tuple(names)
-    if bw:
-        c0 = c0.with_values(hbm_bandwidth=float(bw))
-        names = tuple(n for n in names if n != "hbm_bandwidth")
+    fixed = {}
+    for key, const in MEASURED.items():
+        if data.get(key) and data[key] > 0:      # a launch slope within noise of 0 stays fitted
+            fixed[const] = float(data[key])
+            c0 = c0.with_values(**{const: fixed[const]})
+            names = tuple(n for n in names if n != const)
     present = {r["timing"] for r in recs}
     for t, tn in TIMING_FIT.items():
         if t not in present:
@@ -352,8 +369,9 @@ def fit(data: dict, split: dict, gpu: str | None = None, start: SimConstants | N
         source=f"fit to {files} ({'; '.join(data.get('device', ['unknown device']))}, {stamp}); "
                f"fit workloads: {len(split['fit'])}, validation workloads: "
                f"{len(split['validation'])}")
-    info = {"loss_before": loss0, "loss_after": float(res.fun), "evaluations": int(sum(r.nfev for r in runs)),
-            "fitted": list(names)}
+    info = {"loss_before": loss0, "loss_after": float(res.fun),
+            "evaluations": int(sum(r.nfev for r in runs)), "fitted": list(names),
+            "measured": fixed}
     return fitted, info
 
 
@@ -481,7 +499,7 @@ def fit_and_save(paths, out: str, gpu: str | None = None, validation=None,
     slim = {k: rep[k] for k in ("in_sample", "out_of_sample")}
     extra = {"fit": {"measurements": [os.path.basename(f) for f in data["files"]],
                      "device": data["device"], "git_sha": data["git_sha"],
-                     "split": split, "fitted": info["fitted"],
+                     "split": split, "fitted": info["fitted"], "measured": info["measured"],
                      "loss_before": info["loss_before"], "loss_after": info["loss_after"],
                      "evaluations": info["evaluations"], "report": slim}}
     written = save_constants(consts, gpu, out, extra=extra)
