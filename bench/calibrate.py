@@ -15,8 +15,9 @@ Each record holds both measured latencies next to the simulator's predictions un
 constants it had at the time; the file also holds the device name, its L2 size, git sha,
 versions, the split and three device measurements the fit takes as they are instead of fitting
 them: the copy bandwidth (``hbm_bandwidth``), the L2 read bandwidth of a buffer that stays in
-L2 (``l2_bandwidth``) and the cost of one more forked launch in a replayed graph of empty
-kernels (``graph_launch_ns``; ``common.graph_launch_costs``).
+L2 (``l2_bandwidth``), and from replayed graphs of empty kernels the cost of one more forked
+launch (``graph_launch_ns``) and of joining concurrent launches (``graph_join_ns``;
+``common.graph_launch_costs``, the mean of a small and a large grid).
 
     python bench/calibrate.py --out bench/results            # writes calibration_<gpu>.json
     python -m sim fit --measurements bench/results/calibration_h100.json --out sim/data/h100.json
@@ -142,10 +143,17 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     bw = copy_bandwidth(1 << 30, 20) / 1e9          # GB/s == bytes/ns
     l2_bw = l2_read_bandwidth() / 1e9
-    launches = graph_launch_costs() if not args.no_graph else None
+    launches = None
+    if not args.no_graph:
+        # a small and a large grid (a step's launches have tens to thousands of blocks)
+        sms = dev.multi_processor_count
+        launches = {"grids": {g: graph_launch_costs(grid=g) for g in (sms, 10 * sms)}}
+        for key in ("interval_ns", "join_ns"):
+            launches[key] = float(np.mean([v[key] for v in launches["grids"].values()]))
     print(f"device {dev.name} ({gpu}), copy bandwidth {bw:.0f} GB/s, L2 read bandwidth "
-          f"{l2_bw:.0f} GB/s" + (f", one more forked graph launch {launches['fork_slope_ns']:.0f}"
-                                 f" ns" if launches else ""), flush=True)
+          f"{l2_bw:.0f} GB/s" + (f"; graph: one more forked launch {launches['interval_ns']:.0f}"
+                                 f" ns, join of concurrent launches {launches['join_ns']:.0f} ns"
+                                 if launches else ""), flush=True)
     l2 = int(getattr(dev, "L2_cache_size", 50 << 20) or (50 << 20))
     scratch = torch.empty(2 * l2 // 4 + 1, dtype=torch.float32, device="cuda")
     flush = scratch.zero_

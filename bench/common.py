@@ -151,11 +151,20 @@ _L2_READ_SRC = r"""
 extern "C" __global__ void l2_read(const uint4* __restrict__ src, long long n16, int passes,
                                    unsigned int* __restrict__ sink) {
   // every thread strides over the buffer `passes` times; the XOR keeps the loads alive
+  // (__ldcg: cached in L2 only; a thread re-reads the same lines every pass, which L1 would
+  // otherwise serve once an SM's share of the buffer fits it)
   unsigned int acc = 0;
   long long stride = (long long)gridDim.x * blockDim.x;
   for (int p = 0; p < passes; ++p) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += stride) {
-      uint4 v = src[i];
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 3 * stride < n16; i += 4 * stride) {   // four loads in flight per thread
+      uint4 a = __ldcg(src + i), b = __ldcg(src + i + stride);
+      uint4 c = __ldcg(src + i + 2 * stride), d = __ldcg(src + i + 3 * stride);
+      acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y
+             ^ d.z ^ d.w;
+    }
+    for (; i < n16; i += stride) {
+      uint4 v = __ldcg(src + i);
       acc ^= v.x ^ v.y ^ v.z ^ v.w;
     }
   }
@@ -208,8 +217,11 @@ def graph_launch_costs(counts=(1, 2, 4, 8), grid: int = 132, reps: int = 100) ->
     and joined by one more (a plan's launch groups and its merge), and a graph of ``k + 1``
     trivial kernels chained on one stream, each timed as every benchmark here times a replay
     (events, L2 flushed before each run; median of ``reps``).  Returns ``{"forked_us": {k: us},
-    "chained_us": {k: us}, "fork_slope_ns": ns, "chain_slope_ns": ns}``: the slopes are the
-    least-squares cost of one more forked (resp. chained) launch."""
+    "chained_us": {k: us}, "fork_slope_ns": ns, "chain_slope_ns": ns, "interval_ns": ns,
+    "join_ns": ns}``: the slopes are the least-squares cost of one more forked (resp. chained)
+    launch over all ``counts``; ``interval_ns`` is the forked slope over ``k >= 2`` (one more
+    launch beside others) and ``join_ns`` what the second concurrent branch costs beyond that,
+    ``forked(2) - forked(1) - interval`` (a graph of one branch runs as a chain)."""
     import cupy as cp
     import torch
     kern = cp.RawKernel(TRIVIAL_KERNEL_SRC, "trivial")
@@ -252,4 +264,9 @@ def graph_launch_costs(counts=(1, 2, 4, 8), grid: int = 132, reps: int = 100) ->
     for name, slope in (("forked_us", "fork_slope_ns"), ("chained_us", "chain_slope_ns")):
         ys = np.array([out[name][k] for k in counts])
         out[slope] = float(np.polyfit(ks, ys, 1)[0]) * 1e3
+    many = [k for k in counts if k >= 2]
+    if len(many) >= 2 and 1 in counts:
+        out["interval_ns"] = float(np.polyfit(np.array(many, dtype=np.float64),
+                                              [out["forked_us"][k] for k in many], 1)[0]) * 1e3
+        out["join_ns"] = (out["forked_us"][2] - out["forked_us"][1]) * 1e3 - out["interval_ns"]
     return out

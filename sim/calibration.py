@@ -44,8 +44,9 @@ has its own launch constants (``start_ns``/``launch_ns``/``gap_ns`` eager, ``gra
 ``graph_launch_ns``/``graph_gap_ns`` graph).  Three constants are measured directly on the device
 by ``bench/calibrate.py`` and, when the files hold them, fixed instead of fitted
 (:data:`MEASURED`): the copy bandwidth (``hbm_bandwidth``), the L2 read bandwidth
-(``l2_bandwidth``) and the cost of one more forked launch in a replayed graph of empty kernels
-(``graph_launch_ns``).  A free fit drives the last two where the fit set cannot pin them (L2 hits
+(``l2_bandwidth``), and from replayed graphs of empty kernels the cost of one more forked launch
+(``graph_launch_ns``) and of a join of concurrent launches (``graph_join_ns``, which is never
+fitted: it is 0 unless measured).  A free fit drives the last two where the fit set cannot pin them (L2 hits
 at hundreds of TB/s, i.e. free; a launch interval of ~6 us where graph replays start forked
 launches under 1 us apart), and the workloads it has not seen pay for it.
 :func:`report` prints in-sample (fit workloads) and out-of-sample (all other workloads) numbers
@@ -79,7 +80,7 @@ TIMING_FIT = {"eager": ("start_ns", "launch_ns", "gap_ns"),
 DEFAULT_FIT = KERNEL_FIT + TIMING_FIT["eager"] + TIMING_FIT["graph"]
 # measurement-file key -> the constant it fixes (units: GB/s == bytes/ns, ns)
 MEASURED = {"copy_bandwidth_gbps": "hbm_bandwidth", "l2_bandwidth_gbps": "l2_bandwidth",
-            "graph_launch_interval_ns": "graph_launch_ns"}
+            "graph_launch_interval_ns": "graph_launch_ns", "graph_join_ns": "graph_join_ns"}
 # Where a fit starts a start latency that is 0 in its starting constants (the search runs over
 # logarithms, so it cannot leave 0).
 START_GUESS_NS = 1000.0
@@ -166,7 +167,8 @@ def load_measurements(paths) -> dict:
     """Read measurement files (a path, a folder, or a list of them) into one set.
 
     Returns ``{"records": [...], "files": [...], "device", "gpu", "git_sha": [...],
-    "copy_bandwidth_gbps", "l2_bandwidth_gbps", "graph_launch_interval_ns", "split"}`` (each
+    "copy_bandwidth_gbps", "l2_bandwidth_gbps", "graph_launch_interval_ns", "graph_join_ns",
+    "split"}`` (each
     device measurement the median over the files that hold it, else ``None``); each record has
     ``workload, method, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, timing,
     measured_us, file``.
@@ -189,9 +191,10 @@ def load_measurements(paths) -> dict:
             for k in ("copy_bandwidth_gbps", "l2_bandwidth_gbps"):
                 if data.get(k):
                     measured[k].append(float(data[k]))
-            if (data.get("graph_launch") or {}).get("fork_slope_ns"):
-                measured["graph_launch_interval_ns"].append(
-                    float(data["graph_launch"]["fork_slope_ns"]))
+            gl = data.get("graph_launch") or {}
+            for src, k in (("interval_ns", "graph_launch_interval_ns"), ("join_ns", "graph_join_ns")):
+                if gl.get(src) is not None:
+                    measured[k].append(float(gl[src]))
             for k in ("fit", "validation"):
                 split[k] += [w for w in data.get("split", {}).get(k, []) if w not in split[k]]
         else:
@@ -319,7 +322,7 @@ def fit(data: dict, split: dict, gpu: str | None = None, start: SimConstants | N
     names = tuple(names)
     fixed = {}
     for key, const in MEASURED.items():
-        if data.get(key) and data[key] > 0:      # a launch slope within noise of 0 stays fitted
+        if data.get(key) and data[key] > 0:      # a cost measured within noise of 0 stays fitted
             fixed[const] = float(data[key])
             c0 = c0.with_values(**{const: fixed[const]})
             names = tuple(n for n in names if n != const)

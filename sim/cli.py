@@ -172,7 +172,7 @@ def compare(batch, methods, heads, head_dim, gpu, dtype="float16", constants=Non
             "heads": [hq, hk], "head_dim": head_dim, "page_size": batch.page_size,
             "dtype": dtype, "constants_source": consts.source, "timing": timing,
             "launch_ns": launch_ns, "gap_ns": gap_ns, "start_ns": consts.start_cost(timing),
-            "rows": rows}
+            "join_ns": consts.join_cost(timing), "rows": rows}
 
 
 def timing_line(res: dict) -> str:
@@ -185,7 +185,8 @@ def timing_line(res: dict) -> str:
     return (f"timing: graph (CUDA-graph replay): {res.get('start_ns', 0.0) / 1e3:.2f} us once, "
             f"in-graph launch gap "
             f"{res['launch_ns'] / 1e3:.2f} us, {res['gap_ns'] / 1e3:.2f} us between dependent "
-            f"kernels; --timing eager adds the host's launch cost")
+            f"kernels (+{res.get('join_ns', 0.0) / 1e3:.2f} us after concurrent launches); "
+            f"--timing eager adds the host's launch cost")
 
 
 def format_compare(res: dict) -> str:

@@ -1,6 +1,6 @@
 """Model constants of the simulator, one JSON file per GPU under ``sim/data/``.
 
-The timing model (see :mod:`sim.model`) has thirteen constants.  They are data, not code, so that a
+The timing model (see :mod:`sim.model`) has fourteen constants.  They are data, not code, so that a
 calibration run on a real GPU can replace the estimates without touching the model:
 
 =====================  ==========  ==================================================================
@@ -21,6 +21,8 @@ name                   unit        meaning
                                    kernel node is issued (the same for one launch or twelve)
 ``graph_launch_ns``    ns          graph timing: issue interval of the launches of a replayed graph
 ``graph_gap_ns``       ns          graph timing: gap between a kernel node and one that depends on it
+``graph_join_ns``      ns          graph timing: extra wait of a kernel node that depends on two or
+                                   more concurrent launches (the merge after forked tile groups)
 =====================  ==========  ==================================================================
 
 Two timing modes (:data:`TIMINGS`) share the kernel constants and differ in the launch costs:
@@ -59,6 +61,7 @@ class SimConstants:
     graph_gap_ns: float = 1500.0
     start_ns: float = 0.0
     graph_start_ns: float = 0.0
+    graph_join_ns: float = 0.0
     source: str = "default estimate"
 
     def as_dict(self) -> dict:
@@ -84,6 +87,13 @@ class SimConstants:
         """Fixed latency (ns) before the first launch of timing mode ``timing`` is issued."""
         check_timing(timing)
         return float(self.start_ns if timing == "eager" else self.graph_start_ns)
+
+    def join_cost(self, timing: str = "graph") -> float:
+        """Extra wait (ns) of a phase that follows two or more concurrent launches: the join of
+        a forked graph (``graph_join_ns``); 0 when eager, where the host's event calls are
+        inside ``launch_ns``."""
+        check_timing(timing)
+        return 0.0 if timing == "eager" else float(self.graph_join_ns)
 
 
 TIMINGS = ("graph", "eager")
@@ -119,7 +129,8 @@ def default_constants(gpu) -> SimConstants:
     * launches: a few microseconds per eager launch, about a microsecond in a graph.
     * fixed start latencies (``start_ns``, ``graph_start_ns``): 0, so that a constants file
       without them predicts what it did before they existed; a fit starts them from
-      :data:`sim.calibration.START_GUESS_NS`.
+      :data:`sim.calibration.START_GUESS_NS`.  The graph join cost (``graph_join_ns``): 0 for
+      the same reason (``bench/calibrate.py`` measures it).
     """
     spec = get_gpu(gpu)
     hbm = spec.hbm_bandwidth * spec.achieved_bw_fraction
@@ -139,6 +150,7 @@ def default_constants(gpu) -> SimConstants:
         graph_gap_ns=1500.0,
         start_ns=0.0,
         graph_start_ns=0.0,
+        graph_join_ns=0.0,
         source="default estimate",
     )
 

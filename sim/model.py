@@ -16,17 +16,20 @@ between its resident blocks"; the fluid form also gets the tail and small batche
 partial reads and output writes, and ``merge_slot_ns`` per slot of its longest pair.
 
 Launch ``k`` (forward groups in plan order, then the merge) reaches the GPU at
-``start + (k + 1) * launch``; a launch that waits for another starts ``gap`` after it finishes.
+``start + (k + 1) * launch``; a launch that waits for another starts ``gap`` after it finishes,
+and ``join`` later still when it waits for two or more concurrent launches (graph timing: in a
+graph of empty kernels, a second concurrent branch costs ~3 us more than one more launch does;
+``bench/calibrate.py`` measures both).
 ``start`` is paid once per step, ``launch`` once per launch: a graph replay has a fixed latency
 before its first kernel whatever the number of kernels, and each launch adds ~1-2 us (H100:
 a graph of one trivial kernel replays in 3-4 us with the L2 flush the calibration timings use,
 a pat step of two to three launches in 17-20 us; bench/NOTES.md, rounds 9 and 10), so folding
 the fixed part into ``launch`` would charge a plan of several small launch groups that latency
 once per group.  The
-timing mode picks ``(start, launch, gap)``: ``graph`` (default) uses ``graph_start_ns``/
-``graph_launch_ns``/``graph_gap_ns`` (a CUDA-graph replay: what a serving loop that captures
-decode sees), ``eager`` uses ``start_ns``/``launch_ns``/``gap_ns`` (``run()`` called from
-Python: each launch pays the host's cost).
+timing mode picks ``(start, launch, gap, join)``: ``graph`` (default) uses ``graph_start_ns``/
+``graph_launch_ns``/``graph_gap_ns``/``graph_join_ns`` (a CUDA-graph replay: what a serving loop that captures
+decode sees), ``eager`` uses ``start_ns``/``launch_ns``/``gap_ns`` and no join (``run()``
+called from Python: each launch pays the host's cost, event calls included).
 The predicted latency is the end of the merge kernel: what CUDA events around ``run()`` (or
 around the graph's replay) measure.
 
@@ -179,9 +182,13 @@ def run_timeline(wl: Workload, c: SimConstants, timing: str = "graph") -> Timeli
     ptr = np.array([ln.begin for ln in wl.launches] + [wl.launches[-1].end], dtype=np.int64)
     issue = start_ns + (np.arange(len(wl.launches), dtype=np.float64) + 1.0) * launch_ns
     phase = np.array([ln.phase for ln in wl.launches], dtype=np.int32)
+    # a phase after two or more concurrent launches also waits for their join
+    per_phase = np.bincount(phase, minlength=wl.num_phases)
+    gaps = np.full(wl.num_phases, gap_ns)
+    gaps[1:] += np.where(per_phase[:-1] >= 2, c.join_cost(timing), 0.0)
     sm, lane, start, end, ps, pe = run_engine(
         wl.gpu.num_sms, sm_capacity(wl.gpu), wl.need, wl.blk_cfg, latency, wl.blk_bytes, compute,
-        ptr, issue, phase, wl.num_phases, gap_ns, c.sm_bandwidth, c.hbm_bandwidth,
+        ptr, issue, phase, wl.num_phases, gaps, c.sm_bandwidth, c.hbm_bandwidth,
         blk_hfrac=wl.blk_hfrac, l2_bw=c.l2_bandwidth)
     launches = [Launch(ln.name, ln.kind, ln.config, ln.begin, ln.end, float(issue[i]), ln.phase)
                 for i, ln in enumerate(wl.launches)]

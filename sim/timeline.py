@@ -99,7 +99,7 @@ def _fair_level(ntr, wsum, num_sms, max_res, sm_bw, cap_bw, hist):
 
 @njit(cache=True)
 def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_hfrac, blk_compute,
-              stream_ptr, stream_ready, stream_phase, num_phases, gap_ns, sm_bw, hbm_bw, l2_bw):
+              stream_ptr, stream_ready, stream_phase, num_phases, phase_gap, sm_bw, hbm_bw, l2_bw):
     N = blk_cfg.shape[0]
     S = stream_ready.shape[0]
     max_res = cap[3]
@@ -268,7 +268,8 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_hfrac, bl
         while cur < num_phases and remaining[cur] == 0:
             phase_end[cur] = t
             cur += 1
-            release = t + gap_ns
+            if cur < num_phases:
+                release = t + phase_gap[cur]
     return status, blk_sm, blk_lane, blk_start, blk_end, phase_start, phase_end
 
 
@@ -355,10 +356,13 @@ class Timeline:
 
 def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_latency, blk_bytes,
                blk_compute, stream_ptr, stream_ready, stream_phase, num_phases: int,
-               gap_ns: float, sm_bw: float, hbm_bw: float, blk_hfrac=None,
+               gap_ns, sm_bw: float, hbm_bw: float, blk_hfrac=None,
                l2_bw: float = np.inf):
     """Typed front door to the Numba loop; raises ``ValueError`` when a block fits no SM.
 
+    ``gap_ns``: the wait (ns) between the end of one phase and the start of the next, one
+    value for every phase or float64 [num_phases] (entry ``p``: before phase ``p`` starts;
+    entry 0 is unused).
     ``blk_hfrac``: float64 [N] share of each block's bytes that comes from HBM (the rest hits
     L2; default all HBM); ``l2_bw``: bytes/ns the L2 serves to all SMs together.
     """
@@ -377,6 +381,10 @@ def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_lat
                          f"threads, slots) but an SM offers only {cap.tolist()}")
     if sm_bw <= 0 or hbm_bw <= 0:
         raise ValueError("bandwidths must be positive")
+    gaps = np.ascontiguousarray(np.broadcast_to(np.asarray(gap_ns, dtype=np.float64),
+                                                (max(int(num_phases), 1),)))
+    if np.any(gaps < 0):
+        raise ValueError("gap_ns must be >= 0")
     out = _simulate(int(num_sms), cap, need, np.ascontiguousarray(blk_cfg, dtype=np.int32),
                     np.ascontiguousarray(blk_latency, dtype=np.float64),
                     np.ascontiguousarray(blk_bytes, dtype=np.float64), blk_hfrac,
@@ -384,7 +392,7 @@ def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_lat
                     np.ascontiguousarray(stream_ptr, dtype=np.int64),
                     np.ascontiguousarray(stream_ready, dtype=np.float64),
                     np.ascontiguousarray(stream_phase, dtype=np.int32), int(num_phases),
-                    float(gap_ns), float(sm_bw), float(hbm_bw), float(l2_bw))
+                    gaps, float(sm_bw), float(hbm_bw), float(l2_bw))
     status = out[0]
     if status != 0:
         raise RuntimeError("timeline stalled: a block could not be placed on any SM")

@@ -153,10 +153,10 @@ def test_device_measurements_fix_their_constants(tmp_path):
     path, _, prep = _synthetic(tmp_path)
     raw = json.loads(open(path).read())
     raw.update(copy_bandwidth_gbps=3000.0, l2_bandwidth_gbps=9000.0,
-               graph_launch={"fork_slope_ns": 700.0, "chain_slope_ns": 1500.0})
+               graph_launch={"interval_ns": 700.0, "join_ns": 3000.0})
     other = tmp_path / "other.json"
     other.write_text(json.dumps(dict(raw, l2_bandwidth_gbps=11000.0,
-                                     graph_launch={"fork_slope_ns": 900.0})))
+                                     graph_launch={"interval_ns": 900.0})))
     open(path, "w").write(json.dumps(raw))
     data = load_measurements([path, str(other)])
     assert data["l2_bandwidth_gbps"] == pytest.approx(10000.0)
@@ -165,11 +165,12 @@ def test_device_measurements_fix_their_constants(tmp_path):
     data["records"] = load_measurements(path)["records"]
     consts, info = fit(data, split_workloads(data["records"]), "h100",
                        start=default_constants("h100"), max_evals=30, prepared=prep)
+    assert data["graph_join_ns"] == pytest.approx(3000.0)
     assert info["measured"] == {"hbm_bandwidth": 3000.0, "l2_bandwidth": 10000.0,
-                                "graph_launch_ns": 800.0}
+                                "graph_launch_ns": 800.0, "graph_join_ns": 3000.0}
     assert not set(info["measured"]) & set(info["fitted"])
-    assert (consts.hbm_bandwidth, consts.l2_bandwidth, consts.graph_launch_ns) == (
-        3000.0, 10000.0, 800.0)
+    assert (consts.hbm_bandwidth, consts.l2_bandwidth, consts.graph_launch_ns,
+            consts.graph_join_ns) == (3000.0, 10000.0, 800.0, 3000.0)
     assert "graph_start_ns" in info["fitted"] and "launch_ns" in info["fitted"]
     # a file without them: nothing fixed, everything fitted as before
     for k in ("copy_bandwidth_gbps", "l2_bandwidth_gbps", "graph_launch"):
@@ -177,6 +178,7 @@ def test_device_measurements_fix_their_constants(tmp_path):
     open(path, "w").write(json.dumps(raw))
     plain = load_measurements(path)
     assert plain["l2_bandwidth_gbps"] is None and plain["graph_launch_interval_ns"] is None
+    assert plain["graph_join_ns"] is None
     _, info = fit(plain, split_workloads(plain["records"]), "h100",
                   start=default_constants("h100"), max_evals=5, prepared=prep)
     assert info["measured"] == {} and "l2_bandwidth" in info["fitted"]
