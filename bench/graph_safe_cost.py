@@ -15,6 +15,9 @@ times, on the same step and in one process (CUDA events, L2 flushed, median):
   to the rows such a batch can put in one CTA);
 * ``exact-compact`` / ``gs-bucket-compact``: the same with the KV-length table
   ``--compact`` (default: no 16-token tiles), the plan's own graph and the graph-safe one;
+* ``gs-bucket-fused``: the bucket's launch set as one fused pull launch (every tile in one
+  kernel) plus the merge; ``gs-big`` / ``gs-big-fused``: a bucket ``--big`` times larger
+  (a small step in a larger bucket), per-tile launches and fused;
 
 and, without pat, graphs of ``K`` trivial kernels (each block reads one int and exits) forked
 over ``K`` streams or chained on one, for the per-launch cost of a graph node; also with the
@@ -121,6 +124,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compact", default="96:32,inf:64", metavar="TABLE",
                     help="the other KV-length table the compact rows use, as MAX_LEN:N pairs "
                          "(last MAX_LEN 'inf'); default: no 16-token tiles")
+    ap.add_argument("--big", type=int, default=4,
+                    help="size of the larger bucket of the gs-big rows, in multiples of the step")
     ap.add_argument("--no-micro", dest="micro", action="store_false",
                     help="skip the trivial-kernel graphs")
     args = ap.parse_args(argv)
@@ -185,16 +190,25 @@ def main(argv=None) -> int:
             cta_tiles = plan.tile_configs[plan.cta_tile]
             used = tuple(sorted({tuple(int(x) for x in t) for t in cta_tiles},
                                 key=lambda t: (-t[0], -t[1])))   # reachable_tiles' order
-            cases = (("gs-all", reachable_tiles(sel), w, plan),
-                     ("gs-used", used, w, plan),
-                     ("gs-bucket", reachable_tiles(sel, max_rows=max_rows), w, plan),
-                     ("gs-bucket-compact", reachable_tiles(sel_c, compact, max_rows), wc, plan_c))
-            for name, tiles, wr, pl in cases:
+            big = StaticLimits.make(args.big * lim.max_batch_size, args.big * entries,
+                                    args.big * lim.max_ctas, args.big * lim.max_partials)
+            bucket = reachable_tiles(sel, max_rows=max_rows)
+            big_tiles = reachable_tiles(sel, max_rows=big.max_cta_rows(plan.group_size))
+            # (name, tiles, wrapper, plan, limits, fused)
+            cases = (("gs-all", reachable_tiles(sel), w, plan, lim, False),
+                     ("gs-used", used, w, plan, lim, False),
+                     ("gs-bucket", bucket, w, plan, lim, False),
+                     ("gs-bucket-fused", bucket, w, plan, lim, True),
+                     ("gs-bucket-compact", reachable_tiles(sel_c, compact, max_rows), wc, plan_c,
+                      lim, False),
+                     ("gs-big", big_tiles, w, plan, big, False),
+                     ("gs-big-fused", big_tiles, w, plan, big, True))
+            for name, tiles, wr, pl, limits, fused in cases:
                 be = wr._gpu_backend
-                st = be.static_state(StaticLayout(lim, tiles), hq, hk, d, ps, "float16",
-                                     pl.sm_scale)
+                st = be.static_state(StaticLayout(limits, tiles), hq, hk, d, ps, "float16",
+                                     pl.sm_scale, fused=fused)
                 st.write(pl, torch.cuda.current_stream().cuda_stream)
-                row[f"{name}-launches"] = len(tiles) + 1
+                row[f"{name}-launches"] = (1 if fused else len(tiles)) + 1
                 for serial in ((False, True) if name in ("gs-all", "gs-used") else (False,)):
                     be.static_serial = serial
                     key = name + ("-serial" if serial else "")
@@ -216,7 +230,9 @@ def main(argv=None) -> int:
                   f"{_f(row['gs-used'])} serial {_f(row['gs-used-serial'])} | "
                   f"bucket({row['gs-bucket-launches']}) {_f(row['gs-bucket'])} | "
                   f"bucket-compact({row['gs-bucket-compact-launches']}) "
-                  f"{_f(row['gs-bucket-compact'])}")
+                  f"{_f(row['gs-bucket-compact'])} | fused {_f(row['gs-bucket-fused'])} | "
+                  f"big({row['gs-big-launches']}) {_f(row['gs-big'])} fused "
+                  f"{_f(row['gs-big-fused'])}")
             del k, v, q, ref
             torch.cuda.empty_cache()
     res = dict(benchmark="graph_safe_cost", device=torch.cuda.get_device_name(),

@@ -1111,3 +1111,62 @@ __global__ void __launch_bounds__(THREADS, 1) pat_fwd_fused_kernel(
   int idx = 0;
   (void)(pat::run_if<Trs>(want, idx, p, cta, kv_head) || ...);
 }
+
+// The graph-safe form of the fused launch: one fixed grid for every tile variant of a graph-safe
+// launch set, so a replayed step has one forward launch whatever its plan.  p.live holds
+// {first CTA, CTA count} per variant in the order of Trs (the static buffer's live table; each
+// variant's CTAs contiguous); the block's thread 0 draws item k from p.work_counter, finds the
+// variant whose CTAs hold the k / num_kv_heads-th live CTA, and the block runs it.  Warps the
+// variant does not use wait at the block barrier (id 15: the variants' own barriers use ids 0 to
+// WARPS_N with their own thread counts).  The merge kernel zeroes the counter.
+namespace pat {
+__device__ __forceinline__ void fused_pull_sync(int threads) {
+  asm volatile("bar.sync 15, %0;\n" ::"r"(threads) : "memory");
+}
+}  // namespace pat
+
+template <int HEAD_DIM, typename T, int THREADS, typename... Trs>
+__global__ void __launch_bounds__(THREADS, 1) pat_fwd_fused_pull_kernel(
+    const __grid_constant__ pat::FwdParams p) {
+  static_assert(((Trs::THREADS <= THREADS) && ...), "block too small for a variant");
+  static_assert(((Trs::D == HEAD_DIM) && ...), "variants of one head_dim");
+  constexpr int V = sizeof...(Trs);
+  const int hk = p.num_kv_heads;
+  int total = 0;
+#pragma unroll
+  for (int i = 0; i < V; ++i) total += p.live[2 * i + 1];
+  const int items = total * hk;
+  // blocks past the live item count never get work: leave before touching the counter
+  if ((int)blockIdx.x >= items) return;
+  __shared__ int s_next[3];
+#pragma unroll 1
+  for (;;) {
+    if (threadIdx.x == 0) {
+      const int item = atomicAdd(p.work_counter, 1);
+      int cta = -1, var = 0, head = 0;
+      if (item < items) {
+        int c = item / hk;
+        head = item - c * hk;
+        for (int i = 0; i < V; ++i) {
+          const int n = p.live[2 * i + 1];
+          if (c < n) {
+            cta = p.live[2 * i] + c;
+            var = i;
+            break;
+          }
+          c -= n;
+        }
+      }
+      s_next[0] = cta;
+      s_next[1] = var;
+      s_next[2] = head;
+    }
+    pat::fused_pull_sync(THREADS);
+    const int cta = s_next[0];
+    if (cta < 0) break;  // block-uniform
+    int idx = 0;
+    (void)(pat::run_if<Trs>(s_next[1], idx, p, cta, s_next[2]) || ...);
+    // every warp is past the item (and has read s_next) before the next draw
+    pat::fused_pull_sync(THREADS);
+  }
+}

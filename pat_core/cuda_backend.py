@@ -284,6 +284,9 @@ class CudaBackend:
         # graph-safe mode: every launch on the caller's stream in order instead of forked onto
         # pool streams (an ablation knob for the cost of the fork/join, bench/graph_safe_cost.py)
         self.static_serial = False
+        # graph-safe mode: every tile of the launch set in one fused pull launch ("on"), one
+        # launch per tile ("off"), env PAT_GRAPH_FUSED; read when a wrapper makes its state
+        self.graph_fused = os.environ.get("PAT_GRAPH_FUSED", "off")
         self._buffers: dict = {}      # device -> (num_floats, o_partial memptr, lse memptr)
 
     # ------------------------------------------------------------------ compile
@@ -704,12 +707,14 @@ class CudaBackend:
 
     # ------------------------------------------------------------------ graph-safe mode
     def static_state(self, layout, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                     page_size: int, dtype: str, sm_scale: float) -> "StaticState":
+                     page_size: int, dtype: str, sm_scale: float,
+                     fused: bool = False) -> "StaticState":
         """Device buffers and kernels of graph-safe mode for one fixed launch set (``layout``,
         a :class:`~pat_core.static_plan.StaticLayout`) and problem shape; compiles the launch
-        set's kernels now (never during a capture)."""
+        set's kernels now (never during a capture).  ``fused``: every tile of the launch set in
+        one pull launch (``pat_fwd_fused_pull_kernel``) instead of one launch per tile."""
         return StaticState(self, layout, num_qo_heads, num_kv_heads, head_dim, page_size,
-                           dtype, sm_scale)
+                           dtype, sm_scale, fused)
 
     def run_static(self, state: "StaticState", q, k_cache, v_cache, kv_layout: str = "NHD",
                    return_lse: bool = False, out=None, lse=None):
@@ -745,15 +750,16 @@ class StaticState:
 
     Holds one int32 buffer with every Plan array at a fixed offset, fixed fp32 partial buffers,
     a work counter per launch, and the launch set: one pull-mode forward kernel per tile in
-    ``layout.tiles`` (grid = SMs x resident blocks, capped by the item limit) and a merge over a
-    fixed grid.  :meth:`write` puts a new plan into the buffer with an asynchronous copy on a
+    ``layout.tiles`` (grid = SMs x resident blocks, capped by the item limit), or with ``fused``
+    one pull kernel for all of them (each block runs the tile of the item it draws, in the
+    largest tile's block), and a merge over a fixed grid.  :meth:`write` puts a new plan into the buffer with an asynchronous copy on a
     stream; nothing else changes between plans.
     """
 
     _MERGE_BLOCKS_PER_SM = 12      # the merge kernel's launch bounds: 48 warps of 4-warp blocks
 
     def __init__(self, backend: CudaBackend, layout, num_qo_heads, num_kv_heads, head_dim,
-                 page_size, dtype, sm_scale):
+                 page_size, dtype, sm_scale, fused: bool = False):
         cp = backend.cp
         self.backend, self.cp = backend, cp
         self.layout = layout
@@ -784,11 +790,20 @@ class StaticState:
                                             arch=backend.arch)
                          for m, n in layout.tiles]
         self.merge_variant = cc.MergeVariant(self.head_dim, self.dtype)
-        backend.warmup(variants=self.variants + [self.merge_variant],
-                       jobs=min(len(self.variants), os.cpu_count() or 1))
+        self.fused = bool(fused)
+        if self.fused:
+            # one kernel holds every tile; it compiles in this process (one translation unit)
+            self.launch_variants = [cc.FusedVariant(self.head_dim, self.dtype,
+                                                    tuple(self.variants), pull=True)]
+            backend.warmup(variants=[self.merge_variant], jobs=1)
+            backend._function(self.launch_variants[0])
+        else:
+            self.launch_variants = list(self.variants)
+            backend.warmup(variants=self.variants + [self.merge_variant],
+                           jobs=min(len(self.variants), os.cpu_count() or 1))
         props = cp.cuda.runtime.getDeviceProperties(self.device)
         self.num_sms = int(props["multiProcessorCount"])
-        self.grids = [self._grid(v) for v in self.variants]
+        self.grids = [self._grid(v) for v in self.launch_variants]
         self.prepared: dict = {}
         self.batch = None           # live batch of the last plan written
         self.plan = None
@@ -806,7 +821,9 @@ class StaticState:
                 per_sm = int(occ(getattr(fn, "kernel", fn).ptr, v.threads, v.smem_bytes))
             except Exception as e:     # older CuPy: fall back to the recorded resources
                 log.debug("occupancy query failed (%s)", e)
-        if per_sm < 1:
+        if per_sm < 1 and isinstance(v, cc.FusedVariant):
+            per_sm = 1
+        elif per_sm < 1:
             from .gpus import get_gpu
             from .tiles import check_tile
             chk = check_tile(v.m, v.n, v.head_dim, v.dtype, get_gpu(self.backend.gpu_name))
@@ -896,8 +913,9 @@ class StaticState:
         launches = []
         be = self.backend
         with self.cp.cuda.Device(self.device):
-            for i, v in enumerate(self.variants):
+            for i, v in enumerate(self.launch_variants):
                 prm = _copy_params(base)
+                # the fused kernel reads the whole live table (one {first, count} per tile)
                 prm.live = arrays["live"] + 8 * i
                 prm.work_counter = ctr + 4 * i
                 launches.append(_Launch(be._function(v), (self.grids[i], 1, 1), (v.threads, 1, 1),

@@ -339,11 +339,14 @@ class FusedVariant:
     """One kernel running several forward variants, chosen per CTA (``pat_fwd_fused_kernel``).
 
     ``members`` are the variants in the order of the per-CTA variant index; the block has the
-    largest member's threads and shared memory."""
+    largest member's threads and shared memory.  ``pull``: the graph-safe form
+    (``pat_fwd_fused_pull_kernel``): a fixed grid whose blocks pull items over the members' live
+    CTA ranges (the static buffer's live table, in member order) instead of one item per block."""
 
     head_dim: int
     dtype: str
     members: tuple
+    pull: bool = False
 
     @property
     def threads(self) -> int:
@@ -360,15 +363,17 @@ class FusedVariant:
 
     @property
     def key(self) -> str:
-        return (f"pat_fwd_fused_d{self.head_dim}_{DTYPE_SHORT[self.dtype]}_" + "_".join(
-            f"m{v.m}n{v.n}w{v.warps}s{v.stages}r{v.rows_per_warp}" for v in self.members))
+        return (f"pat_fwd_fused{'_pull' if self.pull else ''}_d{self.head_dim}_"
+                f"{DTYPE_SHORT[self.dtype]}_" + "_".join(
+                    f"m{v.m}n{v.n}w{v.warps}s{v.stages}r{v.rows_per_warp}" for v in self.members))
 
     @property
     def name_expression(self) -> str:
         ct = DTYPE_CTYPE[self.dtype]
         tr = ", ".join(f"pat::FwdTraits<{v.head_dim}, {ct}, {v.m}, {v.n}, {v.warps}, {v.stages}, "
                        f"{v.rows_per_warp}>" for v in self.members)
-        return f"pat_fwd_fused_kernel<{self.head_dim}, {ct}, {self.threads}, {tr}>"
+        kernel = "pat_fwd_fused_pull_kernel" if self.pull else "pat_fwd_fused_kernel"
+        return f"{kernel}<{self.head_dim}, {ct}, {self.threads}, {tr}>"
 
 
 @dataclass(frozen=True, order=True)

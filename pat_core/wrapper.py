@@ -252,9 +252,13 @@ class PrefixAttentionWrapper:
             max_rows = self.static_limits.max_cta_rows(plan.group_size)
             layout = StaticLayout(self.static_limits, reachable_tiles(sel, max_rows=max_rows))
             layout.check(plan)          # refuse before allocating anything
+            fused = self._gpu_backend.graph_fused
+            if fused not in ("on", "off"):
+                raise ValueError(f"graph_fused (PAT_GRAPH_FUSED) must be 'on' or 'off', got "
+                                 f"{fused!r}")
             self._static = self._gpu_backend.static_state(
                 layout, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.page_size,
-                plan.kv_dtype, plan.sm_scale)
+                plan.kv_dtype, plan.sm_scale, fused=fused == "on" and len(layout.tiles) > 1)
         self._static.write(plan, self._current_stream())
 
     def _current_stream(self) -> int:

@@ -96,10 +96,13 @@ class PagedCache:
 
 
 @requires_gpu
-@pytest.mark.parametrize("packer,max_batch", (("pat", 24), ("cascade", 24), ("pat", 4)))
-def test_one_capture_fifty_changing_steps(packer, max_batch):
+@pytest.mark.parametrize("packer,max_batch,fused", (("pat", 24, "off"), ("cascade", 24, "off"),
+                                                   ("pat", 4, "off"), ("pat", 24, "on"),
+                                                   ("cascade", 24, "on")))
+def test_one_capture_fifty_changing_steps(packer, max_batch, fused):
     """max_batch 4 at group 4: every CTA fits one 16-row tile, so the wrapper plans with one
-    KV tile width and its launch set is one forward launch (static_plan.graph_safe_tile_table)."""
+    KV tile width and its launch set is one forward launch (static_plan.graph_safe_tile_table).
+    fused "on": the launch set's tiles run in one fused pull launch."""
     import torch
     from pat_core import PrefixAttentionWrapper, dense_attention
     from pat_core.inputs import as_block_table
@@ -114,6 +117,7 @@ def test_one_capture_fifty_changing_steps(packer, max_batch):
         cache.join(int(rng.integers(20, 200)), parent=root)
     w = PrefixAttentionWrapper(backend="cuda", packer=packer, use_cuda_graph=True,
                                max_batch_size=max_batch, max_num_pages=num_pages)
+    w._gpu_backend.graph_fused = fused
     q_buf = torch.zeros((max_batch, hq, d), dtype=dtype, device="cuda")
     out_buf = torch.zeros_like(q_buf)
     lse_buf = torch.zeros((max_batch, hq), dtype=torch.float32, device="cuda")
@@ -175,6 +179,7 @@ def test_one_capture_fifty_changing_steps(packer, max_batch):
         assert w._static.layout.tiles == ((16, 64),), w._static.layout.tiles
     else:
         assert len({n for m, n in w._static.layout.tiles if m == 16}) > 1
+    assert len(w._static.launch_variants) == (1 if fused == "on" else len(w._static.layout.tiles))
 
 
 @requires_gpu
