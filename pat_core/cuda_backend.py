@@ -285,8 +285,9 @@ class CudaBackend:
         # pool streams (an ablation knob for the cost of the fork/join, bench/graph_safe_cost.py)
         self.static_serial = False
         # graph-safe mode: every tile of the launch set in one fused pull launch ("on"), one
-        # launch per tile ("off"), env PAT_GRAPH_FUSED; read when a wrapper makes its state
-        self.graph_fused = os.environ.get("PAT_GRAPH_FUSED", "off")
+        # launch per tile ("off"), or by the bucket size ("auto", static_plan.graph_safe_fused);
+        # env PAT_GRAPH_FUSED; read when a wrapper makes its graph-safe state
+        self.graph_fused = os.environ.get("PAT_GRAPH_FUSED", "auto")
         self._buffers: dict = {}      # device -> (num_floats, o_partial memptr, lse memptr)
 
     # ------------------------------------------------------------------ compile

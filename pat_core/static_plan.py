@@ -252,4 +252,27 @@ def graph_safe_tile_table(limits: StaticLimits, group: int):
     return ONE_N_TABLE if limits.max_cta_rows(group) <= ONE_N_MAX_ROWS else None
 
 
-__all__ = ["StaticLayout", "StaticLimits", "graph_safe_tile_table", "reachable_tiles"]
+GRAPH_FUSED_MODES = ("auto", "on", "off")
+FUSED_MAX_BATCH = 16
+
+
+def graph_safe_fused(limits: StaticLimits, num_tiles: int, mode: str = "auto") -> bool:
+    """Whether a graph-safe launch set of ``num_tiles`` tiles runs as one fused pull launch.
+
+    ``mode``: ``"on"``, ``"off"`` or ``"auto"``: fused when the bucket holds at most
+    :data:`FUSED_MAX_BATCH` requests.  A fused launch replaces one launch per tile (each costing
+    a replay ~1 us even when empty, and their join ~2 us more) with one, but every block gets
+    the largest tile's size, so it holds fewer blocks per SM: it pays when a step has few work
+    items.  Measured on the H100 (``bench/graph_safe_cost.py``, bench/NOTES.md, round 11): with
+    buckets of 12 and 16 requests, fused beat one launch per tile on 5 of 6 steps (by up to
+    20%; the one loss 5%, 1024-token leaves at 32:8); steps of 64 requests lost 25-95%.  One
+    tile needs no fusing."""
+    if mode not in GRAPH_FUSED_MODES:
+        raise ValueError(f"graph_fused must be one of {GRAPH_FUSED_MODES}, got {mode!r}")
+    if num_tiles <= 1 or mode == "off":
+        return False
+    return mode == "on" or limits.max_batch_size <= FUSED_MAX_BATCH
+
+
+__all__ = ["StaticLayout", "StaticLimits", "graph_safe_fused", "graph_safe_tile_table",
+           "reachable_tiles"]

@@ -247,18 +247,16 @@ class PrefixAttentionWrapper:
     def _write_static(self, plan: Plan, tile) -> None:
         """Graph-safe mode: make the fixed state on the first plan, then copy each plan in."""
         if self._static is None:
-            from .static_plan import StaticLayout, reachable_tiles
+            from .static_plan import StaticLayout, graph_safe_fused, reachable_tiles
             sel = self.planner.tile_selector(plan.head_dim, plan.kv_dtype, tile)
             max_rows = self.static_limits.max_cta_rows(plan.group_size)
             layout = StaticLayout(self.static_limits, reachable_tiles(sel, max_rows=max_rows))
             layout.check(plan)          # refuse before allocating anything
-            fused = self._gpu_backend.graph_fused
-            if fused not in ("on", "off"):
-                raise ValueError(f"graph_fused (PAT_GRAPH_FUSED) must be 'on' or 'off', got "
-                                 f"{fused!r}")
+            fused = graph_safe_fused(self.static_limits, len(layout.tiles),
+                                     self._gpu_backend.graph_fused)
             self._static = self._gpu_backend.static_state(
                 layout, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.page_size,
-                plan.kv_dtype, plan.sm_scale, fused=fused == "on" and len(layout.tiles) > 1)
+                plan.kv_dtype, plan.sm_scale, fused=fused)
         self._static.write(plan, self._current_stream())
 
     def _current_stream(self) -> int:

@@ -102,7 +102,8 @@ class PagedCache:
 def test_one_capture_fifty_changing_steps(packer, max_batch, fused):
     """max_batch 4 at group 4: every CTA fits one 16-row tile, so the wrapper plans with one
     KV tile width and its launch set is one forward launch (static_plan.graph_safe_tile_table).
-    fused "on": the launch set's tiles run in one fused pull launch."""
+    fused "on": the launch set's tiles run in one fused pull launch; "off": one launch per tile
+    (the default "auto" fuses buckets of at most 16 requests)."""
     import torch
     from pat_core import PrefixAttentionWrapper, dense_attention
     from pat_core.inputs import as_block_table

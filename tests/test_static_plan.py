@@ -217,3 +217,17 @@ def test_graph_safe_tile_table_rule():
     q = np.random.default_rng(3).standard_normal((b.batch_size, 32, 128)).astype(np.float32)
     ref = dense_attention(q, (k, v), b.block_tables, b.seq_lens, 16)
     assert relative_error(execute(plan, q, k, v), ref) < 1e-5
+
+
+def test_graph_safe_fused_rule():
+    """One fused pull launch for buckets of at most FUSED_MAX_BATCH requests (auto), never for
+    a single tile, always / never when asked; a bad mode is refused by name."""
+    from pat_core.static_plan import FUSED_MAX_BATCH, graph_safe_fused
+    lim = lambda b: StaticLimits(b, 4096, 256, 512)   # noqa: E731
+    assert graph_safe_fused(lim(FUSED_MAX_BATCH), 9)
+    assert not graph_safe_fused(lim(FUSED_MAX_BATCH + 1), 9)
+    assert not graph_safe_fused(lim(4), 1)
+    assert graph_safe_fused(lim(256), 9, "on") and not graph_safe_fused(lim(2), 9, "off")
+    assert not graph_safe_fused(lim(256), 1, "on")
+    with pytest.raises(ValueError, match="graph_fused"):
+        graph_safe_fused(lim(4), 3, "yes")
