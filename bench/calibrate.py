@@ -13,11 +13,13 @@ CUDA-graph replay of the same call (what a serving loop that captures decode see
 first (compiles happen there), L2 flushed before every timed run, median of ``--reps`` (>= 20).
 Each record holds both measured latencies next to the simulator's predictions under the
 constants it had at the time; the file also holds the device name, its L2 size, git sha,
-versions, the split and three device measurements the fit takes as they are instead of fitting
-them: the copy bandwidth (``hbm_bandwidth``), the L2 read bandwidth of a buffer that stays in
-L2 (``l2_bandwidth``), and from replayed graphs of empty kernels the cost of one more forked
-launch (``graph_launch_ns``) and of joining concurrent launches (``graph_join_ns``;
-``common.graph_launch_costs``, the mean of a small and a large grid).
+versions, the split and device measurements: three the fit takes as they are instead of fitting
+them (the copy bandwidth, ``hbm_bandwidth``; from replayed graphs of empty kernels the cost of
+one more forked launch, ``graph_launch_ns``, and of joining concurrent launches,
+``graph_join_ns``; ``common.graph_launch_costs``, the mean of a small and a large grid), and the
+L2 read bandwidth of a buffer that stays in L2 (``l2_bandwidth_gbps``, for reference: the fit's
+``l2_bandwidth`` is what blocks re-reading the same pages get, which is more; see
+``sim.calibration``).
 
     python bench/calibrate.py --out bench/results            # writes calibration_<gpu>.json
     python -m sim fit --measurements bench/results/calibration_h100.json --out sim/data/h100.json
