@@ -753,8 +753,8 @@ class StaticState:
     a work counter per launch, and the launch set: one pull-mode forward kernel per tile in
     ``layout.tiles`` (grid = SMs x resident blocks, capped by the item limit), or with ``fused``
     one pull kernel for all of them (each block runs the tile of the item it draws, in the
-    largest tile's block), and a merge over a fixed grid.  :meth:`write` puts a new plan into the buffer with an asynchronous copy on a
-    stream; nothing else changes between plans.
+    largest tile's block), and a merge over a fixed grid.  :meth:`write` puts a new plan into
+    the buffer with an asynchronous copy on a stream; nothing else changes between plans.
     """
 
     _MERGE_BLOCKS_PER_SM = 12      # the merge kernel's launch bounds: 48 warps of 4-warp blocks

@@ -97,6 +97,9 @@ class PrefixAttentionWrapper:
         When every CTA fits one 16-row tile (``max_batch_size x`` the GQA group ``<= 16``),
         the planner uses one KV tile width, ``n = 64``, unless its tuning names a table
         (:func:`~pat_core.static_plan.graph_safe_tile_table`): one forward launch, not three.
+        A bucket of at most 16 requests whose launch set still has several tiles runs them as
+        one fused pull launch (:func:`~pat_core.static_plan.graph_safe_fused`; the CUDA
+        backend's ``graph_fused`` or ``PAT_GRAPH_FUSED``: ``"auto"``, ``"on"``, ``"off"``).
     max_batch_size, max_num_pages : graph-safe limits (required with ``use_cuda_graph``):
         requests per step, and block-table entries per step (the sum over requests of
         ``ceil(seq_len / page_size)``).
