@@ -1119,11 +1119,6 @@ __global__ void __launch_bounds__(THREADS, 1) pat_fwd_fused_kernel(
 // variant whose CTAs hold the k / num_kv_heads-th live CTA, and the block runs it.  Warps the
 // variant does not use wait at the block barrier (id 15: the variants' own barriers use ids 0 to
 // WARPS_N with their own thread counts).  The merge kernel zeroes the counter.
-namespace pat {
-__device__ __forceinline__ void fused_pull_sync(int threads) {
-  asm volatile("bar.sync 15, %0;\n" ::"r"(threads) : "memory");
-}
-}  // namespace pat
 
 template <int HEAD_DIM, typename T, int THREADS, typename... Trs>
 __global__ void __launch_bounds__(THREADS, 1) pat_fwd_fused_pull_kernel(
@@ -1161,12 +1156,12 @@ __global__ void __launch_bounds__(THREADS, 1) pat_fwd_fused_pull_kernel(
       s_next[1] = var;
       s_next[2] = head;
     }
-    pat::fused_pull_sync(THREADS);
+    pat::named_sync(15, THREADS);
     const int cta = s_next[0];
     if (cta < 0) break;  // block-uniform
     int idx = 0;
     (void)(pat::run_if<Trs>(s_next[1], idx, p, cta, s_next[2]) || ...);
     // every warp is past the item (and has read s_next) before the next draw
-    pat::fused_pull_sync(THREADS);
+    pat::named_sync(15, THREADS);
   }
 }
