@@ -1,15 +1,22 @@
 """L2 reuse: which of a plan's bytes come from HBM and which hit in L2.
 
 A KV page (one KV head's slice of it) read by several thread blocks is fetched from HBM by the
-first of them; blocks that read it again while it is still in L2 are served by L2.  The model
-walks the forward thread blocks in dispatch order (launch groups in plan order, then
-``blockIdx.x``, whose KV heads are adjacent: the kernels' default ``head_minor`` grid) and keeps,
-for every (page, KV head), the *insertion clock* of its last read: the number of bytes that had
-entered L2 (HBM reads and partial-result writes) before that read.  A read is an L2 hit when
-fewer than ``window`` bytes have entered L2 since the page was last read; otherwise it is an HBM
-read, and its bytes enter L2.  So a page read by ``k`` blocks running at about the same time
-costs HBM once and L2 ``k - 1`` times, and a page re-read after more than ``window`` bytes of
-other traffic costs HBM again.
+first of them; blocks that read it again while it is still in L2 are served by L2.
+
+Blocks run side by side, and each reads its pages in order over its whole life, so the model
+replays the reads *interleaved*: forward thread blocks enter in dispatch order (launch groups in
+plan order, then ``blockIdx.x``, whose KV heads are adjacent: the kernels' default
+``head_minor`` grid) while the GPU has room for them (each block takes ``1 / ctas_per_sm`` of an
+SM, ``num_sms`` SMs in all), and every resident block reads its next page in turn.  A block
+leaves after its last page and the next one enters.  For every (page, KV head) the model keeps
+the *insertion clock* of its last read: the number of bytes that had entered L2 (HBM reads and
+partial-result writes) before that read.  A read is an L2 hit when fewer than ``window`` bytes
+have entered L2 since the page was last read; otherwise it is an HBM read, and its bytes enter
+L2.  So a prefix read by ``k`` resident blocks at about the same time costs HBM once and L2
+``k - 1`` times, however long it is; a page re-read after more than ``window`` bytes of other
+traffic costs HBM again.  (Replaying whole blocks one after another instead would call a 2048-token
+prefix of 32 KV heads, 32 MB, evicted before the next request reads it, while on the GPU 200-odd
+blocks read it together.)
 
 ``window`` defaults to half of the GPU's L2 (:data:`L2_WINDOW_FRACTION`): the L2 of the A100,
 H100 and H200 is split into two partitions and its replacement is not exact LRU, so a line does
@@ -21,9 +28,11 @@ Other traffic: query rows, partial writes and output writes are charged to HBM. 
 kernel's partial reads hit L2 in the share of partial bytes written within the last ``window``
 bytes before the forward kernels ended (all merge blocks get the same share).
 
-The split is a function of the plan, its dispatch order and ``window`` only (no timing
-constants), so it is computed once per prepared workload.  Per block, ``hbm + l2`` equals the
-block's bytes in :mod:`sim.traffic`, so the totals still equal ``Plan.stats()["total_bytes"]``.
+The split is a function of the plan, its dispatch order, the blocks' occupancy and ``window``
+only (no timing constants), so it is computed once per prepared workload.  Per block,
+``hbm + l2`` equals the block's bytes in :mod:`sim.traffic`, so the totals still equal
+``Plan.stats()["total_bytes"]``.  A block's hits come first in its reads (a shared prefix
+precedes a request's own pages); :mod:`sim.timeline` streams them first.
 """
 from __future__ import annotations
 
@@ -42,12 +51,15 @@ def l2_window(gpu) -> float:
 
 
 @njit(cache=True)
-def _kv_hits(blk_cta, blk_head, blk_other, kv_start, kv_len, page_indptr, pages, page_size,
-             num_kv_heads, tok_bytes, num_pages, window):
-    """Per forward block: KV bytes served by L2, and the insertion clock after the block.
+def _kv_hits(blk_cta, blk_head, blk_other, blk_weight, capacity, kv_start, kv_len, page_indptr,
+             pages, page_size, num_kv_heads, tok_bytes, num_pages, window):
+    """Per forward block: KV bytes served by L2, and the insertion clock when the block ends.
 
     ``blk_other``: float64 [N] bytes a block adds to L2 besides its KV misses (query rows,
-    partial writes).  Returns ``(l2 int64 [N], clock_after float64 [N])``.
+    partial writes), counted when it ends.  ``blk_weight``: float64 [N] share of the GPU's room
+    a block takes while resident; blocks enter in order while the resident weights sum to at
+    most ``capacity`` (one block always may).  Returns ``(l2 int64 [N], clock_after float64
+    [N])``.
     """
     N = blk_cta.shape[0]
     last = np.full(num_pages * num_kv_heads, -1.0)
@@ -55,33 +67,54 @@ def _kv_hits(blk_cta, blk_head, blk_other, kv_start, kv_len, page_indptr, pages,
     l2 = np.zeros(N, dtype=np.int64)
     clock_after = np.zeros(N)
     clock = 0.0
-    for b in range(N):
-        c = blk_cta[b]
-        h = blk_head[b]
-        s = kv_start[c]
-        e = s + kv_len[c]
-        first = s // page_size
-        miss = 0
-        hit = 0
-        for j in range(page_indptr[c], page_indptr[c + 1]):
-            pos = first + (j - page_indptr[c])
-            lo = max(s, pos * page_size)
-            hi = min(e, (pos + 1) * page_size)
-            nbytes = (hi - lo) * tok_bytes
-            key = pages[j] * num_kv_heads + h
-            if seen[key] and clock - last[key] <= window:
-                hit += nbytes
+    active = np.empty(N, dtype=np.int64)     # resident blocks, in the order they entered
+    nxt_page = np.zeros(N, dtype=np.int64)
+    nact = 0
+    used = 0.0
+    nxt = 0
+    done = 0
+    while done < N:
+        while nxt < N and (nact == 0 or used + blk_weight[nxt] <= capacity * (1.0 + 1e-12)):
+            active[nact] = nxt
+            nxt_page[nxt] = page_indptr[blk_cta[nxt]]
+            used += blk_weight[nxt]
+            nact += 1
+            nxt += 1
+        # one round: every resident block reads its next page; finished blocks leave
+        kept = 0
+        for i in range(nact):
+            b = active[i]
+            c = blk_cta[b]
+            j = nxt_page[b]
+            if j < page_indptr[c + 1]:
+                s = kv_start[c]
+                e = s + kv_len[c]
+                pos = s // page_size + (j - page_indptr[c])
+                nbytes = (min(e, (pos + 1) * page_size) - max(s, pos * page_size)) * tok_bytes
+                key = pages[j] * num_kv_heads + blk_head[b]
+                if seen[key] and clock - last[key] <= window:
+                    l2[b] += nbytes
+                else:
+                    clock += nbytes
+                seen[key] = True
+                last[key] = clock
+                nxt_page[b] = j + 1
+            if nxt_page[b] >= page_indptr[c + 1]:
+                clock += blk_other[b]
+                clock_after[b] = clock
+                used -= blk_weight[b]
+                done += 1
             else:
-                miss += nbytes
-            seen[key] = True
-            last[key] = clock
-        l2[b] = hit
-        clock += miss + blk_other[b]
-        clock_after[b] = clock
+                active[kept] = b
+                kept += 1
+        nact = kept
+        if nact == 0:
+            used = 0.0                          # no drift from the float sums
     return l2, clock_after
 
 
-def l2_split(plan, blk_cta, blk_head, fwd_other, merge_read, window: float):
+def l2_split(plan, blk_cta, blk_head, fwd_other, merge_read, window: float,
+             blk_weight=None, capacity: float = 1.0):
     """L2-hit bytes of every thread block of ``plan`` in dispatch order.
 
     Parameters
@@ -91,6 +124,10 @@ def l2_split(plan, blk_cta, blk_head, fwd_other, merge_read, window: float):
     fwd_other : float64 [F] non-KV bytes of each forward block (query rows + partial writes).
     merge_read : float64 [M] partial-read bytes of each merge block.
     window : reuse window in bytes (see module docstring); ``0`` makes every byte an HBM byte.
+    blk_weight : float64 [F] room each forward block takes while resident, in SMs
+        (``1 / ctas_per_sm`` of its config); default 1 each.
+    capacity : room of the GPU in the same unit (``num_sms``).  With the defaults one block is
+        resident at a time: whole blocks replayed one after another.
 
     Returns ``float64 [F + M]``: L2 bytes per block (forward blocks first, then merge blocks).
     """
@@ -100,14 +137,21 @@ def l2_split(plan, blk_cta, blk_head, fwd_other, merge_read, window: float):
     blk_head = np.ascontiguousarray(blk_head, dtype=np.int64)
     fwd_other = np.ascontiguousarray(fwd_other, dtype=np.float64)
     merge_read = np.asarray(merge_read, dtype=np.float64)
-    if blk_cta.shape != blk_head.shape or blk_cta.shape != fwd_other.shape:
-        raise ValueError("blk_cta, blk_head and fwd_other must have the same length")
+    blk_weight = (np.ones(blk_cta.shape[0]) if blk_weight is None
+                  else np.ascontiguousarray(blk_weight, dtype=np.float64))
+    if blk_cta.shape != blk_head.shape or blk_cta.shape != fwd_other.shape \
+            or blk_cta.shape != blk_weight.shape:
+        raise ValueError("blk_cta, blk_head, fwd_other and blk_weight must have the same length")
+    if not capacity > 0 or np.any(blk_weight < 0):
+        raise ValueError(f"capacity must be positive and blk_weight >= 0, got capacity "
+                         f"{capacity}")
     b = DTYPE_BYTES[dtype_name(plan.kv_dtype)]
     tok_bytes = 2 * plan.head_dim * b
     num_pages = int(plan.cta_pages.max()) + 1 if plan.cta_pages.size else 1
     if blk_cta.size:
         l2_fwd, clock_after = _kv_hits(
-            blk_cta, blk_head, fwd_other, plan.cta_kv_start.astype(np.int64),
+            blk_cta, blk_head, fwd_other, blk_weight, float(capacity),
+            plan.cta_kv_start.astype(np.int64),
             plan.cta_kv_len.astype(np.int64), plan.cta_page_indptr.astype(np.int64),
             plan.cta_pages.astype(np.int64), int(plan.page_size), int(plan.num_kv_heads),
             int(tok_bytes), num_pages, float(window))

@@ -74,18 +74,13 @@ class Workload:
     blk_launch: np.ndarray
     blk_bytes: np.ndarray     # all bytes a block moves (HBM + L2)
     blk_l2: np.ndarray        # of which L2 hits (sim.l2)
+    blk_lead: np.ndarray      # of those, the hits streamed before the rest (see prepare)
     blk_tiles: np.ndarray     # forward: KV tiles; merge: 0
     blk_flops: np.ndarray     # forward: padded tile flops; merge: 0
     blk_slots: np.ndarray     # merge: slots of the longest pair; forward: 0
     num_phases: int
     serial: bool
     l2_window: float = 0.0
-
-    @property
-    def blk_hfrac(self) -> np.ndarray:
-        """float64 [N]: share of each block's bytes that comes from HBM."""
-        tot = self.blk_bytes
-        return np.where(tot > 0, (tot - self.blk_l2) / np.where(tot > 0, tot, 1.0), 1.0)
 
 
 def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float | None = None,
@@ -163,11 +158,27 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
     f_cta = np.concatenate(cta[:-1]) if len(cta) > 1 else np.zeros(0, np.int32)
     f_head = np.concatenate(head[:-1]) if len(head) > 1 else np.zeros(0, np.int32)
     f_other = (w.q_bytes + w.partial_write_bytes)[f_cta.astype(np.int64)]
-    blk_l2 = l2_split(plan, f_cta, f_head, f_other, mw.read_bytes_per_block, window)
+    # room a resident forward block takes, in SMs: 1 / (blocks of its config one SM holds)
+    per_sm = (cap[None, :] // np.maximum(need, 1)).min(axis=1)
+    f_cfg = np.concatenate(cfg[:-1]) if len(cfg) > 1 else np.zeros(0, np.int32)
+    f_weight = 1.0 / np.maximum(per_sm[f_cfg], 1)
+    blk_l2 = l2_split(plan, f_cta, f_head, f_other, mw.read_bytes_per_block, window,
+                      blk_weight=f_weight, capacity=float(gpu.num_sms))
+    # A block's hits come first (a shared prefix precedes a request's own pages) and stream
+    # before its misses, except the last `stages` KV tiles' worth: the pipeline keeps that much
+    # in flight, so those hits overlap the misses behind them (a short block's hits and misses
+    # all move together).  Merge blocks: one mix.
+    stages = np.array([o.resources.stages for o in occ], dtype=np.float64)
+    ft = plan.cta_tile[f_cta.astype(np.int64)].astype(np.int64)
+    tok = w.kv_bytes / np.maximum(w.kv_len, 1)                  # KV bytes per token
+    inflight = stages[ft] * w.n[f_cta.astype(np.int64)] * tok[f_cta.astype(np.int64)]
+    blk_lead = np.zeros(blk_l2.shape[0])
+    nf = f_cta.shape[0]
+    blk_lead[:nf] = np.maximum(blk_l2[:nf] - inflight, 0.0)
     return Workload(gpu=gpu, launches=launches, need=need, blk_cfg=np.concatenate(cfg),
                     blk_cta=np.concatenate(cta), blk_head=np.concatenate(head),
                     blk_launch=np.concatenate(lau), blk_bytes=np.concatenate(byt),
-                    blk_l2=blk_l2, blk_tiles=np.concatenate(til), blk_flops=np.concatenate(flo),
+                    blk_l2=blk_l2, blk_lead=blk_lead, blk_tiles=np.concatenate(til), blk_flops=np.concatenate(flo),
                     blk_slots=np.concatenate(slo),
                     num_phases=(len(launches)) if serial else 2,
                     serial=serial, l2_window=window)
@@ -189,7 +200,7 @@ def run_timeline(wl: Workload, c: SimConstants, timing: str = "graph") -> Timeli
     sm, lane, start, end, ps, pe = run_engine(
         wl.gpu.num_sms, sm_capacity(wl.gpu), wl.need, wl.blk_cfg, latency, wl.blk_bytes, compute,
         ptr, issue, phase, wl.num_phases, gaps, c.sm_bandwidth, c.hbm_bandwidth,
-        blk_hfrac=wl.blk_hfrac, l2_bw=c.l2_bandwidth)
+        blk_l2=wl.blk_l2, l2_bw=c.l2_bandwidth, blk_lead=wl.blk_lead)
     launches = [Launch(ln.name, ln.kind, ln.config, ln.begin, ln.end, float(issue[i]), ln.phase)
                 for i, ln in enumerate(wl.launches)]
     return Timeline(num_sms=wl.gpu.num_sms, launches=launches, block_launch=wl.blk_launch,

@@ -19,12 +19,14 @@ What it models
   double-buffers, so compute and loads overlap).
 * **Bandwidth.** Memory is shared as a fluid, max-min fair between streaming blocks (the memory
   system serves outstanding requests, and every block keeps a similar number in flight), under
-  three caps: one SM pulls at most ``sm_bw`` (its blocks split it); the HBM parts of all blocks'
-  streams together at most ``hbm_bw``; their L2-hit parts (see :mod:`sim.l2`) together at most
-  ``l2_bw``.  Each block's stream is a fixed mix (``hfrac`` of its bytes from HBM, the rest from
-  L2), so every streaming block moves at one common level, the lowest that any cap allows.  So
-  a lone block cannot use the whole GPU, a full GPU cannot exceed DRAM bandwidth, and L2 hits
-  cost no DRAM bandwidth.
+  three caps: one SM pulls at most ``sm_bw`` (its blocks split it); the blocks streaming from
+  HBM together at most ``hbm_bw``; the blocks streaming L2 hits (see :mod:`sim.l2`) together at
+  most ``l2_bw``.  A block streams its L2 hits first and then its HBM bytes (a shared prefix
+  precedes a request's own pages), so blocks that start together read the shared part at L2
+  speed and then meet at the HBM cap, rather than spreading the hits over their whole life.
+  The blocks of one SM move at one common level: the lowest that the caps of the pools they
+  draw on allow.  So a lone block cannot use the whole GPU, a full GPU cannot exceed DRAM
+  bandwidth, and L2 hits cost no DRAM bandwidth.
 
 The engine is a Numba loop over events (a block starting, finishing its latency, its bytes or its
 compute; a launch arriving; a phase opening).  Per event it touches every SM once, so a plan of
@@ -63,9 +65,8 @@ def _fair_level(ntr, wsum, num_sms, max_res, sm_bw, cap_bw, hist):
     """Max-min fair share per streaming block under one bandwidth cap.
 
     Block rates are ``min(sm_bw / k_x, L)`` for a block on an SM with ``k_x`` streaming blocks.
-    A block draws on the capped resource in proportion to its weight (its HBM share of bytes for
-    DRAM, its L2 share for the L2), and ``wsum[x]`` is the weight summed over SM ``x``'s streaming
-    blocks.  ``L`` (returned; ``inf`` when the resource is not the limit) makes the demand
+    ``wsum[x]`` counts SM ``x``'s streaming blocks that draw on the capped resource (those in
+    their HBM segment for DRAM, in their L2 segment for the L2).  ``L`` (returned; ``inf`` when the resource is not the limit) makes the demand
     ``sum_x wsum_x * min(sm_bw / k_x, L)`` equal ``cap_bw``.  Solved over the histogram of ``k_x``
     (at most ``max_res + 1`` distinct values), so the cost is one pass over the SMs.  With every
     weight 1 this is the plain rule ``sum_x min(sm_bw, k_x * L) = cap_bw``.
@@ -98,7 +99,26 @@ def _fair_level(ntr, wsum, num_sms, max_res, sm_bw, cap_bw, hist):
 
 
 @njit(cache=True)
-def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_hfrac, blk_compute,
+def _start_stream(b, x, V, blk_bytes, blk_lead, hshare, seg, vfin, hsum, lsum):
+    """Block ``b`` on SM ``x`` starts streaming: its leading L2 hits, else its mixed rest."""
+    if blk_lead[b] > 0.0:
+        seg[b] = 0
+        vfin[b] = V[x] + blk_lead[b]
+        lsum[x] += 1.0
+    else:
+        _start_rest(b, x, V, blk_bytes, blk_lead, hshare, seg, vfin, hsum, lsum)
+
+
+@njit(cache=True)
+def _start_rest(b, x, V, blk_bytes, blk_lead, hshare, seg, vfin, hsum, lsum):
+    seg[b] = 1
+    vfin[b] = V[x] + (blk_bytes[b] - blk_lead[b])
+    hsum[x] += hshare[b]
+    lsum[x] += 1.0 - hshare[b]
+
+
+@njit(cache=True)
+def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_l2, blk_lead, blk_compute,
               stream_ptr, stream_ready, stream_phase, num_phases, phase_gap, sm_bw, hbm_bw, l2_bw):
     N = blk_cfg.shape[0]
     S = stream_ready.shape[0]
@@ -110,6 +130,12 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_hfrac, bl
     phase_start = np.full(num_phases, np.nan)
     phase_end = np.full(num_phases, np.nan)
     state = np.zeros(N, dtype=np.int8)      # 0 pending, 1 latency, 2 streaming, 3 compute, 4 done
+    seg = np.zeros(N, dtype=np.int8)        # while streaming: 0 its leading hits, 1 the rest
+    hshare = np.ones(N)                     # HBM share of the rest of each block's bytes
+    for b in range(N):
+        rest = blk_bytes[b] - blk_lead[b]
+        if rest > 0.0:
+            hshare[b] = (blk_bytes[b] - blk_l2[b]) / rest
     timer_end = np.zeros(N)
     vfin = np.zeros(N)
     sstart = np.zeros(N)
@@ -182,23 +208,26 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_hfrac, bl
                     else:
                         state[b] = 2
                         sstart[b] = t
-                        vfin[b] = V[best] + blk_bytes[b]
                         ntr[best] += 1
-                        hsum[best] += blk_hfrac[b]
-                        lsum[best] += 1.0 - blk_hfrac[b]
+                        _start_stream(b, best, V, blk_bytes, blk_lead, hshare, seg, vfin,
+                                      hsum, lsum)
                         if vfin[b] < vmin[best]:
                             vmin[best] = vfin[b]
                     head[s] += 1
         # ---- next event
-        L = _fair_level(ntr, hsum, num_sms, max_res, sm_bw, hbm_bw, hist)
-        L2 = _fair_level(ntr, lsum, num_sms, max_res, sm_bw, l2_bw, hist)
-        if L2 < L:
-            L = L2
+        Lh = _fair_level(ntr, hsum, num_sms, max_res, sm_bw, hbm_bw, hist)
+        Ll = _fair_level(ntr, lsum, num_sms, max_res, sm_bw, l2_bw, hist)
         tn = _INF
         for x in range(num_sms):
             if tmin[x] < tn:
                 tn = tmin[x]
             if ntr[x] > 0:
+                # an SM's blocks share one level: the lowest cap among the pools they draw on
+                L = _INF
+                if hsum[x] > 1e-9:
+                    L = Lh
+                if lsum[x] > 1e-9 and Ll < L:
+                    L = Ll
                 rate[x] = min(sm_bw / ntr[x], L)
                 te = t + (vmin[x] - V[x]) / rate[x]
                 if te < tn:
@@ -236,14 +265,19 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_hfrac, bl
                 if state[b] == 1 and timer_end[b] <= t + eps_t:
                     state[b] = 2
                     sstart[b] = t
-                    vfin[b] = V[x] + blk_bytes[b]
                     ntr[x] += 1
-                    hsum[x] += blk_hfrac[b]
-                    lsum[x] += 1.0 - blk_hfrac[b]
+                    _start_stream(b, x, V, blk_bytes, blk_lead, hshare, seg, vfin, hsum, lsum)
+                elif state[b] == 2 and seg[b] == 0 and vfin[b] - V[x] <= eps_v and \
+                        blk_bytes[b] - blk_lead[b] > 0.0:
+                    lsum[x] -= 1.0              # leading hits done: the rest follows
+                    _start_rest(b, x, V, blk_bytes, blk_lead, hshare, seg, vfin, hsum, lsum)
                 elif state[b] == 2 and vfin[b] - V[x] <= eps_v:
                     ntr[x] -= 1
-                    hsum[x] -= blk_hfrac[b]
-                    lsum[x] -= 1.0 - blk_hfrac[b]
+                    if seg[b] == 0:
+                        lsum[x] -= 1.0
+                    else:
+                        hsum[x] -= hshare[b]
+                        lsum[x] -= 1.0 - hshare[b]
                     if ntr[x] == 0:
                         hsum[x] = 0.0
                         lsum[x] = 0.0
@@ -356,21 +390,27 @@ class Timeline:
 
 def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_latency, blk_bytes,
                blk_compute, stream_ptr, stream_ready, stream_phase, num_phases: int,
-               gap_ns, sm_bw: float, hbm_bw: float, blk_hfrac=None,
-               l2_bw: float = np.inf):
+               gap_ns, sm_bw: float, hbm_bw: float, blk_l2=None,
+               l2_bw: float = np.inf, blk_lead=None):
     """Typed front door to the Numba loop; raises ``ValueError`` when a block fits no SM.
 
     ``gap_ns``: the wait (ns) between the end of one phase and the start of the next, one
     value for every phase or float64 [num_phases] (entry ``p``: before phase ``p`` starts;
     entry 0 is unused).
-    ``blk_hfrac``: float64 [N] share of each block's bytes that comes from HBM (the rest hits
-    L2; default all HBM); ``l2_bw``: bytes/ns the L2 serves to all SMs together.
+    ``blk_l2``: float64 [N] bytes of each block that hit in L2 (``0 <= blk_l2 <= blk_bytes``;
+    default none).  ``blk_lead``: float64 [N] of those, the bytes a block streams before the
+    rest (``0 <= blk_lead <= blk_l2``; default 0); the rest streams as a fixed mix of HBM bytes
+    and the remaining hits.  ``l2_bw``: bytes/ns the L2 serves to all SMs together.
     """
-    if blk_hfrac is None:
-        blk_hfrac = np.ones(np.shape(blk_bytes)[0])
-    blk_hfrac = np.ascontiguousarray(blk_hfrac, dtype=np.float64)
-    if blk_hfrac.shape[0] != np.shape(blk_bytes)[0] or np.any((blk_hfrac < 0) | (blk_hfrac > 1)):
-        raise ValueError("blk_hfrac must hold one share in [0, 1] per block")
+    blk_bytes = np.ascontiguousarray(blk_bytes, dtype=np.float64)
+    blk_l2 = (np.zeros(blk_bytes.shape[0]) if blk_l2 is None
+              else np.ascontiguousarray(blk_l2, dtype=np.float64))
+    if blk_l2.shape != blk_bytes.shape or np.any((blk_l2 < 0) | (blk_l2 > blk_bytes)):
+        raise ValueError("blk_l2 must hold one value in [0, blk_bytes] per block")
+    blk_lead = (np.zeros(blk_bytes.shape[0]) if blk_lead is None
+                else np.ascontiguousarray(blk_lead, dtype=np.float64))
+    if blk_lead.shape != blk_bytes.shape or np.any((blk_lead < 0) | (blk_lead > blk_l2)):
+        raise ValueError("blk_lead must hold one value in [0, blk_l2] per block")
     if not l2_bw > 0:
         raise ValueError("l2_bw must be positive")
     cap = np.ascontiguousarray(cap, dtype=np.int64)
@@ -387,7 +427,7 @@ def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_lat
         raise ValueError("gap_ns must be >= 0")
     out = _simulate(int(num_sms), cap, need, np.ascontiguousarray(blk_cfg, dtype=np.int32),
                     np.ascontiguousarray(blk_latency, dtype=np.float64),
-                    np.ascontiguousarray(blk_bytes, dtype=np.float64), blk_hfrac,
+                    blk_bytes, blk_l2, blk_lead,
                     np.ascontiguousarray(blk_compute, dtype=np.float64),
                     np.ascontiguousarray(stream_ptr, dtype=np.int64),
                     np.ascontiguousarray(stream_ready, dtype=np.float64),

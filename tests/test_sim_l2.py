@@ -70,6 +70,43 @@ def test_bytes_conserved(spec, method):
         r.bytes_level[k] for k in ("hbm", "l2"))
 
 
+def _split(plan, window, weight=None, capacity=1.0):
+    """KV L2 bytes of ``plan``'s forward blocks in the model's dispatch order (head-minor)."""
+    hk = plan.num_kv_heads
+    cta = np.repeat(np.arange(plan.num_ctas), hk)
+    head = np.tile(np.arange(hk), plan.num_ctas)
+    w = None if weight is None else np.full(cta.shape[0], weight)
+    return l2_split(plan, cta, head, np.zeros(cta.shape[0]), [], window, w, capacity)
+
+
+def test_blocks_resident_together_share_a_prefix_longer_than_the_window():
+    """8 requests x 8 KV heads read a 1024-token root (4 MB over all heads) with a 1 MB window.
+    Replayed a block at a time, each request finds the root evicted by the other heads' reads;
+    replayed as the GPU runs them (all 64 blocks resident, reading page by page side by side)
+    the root comes from HBM once per head."""
+    plan = _plan("1,8_1024,16", "query", (8, 8))
+    tok = 2 * 128 * DTYPE_BYTES["float16"]
+    kv = plan.stats()["kv_bytes"]
+    unique = (1024 + 8 * 16) * tok * 8
+    together = _split(plan, 2 ** 20, weight=0.25, capacity=132.0)
+    assert kv - together.sum() == unique
+    one_at_a_time = _split(plan, 2 ** 20)
+    assert one_at_a_time.sum() == 0 and kv - one_at_a_time.sum() == kv
+    # room for one request's 8 blocks at a time: still re-read from HBM by every request
+    by_request = _split(plan, 2 ** 20, weight=1.0, capacity=8.0)
+    assert by_request.sum() == 0
+    # the same room with a window wider than the root: HBM once again
+    assert kv - _split(plan, 8 * 2 ** 20, weight=1.0, capacity=8.0).sum() == unique
+
+
+def test_l2_split_interleaving_is_order_independent_of_room_when_all_fit():
+    """Any room that holds every block gives the same split (all blocks read side by side)."""
+    plan = _plan("1,4,16_128,256,64", "query", (32, 8))
+    a = _split(plan, 1e6, weight=0.5, capacity=1e4)
+    b = _split(plan, 1e6, weight=0.01, capacity=1e4)
+    assert np.array_equal(a, b) and a.sum() > 0
+
+
 def test_l2_window_per_gpu():
     assert l2_window("h100") == 0.5 * 50 * 2 ** 20
     assert l2_window("h200") == 0.5 * 60 * 2 ** 20
@@ -82,6 +119,10 @@ def test_l2_split_rejects_bad_input():
         l2_split(plan, [0], [0], [0.0], [], -1.0)
     with pytest.raises(ValueError, match="same length"):
         l2_split(plan, [0, 1], [0], [0.0], [], 1.0)
+    with pytest.raises(ValueError, match="same length"):
+        l2_split(plan, [0], [0], [0.0], [], 1.0, blk_weight=[1.0, 1.0])
+    with pytest.raises(ValueError, match="capacity"):
+        l2_split(plan, [0], [0], [0.0], [], 1.0, capacity=0.0)
 
 
 def test_l2_hits_use_l2_bandwidth_not_dram():
@@ -152,3 +193,51 @@ def test_compare_reports_hbm_l2_and_timing(capsys, tmp_path):
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["compare", "--tree", spec, "--methods", "pat"]) == 0
     assert "timing: graph" in capsys.readouterr().out
+
+
+def test_a_block_streams_its_leading_hits_first_then_a_mix():
+    """One block on one SM, 100 bytes of which 50 hit in L2; the SM pulls 10 bytes/ns, HBM
+    serves 1 byte/ns.  Hits led (``blk_lead`` 50): 5 ns of hits at the SM's pull, then 50 HBM
+    bytes at the HBM cap, 55 ns after its latency.  Nothing led: one mix, half from HBM, at the
+    level where its HBM half meets the cap (2 bytes/ns): 50 ns.  Two led blocks on two SMs
+    share the HBM cap in their second segment."""
+    from sim.timeline import run_engine
+    cap = np.array([1 << 20, 1 << 16, 2048, 32])
+    need = np.array([[0, 32, 32, 1]])
+
+    def run(n, l2, lead, latency=100.0):
+        return run_engine(n, cap, need, np.zeros(n, np.int32), np.full(n, latency),
+                          np.full(n, 100.0), np.zeros(n), np.array([0, n]), np.zeros(1),
+                          np.zeros(1, np.int32), 1, 0.0, 10.0, 1.0, blk_l2=np.full(n, l2),
+                          l2_bw=100.0, blk_lead=np.full(n, lead))
+    _, _, start, end, _, _ = run(1, 50.0, 50.0)
+    assert end[0] - start[0] == pytest.approx(100.0 + 5.0 + 50.0)
+    _, _, start, end, _, _ = run(1, 50.0, 50.0, latency=0.0)   # streaming from dispatch on
+    assert end[0] - start[0] == pytest.approx(5.0 + 50.0)
+    _, _, start, end, _, _ = run(1, 50.0, 0.0)
+    assert end[0] - start[0] == pytest.approx(100.0 + 50.0)
+    # 20 bytes led (2 ns), then 80 bytes of which 50 from HBM: 50 HBM bytes at 1 byte/ns
+    _, _, start, end, _, _ = run(1, 50.0, 20.0)
+    assert end[0] - start[0] == pytest.approx(100.0 + 2.0 + 50.0)
+    _, _, start, end, _, _ = run(2, 50.0, 50.0)
+    assert end - start == pytest.approx([100.0 + 5.0 + 100.0] * 2)
+    _, _, start, end, _, _ = run(1, 0.0, 0.0)                   # no hits: all at the HBM cap
+    assert end[0] - start[0] == pytest.approx(100.0 + 100.0)
+    _, _, start, end, _, _ = run(1, 100.0, 100.0)               # all hits: at the SM's pull
+    assert end[0] - start[0] == pytest.approx(100.0 + 10.0)
+    with pytest.raises(ValueError, match="blk_l2"):
+        run(1, 150.0, 0.0)
+    with pytest.raises(ValueError, match="blk_lead"):
+        run(1, 50.0, 60.0)
+
+
+def test_long_blocks_lead_with_their_hits_short_ones_mix():
+    """The query packer on a shared 2048-token root: each block's hits beyond what its pipeline
+    keeps in flight lead; a 128-token request (a 16 x 64 tile of two stages) reads everything
+    in one mix."""
+    long_ = prepare(_plan("1,8_2048,16", "query", (8, 1)))
+    fwd = _fwd(long_)
+    assert (long_.blk_lead[fwd] > 0).sum() >= 7
+    assert np.all(long_.blk_lead <= long_.blk_l2)
+    short = prepare(_plan("1,8_100,28", "query", (8, 1)))
+    assert short.blk_l2[_fwd(short)].sum() > 0 and not short.blk_lead.any()
