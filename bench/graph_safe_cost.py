@@ -16,8 +16,12 @@ times, on the same step and in one process (CUDA events, L2 flushed, median):
 * ``exact-compact`` / ``gs-bucket-compact``: the same with the KV-length table
   ``--compact`` (default: no 16-token tiles), the plan's own graph and the graph-safe one;
 * ``gs-bucket-fused``: the bucket's launch set as one fused pull launch (every tile in one
-  kernel) plus the merge; ``gs-big`` / ``gs-big-fused``: a bucket ``--big`` times larger
-  (a small step in a larger bucket), per-tile launches and fused;
+  kernel) plus the merge; ``gs-used-fused``: the plan's own tiles as one fused pull launch
+  (the pull form's cost without the bucket's other variants); ``gs-bucket-fused-lean``: what
+  a graph-safe wrapper of this bucket runs, the fused launch without the tiles that would cut
+  its blocks per SM (``static_plan.fused_pull_exclusions``), the step planned without them; ``gs-big`` / ``gs-big-fused``:
+  a bucket ``--big`` times larger (a small step in a larger bucket), per-tile launches and
+  fused;
 
 and, without pat, graphs of ``K`` trivial kernels (each block reads one int and exits) forked
 over ``K`` streams or chained on one, for the per-launch cost of a graph node; also with the
@@ -26,6 +30,7 @@ shared-memory carveout on the kernel).  Every pat row is checked against float64
 first.
 
     python bench/graph_safe_cost.py --out DIR [--specs ...] [--heads 32:8 ...] [--reps 30]
+                                    [--cases gs-bucket-fused gs-used-fused ...]
 
 Writes ``DIR/graph_safe_cost.json`` and prints a table.
 """
@@ -45,6 +50,9 @@ for p in (str(ROOT), str(ROOT / "bench")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+CASES = ("gs-all", "gs-used", "gs-bucket", "gs-bucket-fused", "gs-used-fused",
+         "gs-bucket-fused-lean",
+         "gs-bucket-compact", "gs-big", "gs-big-fused")
 SPECS = ("1,3,12_16,64,128", "1,4,16_128,256,1024", "1,16_2048,128", "1,4,64_256,1024,64",
          "1,2,4,8,16,32,64_256,128,64,64,32,32,32")
 
@@ -57,9 +65,38 @@ def _f(x) -> str:
     return "   wrong" if x is None else f"{x:8.1f}"
 
 
+def _g(row, key) -> str:
+    """``_f`` of a row's entry, blank when its case was not run (``--cases``)."""
+    return _f(row[key]) if key in row else "       -"
+
+
 def time_graph(torch, fn, reps, flush):
     from common import graph_times
     return float(np.median(graph_times(fn, reps, flush=flush))) * 1e3
+
+
+def graph_timeline(torch, fn, flush, runs=10) -> dict:
+    """Kernels of one graph replay of ``fn`` (captured as ``time_graph`` does), from the
+    profiler's trace: per kernel (in launch order) its name and median start and duration in
+    us, and the median span from the first kernel's start to the last one's end."""
+    from common import kernel_timeline
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    tl = kernel_timeline(g.replay, runs, flush)
+    n = min(len(r) for r in tl)
+    kernels = [dict(name=tl[0][i][0][:60],
+                    start_us=float(np.median([r[i][1] for r in tl])),
+                    dur_us=float(np.median([r[i][2] for r in tl]))) for i in range(n)]
+    span = float(np.median([max(st + d for _, st, d in r) for r in tl]))
+    return dict(kernels=kernels, span_us=span)
 
 
 def micro(torch, cp, reps):
@@ -124,18 +161,33 @@ def main(argv=None) -> int:
     ap.add_argument("--compact", default="96:32,inf:64", metavar="TABLE",
                     help="the other KV-length table the compact rows use, as MAX_LEN:N pairs "
                          "(last MAX_LEN 'inf'); default: no 16-token tiles")
+    ap.add_argument("--lean-table", default=None, metavar="TABLE",
+                    help="KV-length table the gs-bucket-fused-lean row plans with, as "
+                         "--compact (default: the GPU's)")
     ap.add_argument("--big", type=int, default=4,
                     help="size of the larger bucket of the gs-big rows, in multiples of the step")
     ap.add_argument("--no-micro", dest="micro", action="store_false",
                     help="skip the trivial-kernel graphs")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also record each case's kernels in a graph replay (profiler trace; "
+                         "the profiler slows later host launches, so take timings from a run "
+                         "without it)")
+    ap.add_argument("--cases", nargs="+", default=None, choices=CASES,
+                    help="graph-safe cases to run (default: all; exact and exact-compact "
+                         "always run)")
     args = ap.parse_args(argv)
-    try:
-        compact = tuple((1 << 62 if a == "inf" else int(a), int(b))
-                        for a, b in (x.split(":") for x in args.compact.split(",")))
-    except ValueError:
-        ap.error(f"--compact: expected MAX_LEN:N pairs, got {args.compact!r}")
-    if compact[-1][0] != 1 << 62:
-        ap.error("--compact: the last MAX_LEN must be 'inf'")
+    def table_arg(name, text):
+        try:
+            t = tuple((1 << 62 if a == "inf" else int(a), int(b))
+                      for a, b in (x.split(":") for x in text.split(",")))
+        except ValueError:
+            ap.error(f"--{name}: expected MAX_LEN:N pairs, got {text!r}")
+        if t[-1][0] != 1 << 62:
+            ap.error(f"--{name}: the last MAX_LEN must be 'inf'")
+        return t
+
+    compact = table_arg("compact", args.compact)
+    lean_table = None if args.lean_table is None else table_arg("lean-table", args.lean_table)
 
     import cupy as cp
     import torch
@@ -143,7 +195,8 @@ def main(argv=None) -> int:
     import pat_core
     from common import git_sha, l2_flusher
     from compare import reference_fp64, rel_err, torch_attention
-    from pat_core.static_plan import StaticLayout, StaticLimits, reachable_tiles
+    from pat_core.static_plan import (StaticLayout, StaticLimits, fused_pull_exclusions,
+                                      reachable_tiles)
     from pat_core.workloads import build_tree_batch
 
     flush = l2_flusher()
@@ -167,6 +220,8 @@ def main(argv=None) -> int:
             fn = lambda: w.run(q, (k, v))  # noqa: E731
             fn()   # throwaway (the first graph after the reference can be slow)
             row["exact"] = time_graph(torch, fn, args.reps, flush)
+            if args.timeline:
+                row["exact-timeline"] = graph_timeline(torch, fn, flush)
             # the --compact KV-length table (default n in {32, 64}: no 16-token tiles)
             wc = pat_core.PrefixAttentionWrapper(backend="cuda", packer="pat")
             wc.planner.tuning = dataclasses.replace(wc.planner.tuning, kv_tile_table=compact)
@@ -193,17 +248,34 @@ def main(argv=None) -> int:
             big = StaticLimits.make(args.big * lim.max_batch_size, args.big * entries,
                                     args.big * lim.max_ctas, args.big * lim.max_partials)
             bucket = reachable_tiles(sel, max_rows=max_rows)
+            # the lean fused set: the step planned (with --lean-table) without the excluded tiles
+            wl = pat_core.PrefixAttentionWrapper(backend="cuda", packer="pat")
+            wl.planner.tuning = dataclasses.replace(wl.planner.tuning, kv_tile_table=lean_table)
+            full_l = reachable_tiles(wl.planner.tile_selector(d, "float16"), max_rows=max_rows)
+            wl.planner.tuning = dataclasses.replace(
+                wl.planner.tuning,
+                exclude_tiles=fused_pull_exclusions(full_l, d, "float16", wl.planner.gpu) or None)
+            plan_l = wl.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16")
+            lean = reachable_tiles(wl.planner.tile_selector(d, "float16"), max_rows=max_rows)
+            row["lean-excluded"] = [list(t) for t in (wl.planner.tuning.exclude_tiles or ())]
+            row["lean-tiles"] = [list(t) for t in lean]
+            lim_l = StaticLimits.make(b.batch_size, entries, max(lim.max_ctas, plan_l.num_ctas),
+                                      max(lim.max_partials, plan_l.num_slots))
             big_tiles = reachable_tiles(sel, max_rows=big.max_cta_rows(plan.group_size))
             # (name, tiles, wrapper, plan, limits, fused)
             cases = (("gs-all", reachable_tiles(sel), w, plan, lim, False),
                      ("gs-used", used, w, plan, lim, False),
                      ("gs-bucket", bucket, w, plan, lim, False),
                      ("gs-bucket-fused", bucket, w, plan, lim, True),
+                     ("gs-used-fused", used, w, plan, lim, True),
+                     ("gs-bucket-fused-lean", lean, wl, plan_l, lim_l, True),
                      ("gs-bucket-compact", reachable_tiles(sel_c, compact, max_rows), wc, plan_c,
                       lim, False),
                      ("gs-big", big_tiles, w, plan, big, False),
                      ("gs-big-fused", big_tiles, w, plan, big, True))
             for name, tiles, wr, pl, limits, fused in cases:
+                if args.cases is not None and name not in args.cases:
+                    continue
                 be = wr._gpu_backend
                 st = be.static_state(StaticLayout(limits, tiles), hq, hk, d, ps, "float16",
                                      pl.sm_scale, fused=fused)
@@ -222,17 +294,26 @@ def main(argv=None) -> int:
                         print(f"{spec} {heads} {key}: WRONG ({err:.2e})")
                         continue
                     row[key] = time_graph(torch, gfn, args.reps, flush)
+                    if args.timeline:
+                        row[key + "-timeline"] = graph_timeline(torch, gfn, flush)
                 be.static_serial = False
             rows.append(row)
             print(f"{spec:40s} {heads:5s} exact {_f(row['exact'])} compact "
-                  f"{_f(row['exact-compact'])} | all {_f(row['gs-all'])} serial "
-                  f"{_f(row['gs-all-serial'])} | used({row['gs-used-launches']}) "
-                  f"{_f(row['gs-used'])} serial {_f(row['gs-used-serial'])} | "
-                  f"bucket({row['gs-bucket-launches']}) {_f(row['gs-bucket'])} | "
-                  f"bucket-compact({row['gs-bucket-compact-launches']}) "
-                  f"{_f(row['gs-bucket-compact'])} | fused {_f(row['gs-bucket-fused'])} | "
-                  f"big({row['gs-big-launches']}) {_f(row['gs-big'])} fused "
-                  f"{_f(row['gs-big-fused'])}")
+                  f"{_f(row['exact-compact'])} | all {_g(row, 'gs-all')} serial "
+                  f"{_g(row, 'gs-all-serial')} | used({row.get('gs-used-launches', '-')}) "
+                  f"{_g(row, 'gs-used')} serial {_g(row, 'gs-used-serial')} | "
+                  f"bucket({row.get('gs-bucket-launches', '-')}) {_g(row, 'gs-bucket')} | "
+                  f"bucket-compact({row.get('gs-bucket-compact-launches', '-')}) "
+                  f"{_g(row, 'gs-bucket-compact')} | fused {_g(row, 'gs-bucket-fused')} "
+                  f"used-fused {_g(row, 'gs-used-fused')} lean({len(lean)}) "
+                  f"{_g(row, 'gs-bucket-fused-lean')} | "
+                  f"big({row.get('gs-big-launches', '-')}) {_g(row, 'gs-big')} fused "
+                  f"{_g(row, 'gs-big-fused')}")
+            for key in [k for k in row if k.endswith("-timeline")]:
+                t = row[key]
+                print(f"    {key[:-9]:20s} span {t['span_us']:6.1f} us: " + ", ".join(
+                    f"{kk['name'][:28]} @{kk['start_us']:.1f} {kk['dur_us']:.1f}"
+                    for kk in t["kernels"]))
             del k, v, q, ref
             torch.cuda.empty_cache()
     res = dict(benchmark="graph_safe_cost", device=torch.cuda.get_device_name(),
@@ -240,6 +321,7 @@ def main(argv=None) -> int:
                                                 torch=torch.__version__, cupy=cp.__version__,
                                                 pat=pat_core.__version__),
                reps=args.reps, compact_table=[list(x) for x in compact],
+               lean_table=None if lean_table is None else [list(x) for x in lean_table],
                method_note="CUDA events around graph replay, L2 flushed before each pat replay "
                "(not the micro rows), median", rows=rows)
     out_dir = Path(args.out)

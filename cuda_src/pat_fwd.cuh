@@ -867,8 +867,12 @@ __device__ __forceinline__ void item_cta_head(const FwdParams& p, int item, int&
 
 // Block -> work items.  The usual launch (PULL = false) has exactly the launch's items in its
 // grid and block b runs item b.  A graph-safe launch (PULL = true, p.live set) has a fixed grid:
-// its blocks pull items from p.work_counter until the live count in device memory is reached,
-// so one captured launch serves every later plan.  Pulling rather than striding lets a block that
+// its blocks pull items until the live count in device memory is reached, so one captured launch
+// serves every later plan.  Block b's first item is item b (no atomic); later items come from
+// p.work_counter, offset by the grid (item gridDim.x + k for the k-th draw), and a launch whose
+// live items fit its grid draws none: a small step's blocks run one item each, as the usual
+// launch's do (H100: the two atomic round trips per block that drawing every item cost showed
+// on 15 us steps; bench/NOTES.md, round 12).  Pulling rather than striding lets a block that
 // drew a short item take the next one (a group's CTAs are ordered longest first).  The two are
 // separate instantiations: in one kernel the loop costs the large tiles registers and spills.
 // Item order of a launch: see item_cta_head.
@@ -880,25 +884,23 @@ __device__ __forceinline__ void run_items(const FwdParams& p) {
     pat_fwd_body<Tr>(p, p.cta_offset + cta_local, kv_head);
   } else {
     const int hk = p.num_kv_heads;
-    // Blocks past the live item count never get work (the others pull every item): leave
-    // before touching the counter, so an unused variant's launch costs one load per block.
+    // Blocks past the live item count never get work (the others take every item): leave
+    // before anything else, so an unused variant's launch costs one load per block.
     if ((int)blockIdx.x >= p.live[1] * hk) return;
-    // Thread 0 draws the next item and decodes it; the block reads (cta, kv_head) from shared
-    // memory, so nothing of the loop stays live in registers across an item.
+    // Later items: thread 0 draws one into a double-buffered slot (the block reads slot k & 1
+    // after the barrier that ends item k; the slot is written again two items later, past the
+    // next barrier), so one barrier per item and only k stays live across an item.
     __shared__ int s_next[2];
+    int item = (int)blockIdx.x;
 #pragma unroll 1
-    for (;;) {
-      if (threadIdx.x == 0) {
-        const int item = atomicAdd(p.work_counter, 1);
-        const int c = item / hk;
-        s_next[0] = item < p.live[1] * hk ? p.live[0] + c : -1;
-        s_next[1] = item - c * hk;
-      }
-      cta_sync<Tr>();
-      const int cta = s_next[0];
-      if (cta < 0) break;  // block-uniform
-      pat_fwd_body<Tr>(p, cta, s_next[1]);
-      cta_sync<Tr>();  // every warp is past the item (and has read s_next) before the next draw
+    for (int k = 0;; ++k) {
+      const int c = item / hk;
+      pat_fwd_body<Tr>(p, p.live[0] + c, item - c * hk);
+      if (p.live[1] * hk <= (int)gridDim.x) break;  // every item was some block's first
+      if (threadIdx.x == 0) s_next[k & 1] = (int)gridDim.x + atomicAdd(p.work_counter, 1);
+      cta_sync<Tr>();  // every warp is past item k (its shared memory free) and s_next written
+      item = s_next[k & 1];
+      if (item >= p.live[1] * hk) break;  // block-uniform
     }
   }
 }
@@ -1115,10 +1117,11 @@ __global__ void __launch_bounds__(THREADS, 1) pat_fwd_fused_kernel(
 // The graph-safe form of the fused launch: one fixed grid for every tile variant of a graph-safe
 // launch set, so a replayed step has one forward launch whatever its plan.  p.live holds
 // {first CTA, CTA count} per variant in the order of Trs (the static buffer's live table; each
-// variant's CTAs contiguous); the block's thread 0 draws item k from p.work_counter, finds the
-// variant whose CTAs hold the k / num_kv_heads-th live CTA, and the block runs it.  Warps the
-// variant does not use wait at the block barrier (id 15: the variants' own barriers use ids 0 to
-// WARPS_N with their own thread counts).  The merge kernel zeroes the counter.
+// variant's CTAs contiguous); block b takes item b first and later items from p.work_counter as
+// run_items<Tr, true> does (none when the live items fit the grid), finds the variant whose CTAs
+// hold the item / num_kv_heads-th live CTA, and runs it.  Warps the variant does not use wait at
+// the block barrier (id 15: the variants' own barriers use ids 0 to WARPS_N with their own
+// thread counts).  The merge kernel zeroes the counter.
 
 template <int HEAD_DIM, typename T, int THREADS, typename... Trs>
 __global__ void __launch_bounds__(THREADS, 1) pat_fwd_fused_pull_kernel(
@@ -1131,37 +1134,24 @@ __global__ void __launch_bounds__(THREADS, 1) pat_fwd_fused_pull_kernel(
 #pragma unroll
   for (int i = 0; i < V; ++i) total += p.live[2 * i + 1];
   const int items = total * hk;
-  // blocks past the live item count never get work: leave before touching the counter
+  // blocks past the live item count never get work: leave before anything else
   if ((int)blockIdx.x >= items) return;
-  __shared__ int s_next[3];
+  __shared__ int s_next[2];  // later items, double-buffered as in run_items<Tr, true>
+  int item = (int)blockIdx.x;
 #pragma unroll 1
-  for (;;) {
-    if (threadIdx.x == 0) {
-      const int item = atomicAdd(p.work_counter, 1);
-      int cta = -1, var = 0, head = 0;
-      if (item < items) {
-        int c = item / hk;
-        head = item - c * hk;
-        for (int i = 0; i < V; ++i) {
-          const int n = p.live[2 * i + 1];
-          if (c < n) {
-            cta = p.live[2 * i] + c;
-            var = i;
-            break;
-          }
-          c -= n;
-        }
-      }
-      s_next[0] = cta;
-      s_next[1] = var;
-      s_next[2] = head;
-    }
-    pat::named_sync(15, THREADS);
-    const int cta = s_next[0];
-    if (cta < 0) break;  // block-uniform
+  for (int k = 0;; ++k) {
+    // every thread decodes the item: the live CTA's variant and its first CTA (block-uniform)
+    int c = item / hk;
+    const int head = item - c * hk;
+    int var = 0;
+#pragma unroll 1
+    for (; var < V - 1 && c >= p.live[2 * var + 1]; ++var) c -= p.live[2 * var + 1];
     int idx = 0;
-    (void)(pat::run_if<Trs>(s_next[1], idx, p, cta, s_next[2]) || ...);
-    // every warp is past the item (and has read s_next) before the next draw
-    pat::named_sync(15, THREADS);
+    (void)(pat::run_if<Trs>(var, idx, p, p.live[2 * var] + c, head) || ...);
+    if (items <= (int)gridDim.x) break;  // every item was some block's first
+    if (threadIdx.x == 0) s_next[k & 1] = (int)gridDim.x + atomicAdd(p.work_counter, 1);
+    pat::named_sync(15, THREADS);  // every warp is past item k and s_next is written
+    item = s_next[k & 1];
+    if (item >= items) break;  // block-uniform
   }
 }

@@ -50,6 +50,9 @@ class Tuning:
     ``order``: launch order of the tile groups: ``"tile"`` (ascending ``(m, n)``) or
     ``"work"`` (largest per-CTA work first, and longest KV first inside a group, so that the
     CTAs that take longest start first).
+    ``exclude_tiles``: ``(m, n)`` pairs the tile selector must not pick (``None``: none).
+    Graph-safe mode sets it for a fused pull launch set
+    (:func:`pat_core.static_plan.fused_pull_exclusions`).
     """
 
     max_rows: int | None = None
@@ -59,6 +62,7 @@ class Tuning:
     kv_tile_table: tuple | None = None
     order: str = "work"
     split_by: str = "tokens"
+    exclude_tiles: tuple | None = None
 
     def __post_init__(self):
         if self.max_rows is not None and (not isinstance(self.max_rows, (int, np.integer))
@@ -76,6 +80,13 @@ class Tuning:
             raise ValueError(f"split_by must be 'tokens' or 'work', got {self.split_by!r}")
         if self.order not in ("tile", "work"):
             raise ValueError(f"order must be 'tile' or 'work', got {self.order!r}")
+        if self.exclude_tiles is not None:
+            try:
+                ex = tuple((int(m), int(n)) for m, n in self.exclude_tiles)
+            except (TypeError, ValueError):
+                raise ValueError("exclude_tiles must be None or (m, n) pairs, got "
+                                 f"{self.exclude_tiles!r}") from None
+            self.exclude_tiles = ex
         if self.kv_tile_table is not None:
             t = tuple(tuple(x) for x in self.kv_tile_table)
             if not t or any(len(x) != 2 or x[1] < 16 for x in t) or \
@@ -297,11 +308,13 @@ class Planner:
 
     def tile_selector(self, head_dim: int, kv_data_type="float16", tile=None) -> TileSelector:
         """The tile selector :meth:`plan` uses for this head_dim and dtype (the GPU's KV-length
-        table, or the tuning's; ``tile`` forces one config)."""
+        table, or the tuning's; the tuning's ``exclude_tiles`` left out; ``tile`` forces one
+        config)."""
         gpu = self.gpu
         if self.tuning.kv_tile_table is not None:
             gpu = dataclasses.replace(gpu, kv_tile_table=tuple(self.tuning.kv_tile_table))
-        return TileSelector(head_dim, dtype_name(kv_data_type, "kv_data_type"), gpu, fixed=tile)
+        return TileSelector(head_dim, dtype_name(kv_data_type, "kv_data_type"), gpu, fixed=tile,
+                            exclude=None if tile is not None else self.tuning.exclude_tiles)
 
     def _length_update(self, c: dict, new_lens: np.ndarray):
         """Reuse the packing when only leaf lengths grew inside listed pages; else ``None``."""

@@ -274,5 +274,41 @@ def graph_safe_fused(limits: StaticLimits, num_tiles: int, mode: str = "auto") -
     return mode == "on" or limits.max_batch_size <= FUSED_MAX_BATCH
 
 
-__all__ = ["StaticLayout", "StaticLimits", "graph_safe_fused", "graph_safe_tile_table",
-           "reachable_tiles"]
+FUSED_MIN_BLOCKS_PER_SM = 2
+
+
+def fused_pull_exclusions(tiles, head_dim: int, dtype: str, gpu) -> tuple:
+    """Tiles a fused pull launch set leaves out, so that its block stays small.
+
+    The fused block takes the largest threads, registers and shared memory of its tiles, so one
+    tile that alone fits fewer than :data:`FUSED_MIN_BLOCKS_PER_SM` blocks per SM makes every
+    item run at that residency.  At head_dim 128 on the H100 that tile is ``(32, 64)``
+    (256 threads, 104 KB: one block per SM); without it the bucket's block holds two.  A tile
+    is left out only while another tile of its ``m`` stays (its CTAs take a narrower ``n``
+    rather than a larger ``m``).  Measured (H100, 32:8, graph µs, ``bench/graph_safe_cost.py``;
+    bench/NOTES.md, round 12): a bucket's fused launch of every tile against one of the
+    plan's own tiles (two blocks per SM), 22.8 against 15.1 on a 12-request tree, 55.1
+    against 45.8 on a 16-request tree of 1024-token leaves.
+
+    ``tiles``: ``(m, n)`` pairs (a launch set, :func:`reachable_tiles`).  Returns the pairs to
+    exclude, in ``tiles``' order (empty when none).
+    """
+    from .tiles import kernel_resources, estimate_resources
+    from .gpus import get_gpu
+    gpu = get_gpu(gpu)
+    tiles = [(int(m), int(n)) for m, n in tiles]
+    low = []
+    for m, n in tiles:
+        res = kernel_resources(m, n, head_dim, dtype, gpu) or \
+            estimate_resources(m, n, head_dim, dtype)
+        if res.ctas_per_sm(gpu) < FUSED_MIN_BLOCKS_PER_SM:
+            low.append((m, n))
+    out = []
+    for m, n in low:
+        if any(mm == m and (mm, nn) not in low for mm, nn in tiles):
+            out.append((m, n))
+    return tuple(out)
+
+
+__all__ = ["StaticLayout", "StaticLimits", "fused_pull_exclusions", "graph_safe_fused",
+           "graph_safe_tile_table", "reachable_tiles"]

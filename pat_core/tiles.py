@@ -229,10 +229,13 @@ class TileSelector:
     """Per-CTA ``(m, n)`` choice over a feasible set (see module docstring).
 
     ``select(rows, kv_len)`` takes int arrays ``[C]`` and returns int32 ``[C, 2]``; it is a
-    table lookup, vectorised over CTAs.
+    table lookup, vectorised over CTAs.  ``fixed``: the one ``(m, n)`` to give every CTA;
+    ``exclude``: ``(m, n)`` pairs left out of the feasible set (an ``m`` whose every ``n`` is
+    left out is not picked: CTAs with that many rows get the next larger ``m``).
     """
 
-    def __init__(self, head_dim: int, dtype: str = "float16", gpu="h100", fixed=None):
+    def __init__(self, head_dim: int, dtype: str = "float16", gpu="h100", fixed=None,
+                 exclude=None):
         self.gpu = get_gpu(gpu)
         self.head_dim = head_dim
         self.dtype = dtype_name(dtype)
@@ -244,6 +247,11 @@ class TileSelector:
             self.feasible = ((m, n),)
         else:
             self.feasible = feasible_tiles(head_dim, self.dtype, self.gpu)
+            if exclude:
+                drop = {(int(m), int(n)) for m, n in exclude}
+                self.feasible = tuple(t for t in self.feasible if t not in drop)
+                if not self.feasible:
+                    raise ValueError(f"exclude={tuple(exclude)}: leaves no feasible tile")
         self.m_values = np.array(sorted({m for m, _ in self.feasible}), dtype=np.int32)
         self.max_rows = int(self.m_values[-1])
         # for each feasible m, the feasible n values (sorted)

@@ -99,7 +99,10 @@ class PrefixAttentionWrapper:
         (:func:`~pat_core.static_plan.graph_safe_tile_table`): one forward launch, not three.
         A bucket of at most 16 requests whose launch set still has several tiles runs them as
         one fused pull launch (:func:`~pat_core.static_plan.graph_safe_fused`; the CUDA
-        backend's ``graph_fused`` or ``PAT_GRAPH_FUSED``: ``"auto"``, ``"on"``, ``"off"``).
+        backend's ``graph_fused`` or ``PAT_GRAPH_FUSED``: ``"auto"``, ``"on"``, ``"off"``),
+        and then the planner leaves out the tiles whose size would cut that launch's blocks
+        per SM (:func:`~pat_core.static_plan.fused_pull_exclusions`; at head_dim 128 on the
+        H100, ``(32, 64)``: such CTAs take ``(32, 32)``).
     max_batch_size, max_num_pages : graph-safe limits (required with ``use_cuda_graph``):
         requests per step, and block-table entries per step (the sum over requests of
         ``ceil(seq_len / page_size)``).
@@ -135,6 +138,7 @@ class PrefixAttentionWrapper:
         self.static_limits = None
         self._static = None            # StaticState, made by the first plan()
         self._auto_table = False       # the planner's KV tile table set by graph-safe mode
+        self._auto_exclude = False     # the planner's excluded tiles set by graph-safe mode
         if self.use_cuda_graph:
             if backend != "cuda":
                 raise ValueError("use_cuda_graph=True needs backend='cuda' (it fixes device "
@@ -220,7 +224,7 @@ class PrefixAttentionWrapper:
             _not_supported("plan", "o_data_type", o_data_type, None)
         self._check_backend_limits(head_dim, kv_dtype)
         if self.use_cuda_graph and self._static is None:
-            self._graph_safe_table(num_qo_heads, num_kv_heads, head_dim)
+            self._graph_safe_tuning(num_qo_heads, num_kv_heads, head_dim, kv_dtype, tile)
         plan = self.planner.plan(block_tables, seq_lens, num_qo_heads, num_kv_heads, head_dim,
                                  page_size, sm_scale=sm_scale, kv_data_type=kv_dtype,
                                  q_data_type=q_dtype, tile=tile, serial=serial, split=split)
@@ -231,21 +235,42 @@ class PrefixAttentionWrapper:
         self._plan = plan
         return plan
 
-    def _graph_safe_table(self, num_qo_heads, num_kv_heads, head_dim) -> None:
+    def _graph_safe_tuning(self, num_qo_heads, num_kv_heads, head_dim, kv_dtype, tile) -> None:
         """Before the first graph-safe plan: plan small buckets with one KV tile width
         (:func:`~pat_core.static_plan.graph_safe_tile_table`), unless the planner's tuning
-        already names a table."""
-        from .static_plan import graph_safe_tile_table
+        already names a table; and when the launch set will run as one fused pull launch,
+        leave out the tiles that would make its block too large
+        (:func:`~pat_core.static_plan.fused_pull_exclusions`), unless the tuning already
+        names exclusions."""
+        from .static_plan import (fused_pull_exclusions, graph_safe_fused, graph_safe_tile_table,
+                                  reachable_tiles)
         if self._auto_table:             # set by an earlier first plan that was refused
             self.planner.tuning = dataclasses.replace(self.planner.tuning, kv_tile_table=None)
             self._auto_table = False
-        if self.planner.tuning.kv_tile_table is not None:
-            return
+        if self._auto_exclude:
+            self.planner.tuning = dataclasses.replace(self.planner.tuning, exclude_tiles=None)
+            self._auto_exclude = False
         hq, hk, _ = check_heads(num_qo_heads, num_kv_heads, head_dim)   # the planner's check
-        table = graph_safe_tile_table(self.static_limits, hq // hk)
-        if table is not None:
-            self.planner.tuning = dataclasses.replace(self.planner.tuning, kv_tile_table=table)
-            self._auto_table = True
+        if self.planner.tuning.kv_tile_table is None:
+            table = graph_safe_tile_table(self.static_limits, hq // hk)
+            if table is not None:
+                self.planner.tuning = dataclasses.replace(self.planner.tuning,
+                                                          kv_tile_table=table)
+                self._auto_table = True
+        if tile is not None or self.planner.tuning.exclude_tiles is not None:
+            return
+        sel = self.planner.tile_selector(head_dim, kv_dtype)
+        tiles = reachable_tiles(sel, max_rows=self.static_limits.max_cta_rows(hq // hk))
+        if not graph_safe_fused(self.static_limits, len(tiles), self._graph_fused_mode()):
+            return
+        ex = fused_pull_exclusions(tiles, head_dim, kv_dtype, self.planner.gpu)
+        if ex:
+            self.planner.tuning = dataclasses.replace(self.planner.tuning, exclude_tiles=ex)
+            self._auto_exclude = True
+
+    def _graph_fused_mode(self) -> str:
+        """The CUDA backend's ``graph_fused`` setting (``"auto"`` without a backend)."""
+        return getattr(self._gpu_backend, "graph_fused", "auto")
 
     def _write_static(self, plan: Plan, tile) -> None:
         """Graph-safe mode: make the fixed state on the first plan, then copy each plan in."""
@@ -256,7 +281,7 @@ class PrefixAttentionWrapper:
             layout = StaticLayout(self.static_limits, reachable_tiles(sel, max_rows=max_rows))
             layout.check(plan)          # refuse before allocating anything
             fused = graph_safe_fused(self.static_limits, len(layout.tiles),
-                                     self._gpu_backend.graph_fused)
+                                     self._graph_fused_mode())
             self._static = self._gpu_backend.static_state(
                 layout, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.page_size,
                 plan.kv_dtype, plan.sm_scale, fused=fused)

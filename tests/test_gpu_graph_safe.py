@@ -102,8 +102,9 @@ class PagedCache:
 def test_one_capture_fifty_changing_steps(packer, max_batch, fused):
     """max_batch 4 at group 4: every CTA fits one 16-row tile, so the wrapper plans with one
     KV tile width and its launch set is one forward launch (static_plan.graph_safe_tile_table).
-    fused "on": the launch set's tiles run in one fused pull launch; "off": one launch per tile
-    (the default "auto" fuses buckets of at most 16 requests)."""
+    fused "on": the launch set's tiles run in one fused pull launch, planned without the tiles
+    that would cut its blocks per SM; "off": one launch per tile (the default "auto" fuses
+    buckets of at most 16 requests)."""
     import torch
     from pat_core import PrefixAttentionWrapper, dense_attention
     from pat_core.inputs import as_block_table
@@ -181,6 +182,14 @@ def test_one_capture_fifty_changing_steps(packer, max_batch, fused):
     else:
         assert len({n for m, n in w._static.layout.tiles if m == 16}) > 1
     assert len(w._static.launch_variants) == (1 if fused == "on" else len(w._static.layout.tiles))
+    # a fused launch set leaves out the tiles that would cut its blocks per SM (static_plan.
+    # fused_pull_exclusions: (32, 64) at head_dim 128 on sm_90); a launch per tile keeps them
+    excluded = set(w.planner.tuning.exclude_tiles or ())
+    assert not excluded & set(w._static.layout.tiles)
+    if fused == "on" and w.planner.gpu.name.startswith("H"):
+        assert (32, 64) in excluded, w.planner.tuning.exclude_tiles
+    if fused == "off":
+        assert not excluded
 
 
 @requires_gpu

@@ -231,3 +231,59 @@ def test_graph_safe_fused_rule():
     assert not graph_safe_fused(lim(256), 1, "on")
     with pytest.raises(ValueError, match="graph_fused"):
         graph_safe_fused(lim(4), 3, "yes")
+
+
+def test_fused_pull_exclusions_keep_the_fused_block_small():
+    """A fused pull launch set leaves out the tiles that alone fit fewer than two blocks per SM
+    while another n of their m stays; the plans made without them use none of them, stay in
+    the smaller launch set and compute the same attention."""
+    from pat_core.gpus import get_gpu
+    from pat_core.static_plan import FUSED_MIN_BLOCKS_PER_SM, fused_pull_exclusions
+    from pat_core.tiles import TileSelector, kernel_resources
+    gpu = get_gpu("h100")
+    sel = TileSelector(128, "float16", "h100")
+    tiles = reachable_tiles(sel, max_rows=48)
+    ex = fused_pull_exclusions(tiles, 128, "float16", "h100")
+    assert ex and set(ex) < set(tiles)
+    for m, n in ex:
+        assert kernel_resources(m, n, 128, "float16", gpu).ctas_per_sm(gpu) \
+            < FUSED_MIN_BLOCKS_PER_SM
+    lean = reachable_tiles(TileSelector(128, "float16", "h100", exclude=ex), max_rows=48)
+    assert set(lean) == set(tiles) - set(ex)
+    assert {m for m, _ in lean} == {m for m, _ in tiles}          # no m lost
+    # the largest block of what stays fits FUSED_MIN_BLOCKS_PER_SM per SM on every resource
+    res = [kernel_resources(m, n, 128, "float16", gpu) for m, n in lean]
+    from sim.occupancy import resource_vector, sm_capacity
+    need = resource_vector(max(r.threads for r in res), max(r.registers for r in res),
+                           max(r.smem for r in res))
+    assert (sm_capacity(gpu) // need).min() >= FUSED_MIN_BLOCKS_PER_SM
+    # an m whose every tile is low stays whole
+    only_low = tuple(t for t in tiles if t in ex)
+    assert fused_pull_exclusions(only_low, 128, "float16", "h100") == ()
+    # the planner with the exclusion: 17-32-row CTAs over long KV take (32, 32), not (32, 64)
+    planner = Planner("pat", "h100")
+    b = build_tree_batch("1,8_2048,40", page_size=16)          # 8 requests x group 4 = 32 rows
+    full = planner.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16, kv_data_type="float32")
+    assert (32, 64) in {tuple(t) for t in full.tile_configs[full.cta_tile].tolist()}
+    planner.tuning = dataclasses.replace(planner.tuning, exclude_tiles=ex)
+    plan = planner.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16, kv_data_type="float32")
+    used = {tuple(t) for t in plan.tile_configs[plan.cta_tile].tolist()}
+    assert not used & set(ex) and used <= set(lean)
+    k, v = random_kv_cache(b.num_pages, 16, 8, 128, seed=5)
+    q = np.random.default_rng(5).standard_normal((b.batch_size, 32, 128)).astype(np.float32)
+    ref = dense_attention(q, (k, v), b.block_tables, b.seq_lens, 16)
+    assert relative_error(execute(plan, q, k, v), ref) < 1e-5
+
+
+def test_tile_exclusion_input_checks():
+    from pat_core.planner import Tuning
+    from pat_core.tiles import TileSelector, feasible_tiles
+    with pytest.raises(ValueError, match="exclude_tiles"):
+        Tuning(exclude_tiles=(32, 64))
+    assert Tuning(exclude_tiles=[[32, 64]]).exclude_tiles == ((32, 64),)
+    with pytest.raises(ValueError, match="exclude"):
+        TileSelector(128, "float16", "h100", exclude=feasible_tiles(128, "float16", "h100"))
+    # a forced tile wins over the exclusion
+    planner = Planner("pat", "h100")
+    planner.tuning = dataclasses.replace(planner.tuning, exclude_tiles=((32, 64),))
+    assert planner.tile_selector(128, "float16", (32, 64)).feasible == ((32, 64),)
