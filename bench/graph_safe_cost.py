@@ -18,8 +18,10 @@ times, on the same step and in one process (CUDA events, L2 flushed, median):
 * ``gs-bucket-fused``: the bucket's launch set as one fused pull launch (every tile in one
   kernel) plus the merge; ``gs-used-fused``: the plan's own tiles as one fused pull launch
   (the pull form's cost without the bucket's other variants); ``gs-bucket-fused-lean``: what
-  a graph-safe wrapper of this bucket runs, the fused launch without the tiles that would cut
-  its blocks per SM (``static_plan.fused_pull_exclusions``), the step planned without them; ``gs-big`` / ``gs-big-fused``:
+  a graph-safe wrapper of this bucket runs: the fused launch over the bucket's tiles under its
+  KV tile table (``static_plan.graph_safe_tile_table``, or ``--lean-table``) without the tiles
+  that would cut its blocks per SM (``static_plan.fused_pull_exclusions``), the step planned
+  the same way; ``gs-big`` / ``gs-big-fused``:
   a bucket ``--big`` times larger (a small step in a larger bucket), per-tile launches and
   fused;
 
@@ -163,7 +165,8 @@ def main(argv=None) -> int:
                          "(last MAX_LEN 'inf'); default: no 16-token tiles")
     ap.add_argument("--lean-table", default=None, metavar="TABLE",
                     help="KV-length table the gs-bucket-fused-lean row plans with, as "
-                         "--compact (default: the GPU's)")
+                         "--compact, or 'gpu' for the GPU's (default: what a graph-safe "
+                         "wrapper of the bucket uses, static_plan.graph_safe_tile_table)")
     ap.add_argument("--big", type=int, default=4,
                     help="size of the larger bucket of the gs-big rows, in multiples of the step")
     ap.add_argument("--no-micro", dest="micro", action="store_false",
@@ -187,7 +190,8 @@ def main(argv=None) -> int:
         return t
 
     compact = table_arg("compact", args.compact)
-    lean_table = None if args.lean_table is None else table_arg("lean-table", args.lean_table)
+    lean_table = (args.lean_table if args.lean_table in (None, "gpu")
+                  else table_arg("lean-table", args.lean_table))
 
     import cupy as cp
     import torch
@@ -196,7 +200,7 @@ def main(argv=None) -> int:
     from common import git_sha, l2_flusher
     from compare import reference_fp64, rel_err, torch_attention
     from pat_core.static_plan import (StaticLayout, StaticLimits, fused_pull_exclusions,
-                                      reachable_tiles)
+                                      graph_safe_tile_table, reachable_tiles)
     from pat_core.workloads import build_tree_batch
 
     flush = l2_flusher()
@@ -250,7 +254,10 @@ def main(argv=None) -> int:
             bucket = reachable_tiles(sel, max_rows=max_rows)
             # the lean fused set: the step planned (with --lean-table) without the excluded tiles
             wl = pat_core.PrefixAttentionWrapper(backend="cuda", packer="pat")
-            wl.planner.tuning = dataclasses.replace(wl.planner.tuning, kv_tile_table=lean_table)
+            lt = (graph_safe_tile_table(lim, plan.group_size, fused=True) if lean_table is None
+                  else None if lean_table == "gpu" else lean_table)
+            wl.planner.tuning = dataclasses.replace(wl.planner.tuning, kv_tile_table=lt)
+            row["lean-table"] = None if lt is None else [list(x) for x in lt]
             full_l = reachable_tiles(wl.planner.tile_selector(d, "float16"), max_rows=max_rows)
             wl.planner.tuning = dataclasses.replace(
                 wl.planner.tuning,
@@ -321,7 +328,8 @@ def main(argv=None) -> int:
                                                 torch=torch.__version__, cupy=cp.__version__,
                                                 pat=pat_core.__version__),
                reps=args.reps, compact_table=[list(x) for x in compact],
-               lean_table=None if lean_table is None else [list(x) for x in lean_table],
+               lean_table=(lean_table if lean_table in (None, "gpu")
+                           else [list(x) for x in lean_table]),
                method_note="CUDA events around graph replay, L2 flushed before each pat replay "
                "(not the micro rows), median", rows=rows)
     out_dir = Path(args.out)

@@ -235,10 +235,25 @@ def reachable_tiles(selector, kv_tile_table=None, max_rows=None) -> tuple:
 # KV-length table of a graph-safe wrapper whose CTAs all fit one 16-row tile: one n.
 ONE_N_TABLE = ((1 << 62, 64),)
 ONE_N_MAX_ROWS = 16
+# KV-length table of a graph-safe bucket that runs as one fused pull launch: two n.
+FUSED_TILE_TABLE = ((64, 32), (1 << 62, 64))
 
 
-def graph_safe_tile_table(limits: StaticLimits, group: int):
+def graph_safe_tile_table(limits: StaticLimits, group: int, fused: bool = False):
     """The KV-length -> ``n`` table a graph-safe wrapper plans with, or ``None`` for the GPU's.
+
+    ``fused``: whether the bucket's launch set, with the GPU's table, would run as one fused
+    pull launch (:func:`graph_safe_fused`).  Such a bucket plans with :data:`FUSED_TILE_TABLE`
+    (``n = 32`` up to 64 tokens, ``n = 64`` beyond): the fused kernel carries every tile of
+    the set, and its time grows with their number beyond what residency explains (H100,
+    ``bench/graph_safe_cost.py``: same grid, occupancy and instruction count, 14.3 against
+    21.5 us for two against eight variants, with 54% of warp cycles stalled on instruction
+    fetch against 35%), so the GPU's three ``n`` per ``m`` (eight tiles at 32:8) become two
+    (five, after :func:`fused_pull_exclusions`).  Measured on 12- and 16-request steps at
+    32:8 and 64:8 (bench/NOTES.md, round 12): 0.88-1.16x the step's exact plan against
+    1.06-1.26x with the GPU's table.  Keeping ``n = 32`` next to ``n = 64`` lets the
+    exclusion drop ``(32, 64)``; with ``n = 64`` alone that tile stays and holds the fused
+    block to one per SM (a 16-request tree of 1024-token leaves at 32:8: 53.1 against 46.4).
 
     When every CTA fits one 16-row tile (``limits.max_cta_rows(group) <= 16``: at most four
     requests at GQA group 4, sixteen at group 1), the default table still gives three launches
@@ -248,8 +263,10 @@ def graph_safe_tile_table(limits: StaticLimits, group: int):
     (H100, ``bench/graph_safe_cost.py --compact inf:64``: a 12k-token single request at 32:8
     39.3 -> 36.0 us against 33.3 for its exact plan; bench/NOTES.md, round 10).  With more
     rows per CTA the leaves of wide trees lose more than the launches save (a 64-request
-    tree at 32:32: 70.4 -> 84.8 us), so larger buckets keep the GPU's table."""
-    return ONE_N_TABLE if limits.max_cta_rows(group) <= ONE_N_MAX_ROWS else None
+    tree at 32:32: 70.4 -> 84.8 us), so larger buckets keep the GPU's table unless fused."""
+    if limits.max_cta_rows(group) <= ONE_N_MAX_ROWS:
+        return ONE_N_TABLE
+    return FUSED_TILE_TABLE if fused else None
 
 
 GRAPH_FUSED_MODES = ("auto", "on", "off")
@@ -310,5 +327,5 @@ def fused_pull_exclusions(tiles, head_dim: int, dtype: str, gpu) -> tuple:
     return tuple(out)
 
 
-__all__ = ["StaticLayout", "StaticLimits", "fused_pull_exclusions", "graph_safe_fused",
-           "graph_safe_tile_table", "reachable_tiles"]
+__all__ = ["FUSED_TILE_TABLE", "StaticLayout", "StaticLimits", "fused_pull_exclusions",
+           "graph_safe_fused", "graph_safe_tile_table", "reachable_tiles"]

@@ -99,10 +99,13 @@ class PrefixAttentionWrapper:
         (:func:`~pat_core.static_plan.graph_safe_tile_table`): one forward launch, not three.
         A bucket of at most 16 requests whose launch set still has several tiles runs them as
         one fused pull launch (:func:`~pat_core.static_plan.graph_safe_fused`; the CUDA
-        backend's ``graph_fused`` or ``PAT_GRAPH_FUSED``: ``"auto"``, ``"on"``, ``"off"``),
-        and then the planner leaves out the tiles whose size would cut that launch's blocks
-        per SM (:func:`~pat_core.static_plan.fused_pull_exclusions`; at head_dim 128 on the
-        H100, ``(32, 64)``: such CTAs take ``(32, 32)``).
+        backend's ``graph_fused`` or ``PAT_GRAPH_FUSED``: ``"auto"``, ``"on"``, ``"off"``);
+        such a bucket plans with two KV tile widths (``n = 32`` up to 64 tokens, ``64``
+        beyond; :data:`~pat_core.static_plan.FUSED_TILE_TABLE`) and without the tiles whose
+        size would cut the fused block's residency
+        (:func:`~pat_core.static_plan.fused_pull_exclusions`; at head_dim 128 on the H100,
+        ``(32, 64)``: such CTAs take ``(32, 32)``), unless its tuning names a table or
+        exclusions.
     max_batch_size, max_num_pages : graph-safe limits (required with ``use_cuda_graph``):
         requests per step, and block-table entries per step (the sum over requests of
         ``ceil(seq_len / page_size)``).
@@ -236,12 +239,11 @@ class PrefixAttentionWrapper:
         return plan
 
     def _graph_safe_tuning(self, num_qo_heads, num_kv_heads, head_dim, kv_dtype, tile) -> None:
-        """Before the first graph-safe plan: plan small buckets with one KV tile width
-        (:func:`~pat_core.static_plan.graph_safe_tile_table`), unless the planner's tuning
-        already names a table; and when the launch set will run as one fused pull launch,
-        leave out the tiles that would make its block too large
-        (:func:`~pat_core.static_plan.fused_pull_exclusions`), unless the tuning already
-        names exclusions."""
+        """Before the first graph-safe plan, unless the planner's tuning already names them:
+        the KV tile table (:func:`~pat_core.static_plan.graph_safe_tile_table`: one width when
+        every CTA fits a 16-row tile, two when the bucket runs as one fused pull launch) and,
+        for a fused bucket, the tiles left out so that its block stays small
+        (:func:`~pat_core.static_plan.fused_pull_exclusions`)."""
         from .static_plan import (fused_pull_exclusions, graph_safe_fused, graph_safe_tile_table,
                                   reachable_tiles)
         if self._auto_table:             # set by an earlier first plan that was refused
@@ -251,19 +253,25 @@ class PrefixAttentionWrapper:
             self.planner.tuning = dataclasses.replace(self.planner.tuning, exclude_tiles=None)
             self._auto_exclude = False
         hq, hk, _ = check_heads(num_qo_heads, num_kv_heads, head_dim)   # the planner's check
+        limits, mode = self.static_limits, self._graph_fused_mode()
+        max_rows = limits.max_cta_rows(hq // hk)
+
+        def fused_now() -> bool:
+            sel = self.planner.tile_selector(head_dim, kv_dtype)
+            return tile is None and graph_safe_fused(
+                limits, len(reachable_tiles(sel, max_rows=max_rows)), mode)
+
         if self.planner.tuning.kv_tile_table is None:
-            table = graph_safe_tile_table(self.static_limits, hq // hk)
+            table = graph_safe_tile_table(limits, hq // hk, fused=fused_now())
             if table is not None:
                 self.planner.tuning = dataclasses.replace(self.planner.tuning,
                                                           kv_tile_table=table)
                 self._auto_table = True
-        if tile is not None or self.planner.tuning.exclude_tiles is not None:
+        if self.planner.tuning.exclude_tiles is not None or not fused_now():
             return
         sel = self.planner.tile_selector(head_dim, kv_dtype)
-        tiles = reachable_tiles(sel, max_rows=self.static_limits.max_cta_rows(hq // hk))
-        if not graph_safe_fused(self.static_limits, len(tiles), self._graph_fused_mode()):
-            return
-        ex = fused_pull_exclusions(tiles, head_dim, kv_dtype, self.planner.gpu)
+        ex = fused_pull_exclusions(reachable_tiles(sel, max_rows=max_rows), head_dim, kv_dtype,
+                                   self.planner.gpu)
         if ex:
             self.planner.tuning = dataclasses.replace(self.planner.tuning, exclude_tiles=ex)
             self._auto_exclude = True

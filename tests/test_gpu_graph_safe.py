@@ -188,6 +188,10 @@ def test_one_capture_fifty_changing_steps(packer, max_batch, fused):
     assert not excluded & set(w._static.layout.tiles)
     if fused == "on" and w.planner.gpu.name.startswith("H"):
         assert (32, 64) in excluded, w.planner.tuning.exclude_tiles
+    if fused == "on":
+        from pat_core.static_plan import FUSED_TILE_TABLE
+        assert w.planner.tuning.kv_tile_table == FUSED_TILE_TABLE
+        assert {n for _, n in w._static.layout.tiles} == {32, 64}, w._static.layout.tiles
     if fused == "off":
         assert not excluded
 

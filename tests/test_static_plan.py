@@ -206,6 +206,14 @@ def test_graph_safe_tile_table_rule():
     assert graph_safe_tile_table(lim(16), 1) == ONE_N_TABLE
     assert graph_safe_tile_table(lim(5), 4) is None
     assert graph_safe_tile_table(lim(17), 1) is None
+    # a fused bucket: two widths, unless every CTA fits one 16-row tile
+    from pat_core.static_plan import FUSED_TILE_TABLE
+    assert graph_safe_tile_table(lim(5), 4, fused=True) == FUSED_TILE_TABLE
+    assert graph_safe_tile_table(lim(4), 4, fused=True) == ONE_N_TABLE
+    planner = Planner("pat", "h100")
+    planner.tuning = dataclasses.replace(planner.tuning, kv_tile_table=FUSED_TILE_TABLE)
+    assert {n for _, n in reachable_tiles(planner.tile_selector(128, "float16"),
+                                          max_rows=48)} == {32, 64}
     planner = Planner("pat", "h100")
     planner.tuning = dataclasses.replace(planner.tuning, kv_tile_table=ONE_N_TABLE)
     sel = planner.tile_selector(128, "float16")
