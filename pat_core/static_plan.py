@@ -250,7 +250,7 @@ def graph_safe_tile_table(limits: StaticLimits, group: int, fused: bool = False)
     21.5 us for two against eight variants, with 54% of warp cycles stalled on instruction
     fetch against 35%), so the GPU's three ``n`` per ``m`` (eight tiles at 32:8) become two
     (five, after :func:`fused_pull_exclusions`).  Measured on 12- and 16-request steps at
-    32:8 and 64:8 (bench/NOTES.md, round 12): 0.88-1.16x the step's exact plan against
+    32:8 and 64:8 (bench/NOTES.md, round 12): 0.89-1.17x the step's exact plan against
     1.06-1.26x with the GPU's table.  Keeping ``n = 32`` next to ``n = 64`` lets the
     exclusion drop ``(32, 64)``; with ``n = 64`` alone that tile stays and holds the fused
     block to one per SM (a 16-request tree of 1024-token leaves at 32:8: 53.1 against 46.4).
@@ -302,10 +302,10 @@ def fused_pull_exclusions(tiles, head_dim: int, dtype: str, gpu) -> tuple:
     item run at that residency.  At head_dim 128 on the H100 that tile is ``(32, 64)``
     (256 threads, 104 KB: one block per SM); without it the bucket's block holds two.  A tile
     is left out only while another tile of its ``m`` stays (its CTAs take a narrower ``n``
-    rather than a larger ``m``).  Measured (H100, 32:8, graph µs, ``bench/graph_safe_cost.py``;
-    bench/NOTES.md, round 12): a bucket's fused launch of every tile against one of the
-    plan's own tiles (two blocks per SM), 22.8 against 15.1 on a 12-request tree, 55.1
-    against 45.8 on a 16-request tree of 1024-token leaves.
+    rather than a larger ``m``).  Measured (H100, 32:8, the GPU's KV tile table, graph µs,
+    ``bench/graph_safe_cost.py``; bench/NOTES.md, round 12): 16-request steps of many items
+    gain (1024-token leaves 56.8 -> 47.6, a 2048-token root 27.0 -> 24.0); a 12-request step
+    whose items all fit the grid does not (18.0 -> 18.9).
 
     ``tiles``: ``(m, n)`` pairs (a launch set, :func:`reachable_tiles`).  Returns the pairs to
     exclude, in ``tiles``' order (empty when none).
