@@ -167,6 +167,9 @@ def main(argv=None) -> int:
                     help="KV-length table the gs-bucket-fused-lean row plans with, as "
                          "--compact, or 'gpu' for the GPU's (default: what a graph-safe "
                          "wrapper of the bucket uses, static_plan.graph_safe_tile_table)")
+    ap.add_argument("--lean-max-rows", type=int, default=None, metavar="M",
+                    help="also cap the gs-bucket-fused-lean row's CTAs at M query rows "
+                         "(Tuning.max_rows; its launch set then holds no larger tile)")
     ap.add_argument("--big", type=int, default=4,
                     help="size of the larger bucket of the gs-big rows, in multiples of the step")
     ap.add_argument("--no-micro", dest="micro", action="store_false",
@@ -256,14 +259,18 @@ def main(argv=None) -> int:
             wl = pat_core.PrefixAttentionWrapper(backend="cuda", packer="pat")
             lt = (graph_safe_tile_table(lim, plan.group_size, fused=True) if lean_table is None
                   else None if lean_table == "gpu" else lean_table)
-            wl.planner.tuning = dataclasses.replace(wl.planner.tuning, kv_tile_table=lt)
+            wl.planner.tuning = dataclasses.replace(wl.planner.tuning, kv_tile_table=lt,
+                                                    max_rows=args.lean_max_rows)
             row["lean-table"] = None if lt is None else [list(x) for x in lt]
-            full_l = reachable_tiles(wl.planner.tile_selector(d, "float16"), max_rows=max_rows)
+            rows_l = max_rows if args.lean_max_rows is None else min(
+                max_rows, max(args.lean_max_rows, plan.group_size))
+            row["lean-max-rows"] = rows_l
+            full_l = reachable_tiles(wl.planner.tile_selector(d, "float16"), max_rows=rows_l)
             wl.planner.tuning = dataclasses.replace(
                 wl.planner.tuning,
                 exclude_tiles=fused_pull_exclusions(full_l, d, "float16", wl.planner.gpu) or None)
             plan_l = wl.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16")
-            lean = reachable_tiles(wl.planner.tile_selector(d, "float16"), max_rows=max_rows)
+            lean = reachable_tiles(wl.planner.tile_selector(d, "float16"), max_rows=rows_l)
             row["lean-excluded"] = [list(t) for t in (wl.planner.tuning.exclude_tiles or ())]
             row["lean-tiles"] = [list(t) for t in lean]
             lim_l = StaticLimits.make(b.batch_size, entries, max(lim.max_ctas, plan_l.num_ctas),
