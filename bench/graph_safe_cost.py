@@ -18,10 +18,10 @@ times, on the same step and in one process (CUDA events, L2 flushed, median):
 * ``gs-bucket-fused``: the bucket's launch set as one fused pull launch (every tile in one
   kernel) plus the merge; ``gs-used-fused``: the plan's own tiles as one fused pull launch
   (the pull form's cost without the bucket's other variants); ``gs-bucket-fused-lean``: what
-  a graph-safe wrapper of this bucket runs: the fused launch over the bucket's tiles under its
-  KV tile table (``static_plan.graph_safe_tile_table``, or ``--lean-table``) without the tiles
-  that would cut its blocks per SM (``static_plan.fused_pull_exclusions``), the step planned
-  the same way; ``gs-big`` / ``gs-big-fused``:
+  a graph-safe wrapper of this bucket runs: the fused launch over the bucket's tiles under the
+  planner tuning the wrapper sets for it (KV tile table, tiles left out, row cap:
+  ``static_plan.graph_safe_tile_table``, ``fused_pull_exclusions``, ``fused_pull_max_rows``;
+  ``--lean-table`` / ``--lean-max-rows`` override), the step planned the same way; ``gs-big`` / ``gs-big-fused``:
   a bucket ``--big`` times larger (a small step in a larger bucket), per-tile launches and
   fused;
 
@@ -168,8 +168,9 @@ def main(argv=None) -> int:
                          "--compact, or 'gpu' for the GPU's (default: what a graph-safe "
                          "wrapper of the bucket uses, static_plan.graph_safe_tile_table)")
     ap.add_argument("--lean-max-rows", type=int, default=None, metavar="M",
-                    help="also cap the gs-bucket-fused-lean row's CTAs at M query rows "
-                         "(Tuning.max_rows; its launch set then holds no larger tile)")
+                    help="cap the gs-bucket-fused-lean row's CTAs at M query rows "
+                         "(Tuning.max_rows; default: the wrapper's rule, "
+                         "static_plan.fused_pull_max_rows)")
     ap.add_argument("--big", type=int, default=4,
                     help="size of the larger bucket of the gs-big rows, in multiples of the step")
     ap.add_argument("--no-micro", dest="micro", action="store_false",
@@ -202,8 +203,7 @@ def main(argv=None) -> int:
     import pat_core
     from common import git_sha, l2_flusher
     from compare import reference_fp64, rel_err, torch_attention
-    from pat_core.static_plan import (StaticLayout, StaticLimits, fused_pull_exclusions,
-                                      graph_safe_tile_table, reachable_tiles)
+    from pat_core.static_plan import StaticLayout, StaticLimits, reachable_tiles
     from pat_core.workloads import build_tree_batch
 
     flush = l2_flusher()
@@ -255,23 +255,27 @@ def main(argv=None) -> int:
             big = StaticLimits.make(args.big * lim.max_batch_size, args.big * entries,
                                     args.big * lim.max_ctas, args.big * lim.max_partials)
             bucket = reachable_tiles(sel, max_rows=max_rows)
-            # the lean fused set: the step planned (with --lean-table) without the excluded tiles
-            wl = pat_core.PrefixAttentionWrapper(backend="cuda", packer="pat")
-            lt = (graph_safe_tile_table(lim, plan.group_size, fused=True) if lean_table is None
-                  else None if lean_table == "gpu" else lean_table)
+            # the lean fused set: the tuning a graph-safe wrapper of this bucket gives its
+            # planner (KV tile table, tiles left out, row cap), --lean-table / --lean-max-rows
+            # named first, and the step planned under it
+            wl = pat_core.PrefixAttentionWrapper(
+                backend="cuda", packer="pat", use_cuda_graph=True, max_batch_size=b.batch_size,
+                max_num_pages=max(entries, 1), max_ctas=lim.max_ctas,
+                max_partials=lim.max_partials)
+            wl._gpu_backend.graph_fused = "on"
+            lt = (wl.planner.gpu.kv_tile_table if lean_table == "gpu" else lean_table)
             wl.planner.tuning = dataclasses.replace(wl.planner.tuning, kv_tile_table=lt,
                                                     max_rows=args.lean_max_rows)
-            row["lean-table"] = None if lt is None else [list(x) for x in lt]
-            rows_l = max_rows if args.lean_max_rows is None else min(
-                max_rows, max(args.lean_max_rows, plan.group_size))
-            row["lean-max-rows"] = rows_l
-            full_l = reachable_tiles(wl.planner.tile_selector(d, "float16"), max_rows=rows_l)
-            wl.planner.tuning = dataclasses.replace(
-                wl.planner.tuning,
-                exclude_tiles=fused_pull_exclusions(full_l, d, "float16", wl.planner.gpu) or None)
-            plan_l = wl.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16")
-            lean = reachable_tiles(wl.planner.tile_selector(d, "float16"), max_rows=rows_l)
-            row["lean-excluded"] = [list(t) for t in (wl.planner.tuning.exclude_tiles or ())]
+            wl._graph_safe_tuning(hq, hk, d, "float16", None)
+            tun = wl.planner.tuning
+            row["lean-table"] = None if tun.kv_tile_table is None else \
+                [list(x) for x in tun.kv_tile_table]
+            row["lean-excluded"] = [list(t) for t in (tun.exclude_tiles or ())]
+            row["lean-max-rows"] = tun.max_rows
+            plan_l = wl.planner.plan(b.block_tables, b.seq_lens, hq, hk, d, ps,
+                                     kv_data_type="float16")
+            lean = reachable_tiles(wl.planner.tile_selector(d, "float16"),
+                                   max_rows=wl._static_max_rows(plan.group_size))
             row["lean-tiles"] = [list(t) for t in lean]
             lim_l = StaticLimits.make(b.batch_size, entries, max(lim.max_ctas, plan_l.num_ctas),
                                       max(lim.max_partials, plan_l.num_slots))

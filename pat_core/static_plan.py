@@ -310,16 +310,11 @@ def fused_pull_exclusions(tiles, head_dim: int, dtype: str, gpu) -> tuple:
     ``tiles``: ``(m, n)`` pairs (a launch set, :func:`reachable_tiles`).  Returns the pairs to
     exclude, in ``tiles``' order (empty when none).
     """
-    from .tiles import kernel_resources, estimate_resources
     from .gpus import get_gpu
     gpu = get_gpu(gpu)
     tiles = [(int(m), int(n)) for m, n in tiles]
-    low = []
-    for m, n in tiles:
-        res = kernel_resources(m, n, head_dim, dtype, gpu) or \
-            estimate_resources(m, n, head_dim, dtype)
-        if res.ctas_per_sm(gpu) < FUSED_MIN_BLOCKS_PER_SM:
-            low.append((m, n))
+    low = [t for t, res in zip(tiles, _resources(tiles, head_dim, dtype, gpu))
+           if res.ctas_per_sm(gpu) < FUSED_MIN_BLOCKS_PER_SM]
     out = []
     for m, n in low:
         if any(mm == m and (mm, nn) not in low for mm, nn in tiles):
@@ -327,5 +322,52 @@ def fused_pull_exclusions(tiles, head_dim: int, dtype: str, gpu) -> tuple:
     return tuple(out)
 
 
-__all__ = ["FUSED_TILE_TABLE", "StaticLayout", "StaticLimits", "fused_pull_exclusions",
-           "graph_safe_fused", "graph_safe_tile_table", "reachable_tiles"]
+def _resources(tiles, head_dim, dtype, gpu) -> list:
+    from .tiles import estimate_resources, kernel_resources
+    return [kernel_resources(m, n, head_dim, dtype, gpu) or
+            estimate_resources(m, n, head_dim, dtype) for m, n in tiles]
+
+
+def fused_block_per_sm(tiles, head_dim: int, dtype: str, gpu) -> int:
+    """Blocks of a fused launch of ``tiles`` one SM holds: the block takes the most threads,
+    registers and shared memory any of its tiles needs."""
+    from .gpus import get_gpu
+    from .tiles import TileResources
+    gpu = get_gpu(gpu)
+    rs = _resources(tiles, head_dim, dtype, gpu)
+    block = TileResources(m=0, n=0, threads=max(r.threads for r in rs),
+                          registers=max(r.registers for r in rs), smem=max(r.smem for r in rs),
+                          source="fused")
+    return block.ctas_per_sm(gpu)
+
+
+def fused_pull_max_rows(tiles, head_dim: int, dtype: str, gpu):
+    """Row cap for a fused pull launch set whose block still fits fewer than
+    :data:`FUSED_MIN_BLOCKS_PER_SM` per SM after :func:`fused_pull_exclusions`.
+
+    The block takes each resource's maximum over the tiles, so two tiles that each fit two
+    blocks per SM can together fit one (head_dim 128 on the H100: the 128-row tiles' 256
+    threads with a 16-row tile's 206 registers per thread, in a 16-request bucket at 64:8).
+    The cap drops the largest ``m`` until the block fits two (CTAs of more rows are split, the
+    second reading the shared KV mostly from L2).  Measured (H100, 64:8, graph µs,
+    ``bench/graph_safe_cost.py --lean-max-rows 64``; bench/NOTES.md, round 12): a 16-request
+    tree of 1024-token leaves 54.6 -> 47.2 (its exact plan 46.8); the 12- and 16-request steps
+    without long leaves within noise (15.2 -> 14.6, 26.7 -> 27.0).
+
+    ``tiles``: ``(m, n)`` pairs (the launch set after the exclusions).  Returns the cap (an
+    ``m``), or ``None`` when the block already fits or one ``m`` is left.
+    """
+    tiles = [(int(m), int(n)) for m, n in tiles]
+    ms = sorted({m for m, _ in tiles})
+    cap = None
+    while len(ms) > 1 and fused_block_per_sm(tiles, head_dim, dtype, gpu) \
+            < FUSED_MIN_BLOCKS_PER_SM:
+        cap = ms[-2]
+        ms = ms[:-1]
+        tiles = [t for t in tiles if t[0] <= cap]
+    return cap
+
+
+__all__ = ["FUSED_TILE_TABLE", "StaticLayout", "StaticLimits", "fused_block_per_sm",
+           "fused_pull_exclusions", "fused_pull_max_rows", "graph_safe_fused", "graph_safe_tile_table",
+           "reachable_tiles"]

@@ -104,8 +104,10 @@ class PrefixAttentionWrapper:
         beyond; :data:`~pat_core.static_plan.FUSED_TILE_TABLE`) and without the tiles whose
         size would cut the fused block's residency
         (:func:`~pat_core.static_plan.fused_pull_exclusions`; at head_dim 128 on the H100,
-        ``(32, 64)``: such CTAs take ``(32, 32)``), unless its tuning names a table or
-        exclusions.
+        ``(32, 64)``: such CTAs take ``(32, 32)``), and, when the fused block still fits one
+        per SM, with CTA rows capped below its largest ``m``
+        (:func:`~pat_core.static_plan.fused_pull_max_rows`; 64 instead of 128 at 64:8), unless
+        its tuning names a table, exclusions or a row cap.
     max_batch_size, max_num_pages : graph-safe limits (required with ``use_cuda_graph``):
         requests per step, and block-table entries per step (the sum over requests of
         ``ceil(seq_len / page_size)``).
@@ -142,6 +144,7 @@ class PrefixAttentionWrapper:
         self._static = None            # StaticState, made by the first plan()
         self._auto_table = False       # the planner's KV tile table set by graph-safe mode
         self._auto_exclude = False     # the planner's excluded tiles set by graph-safe mode
+        self._auto_rows = False        # the planner's row cap set by graph-safe mode
         if self.use_cuda_graph:
             if backend != "cuda":
                 raise ValueError("use_cuda_graph=True needs backend='cuda' (it fixes device "
@@ -244,22 +247,26 @@ class PrefixAttentionWrapper:
         every CTA fits a 16-row tile, two when the bucket runs as one fused pull launch) and,
         for a fused bucket, the tiles left out so that its block stays small
         (:func:`~pat_core.static_plan.fused_pull_exclusions`)."""
-        from .static_plan import (fused_pull_exclusions, graph_safe_fused, graph_safe_tile_table,
-                                  reachable_tiles)
+        from .static_plan import (fused_pull_exclusions, fused_pull_max_rows, graph_safe_fused,
+                                  graph_safe_tile_table, reachable_tiles)
         if self._auto_table:             # set by an earlier first plan that was refused
             self.planner.tuning = dataclasses.replace(self.planner.tuning, kv_tile_table=None)
             self._auto_table = False
         if self._auto_exclude:
             self.planner.tuning = dataclasses.replace(self.planner.tuning, exclude_tiles=None)
             self._auto_exclude = False
+        if self._auto_rows:
+            self.planner.tuning = dataclasses.replace(self.planner.tuning, max_rows=None)
+            self._auto_rows = False
         hq, hk, _ = check_heads(num_qo_heads, num_kv_heads, head_dim)   # the planner's check
         limits, mode = self.static_limits, self._graph_fused_mode()
-        max_rows = limits.max_cta_rows(hq // hk)
+
+        def tiles_now() -> tuple:
+            return reachable_tiles(self.planner.tile_selector(head_dim, kv_dtype),
+                                   max_rows=self._static_max_rows(hq // hk))
 
         def fused_now() -> bool:
-            sel = self.planner.tile_selector(head_dim, kv_dtype)
-            return tile is None and graph_safe_fused(
-                limits, len(reachable_tiles(sel, max_rows=max_rows)), mode)
+            return tile is None and graph_safe_fused(limits, len(tiles_now()), mode)
 
         if self.planner.tuning.kv_tile_table is None:
             table = graph_safe_tile_table(limits, hq // hk, fused=fused_now())
@@ -267,14 +274,25 @@ class PrefixAttentionWrapper:
                 self.planner.tuning = dataclasses.replace(self.planner.tuning,
                                                           kv_tile_table=table)
                 self._auto_table = True
-        if self.planner.tuning.exclude_tiles is not None or not fused_now():
+        if not fused_now():
             return
-        sel = self.planner.tile_selector(head_dim, kv_dtype)
-        ex = fused_pull_exclusions(reachable_tiles(sel, max_rows=max_rows), head_dim, kv_dtype,
-                                   self.planner.gpu)
-        if ex:
-            self.planner.tuning = dataclasses.replace(self.planner.tuning, exclude_tiles=ex)
-            self._auto_exclude = True
+        if self.planner.tuning.exclude_tiles is None:
+            ex = fused_pull_exclusions(tiles_now(), head_dim, kv_dtype, self.planner.gpu)
+            if ex:
+                self.planner.tuning = dataclasses.replace(self.planner.tuning, exclude_tiles=ex)
+                self._auto_exclude = True
+        if self.planner.tuning.max_rows is None:
+            cap = fused_pull_max_rows(tiles_now(), head_dim, kv_dtype, self.planner.gpu)
+            if cap is not None and cap >= hq // hk:
+                self.planner.tuning = dataclasses.replace(self.planner.tuning, max_rows=cap)
+                self._auto_rows = True
+
+    def _static_max_rows(self, group: int) -> int:
+        """Most query rows a CTA of a graph-safe plan can hold: the bucket's (limits) under the
+        planner's row cap, as :meth:`pat_core.planner.Planner.plan` applies it."""
+        rows = self.static_limits.max_cta_rows(group)
+        cap = self.planner.tuning.max_rows
+        return rows if cap is None else min(rows, max(group, int(cap)))
 
     def _graph_fused_mode(self) -> str:
         """The CUDA backend's ``graph_fused`` setting (``"auto"`` without a backend)."""
@@ -285,7 +303,7 @@ class PrefixAttentionWrapper:
         if self._static is None:
             from .static_plan import StaticLayout, graph_safe_fused, reachable_tiles
             sel = self.planner.tile_selector(plan.head_dim, plan.kv_dtype, tile)
-            max_rows = self.static_limits.max_cta_rows(plan.group_size)
+            max_rows = self._static_max_rows(plan.group_size)
             layout = StaticLayout(self.static_limits, reachable_tiles(sel, max_rows=max_rows))
             layout.check(plan)          # refuse before allocating anything
             fused = graph_safe_fused(self.static_limits, len(layout.tiles),

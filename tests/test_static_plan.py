@@ -295,3 +295,38 @@ def test_tile_exclusion_input_checks():
     planner = Planner("pat", "h100")
     planner.tuning = dataclasses.replace(planner.tuning, exclude_tiles=((32, 64),))
     assert planner.tile_selector(128, "float16", (32, 64)).feasible == ((32, 64),)
+
+
+def test_fused_pull_max_rows_keeps_the_fused_block_at_two_per_sm():
+    """A fused launch set whose block (each resource's maximum over its tiles) fits one per SM
+    after the exclusions (128-row tiles next to 16-row ones at head_dim 128 on the H100) caps
+    CTA rows below its largest m; plans under the cap use no larger tile and compute the same
+    attention.  No cap when the block fits two already, or one m is left."""
+    from pat_core.static_plan import (FUSED_MIN_BLOCKS_PER_SM, fused_block_per_sm,
+                                      fused_pull_exclusions, fused_pull_max_rows)
+    from pat_core.tiles import TileSelector
+
+    def lean(rows):
+        t = reachable_tiles(TileSelector(128, "float16", "h100"), max_rows=rows)
+        ex = fused_pull_exclusions(t, 128, "float16", "h100")
+        return [x for x in t if x not in ex]
+    tiles = lean(128)
+    top = max(m for m, _ in tiles)
+    assert fused_block_per_sm(tiles, 128, "float16", "h100") < FUSED_MIN_BLOCKS_PER_SM
+    cap = fused_pull_max_rows(tiles, 128, "float16", "h100")
+    assert cap is not None and cap < top
+    assert fused_block_per_sm([t for t in tiles if t[0] <= cap], 128, "float16", "h100") \
+        >= FUSED_MIN_BLOCKS_PER_SM
+    assert fused_pull_max_rows(lean(48), 128, "float16", "h100") is None
+    assert fused_pull_max_rows([(128, 64), (128, 32)], 128, "float16", "h100") is None
+    planner = Planner("pat", "h100")
+    b = build_tree_batch("1,16_1024,40", page_size=16)      # 16 requests x group 8 = 128 rows
+    full = planner.plan(b.block_tables, b.seq_lens, 64, 8, 128, 16, kv_data_type="float32")
+    assert int(full.tile_configs[full.cta_tile][:, 0].max()) == top
+    planner.tuning = dataclasses.replace(planner.tuning, max_rows=cap)
+    plan = planner.plan(b.block_tables, b.seq_lens, 64, 8, 128, 16, kv_data_type="float32")
+    assert int(plan.tile_configs[plan.cta_tile][:, 0].max()) <= cap
+    k, v = random_kv_cache(b.num_pages, 16, 8, 128, seed=7)
+    q = np.random.default_rng(7).standard_normal((b.batch_size, 64, 128)).astype(np.float32)
+    ref = dense_attention(q, (k, v), b.block_tables, b.seq_lens, 16)
+    assert relative_error(execute(plan, q, k, v), ref) < 1e-5
