@@ -334,11 +334,14 @@ class CudaBackend:
         return fwd + [cc.MergeVariant(plan.head_dim, dtype, cc.MERGE_WARPS, nh)]
 
     def warmup(self, plan: Plan | None = None, variants=None, jobs: int | None = None) -> list:
-        """Compile the variants `plan` needs, or those listed (FwdVariant/MergeVariant objects
-        or keys), or every one-item-per-block variant and the merges when both are None.  Logs one line per compile (the key).
+        """Compile the variants `plan` needs, or those listed (FwdVariant, PipedVariant,
+        MergeVariant or FusedVariant objects, or the keys of the first three), or every
+        one-item-per-block variant and the merges when both are None.  Logs one line per
+        compile (the key).
 
         ``jobs > 1`` first compiles the missing variants in that many worker processes, which
-        fill CuPy's on-disk kernel cache; this process then loads the cached binaries.
+        fill CuPy's on-disk kernel cache; this process then loads the cached binaries.  Fused
+        variants (one translation unit holding several tiles) always compile in this process.
         Returns the variant keys now ready.
         """
         if variants is None:
@@ -351,7 +354,8 @@ class CudaBackend:
                 variants += cc.all_merge_variants()
         variants = [_variant_from(v) for v in variants]
         dev = self.cp.cuda.runtime.getDevice()
-        todo = [v for v in variants if (dev, v.key) not in self._functions]
+        todo = [v for v in variants if (dev, v.key) not in self._functions
+                and not isinstance(v, cc.FusedVariant)]
         if jobs and jobs > 1 and len(todo) > 1:
             try:
                 _compile_in_workers(todo, jobs)
@@ -793,11 +797,10 @@ class StaticState:
         self.merge_variant = cc.MergeVariant(self.head_dim, self.dtype)
         self.fused = bool(fused)
         if self.fused:
-            # one kernel holds every tile; it compiles in this process (one translation unit)
+            # one kernel holds every tile (warmup compiles it in this process)
             self.launch_variants = [cc.FusedVariant(self.head_dim, self.dtype,
                                                     tuple(self.variants), pull=True)]
-            backend.warmup(variants=[self.merge_variant], jobs=1)
-            backend._function(self.launch_variants[0])
+            backend.warmup(variants=self.launch_variants + [self.merge_variant], jobs=1)
         else:
             self.launch_variants = list(self.variants)
             backend.warmup(variants=self.variants + [self.merge_variant],
@@ -1058,15 +1061,15 @@ def _check_plan_tiles(plan: Plan) -> None:
 
 
 def _variant_from(v):
-    if isinstance(v, (cc.FwdVariant, cc.PipedVariant, cc.MergeVariant)):
+    if isinstance(v, (cc.FwdVariant, cc.PipedVariant, cc.MergeVariant, cc.FusedVariant)):
         return v
     if isinstance(v, str):
         for cand in cc.all_fwd_variants() + cc.all_piped_variants() + cc.all_merge_variants():
             if cand.key == v:
                 return cand
         raise ValueError(f"variants: unknown kernel variant {v!r}")
-    raise TypeError(f"variants: expected FwdVariant, PipedVariant, MergeVariant or key, got "
-                    f"{type(v).__name__}")
+    raise TypeError(f"variants: expected FwdVariant, PipedVariant, MergeVariant, FusedVariant "
+                    f"or key, got {type(v).__name__}")
 
 
 def _sm90a_cubin_path(variant, opts) -> str:
