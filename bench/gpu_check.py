@@ -14,8 +14,8 @@ Steps (each optional, in this order; a failing step is recorded and the next sti
 2. ``smoke``: a few workloads x packers x dtypes x head_dims against the float64 reference,
    printing each relative error next to the plain same-dtype implementation's.
 3. ``pytest``: ``tests/test_gpu_kernels.py`` (log to ``DIR/pytest.log``).
-4. ``sanitizer``: ``compute-sanitizer`` memcheck and racecheck on a small plan
-   (``--sanitize-case``), summaries to ``DIR/sanitizer_*.txt``.
+4. ``sanitizer``: ``compute-sanitizer`` memcheck and racecheck on small plans, graph-safe
+   launch sets included (``--sanitize-case``), summaries to ``DIR/sanitizer_*.txt``.
 5. ``bench``: ``bench/gpu_kernels.py`` (JSON to ``DIR/gpu_kernels.json``).
 6. ``host`` (``--host``): enqueue cost of ``run()`` and a cProfile of it (``host_profile.txt``).
 7. ``sweep`` (``--sweep``): forced tiles / variant overrides (``sweep.json``).
@@ -135,6 +135,28 @@ def sanitize_case():
               f"variants={[v.key for v in backend.variants_for(plan)][:-1]} "
               f"finite={bool(cupy.isfinite(out).all())}")
     cc.VARIANT_OVERRIDES.clear()
+    backend.one_tile = "off"
+    # graph-safe launch sets (pull kernels: a block's first item is its own, later ones drawn
+    # from a counter), one launch per tile and fused; two plans each, the second with more
+    # items than the grid so that blocks draw
+    for fused in ("off", "on"):
+        w = PrefixAttentionWrapper(backend="cuda", packer="pat", use_cuda_graph=True,
+                                   max_batch_size=24, max_num_pages=4096)
+        w._gpu_backend.graph_fused = fused
+        for spec in ("1,4,16_100,37,61", "1,24_1000,2000"):
+            b = build_tree_batch(spec, page_size=16, seed=3)
+            plan = w.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16, kv_data_type="float16")
+            rng = np.random.default_rng(1)
+            k = cupy.asarray(rng.standard_normal((4096, 16, 8, 128)).astype(np.float16))
+            v = cupy.asarray(rng.standard_normal((4096, 16, 8, 128)).astype(np.float16))
+            q = cupy.asarray(rng.standard_normal((24, 32, 128)).astype(np.float16))
+            out = cupy.zeros_like(q)
+            w.run(q, (k, v), out=out)
+            cupy.cuda.Device().synchronize()
+            st = w._static
+            print(f"graph-safe fused={fused} {spec}: items={plan.num_ctas * 8} "
+                  f"grids={st.grids} tiles={len(st.layout.tiles)} "
+                  f"finite={bool(cupy.isfinite(out[:b.batch_size]).all())}")
 
 
 def step_sanitizer(out_dir):
