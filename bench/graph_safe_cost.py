@@ -21,9 +21,9 @@ times, on the same step and in one process (CUDA events, L2 flushed, median):
   a graph-safe wrapper of this bucket runs: the fused launch over the bucket's tiles under the
   planner tuning the wrapper sets for it (KV tile table, tiles left out, row cap:
   ``static_plan.graph_safe_tile_table``, ``fused_pull_exclusions``, ``fused_pull_max_rows``;
-  ``--lean-table`` / ``--lean-max-rows`` override), the step planned the same way; ``gs-big`` / ``gs-big-fused``:
-  a bucket ``--big`` times larger (a small step in a larger bucket), per-tile launches and
-  fused;
+  ``--lean-table`` / ``--lean-max-rows`` override), the step planned the same way;
+  ``gs-big`` / ``gs-big-fused``: a bucket ``--big`` times larger (a small step in a larger
+  bucket), per-tile launches and fused;
 
 and, without pat, graphs of ``K`` trivial kernels (each block reads one int and exits) forked
 over ``K`` streams or chained on one, for the per-launch cost of a graph node; also with the

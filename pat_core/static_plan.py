@@ -369,5 +369,5 @@ def fused_pull_max_rows(tiles, head_dim: int, dtype: str, gpu):
 
 
 __all__ = ["FUSED_TILE_TABLE", "StaticLayout", "StaticLimits", "fused_block_per_sm",
-           "fused_pull_exclusions", "fused_pull_max_rows", "graph_safe_fused", "graph_safe_tile_table",
-           "reachable_tiles"]
+           "fused_pull_exclusions", "fused_pull_max_rows", "graph_safe_fused",
+           "graph_safe_tile_table", "reachable_tiles"]

@@ -245,8 +245,9 @@ class PrefixAttentionWrapper:
         """Before the first graph-safe plan, unless the planner's tuning already names them:
         the KV tile table (:func:`~pat_core.static_plan.graph_safe_tile_table`: one width when
         every CTA fits a 16-row tile, two when the bucket runs as one fused pull launch) and,
-        for a fused bucket, the tiles left out so that its block stays small
-        (:func:`~pat_core.static_plan.fused_pull_exclusions`)."""
+        for a fused bucket, the tiles left out and the row cap that keep its block at two per
+        SM (:func:`~pat_core.static_plan.fused_pull_exclusions`,
+        :func:`~pat_core.static_plan.fused_pull_max_rows`)."""
         from .static_plan import (fused_pull_exclusions, fused_pull_max_rows, graph_safe_fused,
                                   graph_safe_tile_table, reachable_tiles)
         if self._auto_table:             # set by an earlier first plan that was refused

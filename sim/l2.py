@@ -32,7 +32,8 @@ The split is a function of the plan, its dispatch order, the blocks' occupancy a
 only (no timing constants), so it is computed once per prepared workload.  Per block,
 ``hbm + l2`` equals the block's bytes in :mod:`sim.traffic`, so the totals still equal
 ``Plan.stats()["total_bytes"]``.  A block's hits come first in its reads (a shared prefix
-precedes a request's own pages); :mod:`sim.timeline` streams them first.
+precedes a request's own pages); :mod:`sim.timeline` streams them before the rest, except
+those its KV pipeline has in flight with the misses that follow (:func:`sim.model.prepare`).
 """
 from __future__ import annotations
 

@@ -10,9 +10,12 @@ Cost of one forward thread block (one CTA, one KV head) with ``t`` KV tiles of `
 where the bandwidth share comes from the event-driven fluid model of :mod:`sim.timeline`: memory
 bandwidth is split max-min fairly between the blocks that are streaming, no SM pulling more than
 ``sm_bandwidth``, the HBM bytes of all of them together no more than ``hbm_bandwidth`` and their
-L2 hits (:mod:`sim.l2`: a page re-read while still in L2) no more than ``l2_bandwidth``.  (With every SM busy
-and equal blocks this is the simple rule "an SM's share is ``hbm_bandwidth / num_sms``, split
-between its resident blocks"; the fluid form also gets the tail and small batches right.)  A merge block (``MERGE_WARPS`` (request, head) pairs) costs ``block_ns`` latency, its
+L2 hits (:mod:`sim.l2`: a page re-read while still in L2) no more than ``l2_bandwidth``; a
+block streams its shared prefix's hits before its own pages (all but the hits its KV pipeline
+has in flight with the misses that follow).  (With every SM busy and equal blocks this is the
+simple rule "an SM's share is ``hbm_bandwidth / num_sms``, split between its resident blocks";
+the fluid form also gets the tail and small batches right.)  A merge block (``MERGE_WARPS``
+(request, head) pairs) costs ``block_ns`` latency, its
 partial reads and output writes, and ``merge_slot_ns`` per slot of its longest pair.
 
 Launch ``k`` (forward groups in plan order, then the merge) reaches the GPU at
@@ -169,17 +172,17 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
     # in flight, so those hits overlap the misses behind them (a short block's hits and misses
     # all move together).  Merge blocks: one mix.
     stages = np.array([o.resources.stages for o in occ], dtype=np.float64)
-    ft = plan.cta_tile[f_cta.astype(np.int64)].astype(np.int64)
+    fc = f_cta.astype(np.int64)
     tok = w.kv_bytes / np.maximum(w.kv_len, 1)                  # KV bytes per token
-    inflight = stages[ft] * w.n[f_cta.astype(np.int64)] * tok[f_cta.astype(np.int64)]
+    inflight = stages[plan.cta_tile[fc].astype(np.int64)] * w.n[fc] * tok[fc]
     blk_lead = np.zeros(blk_l2.shape[0])
     nf = f_cta.shape[0]
     blk_lead[:nf] = np.maximum(blk_l2[:nf] - inflight, 0.0)
     return Workload(gpu=gpu, launches=launches, need=need, blk_cfg=np.concatenate(cfg),
                     blk_cta=np.concatenate(cta), blk_head=np.concatenate(head),
                     blk_launch=np.concatenate(lau), blk_bytes=np.concatenate(byt),
-                    blk_l2=blk_l2, blk_lead=blk_lead, blk_tiles=np.concatenate(til), blk_flops=np.concatenate(flo),
-                    blk_slots=np.concatenate(slo),
+                    blk_l2=blk_l2, blk_lead=blk_lead, blk_tiles=np.concatenate(til),
+                    blk_flops=np.concatenate(flo), blk_slots=np.concatenate(slo),
                     num_phases=(len(launches)) if serial else 2,
                     serial=serial, l2_window=window)
 

@@ -21,12 +21,14 @@ What it models
   system serves outstanding requests, and every block keeps a similar number in flight), under
   three caps: one SM pulls at most ``sm_bw`` (its blocks split it); the blocks streaming from
   HBM together at most ``hbm_bw``; the blocks streaming L2 hits (see :mod:`sim.l2`) together at
-  most ``l2_bw``.  A block streams its L2 hits first and then its HBM bytes (a shared prefix
-  precedes a request's own pages), so blocks that start together read the shared part at L2
-  speed and then meet at the HBM cap, rather than spreading the hits over their whole life.
-  The blocks of one SM move at one common level: the lowest that the caps of the pools they
-  draw on allow.  So a lone block cannot use the whole GPU, a full GPU cannot exceed DRAM
-  bandwidth, and L2 hits cost no DRAM bandwidth.
+  most ``l2_bw``.  A block streams its *leading* L2 hits first (a shared prefix precedes a
+  request's own pages; :func:`sim.model.prepare` leads with all hits but what the KV pipeline
+  keeps in flight), then the rest as a fixed mix of HBM bytes and remaining hits.  So blocks
+  that start together read the shared part at L2 speed and then meet at the HBM cap, rather
+  than spreading the hits over their whole life.  The blocks of one SM move at one common
+  level: the lowest that the caps of the pools they draw on allow.  So a lone block cannot
+  use the whole GPU, a full GPU cannot exceed DRAM bandwidth, and L2 hits cost no DRAM
+  bandwidth.
 
 The engine is a Numba loop over events (a block starting, finishing its latency, its bytes or its
 compute; a launch arriving; a phase opening).  Per event it touches every SM once, so a plan of
@@ -65,8 +67,10 @@ def _fair_level(ntr, wsum, num_sms, max_res, sm_bw, cap_bw, hist):
     """Max-min fair share per streaming block under one bandwidth cap.
 
     Block rates are ``min(sm_bw / k_x, L)`` for a block on an SM with ``k_x`` streaming blocks.
-    ``wsum[x]`` counts SM ``x``'s streaming blocks that draw on the capped resource (those in
-    their HBM segment for DRAM, in their L2 segment for the L2).  ``L`` (returned; ``inf`` when the resource is not the limit) makes the demand
+    A block draws on the capped resource with a weight: 1 for the L2 while it streams its
+    leading hits; while it streams the rest, its HBM share for DRAM and the remaining hits'
+    share for the L2.  ``wsum[x]`` is the weight summed over SM ``x``'s streaming blocks.
+    ``L`` (returned; ``inf`` when the resource is not the limit) makes the demand
     ``sum_x wsum_x * min(sm_bw / k_x, L)`` equal ``cap_bw``.  Solved over the histogram of ``k_x``
     (at most ``max_res + 1`` distinct values), so the cost is one pass over the SMs.  With every
     weight 1 this is the plain rule ``sum_x min(sm_bw, k_x * L) = cap_bw``.
