@@ -88,6 +88,33 @@ assert res.bytes_level["l2"] < 0.05 * res.bytes["total"]
 assert q_res.bytes_level["l2"] + q_res.bytes_level["hbm"] == q_res.bytes["total"]
 
 # %% [markdown]
+# Two rules decide which reads are hits, and when they move. A page is a hit when another block
+# read it while it was still in L2, and the model replays the reads the way the GPU runs them:
+# every resident block reads its next page in turn, so a prefix that many blocks read together
+# comes from HBM once however long it is. And a request's shared prefix comes before its own
+# pages, so a block streams those hits **first**, except the few KV tiles its pipeline has in
+# flight together with the misses behind them (the "lead" below); blocks that start together
+# therefore read the shared part at L2 speed and then meet at the DRAM cap. The cell below
+# counts the leading bytes of each plan: for query, a large share of its hits (its 384-token
+# prefix re-read by every request); pat's few hits (prefix pages two of its CTAs both read, a
+# few per block, and the merge kernel's partial reads) stay within what a block has in
+# flight, so none of them lead.
+
+# %%
+from sim.model import prepare
+
+for name, p in (("pat", plan), ("query", plan_for(spec, "query"))):
+    wl = prepare(p)
+    lead, hits = wl.blk_lead.sum(), wl.blk_l2.sum()
+    print(f"{name:>5}: L2 hits {hits / 1e6:.1f} MB, of which streamed first {lead / 1e6:.1f} MB "
+          f"({100 * lead / hits:.0f} %)")
+    assert np.all(wl.blk_lead <= wl.blk_l2) and np.all(wl.blk_l2 <= wl.blk_bytes)
+    if name == "query":   # the statements above: query's re-read prefix leads, pat's hits do not
+        assert lead > 0.25 * hits
+    else:
+        assert lead == 0 and hits > 0
+
+# %% [markdown]
 # A few definitions the printout uses (the cell below computes each for this plan):
 #
 # * a **thread block** is one CTA for one KV head (the kernel runs `num_kv_heads` copies of
