@@ -93,7 +93,7 @@ def _kv_hits(blk_cta, blk_head, blk_other, blk_weight, capacity, kv_start, kv_le
                 pos = s // page_size + (j - page_indptr[c])
                 nbytes = (min(e, (pos + 1) * page_size) - max(s, pos * page_size)) * tok_bytes
                 key = pages[j] * num_kv_heads + blk_head[b]
-                if seen[key] and clock - last[key] <= window:
+                if seen[key] and clock - last[key] < window:
                     l2[b] += nbytes
                 else:
                     clock += nbytes
@@ -158,11 +158,12 @@ def l2_split(plan, blk_cta, blk_head, fwd_other, merge_read, window: float,
             int(tok_bytes), num_pages, float(window))
     else:
         l2_fwd, clock_after = np.zeros(0, np.int64), np.zeros(0)
-    # merge: share of partial bytes written within the last `window` bytes of insertions
+    # merge: share of partial bytes written within the last `window` bytes of insertions before
+    # the forward blocks ended (the last to end need not be the last dispatched)
     pw = _partial_write_bytes(plan, blk_cta)
     share = 0.0
     if pw.sum() > 0 and clock_after.size:
-        resident = (clock_after[-1] - clock_after) < window
+        resident = (clock_after.max() - clock_after) < window
         share = float(pw[resident].sum() / pw.sum()) if window > 0 else 0.0
     return np.concatenate([l2_fwd.astype(np.float64), np.floor(merge_read * share)])
 

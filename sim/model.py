@@ -168,9 +168,9 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
     blk_l2 = l2_split(plan, f_cta, f_head, f_other, mw.read_bytes_per_block, window,
                       blk_weight=f_weight, capacity=float(gpu.num_sms))
     # A block's hits come first (a shared prefix precedes a request's own pages) and stream
-    # before its misses, except the last `stages` KV tiles' worth: the pipeline keeps that much
-    # in flight, so those hits overlap the misses behind them (a short block's hits and misses
-    # all move together).  Merge blocks: one mix.
+    # before its misses, except the last `stages` KV tiles' worth (the `stages - 1` tiles its
+    # pipeline has loading plus the one it computes on): those overlap the misses behind them
+    # (a short block's hits and misses all move together).  Merge blocks: one mix.
     stages = np.array([o.resources.stages for o in occ], dtype=np.float64)
     fc = f_cta.astype(np.int64)
     tok = w.kv_bytes / np.maximum(w.kv_len, 1)                  # KV bytes per token

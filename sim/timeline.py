@@ -26,7 +26,9 @@ What it models
   keeps in flight), then the rest as a fixed mix of HBM bytes and remaining hits.  So blocks
   that start together read the shared part at L2 speed and then meet at the HBM cap, rather
   than spreading the hits over their whole life.  The blocks of one SM move at one common
-  level: the lowest that the caps of the pools they draw on allow.  So a lone block cannot
+  level: the lowest that the caps of the pools they draw on allow (each pool's level solved on
+  its own, so where the two caps bind on different SMs the split is not exactly max-min fair:
+  bandwidth one pool's SMs leave unused is not handed to the other's).  So a lone block cannot
   use the whole GPU, a full GPU cannot exceed DRAM bandwidth, and L2 hits cost no DRAM
   bandwidth.
 

@@ -40,8 +40,11 @@ def test_every_kv_head_is_its_own_data():
     assert four.blk_l2[_fwd(four)].sum() == 4 * one.blk_l2[_fwd(one)].sum()
 
 
-def test_zero_window_makes_everything_hbm():
-    plan = _plan("1,8_512,64", "query", (32, 8))
+@pytest.mark.parametrize("heads", [(32, 8), (8, 1)])
+def test_zero_window_makes_everything_hbm(heads):
+    """With one KV head, resident blocks read one page back to back, no bytes entering L2 in
+    between: a zero window must still make those HBM reads."""
+    plan = _plan("1,8_512,64", "query", heads)
     wl = prepare(plan, l2_window_bytes=0)
     assert not wl.blk_l2.any()
     lv = bytes_by_level(wl)
@@ -241,3 +244,19 @@ def test_long_blocks_lead_with_their_hits_short_ones_mix():
     assert np.all(long_.blk_lead <= long_.blk_l2)
     short = prepare(_plan("1,8_100,28", "query", (8, 1)))
     assert short.blk_l2[_fwd(short)].sum() > 0 and not short.blk_lead.any()
+
+
+@pytest.mark.parametrize("spec,method", [("1,64_2048,32", "pat"),
+                                         ("1,4,16_128,256,1024", "node")])
+@pytest.mark.parametrize("window", [2e5, 2e6])
+def test_merge_hits_fit_in_the_window(spec, method, window):
+    """The merge reads as L2 hits only partials written within the last ``window`` bytes of
+    insertions before the forward blocks ended, so at most ``window`` plus one block's partial
+    bytes (long blocks dispatched first end last: the end is the latest block's, not the last
+    dispatched one's)."""
+    from sim.l2 import _partial_write_bytes
+    plan = _plan(spec, method, (32, 8))
+    wl = prepare(plan, l2_window_bytes=window)
+    fwd = _fwd(wl)
+    pw = _partial_write_bytes(plan, wl.blk_cta[fwd])
+    assert 0 < wl.blk_l2[~fwd].sum() <= window + pw.max()
