@@ -142,9 +142,9 @@ class PrefixAttentionWrapper:
         self.use_cuda_graph = bool(use_cuda_graph)
         self.static_limits = None
         self._static = None            # StaticState, made by the first plan()
-        self._auto_table = False       # the planner's KV tile table set by graph-safe mode
-        self._auto_exclude = False     # the planner's excluded tiles set by graph-safe mode
-        self._auto_rows = False        # the planner's row cap set by graph-safe mode
+        # tuning fields graph-safe mode set before the first plan: {field: value set}, so that a
+        # refused first plan undoes them (only where the field still holds that value)
+        self._auto_tuning = {}
         if self.use_cuda_graph:
             if backend != "cuda":
                 raise ValueError("use_cuda_graph=True needs backend='cuda' (it fixes device "
@@ -250,15 +250,16 @@ class PrefixAttentionWrapper:
         :func:`~pat_core.static_plan.fused_pull_max_rows`)."""
         from .static_plan import (fused_pull_exclusions, fused_pull_max_rows, graph_safe_fused,
                                   graph_safe_tile_table, reachable_tiles)
-        if self._auto_table:             # set by an earlier first plan that was refused
-            self.planner.tuning = dataclasses.replace(self.planner.tuning, kv_tile_table=None)
-            self._auto_table = False
-        if self._auto_exclude:
-            self.planner.tuning = dataclasses.replace(self.planner.tuning, exclude_tiles=None)
-            self._auto_exclude = False
-        if self._auto_rows:
-            self.planner.tuning = dataclasses.replace(self.planner.tuning, max_rows=None)
-            self._auto_rows = False
+        # undo what an earlier first plan that was refused set, unless changed since
+        undo = {k: None for k, v in self._auto_tuning.items()
+                if getattr(self.planner.tuning, k) == v}
+        if undo:
+            self.planner.tuning = dataclasses.replace(self.planner.tuning, **undo)
+        self._auto_tuning = {}
+
+        def set_auto(**kw):
+            self.planner.tuning = dataclasses.replace(self.planner.tuning, **kw)
+            self._auto_tuning.update({k: getattr(self.planner.tuning, k) for k in kw})
         hq, hk, _ = check_heads(num_qo_heads, num_kv_heads, head_dim)   # the planner's check
         limits, mode = self.static_limits, self._graph_fused_mode()
 
@@ -272,21 +273,17 @@ class PrefixAttentionWrapper:
         if self.planner.tuning.kv_tile_table is None:
             table = graph_safe_tile_table(limits, hq // hk, fused=fused_now())
             if table is not None:
-                self.planner.tuning = dataclasses.replace(self.planner.tuning,
-                                                          kv_tile_table=table)
-                self._auto_table = True
+                set_auto(kv_tile_table=table)
         if not fused_now():
             return
         if self.planner.tuning.exclude_tiles is None:
             ex = fused_pull_exclusions(tiles_now(), head_dim, kv_dtype, self.planner.gpu)
             if ex:
-                self.planner.tuning = dataclasses.replace(self.planner.tuning, exclude_tiles=ex)
-                self._auto_exclude = True
+                set_auto(exclude_tiles=ex)
         if self.planner.tuning.max_rows is None:
             cap = fused_pull_max_rows(tiles_now(), head_dim, kv_dtype, self.planner.gpu)
             if cap is not None and cap >= hq // hk:
-                self.planner.tuning = dataclasses.replace(self.planner.tuning, max_rows=cap)
-                self._auto_rows = True
+                set_auto(max_rows=cap)
 
     def _static_max_rows(self, group: int) -> int:
         """Most query rows a CTA of a graph-safe plan can hold: the bucket's (limits) under the

@@ -330,3 +330,52 @@ def test_fused_pull_max_rows_keeps_the_fused_block_at_two_per_sm():
     q = np.random.default_rng(7).standard_normal((b.batch_size, 64, 128)).astype(np.float32)
     ref = dense_attention(q, (k, v), b.block_tables, b.seq_lens, 16)
     assert relative_error(execute(plan, q, k, v), ref) < 1e-5
+
+
+def _graph_safe_wrapper(max_batch, mode="auto"):
+    """A graph-safe wrapper's planning half without a GPU: the CPU wrapper given graph-safe
+    limits and a stand-in backend that only carries ``graph_fused``."""
+    from types import SimpleNamespace
+    w = PrefixAttentionWrapper(backend="cpu", packer="pat")
+    w.use_cuda_graph = True
+    w.static_limits = StaticLimits.make(max_batch, 4096)
+    w._gpu_backend = SimpleNamespace(graph_fused=mode)
+    return w
+
+
+def test_graph_safe_tuning_of_a_fused_bucket():
+    """What the wrapper gives its planner before the first graph-safe plan: a fused 16-request
+    bucket at 64:8 gets the two-width table, (32, 64) left out and rows capped at 64, and its
+    launch set's fused block fits two per SM; a larger bucket (not fused) and a 4-request
+    bucket at 32:8 (one 16-row tile) get none of the fused rules; a refused first plan's
+    settings are undone, but a value the user set since is kept."""
+    from pat_core.static_plan import (FUSED_MIN_BLOCKS_PER_SM, FUSED_TILE_TABLE, ONE_N_TABLE,
+                                      fused_block_per_sm)
+    w = _graph_safe_wrapper(16)
+    w._graph_safe_tuning(64, 8, 128, "float16", None)
+    t = w.planner.tuning
+    assert t.kv_tile_table == FUSED_TILE_TABLE and t.exclude_tiles == ((32, 64),)
+    assert t.max_rows == 64 and w._static_max_rows(8) == 64
+    tiles = reachable_tiles(w.planner.tile_selector(128, "float16"), max_rows=64)
+    assert fused_block_per_sm(tiles, 128, "float16", "h100") >= FUSED_MIN_BLOCKS_PER_SM
+    # again (a first plan refused and retried): the same settings, not stacked
+    w._graph_safe_tuning(64, 8, 128, "float16", None)
+    assert w.planner.tuning == t
+    # the user changes the row cap between the two: theirs is kept
+    w.planner.tuning = dataclasses.replace(w.planner.tuning, max_rows=32)
+    w._graph_safe_tuning(64, 8, 128, "float16", None)
+    assert w.planner.tuning.max_rows == 32 and w._static_max_rows(8) == 32
+    # a forced tile: nothing fused, no exclusions or cap
+    wt = _graph_safe_wrapper(16)
+    wt._graph_safe_tuning(64, 8, 128, "float16", (64, 64))
+    assert wt.planner.tuning.exclude_tiles is None and wt.planner.tuning.max_rows is None
+    big = _graph_safe_wrapper(64)
+    big._graph_safe_tuning(32, 8, 128, "float16", None)
+    assert big.planner.tuning.kv_tile_table is None and big.planner.tuning.exclude_tiles is None
+    off = _graph_safe_wrapper(16, "off")
+    off._graph_safe_tuning(32, 8, 128, "float16", None)
+    assert off.planner.tuning.kv_tile_table is None and off.planner.tuning.max_rows is None
+    small = _graph_safe_wrapper(4)
+    small._graph_safe_tuning(32, 8, 128, "float16", None)
+    assert small.planner.tuning.kv_tile_table == ONE_N_TABLE
+    assert small.planner.tuning.exclude_tiles is None
