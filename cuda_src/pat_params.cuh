@@ -35,8 +35,9 @@ struct FwdParams {
   const int* cta_pages;        // [num_page_entries]
   const int* cta_variant;      // fused kernel: variant index of each CTA; otherwise unused
   // Graph-safe launches (fixed grid): live = {first CTA, CTA count} of this launch in device
-  // memory, written by plan() between graph replays, and work_counter = items handed out so far
-  // (the merge kernel zeroes it).  live == nullptr: block b runs item b of cta_offset + [0, n_ctas).
+  // memory, written by plan() between graph replays, and work_counter = items drawn past the
+  // grid so far (block b's first item is b; the merge kernel zeroes the counter).
+  // live == nullptr: block b runs item b of cta_offset + [0, n_ctas).
   const int* live;
   int* work_counter;
   long long q_sb, q_sh, k_sp, k_st, k_sh, v_sp, v_st, v_sh;
