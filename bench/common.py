@@ -44,8 +44,9 @@ def time_events(fn, iters: int, warmup: int = 3, flush=None) -> list:
     return times
 
 
-def graph_times(fn, iters: int, flush=None) -> list:
-    """Capture ``fn`` once in a CUDA graph and time its replays (no host launch gaps), ms."""
+def capture_graph(fn):
+    """``fn`` run twice on a side stream (warm-up, as torch asks before a capture), then
+    captured once in a CUDA graph; returns the graph."""
     import torch
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -58,7 +59,12 @@ def graph_times(fn, iters: int, flush=None) -> list:
     with torch.cuda.graph(g):
         fn()
     torch.cuda.synchronize()
-    return time_events(g.replay, iters, flush=flush)
+    return g
+
+
+def graph_times(fn, iters: int, flush=None) -> list:
+    """Capture ``fn`` once in a CUDA graph and time its replays (no host launch gaps), ms."""
+    return time_events(capture_graph(fn).replay, iters, flush=flush)
 
 
 def kernel_timeline(fn, iters: int, flush, warmup: int = 2) -> list:

@@ -77,22 +77,13 @@ def time_graph(torch, fn, reps, flush):
     return float(np.median(graph_times(fn, reps, flush=flush))) * 1e3
 
 
-def graph_timeline(torch, fn, flush, runs=10) -> dict:
-    """Kernels of one graph replay of ``fn`` (captured as ``time_graph`` does), from the
-    profiler's trace: per kernel (in launch order) its name and median start and duration in
-    us, and the median span from the first kernel's start to the last one's end."""
-    from common import kernel_timeline
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    tl = kernel_timeline(g.replay, runs, flush)
+def graph_timeline(fn, flush, runs=10) -> dict:
+    """Kernels of one graph replay of ``fn`` (captured as ``time_graph`` does:
+    ``common.capture_graph``), from the profiler's trace: per kernel (in launch order) its name
+    and median start and duration in us, and the median span from the first kernel's start to
+    the last one's end."""
+    from common import capture_graph, kernel_timeline
+    tl = kernel_timeline(capture_graph(fn).replay, runs, flush)
     n = min(len(r) for r in tl)
     kernels = [dict(name=tl[0][i][0][:60],
                     start_us=float(np.median([r[i][1] for r in tl])),
@@ -228,7 +219,7 @@ def main(argv=None) -> int:
             fn()   # throwaway (the first graph after the reference can be slow)
             row["exact"] = time_graph(torch, fn, args.reps, flush)
             if args.timeline:
-                row["exact-timeline"] = graph_timeline(torch, fn, flush)
+                row["exact-timeline"] = graph_timeline(fn, flush)
             # the --compact KV-length table (default n in {32, 64}: no 16-token tiles)
             wc = pat_core.PrefixAttentionWrapper(backend="cuda", packer="pat")
             wc.planner.tuning = dataclasses.replace(wc.planner.tuning, kv_tile_table=compact)
@@ -313,7 +304,7 @@ def main(argv=None) -> int:
                         continue
                     row[key] = time_graph(torch, gfn, args.reps, flush)
                     if args.timeline:
-                        row[key + "-timeline"] = graph_timeline(torch, gfn, flush)
+                        row[key + "-timeline"] = graph_timeline(gfn, flush)
                 be.static_serial = False
             rows.append(row)
             print(f"{spec:40s} {heads:5s} exact {_f(row['exact'])} compact "
