@@ -118,6 +118,10 @@ TUNINGS = {
     # heads of a request per merge warp forced (default: pat_core.launch.merge_heads_per_warp)
     # the merge by the last CTA of each request, in the forward kernels (CudaBackend.merge_mode)
     "merge-fwd": {"merge": "forward"},
+    # shared-prefix CTAs launched first, so that a request's leaf is its last CTA
+    "shared-first": {"order": "shared"},
+    "merge-fwd-shared": {"merge": "forward", "order": "shared"},
+    "merge-fwd-shared-serial": {"merge": "forward", "order": "shared", "serial": True},
     "mh1": {"merge_heads": 1}, "mh2": {"merge_heads": 2}, "mh4": {"merge_heads": 4},
     # n of the 128-row tiles forced (their KV is mostly shared, read from L2: compute bound)
     "m128n64": {"n_by_m": {128: 64}},
@@ -144,6 +148,7 @@ def apply_tuning(label: str, planner, backend):
     tun = dict(TUNINGS[label])
     tun.pop("layouts", None)   # kernel layouts: set by run_case (cuda_compile.VARIANT_OVERRIDES)
     tun.pop("n_by_m", None)    # forced n per m: set by run_case (forced_n)
+    tun.pop("serial", None)    # a plan() argument: passed by run_case
     saved = (backend.launch_mode, backend.merge_mode, backend.merge_heads_per_warp,
              backend.one_tile)
     backend.launch_mode = tun.pop("launch", backend.launch_mode)
@@ -266,6 +271,17 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                 for heads in ((32, 8), (64, 8), (16, 8), (32, 32))
                                 for packer in ("pat", "query")
                                 for label in ("default", "merge-fwd")),
+             # the merge by the last CTA with the shared-prefix CTAs first (round 13)
+             "merge-order": tuple((spec, heads, "pat", None, None, label)
+                                  for spec, heads in (
+                                      ("1,32,256_64,64,1024", (32, 8)),
+                                      ("1,32,256_64,64,1024", (64, 8)),
+                                      ("1,32,256_64,64,1024", (16, 8)),
+                                      ("1,32,256_64,64,1024", (32, 32)),
+                                      ("1,16_2048,128", (32, 8)),
+                                      ("1,4,16_128,256,1024", (32, 8)))
+                                  for label in ("default", "merge-fwd", "shared-first",
+                                                "merge-fwd-shared", "merge-fwd-shared-serial")),
              # the configurations whose plans the automatic split share changes (round 10)
              "auto-share": tuple((spec, heads, packer, None, None, label)
                                  for spec, heads, packer in (
@@ -330,7 +346,7 @@ def run_case(backend, case, iters, copy_bw, flush, seed=0) -> dict:
         if label in TUNINGS:
             restore = apply_tuning(label, w.planner, backend)
         plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16",
-                      tile=tile)
+                      tile=tile, serial=bool(TUNINGS.get(label, {}).get("serial", False)))
         row["variants"] = [v_.key for v_ in backend.variants_for(plan)]
         backend.warmup(plan)
         out = torch.full((b.batch_size, hq, d), float("nan"), dtype=torch.float16, device="cuda")

@@ -49,7 +49,10 @@ class Tuning:
     :meth:`pat_core.tiles.TileSelector.row_time_weight`: 128-row tiles run slower per token).
     ``order``: launch order of the tile groups: ``"tile"`` (ascending ``(m, n)``) or
     ``"work"`` (largest per-CTA work first, and longest KV first inside a group, so that the
-    CTAs that take longest start first).
+    CTAs that take longest start first) or ``"shared"`` (groups whose CTAs hold the most
+    requests first, longest KV first inside a group: a request's shared-prefix CTAs then
+    finish before its own leaf, which is what the merge by the last CTA of a request,
+    ``CudaBackend.merge_mode = "forward"``, needs to merge one request per block).
     ``exclude_tiles``: ``(m, n)`` pairs the tile selector must not pick (``None``: none).
     Graph-safe mode sets it for a fused pull launch set
     (:func:`pat_core.static_plan.fused_pull_exclusions`).
@@ -78,8 +81,8 @@ class Tuning:
             raise ValueError(f"min_part must be a positive int, got {self.min_part!r}")
         if self.split_by not in ("tokens", "work"):
             raise ValueError(f"split_by must be 'tokens' or 'work', got {self.split_by!r}")
-        if self.order not in ("tile", "work"):
-            raise ValueError(f"order must be 'tile' or 'work', got {self.order!r}")
+        if self.order not in ("tile", "work", "shared"):
+            raise ValueError(f"order must be 'tile', 'work' or 'shared', got {self.order!r}")
         if self.exclude_tiles is not None:
             try:
                 ex = tuple((int(m), int(n)) for m, n in self.exclude_tiles)
@@ -173,16 +176,20 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
         serial = True
         gkey = packs.level[src].astype(np.int64) * len(tiles) + tile_idx
         order = np.argsort(gkey, kind="stable")
-    elif tuning.order == "work":
-        # rank tile groups by their largest CTA's work (rows x tokens), biggest first, and
-        # inside a group launch the longest KV first: the CTAs that take longest start first
-        work = mn[:, 0].astype(np.int64) * kv_len
+    elif tuning.order in ("work", "shared"):
+        # rank tile groups by their largest CTA's work (rows x tokens) or request count,
+        # biggest first; inside a group ("work") the longest KV first, so the CTAs that take
+        # longest start first, or ("shared") the most requests first, then the longest KV
+        work = (mn[:, 0].astype(np.int64) * kv_len if tuning.order == "work"
+                else nreq.astype(np.int64))
         gwork = np.zeros(len(tiles), dtype=np.int64)
         np.maximum.at(gwork, tile_idx, work)
         grank = np.empty(len(tiles), dtype=np.int64)
         grank[np.argsort(-gwork, kind="stable")] = np.arange(len(tiles))
         gkey = grank[tile_idx]
-        order = np.lexsort((-kv_len.astype(np.int64), gkey))
+        keys = (-kv_len.astype(np.int64), gkey) if tuning.order == "work" else \
+            (-kv_len.astype(np.int64), -nreq.astype(np.int64), gkey)
+        order = np.lexsort(keys)
     else:
         gkey = tile_idx.astype(np.int64)
         order = np.argsort(gkey, kind="stable")

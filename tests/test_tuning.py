@@ -18,6 +18,7 @@ SETTINGS = [
     Tuning(partial_weight=50.0, kv_tile_table=((32, 16), (1 << 62, 32))),
     Tuning(split_by="work", split_share=8.0, min_part=16),
     Tuning(split_share=2.0),
+    Tuning(order="shared"),
 ]
 
 
@@ -55,6 +56,25 @@ def test_work_order_launches_longest_first():
         b.block_tables, b.seq_lens, 32, 8, 128, 16)
     keys = [tuple(tile.tile_configs[t]) for t in tile.group_tile]
     assert keys == sorted(keys)
+
+
+def test_shared_order_launches_many_request_ctas_first():
+    b = build_tree_batch("1,32,256_64,64,1024", page_size=16)
+    plan = Planner("pat", "h100", Tuning(order="shared")).plan(
+        b.block_tables, b.seq_lens, 32, 8, 128, 16)
+    nreq = np.diff(plan.cta_req_indptr)
+    gmax = [int(nreq[plan.group_indptr[g]:plan.group_indptr[g + 1]].max())
+            for g in range(plan.num_groups)]
+    assert plan.num_groups >= 2 and gmax == sorted(gmax, reverse=True) and gmax[0] > 1
+    for g in range(plan.num_groups):
+        lo, hi = plan.group_indptr[g], plan.group_indptr[g + 1]
+        assert np.all(np.diff(nreq[lo:hi]) <= 0)
+        # equal request counts: longest KV first
+        same = np.diff(nreq[lo:hi]) == 0
+        assert np.all(np.diff(plan.cta_kv_len[lo:hi])[same] <= 0)
+    # the default order puts the 1024-token leaves (one request each) first on this batch
+    work = Planner("pat", "h100").plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
+    assert np.diff(work.cta_req_indptr)[0] == 1
 
 
 def test_partial_weight_changes_the_packing():
