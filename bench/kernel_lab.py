@@ -104,6 +104,7 @@ TUNINGS = {
     "share2": {"split_share": 2.0},
     "share4": {"split_share": 4.0},
     "rows32": {"max_rows": 32},
+    "rows16": {"max_rows": 16},
     "wg": {"layouts": WG_LAYOUTS},
     "share3": {"split_share": 3.0},
     "n32": {"kv_tile_table": ((1 << 62, 32),)},
@@ -282,6 +283,17 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                       ("1,4,16_128,256,1024", (32, 8)))
                                   for label in ("default", "merge-fwd", "shared-first",
                                                 "merge-fwd-shared", "merge-fwd-shared-serial")),
+             # a batch of long private leaves under short shared levels: the shared CTAs in the
+             # leaves' own 16-row variant (one launch) or their own larger tile (round 13)
+             "leaf-last": tuple((spec, heads, "pat", None, None, label)
+                                for spec, heads in (
+                                    ("1,32,256_64,64,1024", (32, 8)),
+                                    ("1,32,256_64,64,1024", (64, 8)),
+                                    ("1,32,256_64,64,1024", (16, 8)),
+                                    ("1,16_2048,128", (32, 8)),
+                                    ("1,4,16_128,256,1024", (64, 8)),
+                                    ("1,2,8,128_512,128,256,32", (32, 8)))
+                                for label in ("default", "rows16", "fused")),
              # the configurations whose plans the automatic split share changes (round 10)
              "auto-share": tuple((spec, heads, packer, None, None, label)
                                  for spec, heads, packer in (
