@@ -17,7 +17,10 @@ sub-folders, that has one of these layouts):
   (older files hold one ``measured_us`` per record, timed eagerly);
 * ``bench/compare.py``'s ``results.json``: ``{"benchmark": "compare", "rows": [{"workload",
   "heads": [32, 8], "page_size", "method", "latency_eager_us", "latency_graph_us"}, ...]}``
-  (FlashInfer rows and rows that failed their check are skipped).
+  (FlashInfer rows and rows that failed their check are skipped);
+* ``bench/graph_start.py``'s ``graph_start_<gpu>.json``: ``{"benchmark": "graph_start",
+  "median_outside_us": 2.0, ...}``, no records: how long a graph replay of a step takes
+  beyond its kernels' span, measured on fit-set workloads.  It fixes ``graph_start_ns``.
 
 Every measurement becomes one record per timing mode (``"eager"``: ``run()`` from Python;
 ``"graph"``: a CUDA-graph replay of it).
@@ -45,7 +48,12 @@ has its own launch constants (``start_ns``/``launch_ns``/``gap_ns`` eager, ``gra
 by ``bench/calibrate.py`` and, when the files hold them, fixed instead of fitted
 (:data:`MEASURED`): the copy bandwidth (``hbm_bandwidth``), and from replayed graphs of empty
 kernels the cost of one more forked launch (``graph_launch_ns``) and of a join of concurrent
-launches (``graph_join_ns``, which is never fitted: it is 0 unless measured).  A free fit put
+launches (``graph_join_ns``, which is never fitted: it is 0 unless measured).  With a
+``bench/graph_start.py`` file among the measurements the graph start latency is fixed too:
+``graph_start_ns`` = the replay time outside the kernels minus ``graph_launch_ns`` (the model
+issues a step's first launch at ``graph_start_ns + graph_launch_ns``).  Fitted, it took 6.8 µs
+(H100) and 8.1 µs (H200) where replays spend 2.0 and 1.3 µs outside their kernels: the fit
+moved the forward time the model misses on small one-wave steps into the start (round 13).  A free fit put
 ~6 us into the launch interval, where graph replays start forked launches ~1 us apart, and the
 workloads it had not seen paid for it.  The L2 read bandwidth ``bench/calibrate.py`` also
 records (``l2_bandwidth_gbps``: distinct lines streamed from L2) stays out of :data:`MEASURED`:
@@ -156,7 +164,8 @@ def _measurement_files(path: str) -> list:
                     d = json.load(fh)
             except (OSError, ValueError):
                 continue
-            if isinstance(d, dict) and ("records" in d or d.get("benchmark") == "compare"):
+            if isinstance(d, dict) and ("records" in d or d.get("benchmark") in
+                                        ("compare", "graph_start")):
                 keep.append(f)
         if not keep:
             raise ValueError(f"{path}: no measurement files in this folder")
@@ -171,7 +180,7 @@ def load_measurements(paths) -> dict:
 
     Returns ``{"records": [...], "files": [...], "device", "gpu", "git_sha": [...],
     "copy_bandwidth_gbps", "l2_bandwidth_gbps", "graph_launch_interval_ns", "graph_join_ns",
-    "split"}`` (each
+    "graph_outside_ns", "split"}`` (each
     device measurement the median over the files that hold it, else ``None``); each record has
     ``workload, method, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, timing,
     measured_us, file``.
@@ -180,11 +189,19 @@ def load_measurements(paths) -> dict:
         paths = [os.fspath(paths)]
     files = [f for p in paths for f in _measurement_files(os.fspath(p))]
     recs, devices, shas, split = [], [], [], {"fit": [], "validation": []}
-    measured = {k: [] for k in (*MEASURED, "l2_bandwidth_gbps")}
-    gpu = None
+    measured = {k: [] for k in (*MEASURED, "l2_bandwidth_gbps", "graph_outside_ns")}
+    gpu, start_gpus = None, set()
     for f in files:
         with open(f) as fh:
             data = json.load(fh)
+        if data.get("benchmark") == "graph_start":
+            if data.get("median_outside_us") is None:
+                raise ValueError(f"{f}: a graph_start file without median_outside_us")
+            measured["graph_outside_ns"].append(float(data["median_outside_us"]) * 1e3)
+            devices.append(data.get("device", "unknown device"))
+            shas.append((data.get("env") or {}).get("git_sha", "unknown"))
+            start_gpus.add(data.get("gpu"))
+            continue
         if data.get("benchmark") == "compare" and "rows" in data:
             got = _records_compare(data, f)
             if data.get("copy_bandwidth"):
@@ -215,6 +232,9 @@ def load_measurements(paths) -> dict:
     if gpu is None:
         from pat_core.gpus import detect_gpu_name
         gpu = detect_gpu_name(devices[0])
+    if start_gpus - {None, gpu}:
+        raise ValueError(f"measurements: graph_start files of {sorted(start_gpus - {None})} "
+                         f"among measurements of {gpu}")
     return {"records": recs, "files": files, "device": sorted(set(devices)),
             "gpu": gpu, "git_sha": sorted(set(shas)),
             **{k: float(np.median(v)) if v else None for k, v in measured.items()},
@@ -329,6 +349,12 @@ def fit(data: dict, split: dict, gpu: str | None = None, start: SimConstants | N
             fixed[const] = float(data[key])
             c0 = c0.with_values(**{const: fixed[const]})
             names = tuple(n for n in names if n != const)
+    outside = data.get("graph_outside_ns")
+    if outside is not None and "graph_start_ns" in names:
+        # measured time outside the kernels = start + the first launch's issue interval
+        fixed["graph_start_ns"] = max(0.0, float(outside) - float(c0.graph_launch_ns))
+        c0 = c0.with_values(graph_start_ns=fixed["graph_start_ns"])
+        names = tuple(n for n in names if n != "graph_start_ns")
     present = {r["timing"] for r in recs}
     for t, tn in TIMING_FIT.items():
         if t not in present:

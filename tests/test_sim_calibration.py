@@ -186,6 +186,41 @@ def test_device_measurements_fix_their_constants(tmp_path):
     assert info["measured"] == {} and "graph_launch_ns" in info["fitted"]
 
 
+def test_graph_start_file_fixes_the_start(tmp_path):
+    """A bench/graph_start.py file fixes graph_start_ns at the replay time outside the kernels
+    minus the (measured) launch interval; it is read from a folder scan too; a file of another
+    GPU is refused."""
+    path, _, prep = _synthetic(tmp_path)
+    raw = json.loads(open(path).read())
+    raw["graph_launch"] = {"interval_ns": 900.0}
+    open(path, "w").write(json.dumps(raw))
+    gs = tmp_path / "graph_start_h100.json"
+    gs.write_text(json.dumps({"benchmark": "graph_start", "device": "synthetic", "gpu": "h100",
+                              "env": {"git_sha": "def"}, "median_outside_us": 2.5,
+                              "rows": []}))
+    data = load_measurements(str(tmp_path))       # both files, found by the folder scan
+    assert data["graph_outside_ns"] == pytest.approx(2500.0)
+    assert "def" in data["git_sha"] and len(data["records"]) == len(prep.records)
+    consts, info = fit(data, split_workloads(data["records"]), "h100",
+                       start=default_constants("h100"), max_evals=20, prepared=prep)
+    assert info["measured"]["graph_start_ns"] == pytest.approx(1600.0)
+    assert consts.graph_start_ns == pytest.approx(1600.0)
+    assert "graph_start_ns" not in info["fitted"] and "start_ns" in info["fitted"]
+    # shorter than the launch interval: a start of 0, never negative
+    gs.write_text(json.dumps({"benchmark": "graph_start", "gpu": "h100",
+                              "median_outside_us": 0.5}))
+    _, info = fit(load_measurements(str(tmp_path)), split_workloads(data["records"]), "h100",
+                  start=default_constants("h100"), max_evals=5, prepared=prep)
+    assert info["measured"]["graph_start_ns"] == 0.0
+    gs.write_text(json.dumps({"benchmark": "graph_start", "gpu": "h200",
+                              "median_outside_us": 1.3}))
+    with pytest.raises(ValueError, match="graph_start files of"):
+        load_measurements(str(tmp_path))
+    gs.write_text(json.dumps({"benchmark": "graph_start", "gpu": "h100"}))
+    with pytest.raises(ValueError, match="median_outside_us"):
+        load_measurements(str(tmp_path))
+
+
 def test_fit_and_report_commands(tmp_path, capsys):
     path, _, _ = _synthetic(tmp_path)
     out = tmp_path / "h100.json"
