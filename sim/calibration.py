@@ -190,17 +190,15 @@ def load_measurements(paths) -> dict:
     files = [f for p in paths for f in _measurement_files(os.fspath(p))]
     recs, devices, shas, split = [], [], [], {"fit": [], "validation": []}
     measured = {k: [] for k in (*MEASURED, "l2_bandwidth_gbps", "graph_outside_ns")}
-    gpu, start_gpus = None, set()
+    gpu, starts = None, []
     for f in files:
         with open(f) as fh:
             data = json.load(fh)
         if data.get("benchmark") == "graph_start":
             if data.get("median_outside_us") is None:
                 raise ValueError(f"{f}: a graph_start file without median_outside_us")
-            measured["graph_outside_ns"].append(float(data["median_outside_us"]) * 1e3)
-            devices.append(data.get("device", "unknown device"))
-            shas.append((data.get("env") or {}).get("git_sha", "unknown"))
-            start_gpus.add(data.get("gpu"))
+            starts.append((f, data.get("gpu"), float(data["median_outside_us"]) * 1e3,
+                           (data.get("env") or {}).get("git_sha", "unknown")))
             continue
         if data.get("benchmark") == "compare" and "rows" in data:
             got = _records_compare(data, f)
@@ -227,14 +225,23 @@ def load_measurements(paths) -> dict:
         shas.append(data.get("git_sha", "unknown"))
         if data.get("gpu"):
             gpu = gpu or data["gpu"]
+    if not recs:
+        raise ValueError("measurements: no timed records (a graph_start file only fixes a "
+                         "constant; it needs bench/calibrate.py or bench/compare.py output)")
     if any(r["measured_us"] <= 0 for r in recs):
         raise ValueError("measured times must be positive")
     if gpu is None:
         from pat_core.gpus import detect_gpu_name
         gpu = detect_gpu_name(devices[0])
-    if start_gpus - {None, gpu}:
-        raise ValueError(f"measurements: graph_start files of {sorted(start_gpus - {None})} "
-                         f"among measurements of {gpu}")
+    # graph start files: those of this GPU count; one of another GPU named on its own is an
+    # error, one found in a folder beside this GPU's measurements is passed over
+    for f, g, ns, sha in starts:
+        if g not in (None, gpu):
+            if f in paths:
+                raise ValueError(f"{f}: a graph_start file of {g} among measurements of {gpu}")
+            continue
+        measured["graph_outside_ns"].append(ns)
+        shas.append(sha)
     return {"records": recs, "files": files, "device": sorted(set(devices)),
             "gpu": gpu, "git_sha": sorted(set(shas)),
             **{k: float(np.median(v)) if v else None for k, v in measured.items()},

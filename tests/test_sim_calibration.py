@@ -189,7 +189,7 @@ def test_device_measurements_fix_their_constants(tmp_path):
 def test_graph_start_file_fixes_the_start(tmp_path):
     """A bench/graph_start.py file fixes graph_start_ns at the replay time outside the kernels
     minus the (measured) launch interval; it is read from a folder scan too; a file of another
-    GPU is refused."""
+    GPU is passed over in a folder and refused when named."""
     path, _, prep = _synthetic(tmp_path)
     raw = json.loads(open(path).read())
     raw["graph_launch"] = {"interval_ns": 900.0}
@@ -214,8 +214,11 @@ def test_graph_start_file_fixes_the_start(tmp_path):
     assert info["measured"]["graph_start_ns"] == 0.0
     gs.write_text(json.dumps({"benchmark": "graph_start", "gpu": "h200",
                               "median_outside_us": 1.3}))
-    with pytest.raises(ValueError, match="graph_start files of"):
-        load_measurements(str(tmp_path))
+    assert load_measurements(str(tmp_path))["graph_outside_ns"] is None   # passed over
+    with pytest.raises(ValueError, match="graph_start file of h200"):
+        load_measurements([path, str(gs)])
+    with pytest.raises(ValueError, match="no timed records"):
+        load_measurements(str(gs))
     gs.write_text(json.dumps({"benchmark": "graph_start", "gpu": "h100"}))
     with pytest.raises(ValueError, match="median_outside_us"):
         load_measurements(str(tmp_path))
