@@ -22,7 +22,7 @@ from numba import njit
 from .forest import PrefixForest
 from .gpus import get_gpu
 from .inputs import BlockTable, _check_seq_lens, as_block_table, check_heads, check_size
-from .packers import PACKERS, PARTIAL_WEIGHT, Packs, pack
+from .packers import NARROW_SHARE, PACKERS, PARTIAL_WEIGHT, Packs, narrow_packing, pack
 from .plan import DTYPE_BYTES, Plan, dtype_name
 from .split import auto_split_share, split_long_kv, split_threshold
 from .tiles import TileSelector
@@ -53,6 +53,10 @@ class Tuning:
     requests first, longest KV first inside a group: a request's shared-prefix CTAs then
     finish before its own leaf, which is what the merge by the last CTA of a request,
     ``CudaBackend.merge_mode = "forward"``, needs to merge one request per block).
+    ``narrow_share``: the ``pat`` packer's narrow-packing rule
+    (:func:`pat_core.packers.narrow_packing`): with no ``max_rows`` set, every CTA is packed
+    into the narrowest tile's rows when that re-reads at most this share more KV tokens
+    (``0``: off).
     ``exclude_tiles``: ``(m, n)`` pairs the tile selector must not pick (``None``: none).
     Graph-safe mode sets it for a fused pull launch set
     (:func:`pat_core.static_plan.fused_pull_exclusions`).
@@ -66,6 +70,7 @@ class Tuning:
     order: str = "work"
     split_by: str = "tokens"
     exclude_tiles: tuple | None = None
+    narrow_share: float = NARROW_SHARE
 
     def __post_init__(self):
         if self.max_rows is not None and (not isinstance(self.max_rows, (int, np.integer))
@@ -77,6 +82,9 @@ class Tuning:
                 continue
             if not isinstance(v, (int, float, np.number)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
+        if not isinstance(self.narrow_share, (int, float, np.number)) or \
+                not math.isfinite(self.narrow_share) or self.narrow_share < 0:
+            raise ValueError(f"narrow_share must be a number >= 0, got {self.narrow_share!r}")
         if not isinstance(self.min_part, (int, np.integer)) or self.min_part < 1:
             raise ValueError(f"min_part must be a positive int, got {self.min_part!r}")
         if self.split_by not in ("tokens", "work"):
@@ -299,6 +307,10 @@ class Planner:
         packs = pack(forest, self.packer, group, max_rows,
                      head_dim, DTYPE_BYTES[kv_dtype], DTYPE_BYTES[q_dtype],
                      partial_weight=self.tuning.partial_weight)
+        if self.packer == "pat" and self.tuning.max_rows is None and tile is None:
+            packs = narrow_packing(forest, packs, group, int(selector.m_values[0]),
+                                   self.tuning.narrow_share, head_dim, DTYPE_BYTES[kv_dtype],
+                                   DTYPE_BYTES[q_dtype], self.tuning.partial_weight)
         plan = assemble_plan(bt, packs, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                              head_dim=head_dim, sm_scale=sm_scale, packer=self.packer,
                              selector=selector, kv_dtype=kv_dtype, serial=serial, split=split,
