@@ -105,6 +105,7 @@ TUNINGS = {
     "share4": {"split_share": 4.0},
     "rows32": {"max_rows": 32},
     "rows16": {"max_rows": 16},
+    "narrow-off": {"narrow_share": 0.0},
     "wg": {"layouts": WG_LAYOUTS},
     "share3": {"split_share": 3.0},
     "n32": {"kv_tile_table": ((1 << 62, 32),)},
@@ -294,6 +295,11 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                     ("1,4,16_128,256,1024", (64, 8)),
                                     ("1,2,8,128_512,128,256,32", (32, 8)))
                                 for label in ("default", "rows16", "fused")),
+             # the configurations whose plans the narrow packing rule changes (round 13)
+             "narrow": tuple((spec, heads, "pat", None, None, label)
+                             for spec, heads in (("1,32,256_64,64,1024", (32, 8)),
+                                                 ("1,4,16_128,256,1024", (16, 8)))
+                             for label in ("default", "narrow-off")),
              # the configurations whose plans the automatic split share changes (round 10)
              "auto-share": tuple((spec, heads, packer, None, None, label)
                                  for spec, heads, packer in (
