@@ -975,7 +975,7 @@ class _Launch:
             import cupy
             rec = np.frombuffer(bytes(self.params), dtype=np.dtype(type(self.params)))[0]
             self.fn(self.grid, self.block, (rec,), shared_mem=self.smem,
-                    stream=cupy.cuda.ExternalStream(stream_ptr))
+                    stream=_external_stream(cupy, stream_ptr, cupy.cuda.runtime.getDevice()))
 
 
 def _ptr(a) -> int:
