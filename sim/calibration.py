@@ -53,7 +53,9 @@ launches (``graph_join_ns``, which is never fitted: it is 0 unless measured).  W
 ``graph_start_ns`` = the replay time outside the kernels minus ``graph_launch_ns`` (the model
 issues a step's first launch at ``graph_start_ns + graph_launch_ns``).  Fitted, it took 6.8 µs
 (H100) and 8.1 µs (H200) where replays spend 2.0 and 1.3 µs outside their kernels: the fit
-moved the forward time the model misses on small one-wave steps into the start (round 13).  A free fit put
+moves the forward time the model misses on small one-wave steps into the start.  The packaged
+constants still fit it: pinned at the measurement, the fit moved that time into the phase gap
+instead and was worse out of sample on both GPUs (bench/NOTES.md, round 13).  A free fit put
 ~6 us into the launch interval, where graph replays start forked launches ~1 us apart, and the
 workloads it had not seen paid for it.  The L2 read bandwidth ``bench/calibrate.py`` also
 records (``l2_bandwidth_gbps``: distinct lines streamed from L2) stays out of :data:`MEASURED`:
