@@ -21,7 +21,8 @@ times, on the same step and in one process (CUDA events, L2 flushed, median):
   a graph-safe wrapper of this bucket runs: the fused launch over the bucket's tiles under the
   planner tuning the wrapper sets for it (KV tile table, tiles left out, row cap:
   ``static_plan.graph_safe_tile_table``, ``fused_pull_exclusions``, ``fused_pull_max_rows``;
-  ``--lean-table`` / ``--lean-max-rows`` override), the step planned the same way;
+  ``--lean-table`` / ``--lean-exclude`` / ``--lean-max-rows`` override), the step planned
+  the same way;
   ``gs-big`` / ``gs-big-fused``: a bucket ``--big`` times larger (a small step in a larger
   bucket), per-tile launches and fused;
 
@@ -158,6 +159,9 @@ def main(argv=None) -> int:
                     help="KV-length table the gs-bucket-fused-lean row plans with, as "
                          "--compact, or 'gpu' for the GPU's (default: what a graph-safe "
                          "wrapper of the bucket uses, static_plan.graph_safe_tile_table)")
+    ap.add_argument("--lean-exclude", nargs="+", default=None, metavar="MxN",
+                    help="tiles the gs-bucket-fused-lean row's planner leaves out (instead of "
+                         "the wrapper's own exclusions), e.g. 32x32 32x64")
     ap.add_argument("--lean-max-rows", type=int, default=None, metavar="M",
                     help="cap the gs-bucket-fused-lean row's CTAs at M query rows "
                          "(Tuning.max_rows; default: the wrapper's rule, "
@@ -187,6 +191,14 @@ def main(argv=None) -> int:
     compact = table_arg("compact", args.compact)
     lean_table = (args.lean_table if args.lean_table in (None, "gpu")
                   else table_arg("lean-table", args.lean_table))
+    try:
+        lean_exclude = (None if args.lean_exclude is None else
+                        tuple(tuple(int(x) for x in t.lower().split("x"))
+                              for t in args.lean_exclude))
+        if lean_exclude is not None and any(len(t) != 2 for t in lean_exclude):
+            raise ValueError
+    except ValueError:
+        ap.error(f"--lean-exclude: tiles as MxN, got {args.lean_exclude}")
 
     import cupy as cp
     import torch
@@ -256,7 +268,8 @@ def main(argv=None) -> int:
             wl._gpu_backend.graph_fused = "on"
             lt = (wl.planner.gpu.kv_tile_table if lean_table == "gpu" else lean_table)
             wl.planner.tuning = dataclasses.replace(wl.planner.tuning, kv_tile_table=lt,
-                                                    max_rows=args.lean_max_rows)
+                                                    max_rows=args.lean_max_rows,
+                                                    exclude_tiles=lean_exclude)
             wl._graph_safe_tuning(hq, hk, d, "float16", None)
             tun = wl.planner.tuning
             row["lean-table"] = None if tun.kv_tile_table is None else \
