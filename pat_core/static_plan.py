@@ -235,8 +235,8 @@ def reachable_tiles(selector, kv_tile_table=None, max_rows=None) -> tuple:
 # KV-length table of a graph-safe wrapper whose CTAs all fit one 16-row tile: one n.
 ONE_N_TABLE = ((1 << 62, 64),)
 ONE_N_MAX_ROWS = 16
-# KV-length table of a graph-safe bucket that runs as one fused pull launch: two n.
-FUSED_TILE_TABLE = ((64, 32), (1 << 62, 64))
+# KV-length table of a graph-safe bucket that runs as one fused pull launch: one n.
+FUSED_TILE_TABLE = ONE_N_TABLE
 
 
 def graph_safe_tile_table(limits: StaticLimits, group: int, fused: bool = False):
@@ -244,16 +244,15 @@ def graph_safe_tile_table(limits: StaticLimits, group: int, fused: bool = False)
 
     ``fused``: whether the bucket's launch set, with the GPU's table, would run as one fused
     pull launch (:func:`graph_safe_fused`).  Such a bucket plans with :data:`FUSED_TILE_TABLE`
-    (``n = 32`` up to 64 tokens, ``n = 64`` beyond): the fused kernel carries every tile of
-    the set, and its time grows with their number beyond what residency explains (H100,
-    ``bench/graph_safe_cost.py``: same grid, occupancy and instruction count, 14.3 against
-    21.5 us for two against eight variants, with 54% of warp cycles stalled on instruction
-    fetch against 35%), so the GPU's three ``n`` per ``m`` (eight tiles at 32:8) become two
-    (five, after :func:`fused_pull_exclusions`).  Measured on 12- and 16-request steps at
-    32:8 and 64:8 (bench/NOTES.md, round 12): 0.89-1.17x the step's exact plan against
-    1.06-1.26x with the GPU's table.  Keeping ``n = 32`` next to ``n = 64`` lets the
-    exclusion drop ``(32, 64)``; with ``n = 64`` alone that tile stays and holds the fused
-    block to one per SM (a 16-request tree of 1024-token leaves at 32:8: 53.1 against 46.4).
+    (one ``n``, 64): the fused kernel carries every tile of the set, and its time grows with
+    their number beyond what residency explains (H100, ``bench/graph_safe_cost.py``: same
+    grid, occupancy and instruction count, 14.3 against 21.5 us for two against eight
+    variants, with 54% of warp cycles stalled on instruction fetch against 35%), so the GPU's
+    three ``n`` per ``m`` (eight tiles at 32:8) become one per ``m`` (three, after
+    :func:`fused_pull_exclusions` swaps ``(32, 64)``, one block per SM, for ``(32, 32)``).
+    Measured on 12- and 16-request steps at 32:8 and 64:8 (bench/NOTES.md, rounds 12-13):
+    0.88-1.08x the step's exact plan, against 0.88-1.19x with round 12's two ``n`` per ``m``
+    and 1.06-1.26x with the GPU's table.
 
     When every CTA fits one 16-row tile (``limits.max_cta_rows(group) <= 16``: at most four
     requests at GQA group 4, sixteen at group 1), the default table still gives three launches
@@ -294,30 +293,34 @@ def graph_safe_fused(limits: StaticLimits, num_tiles: int, mode: str = "auto") -
 FUSED_MIN_BLOCKS_PER_SM = 2
 
 
-def fused_pull_exclusions(tiles, head_dim: int, dtype: str, gpu) -> tuple:
+def fused_pull_exclusions(tiles, head_dim: int, dtype: str, gpu, feasible=None) -> tuple:
     """Tiles a fused pull launch set leaves out, so that its block stays small.
 
     The fused block takes the largest threads, registers and shared memory of its tiles, so one
     tile that alone fits fewer than :data:`FUSED_MIN_BLOCKS_PER_SM` blocks per SM makes every
     item run at that residency.  At head_dim 128 on the H100 that tile is ``(32, 64)``
     (256 threads, 104 KB: one block per SM); without it the bucket's block holds two.  A tile
-    is left out only while another tile of its ``m`` stays (its CTAs take a narrower ``n``
-    rather than a larger ``m``).  Measured (H100, 32:8, the GPU's KV tile table, graph µs,
-    ``bench/graph_safe_cost.py``; bench/NOTES.md, round 12): 16-request steps of many items
-    gain (1024-token leaves 56.8 -> 47.6, a 2048-token root 27.0 -> 24.0); a 12-request step
-    whose items all fit the grid does not (18.0 -> 18.9).
+    is left out only while another tile of its ``m`` that fits two blocks per SM remains, in
+    ``tiles`` or, given ``feasible``, among the tile selector's feasible tiles (its CTAs then
+    take a narrower ``n`` rather than a larger ``m``; the selector picks that ``n``).
+    Measured (H100, 32:8, the GPU's KV tile table, graph µs, ``bench/graph_safe_cost.py``;
+    bench/NOTES.md, round 12): 16-request steps of many items gain (1024-token leaves 56.8 ->
+    47.6, a 2048-token root 27.0 -> 24.0); a 12-request step whose items all fit the grid does
+    not (18.0 -> 18.9).
 
-    ``tiles``: ``(m, n)`` pairs (a launch set, :func:`reachable_tiles`).  Returns the pairs to
-    exclude, in ``tiles``' order (empty when none).
+    ``tiles``: ``(m, n)`` pairs (a launch set, :func:`reachable_tiles`); ``feasible``: more
+    ``(m, n)`` pairs a left-out tile's CTAs may take instead (``TileSelector.feasible``).
+    Returns the pairs to exclude, in ``tiles``' order (empty when none).
     """
     from .gpus import get_gpu
     gpu = get_gpu(gpu)
     tiles = [(int(m), int(n)) for m, n in tiles]
-    low = [t for t, res in zip(tiles, _resources(tiles, head_dim, dtype, gpu))
-           if res.ctas_per_sm(gpu) < FUSED_MIN_BLOCKS_PER_SM]
+    cand = list(dict.fromkeys(tiles + [(int(m), int(n)) for m, n in (feasible or ())]))
+    low = {t for t, res in zip(cand, _resources(cand, head_dim, dtype, gpu))
+           if res.ctas_per_sm(gpu) < FUSED_MIN_BLOCKS_PER_SM}
     out = []
-    for m, n in low:
-        if any(mm == m and (mm, nn) not in low for mm, nn in tiles):
+    for m, n in tiles:
+        if (m, n) in low and any(mm == m and (mm, nn) not in low for mm, nn in cand):
             out.append((m, n))
     return tuple(out)
 

@@ -100,8 +100,8 @@ class PrefixAttentionWrapper:
         A bucket of at most 16 requests whose launch set still has several tiles runs them as
         one fused pull launch (:func:`~pat_core.static_plan.graph_safe_fused`; the CUDA
         backend's ``graph_fused`` or ``PAT_GRAPH_FUSED``: ``"auto"``, ``"on"``, ``"off"``);
-        such a bucket plans with two KV tile widths (``n = 32`` up to 64 tokens, ``64``
-        beyond; :data:`~pat_core.static_plan.FUSED_TILE_TABLE`) and without the tiles whose
+        such a bucket plans with one KV tile width, ``n = 64``
+        (:data:`~pat_core.static_plan.FUSED_TILE_TABLE`), and without the tiles whose
         size would cut the fused block's residency
         (:func:`~pat_core.static_plan.fused_pull_exclusions`; at head_dim 128 on the H100,
         ``(32, 64)``: such CTAs take ``(32, 32)``), and, when the fused block still fits one
@@ -244,7 +244,7 @@ class PrefixAttentionWrapper:
     def _graph_safe_tuning(self, num_qo_heads, num_kv_heads, head_dim, kv_dtype, tile) -> None:
         """Before the first graph-safe plan, unless the planner's tuning already names them:
         the KV tile table (:func:`~pat_core.static_plan.graph_safe_tile_table`: one width when
-        every CTA fits a 16-row tile, two when the bucket runs as one fused pull launch) and,
+        every CTA fits a 16-row tile or the bucket runs as one fused pull launch) and,
         for a fused bucket, the tiles left out and the row cap that keep its block at two per
         SM (:func:`~pat_core.static_plan.fused_pull_exclusions`,
         :func:`~pat_core.static_plan.fused_pull_max_rows`)."""
@@ -277,7 +277,9 @@ class PrefixAttentionWrapper:
         if not fused_now():
             return
         if self.planner.tuning.exclude_tiles is None:
-            ex = fused_pull_exclusions(tiles_now(), head_dim, kv_dtype, self.planner.gpu)
+            ex = fused_pull_exclusions(tiles_now(), head_dim, kv_dtype, self.planner.gpu,
+                                       feasible=self.planner.tile_selector(head_dim,
+                                                                           kv_dtype).feasible)
             if ex:
                 set_auto(exclude_tiles=ex)
         if self.planner.tuning.max_rows is None:

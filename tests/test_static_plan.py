@@ -206,14 +206,14 @@ def test_graph_safe_tile_table_rule():
     assert graph_safe_tile_table(lim(16), 1) == ONE_N_TABLE
     assert graph_safe_tile_table(lim(5), 4) is None
     assert graph_safe_tile_table(lim(17), 1) is None
-    # a fused bucket: two widths, unless every CTA fits one 16-row tile
+    # a fused bucket: one width as well
     from pat_core.static_plan import FUSED_TILE_TABLE
     assert graph_safe_tile_table(lim(5), 4, fused=True) == FUSED_TILE_TABLE
     assert graph_safe_tile_table(lim(4), 4, fused=True) == ONE_N_TABLE
     planner = Planner("pat", "h100")
     planner.tuning = dataclasses.replace(planner.tuning, kv_tile_table=FUSED_TILE_TABLE)
-    assert {n for _, n in reachable_tiles(planner.tile_selector(128, "float16"),
-                                          max_rows=48)} == {32, 64}
+    assert reachable_tiles(planner.tile_selector(128, "float16"), max_rows=48) == (
+        (64, 64), (32, 64), (16, 64))
     planner = Planner("pat", "h100")
     planner.tuning = dataclasses.replace(planner.tuning, kv_tile_table=ONE_N_TABLE)
     sel = planner.tile_selector(128, "float16")
@@ -268,6 +268,18 @@ def test_fused_pull_exclusions_keep_the_fused_block_small():
     # an m whose every tile is low stays whole
     only_low = tuple(t for t in tiles if t in ex)
     assert fused_pull_exclusions(only_low, 128, "float16", "h100") == ()
+    # ... unless the selector has another n for it: with one n per m (the fused table) the
+    # alternatives come from the feasible tiles, and (32, 64)'s CTAs take (32, 32)
+    from pat_core.static_plan import FUSED_TILE_TABLE
+    one = reachable_tiles(sel, kv_tile_table=FUSED_TILE_TABLE, max_rows=48)
+    assert one == ((64, 64), (32, 64), (16, 64))
+    assert fused_pull_exclusions(one, 128, "float16", "h100") == ()
+    assert fused_pull_exclusions(one, 128, "float16", "h100", feasible=sel.feasible) == ex
+    planner1 = Planner("pat", "h100")
+    planner1.tuning = dataclasses.replace(planner1.tuning, kv_tile_table=FUSED_TILE_TABLE,
+                                          exclude_tiles=ex)
+    assert reachable_tiles(planner1.tile_selector(128, "float16"), max_rows=48) == (
+        (64, 64), (32, 32), (16, 64))
     # the planner with the exclusion: 17-32-row CTAs over long KV take (32, 32), not (32, 64)
     planner = Planner("pat", "h100")
     b = build_tree_batch("1,8_2048,40", page_size=16)          # 8 requests x group 4 = 32 rows
@@ -345,7 +357,7 @@ def _graph_safe_wrapper(max_batch, mode="auto"):
 
 def test_graph_safe_tuning_of_a_fused_bucket():
     """What the wrapper gives its planner before the first graph-safe plan: a fused 16-request
-    bucket at 64:8 gets the two-width table, (32, 64) left out and rows capped at 64, and its
+    bucket at 64:8 gets the one-width table, (32, 64) left out and rows capped at 64, and its
     launch set's fused block fits two per SM; a larger bucket (not fused) and a 4-request
     bucket at 32:8 (one 16-row tile) get none of the fused rules; a refused first plan's
     settings are undone, but a value the user set since is kept."""
