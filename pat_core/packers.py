@@ -224,27 +224,37 @@ NARROW_SHARE = 0.02
 
 def narrow_packing(forest: PrefixForest, packs: Packs, group: int, narrow_rows: int,
                    share: float, head_dim: int, kv_bytes: int = 2, q_bytes: int = 2,
-                   partial_weight: float = PARTIAL_WEIGHT) -> Packs:
-    """``packs`` (a ``pat`` packing), or ``forest`` packed again with at most ``narrow_rows``
-    query rows per CTA, when some pack is wider and the narrow packing reads at most ``share``
-    more KV tokens than ``packs`` (``sum(kv_end - kv_start)``).
+                   partial_weight: float = PARTIAL_WEIGHT):
+    """``(packs', tokens)``: ``packs`` (a ``pat`` packing), or ``forest`` packed again with at
+    most ``narrow_rows`` query rows per CTA when some pack is wider and the narrow packing
+    reads at most ``share`` more KV tokens than ``packs`` (:func:`narrow_wins`, tokens
+    counted as ``sum(kv_end - kv_start)``).  ``tokens``: ``(wide, narrow)``, the two packings'
+    KV tokens, or ``None`` when no pack is wider than ``narrow_rows`` (or ``share`` is 0, or a
+    request's rows exceed ``narrow_rows``).  Growing leaves add the same tokens to both
+    packings, so the lazy length update re-checks the choice from ``tokens`` alone.
 
     Why: on a batch of long private leaves under a short shared prefix (a system prompt), the
     few wide CTAs of the prefix run as a second tile variant, in a launch of their own whose
     blocks the GPU dispatches first; they hold the SMs while the leaves wait (an H100 timeline:
     the leaves' kernel started 8 µs into a 389 µs step) and save almost nothing.  Packed
-    narrow, every CTA is one variant in one launch and the prefix is re-read from L2 by a few
-    more CTAs.  Where sharing saves much (a wide root over short leaves) the narrow packing
-    re-reads far more than ``share`` and ``packs`` stays.  Measured in ``bench/NOTES.md``
-    (round 13); ``share = 0`` turns the rule off.
+    narrow, every CTA has the leaves' tile height, so the step runs one variant (where the KV
+    widths agree) in one launch, and the prefix is re-read from L2 by a few more CTAs.  Where
+    sharing saves much (a wide root over short leaves) the narrow packing re-reads far more
+    than ``share`` and ``packs`` stays.  Measured in ``bench/NOTES.md`` (round 13);
+    ``share = 0`` turns the rule off.
     """
     rows = np.diff(packs.req_indptr) * group
     if share <= 0 or group > narrow_rows or rows.size == 0 or int(rows.max()) <= narrow_rows:
-        return packs
+        return packs, None
     alt = pack(forest, "pat", group, narrow_rows, head_dim, kv_bytes, q_bytes, partial_weight)
     kv = int((packs.kv_end.astype(np.int64) - packs.kv_start).sum())
     kv_alt = int((alt.kv_end.astype(np.int64) - alt.kv_start).sum())
-    return alt if kv_alt <= kv * (1.0 + share) else packs
+    return (alt if narrow_wins(kv, kv_alt, share) else packs), (kv, kv_alt)
+
+
+def narrow_wins(kv_wide: int, kv_narrow: int, share: float) -> bool:
+    """Whether the narrow packing is taken: it reads at most ``share`` more KV tokens."""
+    return kv_narrow <= kv_wide * (1.0 + share)
 
 
 def pack(forest: PrefixForest, packer: str, group: int, max_rows: int, head_dim: int,

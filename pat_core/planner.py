@@ -22,7 +22,8 @@ from numba import njit
 from .forest import PrefixForest
 from .gpus import get_gpu
 from .inputs import BlockTable, _check_seq_lens, as_block_table, check_heads, check_size
-from .packers import NARROW_SHARE, PACKERS, PARTIAL_WEIGHT, Packs, narrow_packing, pack
+from .packers import (NARROW_SHARE, PACKERS, PARTIAL_WEIGHT, Packs, narrow_packing,
+                      narrow_wins, pack)
 from .plan import DTYPE_BYTES, Plan, dtype_name
 from .split import auto_split_share, split_long_kv, split_threshold
 from .tiles import TileSelector
@@ -49,14 +50,15 @@ class Tuning:
     :meth:`pat_core.tiles.TileSelector.row_time_weight`: 128-row tiles run slower per token).
     ``order``: launch order of the tile groups: ``"tile"`` (ascending ``(m, n)``) or
     ``"work"`` (largest per-CTA work first, and longest KV first inside a group, so that the
-    CTAs that take longest start first) or ``"shared"`` (groups whose CTAs hold the most
-    requests first, longest KV first inside a group: a request's shared-prefix CTAs then
-    finish before its own leaf, which is what the merge by the last CTA of a request,
-    ``CudaBackend.merge_mode = "forward"``, needs to merge one request per block).
+    CTAs that take longest start first) or ``"shared"`` (groups ranked by the most requests
+    one of their CTAs holds, and inside a group the most requests first, then the longest KV:
+    shared-prefix CTAs tend to run before the leaves, as the merge by the last CTA of a
+    request, ``CudaBackend.merge_mode = "forward"``, wants; not guaranteed when one tile group
+    holds both a request's leaf and a later group holds its shared CTA).
     ``narrow_share``: the ``pat`` packer's narrow-packing rule
-    (:func:`pat_core.packers.narrow_packing`): with no ``max_rows`` set, every CTA is packed
-    into the narrowest tile's rows when that re-reads at most this share more KV tokens
-    (``0``: off).
+    (:func:`pat_core.packers.narrow_packing`): with no ``max_rows`` set and no forced tile,
+    every CTA is packed into the narrowest tile's rows when that re-reads at most this share
+    more KV tokens (``0``: off).
     ``exclude_tiles``: ``(m, n)`` pairs the tile selector must not pick (``None``: none).
     Graph-safe mode sets it for a fused pull launch set
     (:func:`pat_core.static_plan.fused_pull_exclusions`).
@@ -307,10 +309,12 @@ class Planner:
         packs = pack(forest, self.packer, group, max_rows,
                      head_dim, DTYPE_BYTES[kv_dtype], DTYPE_BYTES[q_dtype],
                      partial_weight=self.tuning.partial_weight)
+        narrow = None
         if self.packer == "pat" and self.tuning.max_rows is None and tile is None:
-            packs = narrow_packing(forest, packs, group, int(selector.m_values[0]),
-                                   self.tuning.narrow_share, head_dim, DTYPE_BYTES[kv_dtype],
-                                   DTYPE_BYTES[q_dtype], self.tuning.partial_weight)
+            packs, narrow = narrow_packing(forest, packs, group, int(selector.m_values[0]),
+                                           self.tuning.narrow_share, head_dim,
+                                           DTYPE_BYTES[kv_dtype], DTYPE_BYTES[q_dtype],
+                                           self.tuning.partial_weight)
         plan = assemble_plan(bt, packs, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                              head_dim=head_dim, sm_scale=sm_scale, packer=self.packer,
                              selector=selector, kv_dtype=kv_dtype, serial=serial, split=split,
@@ -321,7 +325,7 @@ class Planner:
         self._cache = dict(params=params, serial=serial, split=split,
                            raw=None if raw is None else raw.copy(),
                            seq_lens=bt.seq_lens.copy(), bt=bt, packs=packs, plan=plan,
-                           selector=selector)
+                           selector=selector, narrow=narrow)
         self.last_path = "full"
         return plan
 
@@ -354,6 +358,15 @@ class Planner:
         lp = packs.leaf_pack[changed]
         if np.any(lp < 0):
             return None                       # the request's last token is shared
+        narrow = c.get("narrow")
+        if narrow is not None:
+            # both packings grow by the same tokens: re-check the narrow-packing choice
+            added = int((grow - old[changed]).sum())
+            share = self.tuning.narrow_share
+            wide, thin = narrow[0] + added, narrow[1] + added
+            if narrow_wins(wide, thin, share) != narrow_wins(narrow[0], narrow[1], share):
+                return None                   # the choice flips: pack again
+            narrow = (wide, thin)
         packs = packs.copy()
         packs.kv_end[lp] = grow.astype(np.int32)
         nbt = BlockTable(table=bt.table, seq_lens=new_lens.astype(np.int32),
@@ -367,5 +380,5 @@ class Planner:
         plan.version = p.version + 1
         plan.q_dtype = p.q_dtype
         plan.extra["block_table"] = nbt
-        c.update(seq_lens=nbt.seq_lens.copy(), bt=nbt, packs=packs, plan=plan)
+        c.update(seq_lens=nbt.seq_lens.copy(), bt=nbt, packs=packs, plan=plan, narrow=narrow)
         return plan

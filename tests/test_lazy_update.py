@@ -39,6 +39,24 @@ def test_decode_step_updates_lengths_only():
         p.plan(b.block_tables, lens + 1, 32, 8, 128, 16)
 
 
+@pytest.mark.parametrize("spec", ["1,8_64,385", "1,16_64,593"])
+def test_length_update_rechecks_the_narrow_packing(spec):
+    """The narrow-packing choice depends on the leaves' lengths (its 2% is a share of all KV
+    read): a length update that flips it packs again, so every step equals a fresh plan."""
+    b = build_tree_batch(spec, page_size=16)
+    p = Planner("pat")
+    p.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
+    lens = b.seq_lens.copy()
+    paths = []
+    for _ in range(15):
+        lens = lens + 1
+        plan = p.plan(b.block_tables, lens, 32, 8, 128, 16)
+        paths.append(p.last_path)
+        fresh = Planner("pat").plan(b.block_tables, lens, 32, 8, 128, 16)
+        assert plan.stats() == fresh.stats()
+    assert "full" in paths and "lengths" in paths     # the choice flipped once, then held
+
+
 def test_growth_of_a_shared_last_token_replans():
     table = np.array([[0, 1], [0, 1], [0, 2]], dtype=np.int32)
     p = Planner("pat")

@@ -86,7 +86,7 @@ def _kv_tokens(plan):
 def test_narrow_packing_where_sharing_saves_little():
     """Long private leaves under short shared levels: packed narrow, the step is one 16-row
     variant for < 2% more KV; a wide root over short leaves keeps its wide CTAs; a row cap the
-    user sets, a forced tile and other packers are left alone."""
+    user sets and other packers are left alone."""
     b = build_tree_batch("1,32,256_64,64,1024", page_size=16)
     args = (b.block_tables, b.seq_lens, 32, 8, 128, 16)
     off = Planner("pat", "h100", Tuning(narrow_share=0.0)).plan(*args)
@@ -101,11 +101,9 @@ def test_narrow_packing_where_sharing_saves_little():
     r = build_tree_batch("1,16_2048,128", page_size=16)
     root = Planner("pat", "h100").plan(r.block_tables, r.seq_lens, 32, 8, 128, 16)
     assert max(int(m) for m, _ in root.tile_configs) == 64
-    # the user's cap, a forced tile, and the node packer: no narrow packing
+    # the user's cap and the node packer: no narrow packing
     capped = Planner("pat", "h100", Tuning(max_rows=32)).plan(*args)
     assert max(int(m) for m, _ in capped.tile_configs) == 32
-    forced = Planner("pat", "h100").plan(*args, tile=(32, 64))
-    assert forced.num_ctas == off.num_ctas
     node = Planner("node", "h100").plan(*args)
     assert max(int(m) for m, _ in node.tile_configs) > 16
 
