@@ -188,8 +188,9 @@ def load_measurements(paths) -> dict:
     measured_us, file``.
     """
     if isinstance(paths, (str, os.PathLike)):
-        paths = [os.fspath(paths)]
-    files = [f for p in paths for f in _measurement_files(os.fspath(p))]
+        paths = [paths]
+    paths = [os.fspath(p) for p in paths]
+    files = [f for p in paths for f in _measurement_files(p)]
     recs, devices, shas, split = [], [], [], {"fit": [], "validation": []}
     measured = {k: [] for k in (*MEASURED, "l2_bandwidth_gbps", "graph_outside_ns")}
     gpu, starts = None, []
@@ -241,6 +242,7 @@ def load_measurements(paths) -> dict:
         if g not in (None, gpu):
             if f in paths:
                 raise ValueError(f"{f}: a graph_start file of {g} among measurements of {gpu}")
+            files.remove(f)                   # not used: not listed as a source either
             continue
         measured["graph_outside_ns"].append(ns)
         shas.append(sha)
@@ -360,6 +362,10 @@ def fit(data: dict, split: dict, gpu: str | None = None, start: SimConstants | N
             names = tuple(n for n in names if n != const)
     outside = data.get("graph_outside_ns")
     if outside is not None and "graph_start_ns" in names:
+        if "graph_launch_ns" not in fixed:
+            raise ValueError("a graph_start file fixes graph_start_ns from the measured graph "
+                             "launch interval, which these measurements lack (bench/calibrate.py "
+                             "records it)")
         # measured time outside the kernels = start + the first launch's issue interval
         fixed["graph_start_ns"] = max(0.0, float(outside) - float(c0.graph_launch_ns))
         c0 = c0.with_values(graph_start_ns=fixed["graph_start_ns"])

@@ -7,6 +7,7 @@ the fit must find constants that predict them again, and the report must say so.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -214,14 +215,25 @@ def test_graph_start_file_fixes_the_start(tmp_path):
     assert info["measured"]["graph_start_ns"] == 0.0
     gs.write_text(json.dumps({"benchmark": "graph_start", "gpu": "h200",
                               "median_outside_us": 1.3}))
-    assert load_measurements(str(tmp_path))["graph_outside_ns"] is None   # passed over
+    passed = load_measurements(str(tmp_path))           # passed over, and not listed
+    assert passed["graph_outside_ns"] is None and str(gs) not in passed["files"]
     with pytest.raises(ValueError, match="graph_start file of h200"):
         load_measurements([path, str(gs)])
+    with pytest.raises(ValueError, match="graph_start file of h200"):
+        load_measurements([Path(path), gs])                # pathlib paths name it too
     with pytest.raises(ValueError, match="no timed records"):
         load_measurements(str(gs))
     gs.write_text(json.dumps({"benchmark": "graph_start", "gpu": "h100"}))
     with pytest.raises(ValueError, match="median_outside_us"):
         load_measurements(str(tmp_path))
+    # without a measured launch interval the start cannot be fixed from the file
+    gs.write_text(json.dumps({"benchmark": "graph_start", "gpu": "h100",
+                              "median_outside_us": 2.5}))
+    raw.pop("graph_launch")
+    open(path, "w").write(json.dumps(raw))
+    with pytest.raises(ValueError, match="graph launch interval"):
+        fit(load_measurements(str(tmp_path)), split_workloads(data["records"]), "h100",
+            start=default_constants("h100"), max_evals=5, prepared=prep)
 
 
 def test_fit_and_report_commands(tmp_path, capsys):
