@@ -12,8 +12,8 @@ ends.  The simulator issues a step's first launch at ``graph_start_ns + graph_la
     graph_start_ns = median over workloads (replay - span) - graph_launch_ns
 
 with ``graph_launch_ns`` the forked-launch interval ``bench/calibrate.py`` measures.  The two
-medians of one workload come from different replays, so one difference can be off by a few µs;
-the median over the list is what is used.  Writes ``graph_start_<gpu>.json`` (per-workload
+medians of one workload come from different replays, so one difference can be off by tens of
+µs (a slow replay on one side); the median over the list is what is used.  Writes ``graph_start_<gpu>.json`` (per-workload
 numbers, the median, device, git sha) into ``--out``.
 """
 from __future__ import annotations
@@ -72,8 +72,11 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"graph_start_{res['gpu']}.json"
     path.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"median replay - span over {len(ok)} workloads: {res['median_outside_us']:.2f} us "
-          f"-> {path.name}")
+    if ok:
+        print(f"median replay - span over {len(ok)} workloads: "
+              f"{res['median_outside_us']:.2f} us -> {path.name}")
+    else:
+        print(f"no workload gave a timeline -> {path.name}")
     return 0 if len(ok) == len(rows) else 1
 
 

@@ -142,7 +142,7 @@ TUNINGS = {
 }
 
 
-def apply_tuning(label: str, planner, backend):
+def apply_tuning(label: str, planner, backend, serial_ok: bool = False):
     """Set ``planner.tuning`` and ``backend``'s launch and merge modes from ``TUNINGS[label]``
     (``KeyError`` for an unknown label); returns a function that puts the backend's modes back
     (the backend may be shared between cases)."""
@@ -150,7 +150,9 @@ def apply_tuning(label: str, planner, backend):
     tun = dict(TUNINGS[label])
     tun.pop("layouts", None)   # kernel layouts: set by run_case (cuda_compile.VARIANT_OVERRIDES)
     tun.pop("n_by_m", None)    # forced n per m: set by run_case (forced_n)
-    tun.pop("serial", None)    # a plan() argument: passed by run_case
+    if tun.pop("serial", False) and not serial_ok:   # a plan() argument: run_case passes it
+        raise ValueError(f"tuning {label!r} needs serial plans, which only kernel_lab.py's "
+                         "run_case makes")
     saved = (backend.launch_mode, backend.merge_mode, backend.merge_heads_per_warp,
              backend.one_tile)
     backend.launch_mode = tun.pop("launch", backend.launch_mode)
@@ -362,7 +364,7 @@ def run_case(backend, case, iters, copy_bw, flush, seed=0) -> dict:
         w = PrefixAttentionWrapper(backend="cuda", packer=packer)
         w._gpu_backend = backend
         if label in TUNINGS:
-            restore = apply_tuning(label, w.planner, backend)
+            restore = apply_tuning(label, w.planner, backend, serial_ok=True)
         plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16",
                       tile=tile, serial=bool(TUNINGS.get(label, {}).get("serial", False)))
         row["variants"] = [v_.key for v_ in backend.variants_for(plan)]
