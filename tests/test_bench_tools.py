@@ -65,3 +65,24 @@ def test_report_renders(tmp_path):
     assert h["min_nosharing_ratio_vs_fi_decode"] == pytest.approx(2.5)
     json.dumps(h)
     assert any("wrote" in x for x in lines)
+
+
+def test_kernel_lab_tunings_apply_and_serial_labels_need_run_case():
+    """Every kernel_lab label builds a valid planner Tuning; a label that needs serial plans is
+    refused where nothing passes serial= to plan() (profile_case, trace_replay)."""
+    from types import SimpleNamespace
+
+    from kernel_lab import TUNINGS, apply_tuning
+
+    from pat_core import Planner
+    for label, tun in TUNINGS.items():
+        be = SimpleNamespace(launch_mode="auto", merge_mode="kernel", merge_heads_per_warp=None,
+                             one_tile="auto")
+        planner = Planner("pat", "h100")
+        if tun.get("serial"):
+            with pytest.raises(ValueError, match="serial"):
+                apply_tuning(label, planner, be)
+        restore = apply_tuning(label, planner, be, serial_ok=True)
+        assert be.merge_mode == tun.get("merge", "kernel")
+        restore()
+        assert be.merge_mode == "kernel"
