@@ -13,8 +13,8 @@ ends.  The simulator issues a step's first launch at ``graph_start_ns + graph_la
 
 with ``graph_launch_ns`` the forked-launch interval ``bench/calibrate.py`` measures.  The two
 medians of one workload come from different replays, so one difference can be off by tens of
-µs (a slow replay on one side); the median over the list is what is used.  Writes ``graph_start_<gpu>.json`` (per-workload
-numbers, the median, device, git sha) into ``--out``.
+µs (a slow replay on one side); the median over the list is what is used.  Writes
+``graph_start_<gpu>.json`` (per-workload numbers, the median, device, git sha) into ``--out``.
 """
 from __future__ import annotations
 

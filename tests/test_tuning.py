@@ -119,7 +119,8 @@ def test_partial_weight_changes_the_packing():
     (dict(max_rows=0), "max_rows"), (dict(split_share=0), "split_share"),
     (dict(partial_weight=float("nan")), "partial_weight"), (dict(min_part=0), "min_part"),
     (dict(order="fast"), "order"), (dict(narrow_share=-0.1), "narrow_share"),
-    (dict(narrow_share=float("inf")), "narrow_share"), (dict(split_by="rows"), "split_by"), (dict(kv_tile_table=((64, 32), (32, 16))), "kv_tile_table"),
+    (dict(narrow_share=float("inf")), "narrow_share"), (dict(split_by="rows"), "split_by"),
+    (dict(kv_tile_table=((64, 32), (32, 16))), "kv_tile_table"),
 ])
 def test_bad_tuning_is_named(kw, name):
     with pytest.raises(ValueError, match=name):
