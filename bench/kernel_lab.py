@@ -220,6 +220,13 @@ def _layout_candidates():
     return tuple(out)
 
 
+def _pair_cases(pairs, labels) -> tuple:
+    """pat cases (no forced tile or layout) for every ``(spec, (hq, hk))`` of ``pairs`` and
+    every tuning label of ``labels``, pairs outermost."""
+    return tuple((spec, heads, "pat", None, None, label)
+                 for spec, heads in pairs for label in labels)
+
+
 CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
              "wg": tuple((spec, heads, "pat", None, None, label)
                          for spec in ("1,16_16384,16", "1,32_16384,16") + SHARING_SPECS
@@ -232,16 +239,14 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                   for spec in SHORT_SPECS + ("1,16_2048,128",)
                                   for heads in ((32, 8), (32, 32))
                                   for label in ("default", "mh1", "mh2", "mh4")),
-             "short-check": tuple((spec, heads, "pat", None, None, label)
-                                  for spec, heads in (
-                                      ("1,8,64,512_128,512,64,32", (32, 32)),
-                                      ("1,8,64,512_128,512,64,32", (32, 8)),
-                                      ("1,4,16,64,256_512,256,128,64,32", (32, 32)),
-                                      ("3,24,96_1024,64,512", (16, 8)),
-                                      ("3,24,96_1024,64,512", (32, 8)),
-                                      ("1,4,64_256,1024,64", (32, 8)),
-                                      ("1,4,16,64,256,1024_1024,256,128,64,32,32", (32, 32)))
-                                  for label in ("default", "mh1", "short-w1s1")),
+             "short-check": _pair_cases((("1,8,64,512_128,512,64,32", (32, 32)),
+                                         ("1,8,64,512_128,512,64,32", (32, 8)),
+                                         ("1,4,16,64,256_512,256,128,64,32", (32, 32)),
+                                         ("3,24,96_1024,64,512", (16, 8)),
+                                         ("3,24,96_1024,64,512", (32, 8)),
+                                         ("1,4,64_256,1024,64", (32, 8)),
+                                         ("1,4,16,64,256,1024_1024,256,128,64,32,32", (32, 32))),
+                                        ("default", "mh1", "short-w1s1")),
              "one-tile": tuple((spec, heads, "pat", None, None, label)
                             for spec in SHORT_SPECS + ("1,4,64_256,1024,64", "3,24,96_1024,64,512",
                                                        "1,2,4,8,16,32,64_256,128,64,64,32,32,32")
@@ -276,32 +281,27 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                 for packer in ("pat", "query")
                                 for label in ("default", "merge-fwd")),
              # the merge by the last CTA with the shared-prefix CTAs first (round 13)
-             "merge-order": tuple((spec, heads, "pat", None, None, label)
-                                  for spec, heads in (
-                                      ("1,32,256_64,64,1024", (32, 8)),
-                                      ("1,32,256_64,64,1024", (64, 8)),
-                                      ("1,32,256_64,64,1024", (16, 8)),
-                                      ("1,32,256_64,64,1024", (32, 32)),
-                                      ("1,16_2048,128", (32, 8)),
-                                      ("1,4,16_128,256,1024", (32, 8)))
-                                  for label in ("default", "merge-fwd", "shared-first",
-                                                "merge-fwd-shared", "merge-fwd-shared-serial")),
+             "merge-order": _pair_cases((("1,32,256_64,64,1024", (32, 8)),
+                                         ("1,32,256_64,64,1024", (64, 8)),
+                                         ("1,32,256_64,64,1024", (16, 8)),
+                                         ("1,32,256_64,64,1024", (32, 32)),
+                                         ("1,16_2048,128", (32, 8)),
+                                         ("1,4,16_128,256,1024", (32, 8))),
+                                        ("default", "merge-fwd", "shared-first",
+                                         "merge-fwd-shared", "merge-fwd-shared-serial")),
              # a batch of long private leaves under short shared levels: the shared CTAs in the
              # leaves' own 16-row variant (one launch) or their own larger tile (round 13)
-             "leaf-last": tuple((spec, heads, "pat", None, None, label)
-                                for spec, heads in (
-                                    ("1,32,256_64,64,1024", (32, 8)),
-                                    ("1,32,256_64,64,1024", (64, 8)),
-                                    ("1,32,256_64,64,1024", (16, 8)),
-                                    ("1,16_2048,128", (32, 8)),
-                                    ("1,4,16_128,256,1024", (64, 8)),
-                                    ("1,2,8,128_512,128,256,32", (32, 8)))
-                                for label in ("default", "rows16", "fused")),
+             "leaf-last": _pair_cases((("1,32,256_64,64,1024", (32, 8)),
+                                       ("1,32,256_64,64,1024", (64, 8)),
+                                       ("1,32,256_64,64,1024", (16, 8)),
+                                       ("1,16_2048,128", (32, 8)),
+                                       ("1,4,16_128,256,1024", (64, 8)),
+                                       ("1,2,8,128_512,128,256,32", (32, 8))),
+                                      ("default", "rows16", "fused")),
              # the configurations whose plans the narrow packing rule changes (round 13)
-             "narrow": tuple((spec, heads, "pat", None, None, label)
-                             for spec, heads in (("1,32,256_64,64,1024", (32, 8)),
-                                                 ("1,4,16_128,256,1024", (16, 8)))
-                             for label in ("default", "narrow-off")),
+             "narrow": _pair_cases((("1,32,256_64,64,1024", (32, 8)),
+                                    ("1,4,16_128,256,1024", (16, 8))),
+                                   ("default", "narrow-off")),
              # the configurations whose plans the automatic split share changes (round 10)
              "auto-share": tuple((spec, heads, packer, None, None, label)
                                  for spec, heads, packer in (
