@@ -124,6 +124,10 @@ TUNINGS = {
     "shared-first": {"order": "shared"},
     "merge-fwd-shared": {"merge": "forward", "order": "shared"},
     "merge-fwd-shared-serial": {"merge": "forward", "order": "shared", "serial": True},
+    # the finisher phase (pat_core.fold): off, only where every request has one CTA, where the
+    # other CTAs read at most 5% of the KV tokens, wherever possible
+    "finish-off": {"finish_share": None}, "finish-0": {"finish_share": 0.0},
+    "finish": {"finish_share": 0.05}, "finish-all": {"finish_share": 1.0},
     "mh1": {"merge_heads": 1}, "mh2": {"merge_heads": 2}, "mh4": {"merge_heads": 4},
     # n of the 128-row tiles forced (their KV is mostly shared, read from L2: compute bound)
     "m128n64": {"n_by_m": {128: 64}},
@@ -302,6 +306,20 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
              "narrow": _pair_cases((("1,32,256_64,64,1024", (32, 8)),
                                     ("1,4,16_128,256,1024", (16, 8))),
                                    ("default", "narrow-off")),
+             # the finisher phase against the merge launch (round 14)
+             "finish": _pair_cases((("1,32,256_64,64,1024", (32, 8)),
+                                    ("1,32,256_64,64,1024", (64, 8)),
+                                    ("1,32,256_64,64,1024", (16, 8)),
+                                    ("1,32,256_64,64,1024", (32, 32)),
+                                    ("128_2048", (32, 8)), ("256_4096", (32, 8)),
+                                    ("128_2048", (32, 32)),
+                                    ("1,16_2048,128", (32, 8)),
+                                    ("1,4,16_128,256,1024", (32, 8)),
+                                    ("1,4,16_128,256,1024", (16, 8)),
+                                    ("1,4,64_256,1024,64", (32, 8)),
+                                    ("3,24,96_1024,64,512", (32, 8)),
+                                    ("1,4,16,64,256,1024_1024,256,128,64,32,32", (32, 8))),
+                                   ("finish-off", "finish-0", "finish", "finish-all")),
              # the configurations whose plans the automatic split share changes (round 10)
              "auto-share": tuple((spec, heads, packer, None, None, label)
                                  for spec, heads, packer in (

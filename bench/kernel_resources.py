@@ -71,7 +71,7 @@ def variant_record(v) -> dict:
         rec = {"m": v.m, "n": v.n, **rec, "stages": 1, "items": v.items}
     if isinstance(v, cc.FwdVariant):
         rec = {"m": v.m, "n": v.n, **rec, "stages": v.stages, "rows_per_warp": v.rows_per_warp,
-               "pull": v.pull}
+               "pull": v.pull, "finish": v.finish}
     return rec
 
 

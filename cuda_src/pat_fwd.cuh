@@ -461,6 +461,76 @@ __device__ __forceinline__ void init_state(float (&acc)[Tr::MI][Tr::D / 8][4],
   }
 }
 
+// The finisher launch (pat_fwd_finish_kernel, pat_core/fold.py): this CTA runs after every
+// other CTA of its request has written its slot, so once its own KV walk is done it merges those
+// slots into its rows' state and writes the request's output (finish_item).  A slot (o, lse) is
+// the state m = lse * log2(e), l = 1, acc = o (o is normalised), joined with the online-softmax
+// rule (raise_max); the merge kernel's rules hold: an empty slot (lse = -inf) weighs 0, a NaN LSE
+// makes the row NaN.  Called after the quad reduction and the token slices' combine (every lane
+// holds its row's full sum), by the warps of slice 0.  At the end rather than at the start: the
+// state is live in registers either way, but at the start the loads spilled the one-warp 16x32
+// block (168 registers, capped for residency); at the end that block needs no more than before.
+// Each slot's LSE and vector are loaded together (one memory latency per slot), through L2:
+// an earlier launch wrote them.  The mma.sync layouts only (pat_core/fold.py never makes a
+// warpgroup tile a finisher).
+template <typename Tr>
+__device__ __forceinline__ void fold_slots(const FwdParams& p, const CtaWork& w, int kv_head,
+                                           int wm, int lane, float (&acc)[Tr::MI][Tr::D / 8][4],
+                                           float (&m_run)[Tr::MI][2], float (&l_run)[Tr::MI][2]) {
+  constexpr int D = Tr::D, MI = Tr::MI;
+  constexpr float kLog2e = 1.4426950408889634f;
+  const int group = p.group, num_qo_heads = p.num_qo_heads;
+  const float inv_group = 1.f / (float)group;
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int row = (wm * MI + mi) * 16 + (lane >> 2) + hr * 8;
+      if (row >= w.n_rows) continue;
+      const int ri = div_rows(row, inv_group);
+      const int head = kv_head * group + (row - ri * group);
+      const int r = p.cta_req[w.req_begin + ri];
+      const int own = p.cta_slot[w.req_begin + ri];
+      const int s1 = p.merge.req_slot_indptr[r + 1];
+      float m = m_run[mi][hr], l = l_run[mi][hr];  // the row's full sum: every lane holds it
+      bool nan = false;
+#pragma unroll 1
+      for (int s = p.merge.req_slot_indptr[r]; s < s1; ++s) {
+        if (s == own) continue;
+        // the LSE and the vector in flight together: one memory latency per slot
+        const float lse = __ldcg(p.lse_partial + (long long)s * num_qo_heads + head);
+        const float* src = p.o_partial + ((long long)s * num_qo_heads + head) * D + ((lane & 3) << 1);
+        float2 v[D / 8];
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) v[dt] = __ldcg(reinterpret_cast<const float2*>(src + dt * 8));
+        if (lse != lse) {
+          nan = true;
+          continue;
+        }
+        if (lse == neg_inf()) continue;
+        const float l2 = lse * kLog2e;
+        float a;
+        const float m_use = raise_max(m, l2, a);
+        const float b = exp2f(l2 - m_use);
+        l = l * a + b;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          acc[mi][dt][2 * hr] = acc[mi][dt][2 * hr] * a + v[dt].x * b;
+          acc[mi][dt][2 * hr + 1] = acc[mi][dt][2 * hr + 1] * a + v[dt].y * b;
+        }
+      }
+      if (nan) {
+        const float qnan = __int_as_float(0x7fc00000);
+        l = qnan;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) acc[mi][dt][2 * hr] = acc[mi][dt][2 * hr + 1] = qnan;
+      }
+      m_run[mi][hr] = m;
+      l_run[mi][hr] = l;
+    }
+  }
+}
+
 // ldmatrix row of this lane for an A operand (16 x 16 fragment).
 __device__ __forceinline__ int a_frag_row(int lane) { return (lane & 7) + ((lane >> 3) & 1) * 8; }
 
@@ -562,7 +632,7 @@ __device__ __forceinline__ void sync_tile(const typename Tr::T* sQ,
 // the normalised partial output o_partial[slot, head, :] and its natural-log LSE written for every
 // live row, and with merge.counters set the in-kernel merge of the requests this item completes.
 // Warps of token slices other than 0 return after the combine.
-template <typename Tr>
+template <typename Tr, bool FINISH = false>
 __device__ __forceinline__ void finish_item(const FwdParams& p, const CtaWork& w, int cta,
                                             int kv_head, float (&acc)[Tr::MI][Tr::D / 8][4],
                                             float (&m_run)[Tr::MI][2], float (&l_run)[Tr::MI][2],
@@ -647,8 +717,37 @@ __device__ __forceinline__ void finish_item(const FwdParams& p, const CtaWork& w
   }
 
   if (wn != 0) return;
-  // ---- Write the normalised partial output and its LSE for every real row -------------------
   constexpr float kLn2 = 0.6931471805599453f;
+  if constexpr (FINISH) {
+    fold_slots<Tr>(p, w, kv_head, wm, lane, acc, m_run, l_run);
+    // ---- Finisher: the request's final output (input dtype) and LSE, as the merge writes them
+    T* __restrict__ out = static_cast<T*>(merge.out);
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int row = (wm * MI + mi) * 16 + (lane >> 2) + hr * 8;
+        if (row < n_rows) {
+          const int ri = div_rows(row, inv_group);
+          const int head = kv_head * group + (row - ri * group);
+          const long long r = cta_req[req_begin + ri];
+          const float l = l_run[mi][hr];
+          const float inv = l != 0.f ? 1.f / l : 0.f;  // no finite state: zeros and -inf
+          T* dst = out + r * merge.out_sb + head * merge.out_sh + ((lane & 3) << 1);
+#pragma unroll
+          for (int dt = 0; dt < D / 8; ++dt) {
+            dst[dt * 8] = ElemOps<T>::from_float(acc[mi][dt][2 * hr] * inv);
+            dst[dt * 8 + 1] = ElemOps<T>::from_float(acc[mi][dt][2 * hr + 1] * inv);
+          }
+          if (merge.lse_out != nullptr && (lane & 3) == 0)
+            merge.lse_out[r * merge.lse_sb + head * merge.lse_sh] =
+                l != 0.f ? (m_run[mi][hr] + __log2f(l)) * kLn2 : neg_inf();
+        }
+      }
+    }
+    return;
+  }
+  // ---- Write the normalised partial output and its LSE for every real row -------------------
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
@@ -709,8 +808,9 @@ __device__ __forceinline__ void finish_item(const FwdParams& p, const CtaWork& w
 
 // One work item: Plan CTA `cta` for KV head `kv_head`.  Returns with every cp.async group drained;
 // a caller that runs another item in the same block puts a cta_sync<Tr>() in between (the last
-// phase reads shared memory that the next item's prologue overwrites).
-template <typename Tr>
+// phase reads shared memory that the next item's prologue overwrites).  FINISH: a finisher item
+// (its request's other slots folded in at the end, the output written instead of its slot).
+template <typename Tr, bool FINISH = false>
 __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
                                              const int kv_head) {
   using T = typename Tr::T;
@@ -764,6 +864,7 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
   float m_run[Tr::MI][2];  // running max of the scaled scores (log2 domain), rows g and g + 8
   float l_run[Tr::MI][2];  // running sum of exponentials
   init_state<Tr>(acc, m_run, l_run);
+  static_assert(!FINISH || !Tr::WG, "finishers use the mma.sync layouts");
 
   // Wait for the Q group only (the PRE tile groups behind it may still be in flight).
   cp_async_wait<Tr::PRE>();
@@ -805,7 +906,8 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
 // </tutorial:loop-end>
   }
 
-  finish_item<Tr>(p, w, cta, kv_head, acc, m_run, l_run, wn, wm, lane, stid, pat_dyn_smem);
+  finish_item<Tr, FINISH>(p, w, cta, kv_head, acc, m_run, l_run, wn, wm, lane, stid,
+                          pat_dyn_smem);
 }
 
 }  // namespace pat
@@ -1083,6 +1185,18 @@ template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES, int RW,
 __global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, N, WARPS, STAGES>())) pat_fwd_kernel(
     const __grid_constant__ pat::FwdParams p) {
   pat::run_items<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW>, PULL>(p);
+}
+
+// Finisher entry point (pat_core/fold.py): block b runs item b of the launch, as pat_fwd_kernel
+// does, and finishes its request.  A separate kernel so that the other variants do not carry
+// its registers.  The Python side names it like pat_fwd_kernel's variant with a _fin suffix.
+template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES, int RW>
+__global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, N, WARPS, STAGES>())) pat_fwd_finish_kernel(
+    const __grid_constant__ pat::FwdParams p) {
+  using Tr = pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW>;
+  int cta_local, kv_head;
+  pat::item_cta_head(p, (int)blockIdx.x, cta_local, kv_head);
+  pat::pat_fwd_body<Tr, true>(p, p.cta_offset + cta_local, kv_head);
 }
 
 // One launch for every forward CTA of a plan, whatever its tile.  Template arguments: head_dim,

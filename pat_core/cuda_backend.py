@@ -322,7 +322,12 @@ class CudaBackend:
         fwd = [cc.FwdVariant.make(v.m, v.n, v.head_dim, dtype, arch=self.arch)
                for v in cc.plan_fwd_variants(plan, self.arch)]
         num_sms = self._num_sms()
-        for _, (m, n), b, e in plan.groups():
+        for g, (m, n), b, e in plan.groups():
+            if 0 <= plan.finish_from <= g:   # a finisher group: its own kernel, never split
+                v = cc.FwdVariant.make(m, n, plan.head_dim, dtype, arch=self.arch, finish=True)
+                if v not in fwd:
+                    fwd.append(v)
+                continue
             s, kind, _ = one_tile_split(plan, b, e, num_sms, self.one_tile)
             if s < e:
                 v = (cc.PipedVariant.make(n, plan.head_dim, dtype) if kind == "piped" else
@@ -532,7 +537,11 @@ class CudaBackend:
             if self.merge_mode not in ("forward", "kernel"):
                 raise ValueError(f"merge_mode must be 'forward' or 'kernel', got "
                                  f"{self.merge_mode!r}")
-            in_fwd = self.merge_mode == "forward"
+            # a plan with a finisher phase has no merge: its finishers write the output
+            fold = plan.finish_from >= 0
+            in_fwd = self.merge_mode == "forward" and not fold
+            if fold:
+                base.merge.req_slot_indptr = _ptr(rec["req_slot_indptr"])
             if in_fwd:   # out / lse pointers and strides are filled in per call
                 base.merge.counters = _ptr(self._counters(plan.batch_size * Hk))
                 base.merge.req_slot_indptr = _ptr(rec["req_slot_indptr"])
@@ -554,13 +563,19 @@ class CudaBackend:
                                         self.fast_launch, keep=cta_variant))
                 members = []
             num_sms = self._num_sms()
-            for _, (m, n), b, e in (plan.groups() if members else ()):
+            phase_b = None   # first launch of the finisher phase
+            for g, (m, n), b, e in (plan.groups() if members else ()):
                 if e <= b:
                     continue
-                # the group's one-tile tail may get a launch of its own (launch.one_tile_split)
-                s, kind, grid = one_tile_split(plan, b, e, num_sms, self.one_tile)
+                finish = fold and g >= plan.finish_from
+                if finish and phase_b is None:
+                    phase_b = len(launches)
+                # the group's one-tile tail may get a launch of its own (launch.one_tile_split;
+                # not a finisher group: those layouts have no finisher path)
+                s, kind, grid = (e, None, 0) if finish else \
+                    one_tile_split(plan, b, e, num_sms, self.one_tile)
                 if s > b:
-                    v = cc.FwdVariant.make(m, n, D, dtype, arch=self.arch)
+                    v = cc.FwdVariant.make(m, n, D, dtype, arch=self.arch, finish=finish)
                     prm = _copy_params(base)
                     prm.cta_offset, prm.n_ctas = b, s - b
                     launches.append(_Launch(self._function(v), ((s - b) * Hk, 1, 1),
@@ -591,7 +606,7 @@ class CudaBackend:
             merge = _Launch(self._function(mv), (grid, 1, 1), (mv.threads, 1, 1), mp, 0,
                             self.fast_launch)
             return {"device": dev, "dtype": dtype, "launches": launches,
-                    "merge": None if in_fwd else merge,
+                    "merge": None if in_fwd or fold else merge, "phase_b": phase_b,
                     "buf_gen": self._buffer_generation(dev)}
 
     def _merge_layout(self, plan: Plan) -> tuple:
@@ -661,7 +676,13 @@ class CudaBackend:
                 _set_out(ln.params.merge, out_args)
         if merge is not None:
             _set_out(merge.params, out_args)
-        self._enqueue(launches, merge, self._caller_stream(qd).ptr, plan.serial)
+        caller = self._caller_stream(qd).ptr
+        k = prep["phase_b"]
+        if k is None:
+            self._enqueue(launches, merge, caller, plan.serial)
+        else:   # the finishers start once every other forward launch has finished
+            self._enqueue(launches[:k], None, caller, plan.serial)
+            self._enqueue(launches[k:], None, caller, plan.serial)
         return (out, lse) if want_lse else out
 
     def _outputs(self, qd: _Dev, rows: int, Hq: int, D: int, dtype: str, want_lse: bool, out,
@@ -691,7 +712,7 @@ class CudaBackend:
         """Forward launches (concurrent on pool streams forked from the caller's stream unless
         ``serial``), then the merge (if any) on the caller's stream once they have joined."""
         rt = self.cp.cuda.runtime
-        if serial or len(launches) == 1:
+        if serial or len(launches) <= 1:
             for ln in launches:
                 ln(caller)
         else:
@@ -1143,7 +1164,7 @@ def _compile_in_workers(variants, jobs: int) -> None:
     def fields_of(v):
         if isinstance(v, cc.FwdVariant):
             return "fwd", (v.head_dim, v.dtype, v.m, v.n, v.warps, v.stages, v.rows_per_warp,
-                           v.pull)
+                           v.pull, v.finish)
         if isinstance(v, cc.PipedVariant):
             return "piped", (v.head_dim, v.dtype, v.n, v.warps, v.items)
         return "merge", (v.head_dim, v.dtype, v.warps, v.heads)

@@ -219,13 +219,16 @@ class FwdVariant:
     stages: int
     rows_per_warp: int = 16
     pull: bool = False     # graph-safe instantiation: fixed grid, blocks pull work items
+    finish: bool = False   # finisher instantiation (pat_core/fold.py): pat_fwd_finish_kernel
 
     @classmethod
     def make(cls, m: int, n: int, head_dim: int, dtype: str, pull: bool = False,
-             arch: str = "sm_90", one_tile: bool = False) -> "FwdVariant":
+             arch: str = "sm_90", one_tile: bool = False, finish: bool = False) -> "FwdVariant":
         """The (m, n) variant in its default layout for ``arch`` ("sm_90", "sm_80", ...), or in
         the layout VARIANT_OVERRIDES names; ``one_tile``: the layout of a launch of one-tile CTAs
-        (:data:`ONE_TILE_LAYOUTS`, or the ``("one-tile", m, n)`` override) where there is one."""
+        (:data:`ONE_TILE_LAYOUTS`, or the ``("one-tile", m, n)`` override) where there is one;
+        ``finish``: the finisher kernel in the same layout (not with ``pull`` or a warpgroup
+        layout)."""
         over = VARIANT_OVERRIDES.get((int(m), int(n)))
         if one_tile and not pull:
             over = VARIANT_OVERRIDES.get(("one-tile", int(m), int(n)),
@@ -235,17 +238,23 @@ class FwdVariant:
         else:
             w, st = over[0], over[1]
             rw = over[2] if len(over) > 2 else default_rows_per_warp(m)
+        if finish and (pull or rw == WG_ROWS):
+            raise ValueError(f"no finisher kernel for the {m}x{n} "
+                             f"{'pull' if pull else 'warpgroup'} variant")
         return cls(int(head_dim), str(dtype), int(m), int(n), int(w), int(st), int(rw),
-                   bool(pull))
+                   bool(pull), bool(finish))
 
     @property
     def key(self) -> str:
         return (f"pat_fwd_d{self.head_dim}_{DTYPE_SHORT[self.dtype]}_m{self.m}_n{self.n}"
                 f"_w{self.warps}_s{self.stages}_r{self.rows_per_warp}"
-                + ("_pull" if self.pull else ""))
+                + ("_pull" if self.pull else "") + ("_fin" if self.finish else ""))
 
     @property
     def name_expression(self) -> str:
+        if self.finish:
+            return (f"pat_fwd_finish_kernel<{self.head_dim}, {DTYPE_CTYPE[self.dtype]}, {self.m}, "
+                    f"{self.n}, {self.warps}, {self.stages}, {self.rows_per_warp}>")
         return (f"pat_fwd_kernel<{self.head_dim}, {DTYPE_CTYPE[self.dtype]}, {self.m}, {self.n}, "
                 f"{self.warps}, {self.stages}, {self.rows_per_warp}, "
                 f"{'true' if self.pull else 'false'}>")
@@ -424,7 +433,10 @@ def all_fwd_variants(head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_CTYPE), ms=TILE_MS,
                      pulls=(False, True)):
     """Every forward variant that fits the sm_90 shared-memory limit (n = 256 only at d = 64),
     in both instantiations (one item per block, and the graph-safe pull loop), in the default
-    layouts of sm_90 and of sm_80 and the one-tile layouts (:data:`ONE_TILE_LAYOUTS`)."""
+    layouts of sm_90 and of sm_80 and the one-tile layouts (:data:`ONE_TILE_LAYOUTS`), and the
+    finisher kernels of the default layouts of tiles up to
+    :data:`pat_core.fold.FINISH_MAX_ROWS` rows."""
+    from .fold import FINISH_MAX_ROWS
     out = []
     for pull in pulls:
         for d in head_dims:
@@ -434,6 +446,10 @@ def all_fwd_variants(head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_CTYPE), ms=TILE_MS,
                         for arch in ("sm_90", "sm_80"):   # their default layouts may differ
                             for one in (False, True):
                                 v = FwdVariant.make(m, n, d, dt, pull, arch, one_tile=one)
+                                if fwd_variant_feasible(v) and v not in out:
+                                    out.append(v)
+                            if not pull and m <= FINISH_MAX_ROWS:
+                                v = FwdVariant.make(m, n, d, dt, False, arch, finish=True)
                                 if fwd_variant_feasible(v) and v not in out:
                                     out.append(v)
     return out

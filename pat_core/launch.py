@@ -17,6 +17,10 @@ lasts hundreds of microseconds and the launches do not matter: on decode steps o
 trace (12k-token prompts, 10-45 requests) the fused launch measured 5-14% slower than the
 streams (``bench/results/trace_replay_h100/``).
 
+A plan with a finisher phase (``plan.finish_from >= 0``, :mod:`pat_core.fold`) is never fused:
+its finishers must start after every other CTA has finished, so its two phases are two rounds of
+launches.
+
 One-tile CTAs (:func:`one_tile_split`, ablations, off by default): the one-tile tail of a 16-row
 launch group (tree leaves of a page or two) can run in a launch of its own, with a layout made
 for it or in the piped kernel.
@@ -59,7 +63,7 @@ def use_fused_launch(plan, num_sms: int, mode: str = "auto",
     """Whether ``plan``'s forward CTAs run in one launch under ``mode`` on ``num_sms`` SMs."""
     if mode not in LAUNCH_MODES:
         raise ValueError(f"launch_mode must be one of {LAUNCH_MODES}, got {mode!r}")
-    if plan.num_ctas == 0:
+    if plan.num_ctas == 0 or plan.finish_from >= 0:
         return False
     if mode == "fused":
         return True

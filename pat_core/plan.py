@@ -24,6 +24,11 @@ Terminology
   CTAs are stored sorted by group; group ``g`` is ``group_indptr[g] : group_indptr[g + 1]``
   and uses ``tile_configs[group_tile[g]]``.  Groups run on separate streams unless
   ``serial`` is set (cascade-style level-by-level execution, or the serial ablation).
+* **finisher phase** (``finish_from >= 0``, :mod:`pat_core.fold`): groups ``finish_from ..
+  G - 1`` hold exactly one CTA of every request, a CTA of that request alone.  They run after
+  every earlier group has finished; each merges its request's other slots into its state after
+  its KV walk and writes the final output itself, so the step has no merge launch and the finisher's own slot is never
+  written.  ``finish_from == -1``: no finisher phase (every slot written, then the merge).
 
 Arrays (``C`` CTAs, ``B`` requests, ``T`` tile configs, ``G`` groups, all ``np.int32``)
 --------------------------------------------------------------------------------------
@@ -120,6 +125,7 @@ class Plan:
     version: int = 0
     extra: dict = field(default_factory=dict)
     q_dtype: str | None = None      # query/output dtype when it differs from kv_dtype
+    finish_from: int = -1           # first group of the finisher phase (-1: none)
 
     ARRAY_FIELDS = ("tile_configs", "group_indptr", "group_tile", "cta_tile", "cta_req_indptr",
                     "cta_req", "cta_slot", "cta_kv_start", "cta_kv_len", "cta_page_indptr",
@@ -151,6 +157,22 @@ class Plan:
         """Tile ``(m, n)`` of every CTA, int32 ``[C, 2]``."""
         return self.tile_configs[self.cta_tile]
 
+    @property
+    def finish_cta(self) -> int:
+        """First CTA of the finisher phase (``num_ctas`` when there is none)."""
+        if self.finish_from < 0:
+            return self.num_ctas
+        return int(self.group_indptr[self.finish_from])
+
+    def finisher_slots(self) -> np.ndarray:
+        """int32 ``[B]``: the slot of each request's finisher CTA (``-1`` without a finisher
+        phase).  The finisher computes the request's output; that slot is never written."""
+        fs = np.full(self.batch_size, -1, dtype=np.int32)
+        if self.finish_from >= 0:
+            j = int(self.cta_req_indptr[self.finish_cta])
+            fs[self.cta_req[j:]] = self.cta_slot[j:]
+        return fs
+
     def groups(self):
         """Yield ``(group_index, (m, n), cta_begin, cta_end)`` for each launch group."""
         for g in range(self.num_groups):
@@ -164,8 +186,9 @@ class Plan:
         * ``kv_bytes``: K and V tokens read by every CTA (each CTA reads its range once per KV head).
         * ``q_bytes``: query rows read by every CTA.
         * ``partial_bytes``: fp32 partial outputs and LSEs, written by the forward kernels and
-          read back by the merge kernel (both directions counted).
-        * ``out_bytes``: the final output written by the merge kernel.
+          read back by the merge kernel or the finishers (both directions counted; the
+          finishers' own slots are neither).
+        * ``out_bytes``: the final output written by the merge kernel (or the finishers).
         """
         kvb = DTYPE_BYTES[dtype_name(kv_dtype or self.kv_dtype)]
         qb = DTYPE_BYTES[dtype_name(q_dtype or self.q_dtype or kv_dtype or self.kv_dtype)]
@@ -173,7 +196,8 @@ class Plan:
         kv_tokens = int(self.cta_kv_len.astype(np.int64).sum())
         kv_bytes = kv_tokens * hk * 2 * d * kvb
         q_bytes = self.num_slots * hq * d * qb
-        partial_bytes = 2 * self.num_slots * hq * (d + 1) * PARTIAL_BYTES
+        written = self.num_slots - (self.batch_size if self.finish_from >= 0 else 0)
+        partial_bytes = 2 * written * hq * (d + 1) * PARTIAL_BYTES
         out_bytes = self.batch_size * hq * d * qb
         tiles: dict = {}
         mn = self.cta_mn()
@@ -225,6 +249,16 @@ class Plan:
         assert self.group_indptr[0] == 0 and self.group_indptr[-1] == C
         for g, _, b, e in self.groups():
             assert np.all(self.cta_tile[b:e] == self.group_tile[g])
+        # finisher phase: one single-request CTA per request, in the last groups
+        assert -1 <= self.finish_from < max(self.num_groups, 1), "finish_from out of range"
+        if self.finish_from >= 0:
+            assert not self.serial, "a serial plan has no finisher phase"
+            f0 = self.finish_cta
+            assert np.all(np.diff(self.cta_req_indptr[f0:]) == 1), "a finisher holds one request"
+            from .fold import FINISH_MAX_ROWS
+            assert np.all(self.cta_mn()[f0:, 0] <= FINISH_MAX_ROWS), "finisher tile too tall"
+            assert np.array_equal(np.sort(self.cta_req[self.cta_req_indptr[f0]:]),
+                                  np.arange(B)), "every request has exactly one finisher"
         # every request's tokens inside its length
         req_of = self.cta_req
         cta_of = np.repeat(np.arange(C), np.diff(self.cta_req_indptr))

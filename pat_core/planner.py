@@ -22,6 +22,7 @@ from numba import njit
 from .forest import PrefixForest
 from .gpus import get_gpu
 from .inputs import BlockTable, _check_seq_lens, as_block_table, check_heads, check_size
+from .fold import FINISH_SHARE, finisher_ctas
 from .packers import (NARROW_SHARE, PACKERS, PARTIAL_WEIGHT, Packs, narrow_packing,
                       narrow_wins, pack)
 from .plan import DTYPE_BYTES, Plan, dtype_name
@@ -59,6 +60,11 @@ class Tuning:
     (:func:`pat_core.packers.narrow_packing`): with no ``max_rows`` set and no forced tile,
     every CTA is packed into the narrowest tile's rows when that re-reads at most this share
     more KV tokens (``0``: off).
+    ``finish_share``: the finisher phase (:mod:`pat_core.fold`): when every request has a CTA
+    of its own, that CTA runs last, folds in the request's other partials and writes the output
+    (no merge launch), provided the other CTAs read at most this share of the step's KV tokens
+    (``0``: only steps whose requests each have one CTA; ``None``: never).  Not for serial or
+    cascade plans.
     ``exclude_tiles``: ``(m, n)`` pairs the tile selector must not pick (``None``: none).
     Graph-safe mode sets it for a fused pull launch set
     (:func:`pat_core.static_plan.fused_pull_exclusions`).
@@ -73,6 +79,7 @@ class Tuning:
     split_by: str = "tokens"
     exclude_tiles: tuple | None = None
     narrow_share: float = NARROW_SHARE
+    finish_share: float | None = FINISH_SHARE
 
     def __post_init__(self):
         if self.max_rows is not None and (not isinstance(self.max_rows, (int, np.integer))
@@ -87,6 +94,11 @@ class Tuning:
         if not isinstance(self.narrow_share, (int, float, np.number)) or \
                 not math.isfinite(self.narrow_share) or self.narrow_share < 0:
             raise ValueError(f"narrow_share must be a number >= 0, got {self.narrow_share!r}")
+        if self.finish_share is not None and (
+                not isinstance(self.finish_share, (int, float, np.number))
+                or not math.isfinite(self.finish_share) or self.finish_share < 0):
+            raise ValueError(f"finish_share must be None or a number >= 0, got "
+                             f"{self.finish_share!r}")
         if not isinstance(self.min_part, (int, np.integer)) or self.min_part < 1:
             raise ValueError(f"min_part must be a positive int, got {self.min_part!r}")
         if self.split_by not in ("tokens", "work"):
@@ -203,12 +215,23 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
     else:
         gkey = tile_idx.astype(np.int64)
         order = np.argsort(gkey, kind="stable")
+    fin = None
+    if not serial and tuning.finish_share is not None:
+        fin = finisher_ctas(packs.reqs[packs.req_indptr[src]], nreq, kv_len, mn[:, 0], bt.batch_size,
+                            tuning.finish_share)
+    finish_from = -1
+    if fin is not None:
+        # the finishers after every other CTA, each phase keeping its own group order
+        gkey = gkey + fin.astype(np.int64) * (int(gkey.max()) + 1)
+        order = order[np.argsort(fin[order], kind="stable")]
     order = order.astype(np.int32)
     gkey = gkey[order]
     bounds = np.flatnonzero(np.diff(gkey)) + 1
     group_indptr = np.concatenate(([0], bounds, [gkey.shape[0]])).astype(np.int32)
     tile_idx = tile_idx[order]
     group_tile = tile_idx[group_indptr[:-1]].astype(np.int32)
+    if fin is not None:
+        finish_from = int(np.searchsorted(group_indptr, int((~fin).sum())))
     B = bt.batch_size
     # the Plan's arrays are int32: refuse a batch whose lists would not fit rather than wrap
     n_pages = int(((kv_start.astype(np.int64) + kv_len - 1) // bt.page_size
@@ -227,7 +250,7 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
         cta_tile=tile_idx, cta_req_indptr=req_ptr, cta_req=cta_req, cta_slot=cta_slot,
         cta_kv_start=kv_start[order], cta_kv_len=kv_len[order],
         cta_page_indptr=page_ptr, cta_pages=pages, req_slot_indptr=req_slot_indptr,
-        seq_lens=bt.seq_lens.astype(np.int32),
+        seq_lens=bt.seq_lens.astype(np.int32), finish_from=finish_from,
     )
 
 

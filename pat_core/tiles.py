@@ -107,7 +107,8 @@ def kernel_resources(m: int, n: int, head_dim: int, dtype: str, gpu: GPUSpec,
     data = _load_resource_file(path)
     dtype = dtype_name(dtype)
     forward = [v for v in (data or {}).get("variants", {}).values()
-               if v.get("kind", "forward") == "forward" and "m" in v and not v.get("pull")]
+               if v.get("kind", "forward") == "forward" and "m" in v and not v.get("pull")
+               and not v.get("finish")]
     family = [v for v in forward if (v["head_dim"], v["dtype"]) == (head_dim, dtype)]
     if not family:
         # no compiled kernels for this head_dim/dtype (no data file yet, or a shape only the

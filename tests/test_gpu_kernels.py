@@ -107,14 +107,17 @@ def _rel(x, ref):
 
 
 def check_case(backend, packer, block_tables, seq_lens, num_pages, page_size, hq, hk, d, dtype,
-               layout="NHD", seed=0, tile=None, strided=False):
-    """Plan, run (outputs and partials poisoned), compare with the references, rerun."""
+               layout="NHD", seed=0, tile=None, strided=False, tuning=None):
+    """Plan (with the planner's ``tuning``, default its own), run (outputs and partials
+    poisoned), compare with the references, rerun."""
     import torch
     from pat_core import PrefixAttentionWrapper, dense_attention
     from pat_core.inputs import as_block_table
 
     w = PrefixAttentionWrapper(backend="cuda", packer=packer, kv_layout=layout)
     w._gpu_backend = backend   # share the session's compiled kernels and buffers
+    if tuning is not None:
+        w.planner.tuning = tuning
     plan = w.plan(block_tables, seq_lens, hq, hk, d, page_size, kv_data_type=dtype, tile=tile)
     plan.validate()
     bt = as_block_table(block_tables, seq_lens, page_size)
@@ -441,8 +444,36 @@ def _gpu_reads(where, bt, page, slot, hq, hk):
 
 
 @requires_gpu
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+@pytest.mark.parametrize("d", (64, 128))
+def test_finisher_phase(backend, dtype, d):
+    """Plans with a finisher phase (pat_core.fold: each request's own CTA runs last, folds in
+    its other slots and writes the output; no merge launch) against float64, reruns
+    bit-identical: finisher tiles of 16 and 32 rows, one and several token slices, one to five
+    other slots per request, no first phase at all, split leaves, both cache layouts, and the
+    backend's merge_mode "forward" (ignored by such plans)."""
+    from pat_core import Tuning
+    from pat_core.workloads import build_tree_batch
+    always = Tuning(finish_share=1.0)
+    cases = [("1,4,16_64,48,300", (32, 8), "NHD"), ("1,8,32_40,64,700", (64, 8), "HND"),
+             ("1,3,12_96,64,33", (16, 16), "NHD"), ("200_100", (32, 8), "NHD"),
+             ("1,2,4,8,16_16,16,16,16,200", (32, 4), "HND"), ("2,6_100,900", (32, 32), "NHD"),
+             ("1,6_64,500", (32, 1), "NHD"), ("3,12_200,3000", (16, 8), "NHD")]
+    saved = backend.merge_mode
+    try:
+        for i, (spec, heads, layout) in enumerate(cases):
+            backend.merge_mode = "forward" if i % 3 == 2 else "kernel"
+            b = build_tree_batch(spec, page_size=16, seed=7)
+            plan, _, _ = check_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages, 16,
+                                    heads[0], heads[1], d, dtype, layout, seed=i, tuning=always)
+            assert plan.finish_from >= 0, spec
+    finally:
+        backend.merge_mode = saved
+
+
+@requires_gpu
 @pytest.mark.parametrize("merge_mode", ("forward", "kernel", "kernel-block", "kernel-h2",
-                                        "kernel-h4"))
+                                        "kernel-h4", "fold"))
 @pytest.mark.parametrize("packer", PACKERS)
 def test_nonfinite_input_propagates(backend, packer, merge_mode):
     """A NaN in q, or a NaN / +inf in one key or value, reaches exactly the rows that read it
@@ -456,14 +487,18 @@ def test_nonfinite_input_propagates(backend, packer, merge_mode):
     b = build_tree_batch("1,2,6_40,24,30", page_size=ps, seed=0)
     bt = as_block_table(b.block_tables, b.seq_lens, ps)
     saved = backend.merge_mode, backend.merge_per_pair, backend.merge_heads_per_warp
-    backend.merge_mode = merge_mode.split("-")[0]
+    backend.merge_mode = "kernel" if merge_mode == "fold" else merge_mode.split("-")[0]
     backend.merge_per_pair = "block" if merge_mode.endswith("block") else "warp"
     # the merge warp taking 2 or 4 heads of a request: a NaN must stay in its own head's rows
     backend.merge_heads_per_warp = int(merge_mode[-1]) if merge_mode[-2:-1] == "h" else None
     try:
         w = PrefixAttentionWrapper(backend="cuda", packer=packer)
         w._gpu_backend = backend
+        if merge_mode == "fold":   # the finishers merge (pat_core.fold), where the packer allows
+            from pat_core import Tuning
+            w.planner.tuning = Tuning(finish_share=1.0)
         plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16")
+        assert (plan.finish_from >= 0) == (merge_mode == "fold" and packer != "cascade")
         q, k, v = make_inputs(b.num_pages, ps, b.batch_size, hq, hk, d, "float16", "NHD", 11)
         clean, clean_lse = w.run(q, (k, v), return_lse=True)
         torch.cuda.synchronize()

@@ -1,0 +1,69 @@
+"""The finisher phase: a request's last CTA folds in its other partials and writes the output.
+
+Without it every step ends with a merge launch that reads every request's fp32 partial slots
+back and writes the output (3-10 µs on an H100, more on batches of thousands of (request, head)
+pairs).  When each request has a CTA of its own (its private leaf, or its only CTA), that CTA
+can do the merge instead: run it after every other CTA of the step and, when its KV walk ends,
+merge the request's other slots into its online-softmax state (the log-sum-exp rule of
+:mod:`pat_core.merge`) and write the final output.  No merge launch, no partial slot written or
+read for the finisher itself.
+
+The price is order: the finisher CTAs run as a second phase, after the first has finished, so the
+first phase's time is no longer hidden behind the leaves.  That pays where the first phase is
+small next to the second (long private leaves under short shared prefixes, or no sharing at all,
+where the first phase is empty) and costs where the shared part is the step (a long system prompt
+over short leaves).  :func:`finisher_ctas` decides with the share of KV tokens the first phase
+reads.
+
+Which CTA finishes request ``r``: one that holds ``r`` alone (its rows are ``r``'s query heads, so
+its end writes only ``r``'s output) and has at most :data:`FINISH_MAX_ROWS` rows' tile (the
+``mma.sync`` layouts, whose per-row state the kernel folds into; the warpgroup tiles of 64 and
+128 rows keep the merge launch); of several, the one reading the most tokens.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+# Tile rows up to which a CTA can be a finisher (the kernels' mma.sync layouts).
+FINISH_MAX_ROWS = 32
+# Default largest share of the step's KV tokens the first phase may read (None: no finisher phase)
+# (:attr:`pat_core.planner.Tuning.finish_share`).
+FINISH_SHARE = None
+
+
+def finisher_ctas(first_req: np.ndarray, nreq: np.ndarray, kv_len: np.ndarray, tile_m: np.ndarray,
+                  batch: int, share: float) -> np.ndarray | None:
+    """The finisher CTA of every request, or ``None`` when the step keeps its merge launch.
+
+    Parameters (``C`` CTAs, in any order)
+    ----------
+    first_req : int ``[C]``, a request of each CTA (its only one where ``nreq == 1``).
+    nreq : int ``[C]``, requests per CTA.
+    kv_len : int ``[C]``, KV tokens each CTA reads.
+    tile_m : int ``[C]``, rows of each CTA's tile.
+    batch : requests in the step.
+    share : largest share of all KV tokens the CTAs that are not finishers may read (``0``: a
+        step only folds when every request has exactly one CTA).
+
+    Returns bool ``[C]`` (``True``: the CTA finishes its request) when every request has a
+    candidate and the others read at most ``share`` of the tokens; else ``None``.
+    """
+    C = int(kv_len.shape[0])
+    if C == 0 or batch == 0:
+        return None
+    cand = np.flatnonzero((nreq == 1) & (tile_m <= FINISH_MAX_ROWS))
+    if cand.size == 0:
+        return None
+    req = first_req[cand].astype(np.int64)
+    # per request, the candidate reading the most tokens (ties: the later CTA)
+    o = np.lexsort((cand, kv_len[cand], req))
+    req_s = req[o]
+    last = np.r_[req_s[1:] != req_s[:-1], True]
+    if int(last.sum()) != batch:
+        return None                         # some request has no CTA of its own
+    fin = np.zeros(C, dtype=bool)
+    fin[cand[o][last]] = True
+    tok = kv_len.astype(np.int64)
+    if int(tok[~fin].sum()) > share * int(tok.sum()):
+        return None
+    return fin
