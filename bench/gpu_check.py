@@ -113,7 +113,15 @@ def sanitize_case():
         cases += [("1,32_300,20", 16, 32, 8, 128, "NHD", t, "off")
                   for t in ((64, 16), (64, 32), (64, 64), (64, 128), (128, 16), (128, 32),
                             (128, 64), (128, 128))]
-    for spec, ps, hq, hk, d, layout, tile, one_tile in cases:
+    # finisher phases (pat_core.fold): 16- and 32-row finisher tiles, one and several slots
+    from pat_core import Tuning
+    cases = [c + (None,) for c in cases]
+    cases += [(spec, ps, hq, hk, d, layout, None, "off", 1.0)
+              for spec, ps, hq, hk, d, layout in (("1,4,16_100,37,61", 16, 32, 8, 128, "NHD"),
+                                                  ("1,3,9_70,20,33", 1, 12, 4, 64, "HND"),
+                                                  ("1,6_64,500", 16, 32, 1, 128, "NHD"),
+                                                  ("1,8,32_40,64,700", 16, 64, 8, 128, "NHD"))]
+    for spec, ps, hq, hk, d, layout, tile, one_tile, finish in cases:
         cc.VARIANT_OVERRIDES.clear()
         backend.one_tile = one_tile
         if tile is not None and tile[0] >= 64:   # the warpgroup layout, two stages
@@ -121,8 +129,11 @@ def sanitize_case():
         b = build_tree_batch(spec, page_size=ps, seed=2)
         w = PrefixAttentionWrapper(backend="cuda", packer="pat", kv_layout=layout)
         w._gpu_backend = backend
+        if finish is not None:
+            w.planner.tuning = Tuning(finish_share=finish)
         plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16",
                       tile=tile)
+        assert finish is None or plan.finish_from >= 0, spec
         rng = np.random.default_rng(0)
         shape = (b.num_pages, ps, hk, d) if layout == "NHD" else (b.num_pages, hk, ps, d)
         k = cupy.asarray(rng.standard_normal(shape).astype(np.float16))
@@ -130,7 +141,7 @@ def sanitize_case():
         q = cupy.asarray(rng.standard_normal((b.batch_size, hq, d)).astype(np.float16))
         out, lse = w.run(q, (k, v), return_lse=True)
         cupy.cuda.Device().synchronize()
-        print(f"{spec} {layout} one_tile={one_tile}: groups={plan.num_groups} "
+        print(f"{spec} {layout} one_tile={one_tile} finish={finish}: groups={plan.num_groups} "
               f"tiles={plan.stats()['tiles']} "
               f"variants={[v.key for v in backend.variants_for(plan)][:-1]} "
               f"finite={bool(cupy.isfinite(out).all())}")
