@@ -217,8 +217,8 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
         order = np.argsort(gkey, kind="stable")
     fin = None
     if not serial and tuning.finish_share is not None:
-        fin = finisher_ctas(packs.reqs[packs.req_indptr[src]], nreq, kv_len, mn[:, 0], bt.batch_size,
-                            tuning.finish_share)
+        fin = finisher_ctas(packs.reqs[packs.req_indptr[src]], nreq, kv_len, mn[:, 0],
+                            bt.batch_size, tuning.finish_share)
     finish_from = -1
     if fin is not None:
         # the finishers after every other CTA, each phase keeping its own group order
