@@ -44,7 +44,10 @@ the mean soft-L1 loss of ``log(predicted / measured)`` (scale :data:`LOSS_SCALE`
 for small misses, linear for outliers such as a host-side hiccup) with SciPy's Nelder-Mead over
 the logarithms of the constants.  The kernel constants are shared by both timing modes; each mode
 has its own launch constants (``start_ns``/``launch_ns``/``gap_ns`` eager, ``graph_start_ns``/
-``graph_launch_ns``/``graph_gap_ns`` graph).  Three constants are measured directly on the device
+``graph_launch_ns``/``graph_gap_ns`` graph).  The forward blocks' latency chain (``tile_lat_ns``,
+:mod:`sim.model`) is fitted only when asked (``sim fit --latency-chain``, :data:`CHAIN_FIT`;
+from :data:`START_GUESS_NS`); otherwise it stays at its value in the starting constants (0 in
+the packaged ones: off).  Three constants are measured directly on the device
 by ``bench/calibrate.py`` and, when the files hold them, fixed instead of fitted
 (:data:`MEASURED`): the copy bandwidth (``hbm_bandwidth``), and from replayed graphs of empty
 kernels the cost of one more forked launch (``graph_launch_ns``) and of a join of concurrent
@@ -88,6 +91,11 @@ TARGET_ORDER = 0.95
 LOSS_SCALE = 0.2
 KERNEL_FIT = ("sm_bandwidth", "block_ns", "tile_ns", "sm_flops", "merge_slot_ns",
               "l2_bandwidth")
+# Fitted only on request (``sim fit --latency-chain``): the forward blocks' latency chain
+# (sim.model).  Refit with it on calibration_h100_v9.json / calibration_h200_v5.json it took
+# 1.2 us (H100) / 0.75 us (H200) per tile and met no missed out-of-sample target (bench/NOTES.md,
+# round 14), so the packaged constants keep it at 0 (off).
+CHAIN_FIT = ("tile_lat_ns",)
 TIMING_FIT = {"eager": ("start_ns", "launch_ns", "gap_ns"),
               "graph": ("graph_start_ns", "graph_launch_ns", "graph_gap_ns")}
 DEFAULT_FIT = KERNEL_FIT + TIMING_FIT["eager"] + TIMING_FIT["graph"]
@@ -97,6 +105,8 @@ MEASURED = {"copy_bandwidth_gbps": "hbm_bandwidth", "graph_launch_interval_ns": 
 # Where a fit starts a start latency that is 0 in its starting constants (the search runs over
 # logarithms, so it cannot leave 0).
 START_GUESS_NS = 1000.0
+# constants a fit starts from START_GUESS_NS when they are 0 (off) in its starting constants
+GUESSED = ("start_ns", "graph_start_ns", "tile_lat_ns")
 
 
 # ---------------------------------------------------------------------------- statistics
@@ -388,7 +398,7 @@ def fit(data: dict, split: dict, gpu: str | None = None, start: SimConstants | N
         z = (np.log(np.maximum(p, 1e-9)) - logm) / LOSS_SCALE
         return float(np.mean(2.0 * (np.sqrt(1.0 + z * z) - 1.0))) * LOSS_SCALE ** 2
 
-    x0 = np.log([max(base[n], START_GUESS_NS if n in ("start_ns", "graph_start_ns") else 1e-6)
+    x0 = np.log([max(base[n], START_GUESS_NS if n in GUESSED else 1e-6)
                  for n in names])
     loss0 = loss(x0)
     # Two starts, the better fit-set loss kept: the given constants, and the same with each
@@ -528,7 +538,7 @@ def format_report(rep: dict) -> str:
 
 
 def fit_and_save(paths, out: str, gpu: str | None = None, validation=None,
-                 max_evals: int = 600):
+                 max_evals: int = 600, names=DEFAULT_FIT):
     """Load ``paths``, split by workload, fit, and write the constants to ``out``.
 
     ``out`` is required: the packaged constants change only when it names them.  The file
@@ -541,7 +551,7 @@ def fit_and_save(paths, out: str, gpu: str | None = None, validation=None,
     gpu = gpu or data["gpu"]
     split = split_workloads(data["records"], validation, data.get("split"))
     prep = Prepared(data["records"], gpu)
-    consts, info = fit(data, split, gpu, max_evals=max_evals, prepared=prep)
+    consts, info = fit(data, split, gpu, names=names, max_evals=max_evals, prepared=prep)
     rep = report(data, consts, split["fit"], gpu, prepared=prep)
     slim = {k: rep[k] for k in ("in_sample", "out_of_sample")}
     extra = {"fit": {"measurements": [os.path.basename(f) for f in data["files"]],

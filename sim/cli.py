@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="';'-separated validation workloads (default: the split recorded in the "
                         "files, else every second workload in order of first appearance)")
     p.add_argument("--max-evals", type=int, default=600)
+    p.add_argument("--latency-chain", action="store_true",
+                   help="also fit tile_lat_ns, the forward blocks' latency chain (off in the "
+                        "packaged constants; see sim.model)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
     from .trace import add_parser as add_trace_parser      # python -m sim trace
@@ -369,10 +372,13 @@ def _dispatch(args) -> int:
               f"measurements: {', '.join(paths)}\n" + format_report(rep))
         return 0
     if args.cmd == "fit":
-        from .calibration import fit_and_save, format_report
+        from .calibration import (CHAIN_FIT, DEFAULT_FIT, KERNEL_FIT, TIMING_FIT, fit_and_save,
+                                  format_report)
         val = args.validation.split(";") if args.validation else None
+        names = (KERNEL_FIT + CHAIN_FIT + TIMING_FIT["eager"] + TIMING_FIT["graph"]
+                 if args.latency_chain else DEFAULT_FIT)
         path, _, info, rep = fit_and_save(args.measurements, args.out, args.gpu, val,
-                                          args.max_evals)
+                                          args.max_evals, names=names)
         if args.json:
             print(json.dumps(rep, indent=2))
             return 0

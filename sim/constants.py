@@ -1,6 +1,6 @@
 """Model constants of the simulator, one JSON file per GPU under ``sim/data/``.
 
-The timing model (see :mod:`sim.model`) has fourteen constants.  They are data, not code, so that a
+The timing model (see :mod:`sim.model`) has fifteen constants.  They are data, not code, so that a
 calibration run on a real GPU can replace the estimates without touching the model:
 
 =====================  ==========  ==================================================================
@@ -12,6 +12,9 @@ name                   unit        meaning
 ``block_ns``           ns          per thread block latency not hidden by the KV pipeline (query
                                    load, first tile in flight, partial write)
 ``tile_ns``            ns          fixed cost per KV tile (barriers, softmax bookkeeping)
+``tile_lat_ns``        ns          latency chain of one KV tile (page ids, K/V loads, MMAs, softmax
+                                   in series) run by one warp; a block of ``w`` warps cannot end
+                                   before ``block_ns + tiles * tile_lat_ns / w`` (0: off)
 ``sm_flops``           flop/ns     tensor-core throughput of one SM on the ``Q K^T`` / ``P V`` tiles
 ``merge_slot_ns``      ns          merge kernel: time per partial slot of one (request, head) pair
 ``start_ns``           ns          eager timing: fixed latency before the first launch is issued
@@ -62,6 +65,7 @@ class SimConstants:
     start_ns: float = 0.0
     graph_start_ns: float = 0.0
     graph_join_ns: float = 0.0
+    tile_lat_ns: float = 0.0
     source: str = "default estimate"
 
     def as_dict(self) -> dict:
@@ -130,7 +134,9 @@ def default_constants(gpu) -> SimConstants:
     * fixed start latencies (``start_ns``, ``graph_start_ns``): 0, so that a constants file
       without them predicts what it did before they existed; a fit starts them from
       :data:`sim.calibration.START_GUESS_NS`.  The graph join cost (``graph_join_ns``): 0 for
-      the same reason (``bench/calibrate.py`` measures it).
+      the same reason (``bench/calibrate.py`` measures it).  The latency chain of a tile
+      (``tile_lat_ns``): 0 for the same reason; a fit starts it from
+      :data:`sim.calibration.START_GUESS_NS`.
     """
     spec = get_gpu(gpu)
     hbm = spec.hbm_bandwidth * spec.achieved_bw_fraction
@@ -151,6 +157,7 @@ def default_constants(gpu) -> SimConstants:
         start_ns=0.0,
         graph_start_ns=0.0,
         graph_join_ns=0.0,
+        tile_lat_ns=0.0,
         source="default estimate",
     )
 

@@ -1,11 +1,13 @@
 """The simulator's front door: :func:`simulate` a Plan on a GPU.
 
-Cost of one forward thread block (one CTA, one KV head) with ``t`` KV tiles of ``m x n``::
+Cost of one forward thread block (one CTA, one KV head) with ``t`` KV tiles of ``m x n``, run by
+its variant's ``warps`` warps (:func:`pat_core.tiles.kernel_resources`)::
 
     latency  = block_ns
     bytes    = KV + Q + partial writes                       (see sim.traffic)
     compute  = t * (tile_ns + 4 * m * n * head_dim / sm_flops)
-    duration = latency + max(bytes / bandwidth share, compute)
+    chain    = t * tile_lat_ns / warps
+    duration = latency + max(bytes / bandwidth share, compute, chain)
 
 where the bandwidth share comes from the event-driven fluid model of :mod:`sim.timeline`: memory
 bandwidth is split max-min fairly between the blocks that are streaming, no SM pulling more than
@@ -17,6 +19,18 @@ simple rule "an SM's share is ``hbm_bandwidth / num_sms``, split between its res
 the fluid form also gets the tail and small batches right.)  A merge block (``MERGE_WARPS``
 (request, head) pairs) costs ``block_ns`` latency, its
 partial reads and output writes, and ``merge_slot_ns`` per slot of its longest pair.
+
+``chain`` is the block's latency chain: each KV tile is a run of dependent steps (page ids, then
+the K and V loads, then the MMAs and the softmax) that the block's warps share, so a one-warp
+block (the short-KV ``16x32`` layout) runs them in series and cannot finish in less than
+``block_ns + t * tile_lat_ns`` however little it moves (ncu, bench/NOTES.md round 13: such a
+block takes ~9 us from start to end on an H100 at 3.9% warp occupancy).  It binds only on short
+steps of few, narrow blocks; ``tile_lat_ns = 0`` (files without it) turns it off, and the
+packaged constants have it off: refit with it (``sim fit --latency-chain``) it took 1.2 us
+(H100) and 0.75 us (H200), too little to move a one-wave step's order of pat and query, while
+the larger values that do (2.6-3.4 us, in graph-only refits) put more held-out pat/query pairs
+in the wrong order (bench/NOTES.md, round 14).  The time such steps miss stays in the fitted
+``graph_start_ns``.
 
 Launch ``k`` (forward groups in plan order, then the merge) reaches the GPU at
 ``start + (k + 1) * launch``; a launch that waits for another starts ``gap`` after it finishes,
@@ -84,6 +98,8 @@ class Workload:
     num_phases: int
     serial: bool
     l2_window: float = 0.0
+    blk_warps: np.ndarray | None = None    # forward: warps of the block's own variant; merge: 0
+    blk_stages: np.ndarray | None = None   # forward: its KV pipeline stages; merge: 0
 
 
 def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float | None = None,
@@ -122,6 +138,8 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
     mw = merge_work(plan)
     hk = plan.num_kv_heads
     launches, cfg, cta, head, lau, byt, til, flo, slo = [], [], [], [], [], [], [], [], []
+    # each block runs its own variant's code (in a fused launch too): its warps and stages
+    cfg_warps = np.array([o.resources.threads // 32 for o in occ], dtype=np.float64)
     pos = 0
     for g, (m, n), b, e in plan.groups():
         if HEAD_MINOR:                                  # a CTA's KV heads adjacent
@@ -184,15 +202,32 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
                     blk_l2=blk_l2, blk_lead=blk_lead, blk_tiles=np.concatenate(til),
                     blk_flops=np.concatenate(flo), blk_slots=np.concatenate(slo),
                     num_phases=(len(launches)) if serial else 2,
-                    serial=serial, l2_window=window)
+                    serial=serial, l2_window=window,
+                    blk_warps=np.concatenate([cfg_warps[plan.cta_tile[fc].astype(np.int64)],
+                                              np.zeros(nm)]),
+                    blk_stages=np.concatenate([stages[plan.cta_tile[fc].astype(np.int64)],
+                                               np.zeros(nm)]))
+
+
+def block_costs(wl: Workload, c: SimConstants) -> tuple:
+    """``(latency, compute)`` (ns) of every block of ``wl`` under constants ``c``."""
+    latency = np.full(wl.blk_cfg.shape[0], float(c.block_ns))
+    compute = wl.blk_tiles * c.tile_ns + wl.blk_flops / c.sm_flops + wl.blk_slots * c.merge_slot_ns
+    if c.tile_lat_ns > 0 and wl.blk_warps is not None:
+        # the latency chain: a forward block cannot end before block_ns + t * tile_lat_ns / warps
+        # (its warps share each tile's dependent loads, MMAs and softmax; one warp runs them all
+        # in series).  compute runs beside the stream, so flooring it floors the block's duration
+        fwd = wl.blk_tiles > 0
+        chain = wl.blk_tiles * float(c.tile_lat_ns) / np.maximum(wl.blk_warps, 1.0)
+        compute = np.where(fwd, np.maximum(compute, chain), compute)
+    return latency, compute
 
 
 def run_timeline(wl: Workload, c: SimConstants, timing: str = "graph") -> Timeline:
     """Price ``wl`` under constants ``c`` in timing mode ``timing`` and run the timeline."""
     launch_ns, gap_ns = c.launch_costs(timing)
     start_ns = c.start_cost(timing)
-    latency = np.full(wl.blk_cfg.shape[0], float(c.block_ns))
-    compute = wl.blk_tiles * c.tile_ns + wl.blk_flops / c.sm_flops + wl.blk_slots * c.merge_slot_ns
+    latency, compute = block_costs(wl, c)
     ptr = np.array([ln.begin for ln in wl.launches] + [wl.launches[-1].end], dtype=np.int64)
     issue = start_ns + (np.arange(len(wl.launches), dtype=np.float64) + 1.0) * launch_ns
     phase = np.array([ln.phase for ln in wl.launches], dtype=np.int32)
