@@ -84,8 +84,9 @@ SHARING = tuple(
     for spec in SHARING_SPECS for heads in ((32, 8), (32, 32)) for packer in ("pat", "query"))
 
 
-# planner knobs (pat_core.Tuning fields), plus two backend settings: "launch" (CudaBackend's
-# launch_mode) and "merge" (its merge_mode).  Labels name what differs from the defaults.
+# planner knobs (pat_core.Tuning fields), plus backend settings: "launch" (CudaBackend's
+# launch_mode), "merge" (its merge_mode), "merge_heads", "one_tile", "finish_launch" and
+# "merge_launch".  Labels name what differs from the defaults.
 _N16_32 = ((32, 16), (96, 32), (1 << 62, 64))
 TUNINGS = {
     "default": {},
@@ -128,6 +129,13 @@ TUNINGS = {
     # other CTAs read at most 5% of the KV tokens, wherever possible
     "finish-off": {"finish_share": None}, "finish-0": {"finish_share": 0.0},
     "finish": {"finish_share": 0.05}, "finish-all": {"finish_share": 1.0},
+    # the same with the finishers started only once the first phase has finished (round 14's
+    # launch; the default "pdl" lets them start at once, CudaBackend.finish_launch)
+    "finish-serial": {"finish_share": 0.05, "finish_launch": "serial"},
+    "finish-all-serial": {"finish_share": 1.0, "finish_launch": "serial"},
+    # the merge launched as a programmatic dependent of the forward (CudaBackend.merge_launch)
+    "merge-pdl": {"merge_launch": "pdl"},
+    "finish-all-merge-pdl": {"finish_share": 1.0, "merge_launch": "pdl"},
     "mh1": {"merge_heads": 1}, "mh2": {"merge_heads": 2}, "mh4": {"merge_heads": 4},
     # n of the 128-row tiles forced (their KV is mostly shared, read from L2: compute bound)
     "m128n64": {"n_by_m": {128: 64}},
@@ -158,16 +166,18 @@ def apply_tuning(label: str, planner, backend, serial_ok: bool = False):
         raise ValueError(f"tuning {label!r} needs serial plans, which only kernel_lab.py's "
                          "run_case makes")
     saved = (backend.launch_mode, backend.merge_mode, backend.merge_heads_per_warp,
-             backend.one_tile)
+             backend.one_tile, backend.finish_launch, backend.merge_launch)
     backend.launch_mode = tun.pop("launch", backend.launch_mode)
     backend.one_tile = tun.pop("one_tile", backend.one_tile)
     backend.merge_mode = tun.pop("merge", backend.merge_mode)
     backend.merge_heads_per_warp = tun.pop("merge_heads", backend.merge_heads_per_warp)
+    backend.finish_launch = tun.pop("finish_launch", backend.finish_launch)
+    backend.merge_launch = tun.pop("merge_launch", backend.merge_launch)
     planner.tuning = Tuning(**tun)
 
     def restore():
         (backend.launch_mode, backend.merge_mode, backend.merge_heads_per_warp,
-         backend.one_tile) = saved
+         backend.one_tile, backend.finish_launch, backend.merge_launch) = saved
     return restore
 
 
@@ -320,6 +330,23 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                     ("3,24,96_1024,64,512", (32, 8)),
                                     ("1,4,16,64,256,1024_1024,256,128,64,32,32", (32, 8))),
                                    ("finish-off", "finish-0", "finish", "finish-all")),
+             # the finisher phase launched as a programmatic dependent (round 15) against the
+             # merge launch and against round 14's serial phases
+             "finish-pdl": _pair_cases((("1,32,256_64,64,1024", (32, 8)),
+                                        ("1,32,256_64,64,1024", (64, 8)),
+                                        ("1,32,256_64,64,1024", (16, 8)),
+                                        ("1,32,256_64,64,1024", (32, 32)),
+                                        ("128_2048", (32, 8)), ("256_4096", (32, 8)),
+                                        ("128_2048", (32, 32)),
+                                        ("1,16_2048,128", (32, 8)),
+                                        ("1,4,16_128,256,1024", (32, 8)),
+                                        ("1,4,16_128,256,1024", (16, 8)),
+                                        ("1,4,64_256,1024,64", (32, 8)),
+                                        ("1,2,8,128_512,128,256,32", (32, 8)),
+                                        ("3,24,96_1024,64,512", (32, 8)),
+                                        ("1,4,16,64,256,1024_1024,256,128,64,32,32", (32, 8))),
+                                       ("finish-off", "merge-pdl", "finish-all",
+                                        "finish-all-serial", "finish-all-merge-pdl")),
              # the configurations whose plans the automatic split share changes (round 10)
              "auto-share": tuple((spec, heads, packer, None, None, label)
                                  for spec, heads, packer in (

@@ -116,4 +116,20 @@ __device__ __forceinline__ int swz(int row, int chunk) {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
+// Programmatic dependent launch (Hopper and later; no-ops before sm_90 and when the next launch
+// does not ask for it).  A forward kernel lets the launch after it start at once
+// (pdl_launch_dependents); a kernel launched that way calls pdl_wait before it reads anything the
+// launch before it writes: the wait returns once that grid has finished and its writes are
+// visible (pat_core/cuda_backend.py, the finisher phase).
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 }  // namespace pat

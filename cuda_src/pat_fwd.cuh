@@ -461,9 +461,11 @@ __device__ __forceinline__ void init_state(float (&acc)[Tr::MI][Tr::D / 8][4],
   }
 }
 
-// The finisher launch (pat_fwd_finish_kernel, pat_core/fold.py): this CTA runs after every
-// other CTA of its request has written its slot, so once its own KV walk is done it merges those
-// slots into its rows' state and writes the request's output (finish_item).  A slot (o, lse) is
+// The finisher launch (pat_fwd_finish_kernel, pat_core/fold.py): this CTA's launch follows every
+// other CTA of its request (the first phase), so once its own KV walk is done and that phase has
+// finished (pdl_wait: launched as a programmatic dependent, the walk overlaps the first phase;
+// launched plainly, the wait returns at once) it merges those slots into its rows' state and
+// writes the request's output (finish_item).  A slot (o, lse) is
 // the state m = lse * log2(e), l = 1, acc = o (o is normalised), joined with the online-softmax
 // rule (raise_max); the merge kernel's rules hold: an empty slot (lse = -inf) weighs 0, a NaN LSE
 // makes the row NaN.  Called after the quad reduction and the token slices' combine (every lane
@@ -719,6 +721,7 @@ __device__ __forceinline__ void finish_item(const FwdParams& p, const CtaWork& w
   if (wn != 0) return;
   constexpr float kLn2 = 0.6931471805599453f;
   if constexpr (FINISH) {
+    pdl_wait();  // launched early (after the first phase's launch): its slots are final now
     fold_slots<Tr>(p, w, kv_head, wm, lane, acc, m_run, l_run);
     // ---- Finisher: the request's final output (input dtype) and LSE, as the merge writes them
     T* __restrict__ out = static_cast<T*>(merge.out);
@@ -1174,6 +1177,7 @@ template <int HEAD_DIM, typename T, int N, int WARPS, int R>
 __global__ void __launch_bounds__((WARPS + 1) * 32,
                                   (pat::piped_min_blocks<HEAD_DIM, N, WARPS, R>()))
     pat_fwd_piped_kernel(const __grid_constant__ pat::FwdParams p) {
+  pat::pdl_launch_dependents();
   pat::run_piped<pat::FwdTraits<HEAD_DIM, T, 16, N, WARPS, 1, 16>, R>(p);
 }
 
@@ -1184,6 +1188,8 @@ __global__ void __launch_bounds__((WARPS + 1) * 32,
 template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES, int RW, bool PULL>
 __global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, N, WARPS, STAGES>())) pat_fwd_kernel(
     const __grid_constant__ pat::FwdParams p) {
+  // the launch after this one (a finisher phase) may start while these blocks run
+  pat::pdl_launch_dependents();
   pat::run_items<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW>, PULL>(p);
 }
 

@@ -292,5 +292,9 @@ constexpr int merge_min_blocks(int warps, int nh) { return (nh == 1 ? 32 : 16) /
 template <int HEAD_DIM, typename TO, int WARPS, int NH>
 __global__ void __launch_bounds__(WARPS * 32, pat::merge_min_blocks(WARPS, NH)) pat_merge_kernel(
     const __grid_constant__ pat::MergeParams p) {
+  // launched as a programmatic dependent of the forward launch (CudaBackend.merge_launch "pdl"),
+  // the blocks may start before the partials are written: wait for that launch here (at once
+  // otherwise)
+  pat::pdl_wait();
   pat::pat_merge_body<HEAD_DIM, TO, WARPS, NH>(p);
 }

@@ -13,6 +13,12 @@ Execution of one batch::
     caller stream ── (waits on the joins) ── merge kernel ── out [, lse]
 
 With ``plan.serial`` (or a single group) every launch goes on the caller's stream in order.
+A plan with a finisher phase (:mod:`pat_core.fold`) enqueues that picture twice, the first
+phase's launches, then the finishers' (no merge).  Where each phase is one launch on a Hopper
+or later GPU (``finish_launch`` "pdl"), the finishers' launch is a programmatic dependent of the
+first phase's: its blocks start while the first phase runs and wait for it only before they
+fold its slots in.  ``merge_launch`` "pdl" does the same for the merge after forward launches
+on the caller's stream.
 With ``launch_mode`` "fused" (or "auto" on a small multi-group plan) every forward CTA goes into
 one launch of ``pat_fwd_fused_kernel`` on the caller's stream, each block running its CTA's
 tile variant, then the merge.  The
@@ -276,6 +282,16 @@ class CudaBackend:
         # ablation): the forward CTA that writes a request's last partial slot merges it (a
         # per-(request, KV head) counter) and the merge launch disappears
         self.merge_mode = os.environ.get("PAT_MERGE_MODE", "kernel")
+        # finisher-phase plans (pat_core.fold): "pdl" (default) launches a one-launch finisher
+        # phase as a programmatic dependent of a one-launch first phase where the GPU has it
+        # (sm_90+), so the finishers' KV walks overlap the first phase; "serial" starts them once
+        # the first phase has finished (the ablation); env PAT_FINISH_LAUNCH
+        self.finish_launch = os.environ.get("PAT_FINISH_LAUNCH", "pdl")
+        # the merge kernel after forward launches that all went on the caller's stream: "pdl"
+        # launches it as a programmatic dependent of the last of them (sm_90+; its blocks start
+        # while the forward runs and wait for it), "serial" (default) once it has finished; env
+        # PAT_MERGE_LAUNCH
+        self.merge_launch = os.environ.get("PAT_MERGE_LAUNCH", "serial")
         self._counter_bufs: dict = {}  # device -> int32 counters, zero between runs
         # graph-safe mode: at most this many blocks per SM in each pull launch (None: as many
         # as can be resident); an ablation knob, env PAT_GRAPH_BLOCKS_PER_SM
@@ -680,10 +696,28 @@ class CudaBackend:
         k = prep["phase_b"]
         if k is None:
             self._enqueue(launches, merge, caller, plan.serial)
+        elif self._finish_pdl(launches, k):
+            # the finishers start while the first phase runs; they wait for it (pdl_wait in
+            # cuda_src/pat_fwd.cuh) only before they fold its slots in
+            launches[0](caller)
+            launches[1](caller, dependent=True)
         else:   # the finishers start once every other forward launch has finished
             self._enqueue(launches[:k], None, caller, plan.serial)
             self._enqueue(launches[k:], None, caller, plan.serial)
         return (out, lse) if want_lse else out
+
+    def _finish_pdl(self, launches, k: int) -> bool:
+        """Whether the finisher phase starting at ``launches[k]`` goes as a programmatic
+        dependent launch (``finish_launch`` "pdl"): one launch per phase, both through the
+        driver, on an sm_90 or later device."""
+        return (_mode(self.finish_launch, "finish_launch") and k == 1 and len(launches) == 2
+                and self._pdl_ok(launches))
+
+    def _pdl_ok(self, launches) -> bool:
+        """Programmatic dependent launch is possible after ``launches``: an sm_90 or later
+        device, a driver with ``cuLaunchKernelEx``, every launch on the fast path."""
+        return (int(self.arch[3:]) >= 90 and all(ln.fast for ln in launches)
+                and _launch_ex() is not None)
 
     def _outputs(self, qd: _Dev, rows: int, Hq: int, D: int, dtype: str, want_lse: bool, out,
                  lse, note: str = ""):
@@ -712,7 +746,8 @@ class CudaBackend:
         """Forward launches (concurrent on pool streams forked from the caller's stream unless
         ``serial``), then the merge (if any) on the caller's stream once they have joined."""
         rt = self.cp.cuda.runtime
-        if serial or len(launches) <= 1:
+        on_caller = serial or len(launches) <= 1
+        if on_caller:
             for ln in launches:
                 ln(caller)
         else:
@@ -729,7 +764,11 @@ class CudaBackend:
                 rt.eventRecord(joins[si].ptr, streams[si].ptr)
                 rt.streamWaitEvent(caller, joins[si].ptr, 0)
         if merge is not None:
-            merge(caller)
+            # right after a forward launch on the same stream, the merge may go as its
+            # programmatic dependent (pdl_wait in cuda_src/pat_merge.cuh); a forward launch
+            # that waited on the launch before it finished after it, so the wait covers both
+            merge(caller, dependent=_mode(self.merge_launch, "merge_launch") and on_caller
+                  and len(launches) > 0 and self._pdl_ok(launches + [merge]))
 
     # ------------------------------------------------------------------ graph-safe mode
     def static_state(self, layout, num_qo_heads: int, num_kv_heads: int, head_dim: int,
@@ -987,9 +1026,20 @@ class _Launch:
             self.ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(params))
             self.fptr = int(func.ptr)
 
-    def __call__(self, stream_ptr: int) -> None:
-        if self.fast:
-            g, b = self.grid, self.block
+    def __call__(self, stream_ptr: int, dependent: bool = False) -> None:
+        """Enqueue on ``stream_ptr``; ``dependent``: as a programmatic dependent of the launch
+        before it on that stream (``cuLaunchKernelEx``; fast path only), which lets this
+        launch's blocks start before that one has finished."""
+        g, b = self.grid, self.block
+        if dependent:
+            if not self.fast:
+                raise RuntimeError("a programmatic dependent launch needs the fast launch path")
+            cfg = _LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], self.smem, stream_ptr,
+                                ctypes.pointer(_PDL_ATTR), 1)
+            err = _launch_ex()(ctypes.byref(cfg), self.fptr, ctypes.addressof(self.ptrs), None)
+            if err:
+                raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
+        elif self.fast:
             self.launch(self.fptr, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, stream_ptr,
                         ctypes.addressof(self.ptrs), 0)
         else:
@@ -997,6 +1047,50 @@ class _Launch:
             rec = np.frombuffer(bytes(self.params), dtype=np.dtype(type(self.params)))[0]
             self.fn(self.grid, self.block, (rec,), shared_mem=self.smem,
                     stream=_external_stream(cupy, stream_ptr, cupy.cuda.runtime.getDevice()))
+
+
+def _mode(value, name: str) -> bool:
+    """A ``"pdl"`` / ``"serial"`` backend setting as a bool (True: programmatic dependent
+    launch); ``ValueError`` naming the setting otherwise."""
+    if value not in ("pdl", "serial"):
+        raise ValueError(f"{name} must be 'pdl' or 'serial', got {value!r}")
+    return value == "pdl"
+
+
+# cuLaunchKernelEx and its structs (cuda.h, CUDA 12+), for programmatic dependent launch, which
+# CuPy's driver binding does not expose.
+class _LaunchAttr(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
+                ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
+                ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttr)), ("numAttrs", ctypes.c_uint)]
+
+
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+# the attribute's value: programmaticStreamSerializationAllowed = 1 (an int at the union's start)
+_PDL_ATTR = _LaunchAttr(_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, b"",
+                        (1).to_bytes(4, "little") + bytes(60))
+_LAUNCH_EX = []   # [cuLaunchKernelEx or None], looked up once
+
+
+def _launch_ex():
+    """The driver's ``cuLaunchKernelEx`` (ctypes), or None where the driver has none."""
+    if not _LAUNCH_EX:
+        fn = None
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
+                           ctypes.c_void_p]
+        except (OSError, AttributeError):
+            log.warning("no cuLaunchKernelEx in the CUDA driver: finisher phases run serially")
+        _LAUNCH_EX.append(fn)
+    return _LAUNCH_EX[0]
 
 
 def _ptr(a) -> int:

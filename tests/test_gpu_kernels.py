@@ -459,16 +459,107 @@ def test_finisher_phase(backend, dtype, d):
              ("1,3,12_96,64,33", (16, 16), "NHD"), ("200_100", (32, 8), "NHD"),
              ("1,2,4,8,16_16,16,16,16,200", (32, 4), "HND"), ("2,6_100,900", (32, 32), "NHD"),
              ("1,6_64,500", (32, 1), "NHD"), ("3,12_200,3000", (16, 8), "NHD")]
-    saved = backend.merge_mode
+    saved = backend.merge_mode, backend.finish_launch
     try:
         for i, (spec, heads, layout) in enumerate(cases):
             backend.merge_mode = "forward" if i % 3 == 2 else "kernel"
             b = build_tree_batch(spec, page_size=16, seed=7)
-            plan, _, _ = check_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages, 16,
-                                    heads[0], heads[1], d, dtype, layout, seed=i, tuning=always)
-            assert plan.finish_from >= 0, spec
+            # the finishers as programmatic dependents of the first phase, and after it
+            for mode in ("pdl", "serial"):
+                backend.finish_launch = mode
+                plan, _, _ = check_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages,
+                                        16, heads[0], heads[1], d, dtype, layout, seed=i,
+                                        tuning=always)
+                assert plan.finish_from >= 0, spec
     finally:
-        backend.merge_mode = saved
+        backend.merge_mode, backend.finish_launch = saved
+
+
+def _graph_replays_eager(w, plan, b, hq, hk, d, ps):
+    """Capture ``w.run`` (planned with ``plan``) in a CUDA graph; its replays must equal the
+    eager run bit for bit, for two different inputs through the same buffers, both close to
+    float64.  Returns the eager run's prepared launches."""
+    import torch
+    from pat_core import dense_attention
+    q, k, v = make_inputs(b.num_pages, ps, b.batch_size, hq, hk, d, "float16", "NHD", 5)
+    eager = w.run(q, (k, v))
+    torch.cuda.synchronize()
+    prep = next(iter(w._gpu_backend._uploads[id(plan)]["prepared"].values()))
+    out = torch.empty_like(eager)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        w.run(q, (k, v), out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        w.run(q, (k, v), out=out)
+    for i in range(2):
+        if i:   # new inputs in the same buffers: the replay must follow them
+            q2, k2, v2 = make_inputs(b.num_pages, ps, b.batch_size, hq, hk, d, "float16",
+                                     "NHD", 6)
+            q.copy_(q2), k.copy_(k2), v.copy_(v2)
+            eager = w.run(q, (k, v))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), "graph replay differs from the eager run"
+        ref = dense_attention(_np64(q), (_np64(k), _np64(v)), b.block_tables, b.seq_lens,
+                              ps, sm_scale=plan.sm_scale)
+        assert _rel(_np64(out), ref) < 2e-3
+    return prep
+
+
+@requires_gpu
+def test_finisher_dependent_launch_in_graph(backend):
+    """A finisher-phase plan whose finishers are launched as programmatic dependents of the first
+    phase (one launch each, sm_90+): the launch path is taken, and a CUDA graph captured around
+    it replays the eager result."""
+    from pat_core import PrefixAttentionWrapper, Tuning
+    from pat_core.workloads import build_tree_batch
+    hq, hk, d, ps = 32, 8, 128, 16
+    b = build_tree_batch("1,8,32_64,64,700", page_size=ps, seed=3)
+    saved = backend.finish_launch
+    backend.finish_launch = "pdl"
+    try:
+        w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+        w._gpu_backend = backend
+        w.planner.tuning = Tuning(finish_share=1.0)
+        plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16")
+        assert plan.finish_from >= 0
+        prep = _graph_replays_eager(w, plan, b, hq, hk, d, ps)
+        pdl = backend._finish_pdl(prep["launches"], prep["phase_b"])
+        assert pdl == (int(backend.arch[3:]) >= 90), (backend.arch, len(prep["launches"]))
+    finally:
+        backend.finish_launch = saved
+
+
+@requires_gpu
+@pytest.mark.parametrize("spec,heads", [("1,32,256_64,64,1024", (32, 8)),
+                                        ("1,4,16_128,256,1024", (64, 8)),
+                                        ("3,24,96_1024,64,512", (32, 8)),
+                                        ("128_300", (32, 32))])
+def test_merge_dependent_launch(backend, spec, heads):
+    """The merge launched as a programmatic dependent of the forward launches (merge_launch
+    "pdl"; partials poisoned before each run, so a merge that read them early would show it):
+    against float64 and reruns bit-identical; then CUDA graph replays of the plan and of its
+    serial form (every launch on one stream, the merge after the last)."""
+    from pat_core import PrefixAttentionWrapper
+    from pat_core.workloads import build_tree_batch
+    b = build_tree_batch(spec, page_size=16, seed=1)
+    saved = backend.merge_launch
+    backend.merge_launch = "pdl"
+    try:
+        check_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages, 16, heads[0],
+                   heads[1], 128, "float16", "NHD", seed=2)
+        w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+        w._gpu_backend = backend
+        for serial in (False, True):   # serial: the merge after the last of several launches
+            plan = w.plan(b.block_tables, b.seq_lens, heads[0], heads[1], 128, 16,
+                          kv_data_type="float16", serial=serial)
+            _graph_replays_eager(w, plan, b, heads[0], heads[1], 128, 16)
+    finally:
+        backend.merge_launch = saved
 
 
 @requires_gpu
