@@ -130,9 +130,11 @@ TUNINGS = {
     "finish-off": {"finish_share": None}, "finish-0": {"finish_share": 0.0},
     "finish": {"finish_share": 0.05}, "finish-all": {"finish_share": 1.0},
     # the same with the finishers started only once the first phase has finished (round 14's
-    # launch; the default "pdl" lets them start at once, CudaBackend.finish_launch)
+    # launch), or as programmatic dependents of it (CudaBackend.finish_launch; the default
+    # "ordered" puts both phases in one launch where they share a tile)
     "finish-serial": {"finish_share": 0.05, "finish_launch": "serial"},
     "finish-all-serial": {"finish_share": 1.0, "finish_launch": "serial"},
+    "finish-all-pdl": {"finish_share": 1.0, "finish_launch": "pdl"},
     # the merge launched as a programmatic dependent of the forward (CudaBackend.merge_launch)
     "merge-pdl": {"merge_launch": "pdl"},
     "finish-all-merge-pdl": {"finish_share": 1.0, "merge_launch": "pdl"},
@@ -330,8 +332,8 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                     ("3,24,96_1024,64,512", (32, 8)),
                                     ("1,4,16,64,256,1024_1024,256,128,64,32,32", (32, 8))),
                                    ("finish-off", "finish-0", "finish", "finish-all")),
-             # the finisher phase launched as a programmatic dependent (round 15) against the
-             # merge launch and against round 14's serial phases
+             # the finisher phase in one ordered launch or launched as a programmatic dependent
+             # (round 15), against the merge launch and round 14's serial phases
              "finish-pdl": _pair_cases((("1,32,256_64,64,1024", (32, 8)),
                                         ("1,32,256_64,64,1024", (64, 8)),
                                         ("1,32,256_64,64,1024", (16, 8)),
@@ -346,7 +348,7 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                         ("3,24,96_1024,64,512", (32, 8)),
                                         ("1,4,16,64,256,1024_1024,256,128,64,32,32", (32, 8))),
                                        ("finish-off", "merge-pdl", "finish-all",
-                                        "finish-all-serial", "finish-all-merge-pdl")),
+                                        "finish-all-pdl", "finish-all-serial")),
              # the configurations whose plans the automatic split share changes (round 10)
              "auto-share": tuple((spec, heads, packer, None, None, label)
                                  for spec, heads, packer in (

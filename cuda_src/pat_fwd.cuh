@@ -720,35 +720,54 @@ __device__ __forceinline__ void finish_item(const FwdParams& p, const CtaWork& w
 
   if (wn != 0) return;
   constexpr float kLn2 = 0.6931471805599453f;
+  // A finisher kernel's first-phase items (CTAs below p.finish_cta: the ordered launch) go on to
+  // the partial write below.
   if constexpr (FINISH) {
-    pdl_wait();  // launched early (after the first phase's launch): its slots are final now
-    fold_slots<Tr>(p, w, kv_head, wm, lane, acc, m_run, l_run);
-    // ---- Finisher: the request's final output (input dtype) and LSE, as the merge writes them
-    T* __restrict__ out = static_cast<T*>(merge.out);
+    if (cta >= p.finish_cta) {
+      if (merge.counters != nullptr) {
+        // One ordered launch (pat_fwd_finish_kernel): wait until the request's other slots are
+        // all counted.  Their items were drawn before this one and never wait, so they finish.
+        if (stid == 0) {
+          const int r = cta_req[req_begin];
+          int* ctr = merge.counters + (long long)r * num_kv_heads + kv_head;
+          const int want = merge.req_slot_indptr[r + 1] - merge.req_slot_indptr[r] - 1;
+          while (*reinterpret_cast<volatile int*>(ctr) < want) __nanosleep(128);
+          *ctr = 0;  // every slot is counted: nothing touches the counter again this run
+        }
+        slice_sync<Tr>(0);
+        // Acquire: the count observed above orders the slots' writes before the reads below.
+        __threadfence();
+      } else {
+        pdl_wait();  // launched early (after the first phase's launch): its slots are final now
+      }
+      fold_slots<Tr>(p, w, kv_head, wm, lane, acc, m_run, l_run);
+      // ---- Finisher: the request's final output (input dtype) and LSE, as the merge writes them
+      T* __restrict__ out = static_cast<T*>(merge.out);
 #pragma unroll
-    for (int mi = 0; mi < MI; ++mi) {
+      for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int row = (wm * MI + mi) * 16 + (lane >> 2) + hr * 8;
-        if (row < n_rows) {
-          const int ri = div_rows(row, inv_group);
-          const int head = kv_head * group + (row - ri * group);
-          const long long r = cta_req[req_begin + ri];
-          const float l = l_run[mi][hr];
-          const float inv = l != 0.f ? 1.f / l : 0.f;  // no finite state: zeros and -inf
-          T* dst = out + r * merge.out_sb + head * merge.out_sh + ((lane & 3) << 1);
+        for (int hr = 0; hr < 2; ++hr) {
+          const int row = (wm * MI + mi) * 16 + (lane >> 2) + hr * 8;
+          if (row < n_rows) {
+            const int ri = div_rows(row, inv_group);
+            const int head = kv_head * group + (row - ri * group);
+            const long long r = cta_req[req_begin + ri];
+            const float l = l_run[mi][hr];
+            const float inv = l != 0.f ? 1.f / l : 0.f;  // no finite state: zeros and -inf
+            T* dst = out + r * merge.out_sb + head * merge.out_sh + ((lane & 3) << 1);
 #pragma unroll
-          for (int dt = 0; dt < D / 8; ++dt) {
-            dst[dt * 8] = ElemOps<T>::from_float(acc[mi][dt][2 * hr] * inv);
-            dst[dt * 8 + 1] = ElemOps<T>::from_float(acc[mi][dt][2 * hr + 1] * inv);
+            for (int dt = 0; dt < D / 8; ++dt) {
+              dst[dt * 8] = ElemOps<T>::from_float(acc[mi][dt][2 * hr] * inv);
+              dst[dt * 8 + 1] = ElemOps<T>::from_float(acc[mi][dt][2 * hr + 1] * inv);
+            }
+            if (merge.lse_out != nullptr && (lane & 3) == 0)
+              merge.lse_out[r * merge.lse_sb + head * merge.lse_sh] =
+                  l != 0.f ? (m_run[mi][hr] + __log2f(l)) * kLn2 : neg_inf();
           }
-          if (merge.lse_out != nullptr && (lane & 3) == 0)
-            merge.lse_out[r * merge.lse_sb + head * merge.lse_sh] =
-                l != 0.f ? (m_run[mi][hr] + __log2f(l)) * kLn2 : neg_inf();
         }
       }
+      return;
     }
-    return;
   }
   // ---- Write the normalised partial output and its LSE for every real row -------------------
 #pragma unroll
@@ -1196,12 +1215,32 @@ __global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, 
 // Finisher entry point (pat_core/fold.py): block b runs item b of the launch, as pat_fwd_kernel
 // does, and finishes its request.  A separate kernel so that the other variants do not carry
 // its registers.  The Python side names it like pat_fwd_kernel's variant with a _fin suffix.
+// The ordered launch (p.work_counter set) holds both phases, when they share the tile: each
+// block draws its item from the counter (the last to draw sets it back to zero), so an item is
+// drawn only once every item before it is running; the first phase's items (CTAs below
+// p.finish_cta, first in item order) write their slots and count them in p.merge.counters as the
+// in-kernel merge does (a finisher's own slot is never counted, so none of them merges), and each
+// finisher waits for its request's count before it folds the slots in.  No item waits for a later
+// one, so the launch cannot deadlock whatever the block scheduler does.
 template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES, int RW>
 __global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, N, WARPS, STAGES>())) pat_fwd_finish_kernel(
     const __grid_constant__ pat::FwdParams p) {
   using Tr = pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW>;
+  int item = (int)blockIdx.x;
+  if (p.work_counter != nullptr) {
+    __shared__ int s_item;
+    if (threadIdx.x == 0) {
+      const int t = atomicAdd(p.work_counter, 1);
+      if (t == (int)gridDim.x - 1) *p.work_counter = 0;  // every block has drawn
+      s_item = t;
+    }
+    __syncthreads();
+    item = s_item;
+  }
   int cta_local, kv_head;
-  pat::item_cta_head(p, (int)blockIdx.x, cta_local, kv_head);
+  pat::item_cta_head(p, item, cta_local, kv_head);
+  // one body for both phases (the CTA's phase picks the end of finish_item): two inlined
+  // bodies cost the small tiles registers
   pat::pat_fwd_body<Tr, true>(p, p.cta_offset + cta_local, kv_head);
 }
 

@@ -49,6 +49,9 @@ struct FwdParams {
   int num_qo_heads;
   int page_size;
   float scale_log2;            // sm_scale * log2(e)
+  // Finisher kernel (pat_fwd_finish_kernel): its items of CTAs below finish_cta are first-phase
+  // items (they write their slots and count them), the others finish their request.
+  int finish_cta;
   MergeArgs merge;
 };
 
@@ -71,7 +74,7 @@ struct MergeParams {
 
 // The host mirror (pat_core/kernel_params.py) checks its sizes against these.
 static_assert(sizeof(MergeArgs) == 64, "MergeArgs layout changed: update kernel_params.py");
-static_assert(sizeof(FwdParams) == 280, "FwdParams layout changed: update kernel_params.py");
+static_assert(sizeof(FwdParams) == 288, "FwdParams layout changed: update kernel_params.py");
 static_assert(sizeof(MergeParams) == 104, "MergeParams layout changed: update kernel_params.py");
 
 }  // namespace pat

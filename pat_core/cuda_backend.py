@@ -13,11 +13,13 @@ Execution of one batch::
     caller stream ── (waits on the joins) ── merge kernel ── out [, lse]
 
 With ``plan.serial`` (or a single group) every launch goes on the caller's stream in order.
-A plan with a finisher phase (:mod:`pat_core.fold`) enqueues that picture twice, the first
-phase's launches, then the finishers' (no merge).  Where each phase is one launch on a Hopper
-or later GPU (``finish_launch`` "pdl"), the finishers' launch is a programmatic dependent of the
-first phase's: its blocks start while the first phase runs and wait for it only before they
-fold its slots in.  ``merge_launch`` "pdl" does the same for the merge after forward launches
+A plan with a finisher phase (:mod:`pat_core.fold`) and no merge: where its two phases are one
+tile group each, of one tile (``finish_launch`` "ordered"), one launch whose blocks draw the first
+phase's items first, the finishers waiting on per-request counts before they fold the first
+phase's slots in; else the picture above twice, the first phase's launches, then the
+finishers'.  Where each phase is one launch on a Hopper or later GPU, the finishers' launch is a
+programmatic dependent of the first phase's: its blocks start while the first phase runs and wait
+for it only before they fold.  ``merge_launch`` "pdl" does the same for the merge after forward launches
 on the caller's stream.
 With ``launch_mode`` "fused" (or "auto" on a small multi-group plan) every forward CTA goes into
 one launch of ``pat_fwd_fused_kernel`` on the caller's stream, each block running its CTA's
@@ -282,11 +284,14 @@ class CudaBackend:
         # ablation): the forward CTA that writes a request's last partial slot merges it (a
         # per-(request, KV head) counter) and the merge launch disappears
         self.merge_mode = os.environ.get("PAT_MERGE_MODE", "kernel")
-        # finisher-phase plans (pat_core.fold): "pdl" (default) launches a one-launch finisher
-        # phase as a programmatic dependent of a one-launch first phase where the GPU has it
-        # (sm_90+), so the finishers' KV walks overlap the first phase; "serial" starts them once
-        # the first phase has finished (the ablation); env PAT_FINISH_LAUNCH
-        self.finish_launch = os.environ.get("PAT_FINISH_LAUNCH", "pdl")
+        # finisher-phase plans (pat_core.fold): "ordered" (default) runs a plan whose two phases
+        # are one tile group each, of one tile, as one launch in which the finishers' items are
+        # drawn after the first phase's and wait on counters before they fold; otherwise as
+        # "pdl": a one-launch finisher phase as a programmatic dependent of a one-launch first
+        # phase where the GPU has it (sm_90+), so the finishers' KV walks overlap the first
+        # phase; otherwise, and with "serial", the finishers start once the first phase has
+        # finished; env PAT_FINISH_LAUNCH
+        self.finish_launch = os.environ.get("PAT_FINISH_LAUNCH", "ordered")
         # the merge kernel after forward launches that all went on the caller's stream: "pdl"
         # launches it as a programmatic dependent of the last of them (sm_90+; its blocks start
         # while the forward runs and wait for it), "serial" (default) once it has finished; env
@@ -501,7 +506,8 @@ class CudaBackend:
         rec = self._uploads.get(id(plan))
         sig = (kv_layout, qd.sig(), kd.sig(), vd.sig(), self.launch_mode,
                self.fused_max_blocks_per_sm, self.fused_max_kv_len, self.merge_mode,
-               self.merge_per_pair, self.merge_heads_per_warp)
+               self.merge_per_pair, self.merge_heads_per_warp, self.finish_launch,
+               self.one_tile)
         prep = None
         if rec is not None and rec["version"] == plan.version:
             prep = rec["prepared"].get(sig)
@@ -579,6 +585,21 @@ class CudaBackend:
                                         self.fast_launch, keep=cta_variant))
                 members = []
             num_sms = self._num_sms()
+            if fold and self._finish_ordered(plan, num_sms):
+                # both phases in one ordered launch of the finisher kernel: blocks draw items
+                # from a ticket counter, the first phase's first; finishers wait on the
+                # per-(request, KV head) counts of the slots written (cuda_src/pat_fwd.cuh)
+                (_, (m, n), b, _), (_, _, _, e) = [x for x in plan.groups() if x[3] > x[2]]
+                v = cc.FwdVariant.make(m, n, D, dtype, arch=self.arch, finish=True)
+                ticket = cp.zeros(1, dtype=cp.int32)   # zero between runs: the last draw resets
+                prm = _copy_params(base)
+                prm.cta_offset, prm.n_ctas, prm.finish_cta = b, e - b, plan.finish_cta
+                prm.work_counter = _ptr(ticket)
+                prm.merge.counters = _ptr(self._counters(plan.batch_size * Hk))
+                launches.append(_Launch(self._function(v), ((e - b) * Hk, 1, 1),
+                                        (v.threads, 1, 1), prm, v.smem_bytes, self.fast_launch,
+                                        keep=ticket))
+                members = []
             phase_b = None   # first launch of the finisher phase
             for g, (m, n), b, e in (plan.groups() if members else ()):
                 if e <= b:
@@ -706,11 +727,30 @@ class CudaBackend:
             self._enqueue(launches[k:], None, caller, plan.serial)
         return (out, lse) if want_lse else out
 
+    def _finish_ordered(self, plan: Plan, num_sms: int) -> bool:
+        """Whether a finisher-phase plan runs as one ordered launch (``finish_launch``
+        "ordered"): its first phase and its finishers each one tile group, of the same tile, and
+        the first phase not split by the one-tile rule."""
+        if self.finish_launch not in FINISH_LAUNCH_MODES:
+            raise ValueError(f"finish_launch must be one of {FINISH_LAUNCH_MODES}, got "
+                             f"{self.finish_launch!r}")
+        if self.finish_launch != "ordered" or plan.finish_from < 0:
+            return False
+        live = [(g, mn, b, e) for g, mn, b, e in plan.groups() if e > b]
+        if len(live) != 2 or live[0][0] >= plan.finish_from or live[1][0] < plan.finish_from:
+            return False
+        (_, mn_a, b, e), (_, mn_b, _, _) = live
+        return mn_a == mn_b and one_tile_split(plan, b, e, num_sms, self.one_tile)[0] == e
+
     def _finish_pdl(self, launches, k: int) -> bool:
         """Whether the finisher phase starting at ``launches[k]`` goes as a programmatic
-        dependent launch (``finish_launch`` "pdl"): one launch per phase, both through the
-        driver, on an sm_90 or later device."""
-        return (_mode(self.finish_launch, "finish_launch") and k == 1 and len(launches) == 2
+        dependent launch (``finish_launch`` "pdl", or "ordered" where the phases could not share
+        a launch): one launch per phase, both through the driver, on an sm_90 or later
+        device."""
+        if self.finish_launch not in FINISH_LAUNCH_MODES:
+            raise ValueError(f"finish_launch must be one of {FINISH_LAUNCH_MODES}, got "
+                             f"{self.finish_launch!r}")
+        return (self.finish_launch != "serial" and k == 1 and len(launches) == 2
                 and self._pdl_ok(launches))
 
     def _pdl_ok(self, launches) -> bool:
@@ -1047,6 +1087,9 @@ class _Launch:
             rec = np.frombuffer(bytes(self.params), dtype=np.dtype(type(self.params)))[0]
             self.fn(self.grid, self.block, (rec,), shared_mem=self.smem,
                     stream=_external_stream(cupy, stream_ptr, cupy.cuda.runtime.getDevice()))
+
+
+FINISH_LAUNCH_MODES = ("ordered", "pdl", "serial")   # CudaBackend.finish_launch
 
 
 def _mode(value, name: str) -> bool:

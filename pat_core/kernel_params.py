@@ -35,7 +35,8 @@ class FwdParams(ctypes.Structure):
                 ("v_sp", _I64), ("v_st", _I64), ("v_sh", _I64),
                 ("cta_offset", _I32), ("n_ctas", _I32), ("num_kv_heads", _I32),
                 ("head_minor", _I32), ("group", _I32), ("num_qo_heads", _I32),
-                ("page_size", _I32), ("scale_log2", ctypes.c_float), ("merge", MergeArgs)]
+                ("page_size", _I32), ("scale_log2", ctypes.c_float), ("finish_cta", _I32),
+                ("merge", MergeArgs)]
 
 
 class MergeParams(ctypes.Structure):

@@ -464,8 +464,9 @@ def test_finisher_phase(backend, dtype, d):
         for i, (spec, heads, layout) in enumerate(cases):
             backend.merge_mode = "forward" if i % 3 == 2 else "kernel"
             b = build_tree_batch(spec, page_size=16, seed=7)
-            # the finishers as programmatic dependents of the first phase, and after it
-            for mode in ("pdl", "serial"):
+            # both phases in one ordered launch (where they share a tile), the finishers as
+            # programmatic dependents of the first phase, and after it
+            for mode in ("ordered", "pdl", "serial"):
                 backend.finish_launch = mode
                 plan, _, _ = check_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages,
                                         16, heads[0], heads[1], d, dtype, layout, seed=i,
@@ -511,16 +512,18 @@ def _graph_replays_eager(w, plan, b, hq, hk, d, ps):
 
 
 @requires_gpu
-def test_finisher_dependent_launch_in_graph(backend):
-    """A finisher-phase plan whose finishers are launched as programmatic dependents of the first
-    phase (one launch each, sm_90+): the launch path is taken, and a CUDA graph captured around
-    it replays the eager result."""
+@pytest.mark.parametrize("mode", ("ordered", "pdl"))
+def test_finisher_launch_modes_in_graph(backend, mode):
+    """A finisher-phase plan whose two phases are one tile group each, of one tile: "ordered" runs
+    it as one launch (finishers wait on counters), "pdl" as two, the finishers a programmatic
+    dependent launch (sm_90+).  The launch path is taken, and CUDA graph replays (counters and
+    ticket reset by the kernel between runs) equal the eager result."""
     from pat_core import PrefixAttentionWrapper, Tuning
     from pat_core.workloads import build_tree_batch
     hq, hk, d, ps = 32, 8, 128, 16
     b = build_tree_batch("1,8,32_64,64,700", page_size=ps, seed=3)
     saved = backend.finish_launch
-    backend.finish_launch = "pdl"
+    backend.finish_launch = mode
     try:
         w = PrefixAttentionWrapper(backend="cuda", packer="pat")
         w._gpu_backend = backend
@@ -528,8 +531,11 @@ def test_finisher_dependent_launch_in_graph(backend):
         plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16")
         assert plan.finish_from >= 0
         prep = _graph_replays_eager(w, plan, b, hq, hk, d, ps)
-        pdl = backend._finish_pdl(prep["launches"], prep["phase_b"])
-        assert pdl == (int(backend.arch[3:]) >= 90), (backend.arch, len(prep["launches"]))
+        if mode == "ordered":
+            assert len(prep["launches"]) == 1 and prep["phase_b"] is None
+        else:
+            pdl = backend._finish_pdl(prep["launches"], prep["phase_b"])
+            assert pdl == (int(backend.arch[3:]) >= 90), (backend.arch, len(prep["launches"]))
     finally:
         backend.finish_launch = saved
 
