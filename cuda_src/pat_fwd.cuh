@@ -634,7 +634,7 @@ __device__ __forceinline__ void sync_tile(const typename Tr::T* sQ,
 // the normalised partial output o_partial[slot, head, :] and its natural-log LSE written for every
 // live row, and with merge.counters set the in-kernel merge of the requests this item completes.
 // Warps of token slices other than 0 return after the combine.
-template <typename Tr, bool FINISH = false>
+template <typename Tr, int FINISH = 0>
 __device__ __forceinline__ void finish_item(const FwdParams& p, const CtaWork& w, int cta,
                                             int kv_head, float (&acc)[Tr::MI][Tr::D / 8][4],
                                             float (&m_run)[Tr::MI][2], float (&l_run)[Tr::MI][2],
@@ -720,13 +720,13 @@ __device__ __forceinline__ void finish_item(const FwdParams& p, const CtaWork& w
 
   if (wn != 0) return;
   constexpr float kLn2 = 0.6931471805599453f;
-  // A finisher kernel's first-phase items (CTAs below p.finish_cta: the ordered launch) go on to
-  // the partial write below.
-  if constexpr (FINISH) {
-    if (cta >= p.finish_cta) {
-      if (merge.counters != nullptr) {
-        // One ordered launch (pat_fwd_finish_kernel): wait until the request's other slots are
-        // all counted.  Their items were drawn before this one and never wait, so they finish.
+  // FINISH 1: a finisher item; 2: the ordered launch, whose first-phase items (CTAs below
+  // p.finish_cta) go on to the partial write below.
+  if constexpr (FINISH != 0) {
+    if (FINISH == 1 || cta >= p.finish_cta) {
+      if constexpr (FINISH == 2) {
+        // Wait until the request's other slots are all counted.  Their items were drawn before
+        // this one and never wait, so they finish.
         if (stid == 0) {
           const int r = cta_req[req_begin];
           int* ctr = merge.counters + (long long)r * num_kv_heads + kv_head;
@@ -830,9 +830,10 @@ __device__ __forceinline__ void finish_item(const FwdParams& p, const CtaWork& w
 
 // One work item: Plan CTA `cta` for KV head `kv_head`.  Returns with every cp.async group drained;
 // a caller that runs another item in the same block puts a cta_sync<Tr>() in between (the last
-// phase reads shared memory that the next item's prologue overwrites).  FINISH: a finisher item
-// (its request's other slots folded in at the end, the output written instead of its slot).
-template <typename Tr, bool FINISH = false>
+// phase reads shared memory that the next item's prologue overwrites).  FINISH 1: a finisher item
+// (its request's other slots folded in at the end, the output written instead of its slot); 2:
+// an item of the ordered finisher launch (a finisher or a first-phase item, by its CTA).
+template <typename Tr, int FINISH = 0>
 __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
                                              const int kv_head) {
   using T = typename Tr::T;
@@ -1212,36 +1213,48 @@ __global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, 
   pat::run_items<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW>, PULL>(p);
 }
 
-// Finisher entry point (pat_core/fold.py): block b runs item b of the launch, as pat_fwd_kernel
-// does, and finishes its request.  A separate kernel so that the other variants do not carry
-// its registers.  The Python side names it like pat_fwd_kernel's variant with a _fin suffix.
-// The ordered launch (p.work_counter set) holds both phases, when they share the tile: each
-// block draws its item from the counter (the last to draw sets it back to zero), so an item is
-// drawn only once every item before it is running; the first phase's items (CTAs below
-// p.finish_cta, first in item order) write their slots and count them in p.merge.counters as the
-// in-kernel merge does (a finisher's own slot is never counted, so none of them merges), and each
-// finisher waits for its request's count before it folds the slots in.  No item waits for a later
-// one, so the launch cannot deadlock whatever the block scheduler does.
-template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES, int RW>
+// Finisher entry point (pat_core/fold.py).  PULL = false: block b runs item b of the launch, as
+// pat_fwd_kernel does, and finishes its request.  A separate kernel so that the other variants do
+// not carry its registers.  The Python side names it like pat_fwd_kernel's variant with a _fin
+// suffix (_pull_fin for PULL = true).
+// PULL = true, the ordered launch: both phases of a plan whose phases share a tile, in one launch
+// of at most as many blocks as can be resident at once.  Block b's first item is item b, later
+// items are drawn from p.work_counter[0] in order (item gridDim.x + k for the k-th draw; each
+// block draws its next item when it starts one, so the atomic's latency hides behind the item).
+// The first phase's items (CTAs below p.finish_cta) come first in item order; they write their
+// slots and count them in p.merge.counters as the in-kernel merge does (a finisher's own slot is
+// never counted, so none of them merges), and each finisher waits for its request's count before
+// it folds the slots in.  No item waits on a later one, every first item's block becomes
+// resident (the grid fits), and a drawn item's block is running, so the launch cannot deadlock.
+// The last block to finish sets both counters back to zero (p.work_counter[1] counts them).
+template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES, int RW, bool PULL>
 __global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, N, WARPS, STAGES>())) pat_fwd_finish_kernel(
     const __grid_constant__ pat::FwdParams p) {
   using Tr = pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW>;
-  int item = (int)blockIdx.x;
-  if (p.work_counter != nullptr) {
-    __shared__ int s_item;
-    if (threadIdx.x == 0) {
-      const int t = atomicAdd(p.work_counter, 1);
-      if (t == (int)gridDim.x - 1) *p.work_counter = 0;  // every block has drawn
-      s_item = t;
-    }
-    __syncthreads();
-    item = s_item;
-  }
   int cta_local, kv_head;
-  pat::item_cta_head(p, item, cta_local, kv_head);
-  // one body for both phases (the CTA's phase picks the end of finish_item): two inlined
-  // bodies cost the small tiles registers
-  pat::pat_fwd_body<Tr, true>(p, p.cta_offset + cta_local, kv_head);
+  if constexpr (!PULL) {
+    pat::item_cta_head(p, (int)blockIdx.x, cta_local, kv_head);
+    pat::pat_fwd_body<Tr, 1>(p, p.cta_offset + cta_local, kv_head);
+  } else {
+    const int items = p.n_ctas * p.num_kv_heads;
+    const bool draws = items > (int)gridDim.x;
+    __shared__ int s_next[2];  // double-buffered as in run_items<Tr, true>
+    int item = (int)blockIdx.x;
+#pragma unroll 1
+    for (int k = 0; item < items; ++k) {
+      if (draws && threadIdx.x == 0) s_next[k & 1] = (int)gridDim.x + atomicAdd(p.work_counter, 1);
+      pat::item_cta_head(p, item, cta_local, kv_head);
+      // one body for both phases (the CTA's phase picks the end of finish_item)
+      pat::pat_fwd_body<Tr, 2>(p, p.cta_offset + cta_local, kv_head);
+      if (!draws) break;  // every item was some block's first
+      pat::cta_sync<Tr>();  // every warp is past item k (its shared memory free), s_next written
+      item = s_next[k & 1];
+    }
+    if (draws && threadIdx.x == 0 && atomicAdd(p.work_counter + 1, 1) == (int)gridDim.x - 1) {
+      p.work_counter[0] = 0;  // every block has drawn its last item
+      p.work_counter[1] = 0;
+    }
+  }
 }
 
 // One launch for every forward CTA of a plan, whatever its tile.  Template arguments: head_dim,

@@ -586,19 +586,20 @@ class CudaBackend:
                 members = []
             num_sms = self._num_sms()
             if fold and self._finish_ordered(plan, num_sms):
-                # both phases in one ordered launch of the finisher kernel: blocks draw items
-                # from a ticket counter, the first phase's first; finishers wait on the
-                # per-(request, KV head) counts of the slots written (cuda_src/pat_fwd.cuh)
+                # both phases in one ordered launch of the finisher kernel: blocks pull items in
+                # order, the first phase's first; finishers wait on the per-(request, KV head)
+                # counts of the slots written (cuda_src/pat_fwd.cuh)
                 (_, (m, n), b, _), (_, _, _, e) = [x for x in plan.groups() if x[3] > x[2]]
-                v = cc.FwdVariant.make(m, n, D, dtype, arch=self.arch, finish=True)
-                ticket = cp.zeros(1, dtype=cp.int32)   # zero between runs: the last draw resets
+                v = cc.FwdVariant.make(m, n, D, dtype, pull=True, arch=self.arch, finish=True)
+                # items drawn, blocks finished: zero between runs (the last block resets them)
+                ctr = cp.zeros(2, dtype=cp.int32)
                 prm = _copy_params(base)
                 prm.cta_offset, prm.n_ctas, prm.finish_cta = b, e - b, plan.finish_cta
-                prm.work_counter = _ptr(ticket)
+                prm.work_counter = _ptr(ctr)
                 prm.merge.counters = _ptr(self._counters(plan.batch_size * Hk))
-                launches.append(_Launch(self._function(v), ((e - b) * Hk, 1, 1),
-                                        (v.threads, 1, 1), prm, v.smem_bytes, self.fast_launch,
-                                        keep=ticket))
+                grid = min((e - b) * Hk, self._blocks_per_sm(v) * num_sms)
+                launches.append(_Launch(self._function(v), (grid, 1, 1), (v.threads, 1, 1), prm,
+                                        v.smem_bytes, self.fast_launch, keep=ctr))
                 members = []
             phase_b = None   # first launch of the finisher phase
             for g, (m, n), b, e in (plan.groups() if members else ()):
@@ -683,6 +684,26 @@ class CudaBackend:
             return False
         return use_fused_launch(plan, self._num_sms(), self.launch_mode,
                                 self.fused_max_blocks_per_sm, self.fused_max_kv_len)
+
+    def _blocks_per_sm(self, v) -> int:
+        """Blocks of kernel variant ``v`` an SM holds at once (the driver's occupancy query;
+        the recorded resources where CuPy has no such query; at least 1)."""
+        fn = self._function(v)
+        per_sm = 0
+        occ = getattr(self.cp.cuda.driver, "occupancyMaxActiveBlocksPerMultiprocessor", None)
+        if occ is not None:
+            try:
+                per_sm = int(occ(getattr(fn, "kernel", fn).ptr, v.threads, v.smem_bytes))
+            except Exception as e:     # older CuPy: fall back to the recorded resources
+                log.debug("occupancy query failed (%s)", e)
+        if per_sm < 1 and isinstance(v, cc.FusedVariant):
+            per_sm = 1
+        elif per_sm < 1:
+            from .gpus import get_gpu
+            from .tiles import check_tile
+            chk = check_tile(v.m, v.n, v.head_dim, v.dtype, get_gpu(self.gpu_name))
+            per_sm = max(1, chk.ctas_per_sm)
+        return per_sm
 
     def _num_sms(self) -> int:
         """SMs of the current device."""
@@ -917,21 +938,7 @@ class StaticState:
     def _grid(self, v) -> int:
         """Blocks of a pull launch: every block that can be resident at once, at most one per
         item the limits allow."""
-        fn = self.backend._function(v)
-        per_sm = 0
-        occ = getattr(self.cp.cuda.driver, "occupancyMaxActiveBlocksPerMultiprocessor", None)
-        if occ is not None:
-            try:
-                per_sm = int(occ(getattr(fn, "kernel", fn).ptr, v.threads, v.smem_bytes))
-            except Exception as e:     # older CuPy: fall back to the recorded resources
-                log.debug("occupancy query failed (%s)", e)
-        if per_sm < 1 and isinstance(v, cc.FusedVariant):
-            per_sm = 1
-        elif per_sm < 1:
-            from .gpus import get_gpu
-            from .tiles import check_tile
-            chk = check_tile(v.m, v.n, v.head_dim, v.dtype, get_gpu(self.backend.gpu_name))
-            per_sm = max(1, chk.ctas_per_sm)
+        per_sm = self.backend._blocks_per_sm(v)
         cap = self.backend.graph_blocks_per_sm
         if cap:
             per_sm = min(per_sm, int(cap))

@@ -220,6 +220,7 @@ class FwdVariant:
     rows_per_warp: int = 16
     pull: bool = False     # graph-safe instantiation: fixed grid, blocks pull work items
     finish: bool = False   # finisher instantiation (pat_core/fold.py): pat_fwd_finish_kernel
+    #                        (with pull: the ordered launch of both phases)
 
     @classmethod
     def make(cls, m: int, n: int, head_dim: int, dtype: str, pull: bool = False,
@@ -227,20 +228,20 @@ class FwdVariant:
         """The (m, n) variant in its default layout for ``arch`` ("sm_90", "sm_80", ...), or in
         the layout VARIANT_OVERRIDES names; ``one_tile``: the layout of a launch of one-tile CTAs
         (:data:`ONE_TILE_LAYOUTS`, or the ``("one-tile", m, n)`` override) where there is one;
-        ``finish``: the finisher kernel in the same layout (not with ``pull`` or a warpgroup
-        layout)."""
+        ``finish``: the finisher kernel in the same layout (not a warpgroup layout; with
+        ``pull``, the ordered launch of both phases of a finisher-phase plan)."""
         over = VARIANT_OVERRIDES.get((int(m), int(n)))
         if one_tile and not pull:
             over = VARIANT_OVERRIDES.get(("one-tile", int(m), int(n)),
                                          ONE_TILE_LAYOUTS.get((int(m), int(n)), over))
         if over is None:
-            w, st, rw = default_layout(m, n, head_dim, arch, pull)
+            # the ordered finisher launch runs the plan's ordinary layout, not graph-safe's
+            w, st, rw = default_layout(m, n, head_dim, arch, pull and not finish)
         else:
             w, st = over[0], over[1]
             rw = over[2] if len(over) > 2 else default_rows_per_warp(m)
-        if finish and (pull or rw == WG_ROWS):
-            raise ValueError(f"no finisher kernel for the {m}x{n} "
-                             f"{'pull' if pull else 'warpgroup'} variant")
+        if finish and rw == WG_ROWS:
+            raise ValueError(f"no finisher kernel for the {m}x{n} warpgroup variant")
         return cls(int(head_dim), str(dtype), int(m), int(n), int(w), int(st), int(rw),
                    bool(pull), bool(finish))
 
@@ -254,7 +255,8 @@ class FwdVariant:
     def name_expression(self) -> str:
         if self.finish:
             return (f"pat_fwd_finish_kernel<{self.head_dim}, {DTYPE_CTYPE[self.dtype]}, {self.m}, "
-                    f"{self.n}, {self.warps}, {self.stages}, {self.rows_per_warp}>")
+                    f"{self.n}, {self.warps}, {self.stages}, {self.rows_per_warp}, "
+                    f"{'true' if self.pull else 'false'}>")
         return (f"pat_fwd_kernel<{self.head_dim}, {DTYPE_CTYPE[self.dtype]}, {self.m}, {self.n}, "
                 f"{self.warps}, {self.stages}, {self.rows_per_warp}, "
                 f"{'true' if self.pull else 'false'}>")
@@ -434,7 +436,7 @@ def all_fwd_variants(head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_CTYPE), ms=TILE_MS,
     """Every forward variant that fits the sm_90 shared-memory limit (n = 256 only at d = 64),
     in both instantiations (one item per block, and the graph-safe pull loop), in the default
     layouts of sm_90 and of sm_80 and the one-tile layouts (:data:`ONE_TILE_LAYOUTS`), and the
-    finisher kernels of the default layouts of tiles up to
+    finisher kernels (plain and ordered) of the default layouts of tiles up to
     :data:`pat_core.fold.FINISH_MAX_ROWS` rows."""
     from .fold import FINISH_MAX_ROWS
     out = []
@@ -448,8 +450,8 @@ def all_fwd_variants(head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_CTYPE), ms=TILE_MS,
                                 v = FwdVariant.make(m, n, d, dt, pull, arch, one_tile=one)
                                 if fwd_variant_feasible(v) and v not in out:
                                     out.append(v)
-                            if not pull and m <= FINISH_MAX_ROWS:
-                                v = FwdVariant.make(m, n, d, dt, False, arch, finish=True)
+                            if m <= FINISH_MAX_ROWS:
+                                v = FwdVariant.make(m, n, d, dt, pull, arch, finish=True)
                                 if fwd_variant_feasible(v) and v not in out:
                                     out.append(v)
     return out
