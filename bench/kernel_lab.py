@@ -130,14 +130,15 @@ TUNINGS = {
     "finish-off": {"finish_share": None}, "finish-0": {"finish_share": 0.0},
     "finish": {"finish_share": 0.05}, "finish-all": {"finish_share": 1.0},
     # the same with the finishers started only once the first phase has finished (round 14's
-    # launch), or as programmatic dependents of it (CudaBackend.finish_launch; the default
-    # "ordered" puts both phases in one launch where they share a tile)
+    # launch), or both phases in one ordered launch where they share a tile
+    # (CudaBackend.finish_launch; the default "pdl" launches the finishers as programmatic
+    # dependents of the first phase)
     "finish-serial": {"finish_share": 0.05, "finish_launch": "serial"},
     "finish-all-serial": {"finish_share": 1.0, "finish_launch": "serial"},
-    "finish-all-pdl": {"finish_share": 1.0, "finish_launch": "pdl"},
-    # the merge launched as a programmatic dependent of the forward (CudaBackend.merge_launch)
-    "merge-pdl": {"merge_launch": "pdl"},
-    "finish-all-merge-pdl": {"finish_share": 1.0, "merge_launch": "pdl"},
+    "finish-all-ordered": {"finish_share": 1.0, "finish_launch": "ordered"},
+    # the merge launched once the forward has finished (CudaBackend.merge_launch; the default
+    # "pdl" launches it as a programmatic dependent of the forward)
+    "merge-serial": {"merge_launch": "serial"},
     "mh1": {"merge_heads": 1}, "mh2": {"merge_heads": 2}, "mh4": {"merge_heads": 4},
     # n of the 128-row tiles forced (their KV is mostly shared, read from L2: compute bound)
     "m128n64": {"n_by_m": {128: 64}},
@@ -347,8 +348,8 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                         ("1,2,8,128_512,128,256,32", (32, 8)),
                                         ("3,24,96_1024,64,512", (32, 8)),
                                         ("1,4,16,64,256,1024_1024,256,128,64,32,32", (32, 8))),
-                                       ("finish-off", "merge-pdl", "finish-all",
-                                        "finish-all-pdl", "finish-all-serial")),
+                                       ("finish-off", "merge-serial", "finish-all",
+                                        "finish-all-ordered", "finish-all-serial")),
              # the configurations whose plans the automatic split share changes (round 10)
              "auto-share": tuple((spec, heads, packer, None, None, label)
                                  for spec, heads, packer in (

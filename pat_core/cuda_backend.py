@@ -13,14 +13,15 @@ Execution of one batch::
     caller stream ── (waits on the joins) ── merge kernel ── out [, lse]
 
 With ``plan.serial`` (or a single group) every launch goes on the caller's stream in order.
-A plan with a finisher phase (:mod:`pat_core.fold`) and no merge: where its two phases are one
-tile group each, of one tile (``finish_launch`` "ordered"), one launch whose blocks draw the first
-phase's items first, the finishers waiting on per-request counts before they fold the first
-phase's slots in; else the picture above twice, the first phase's launches, then the
-finishers'.  Where each phase is one launch on a Hopper or later GPU, the finishers' launch is a
-programmatic dependent of the first phase's: its blocks start while the first phase runs and wait
-for it only before they fold.  ``merge_launch`` "pdl" does the same for the merge after forward launches
-on the caller's stream.
+On a Hopper or later GPU the merge after forward launches on the caller's stream is a
+programmatic dependent launch (``merge_launch`` "pdl"): its blocks start while the forward runs
+and wait for it (``griddepcontrol``).  A plan with a finisher phase (:mod:`pat_core.fold`) has
+no merge: the picture above twice, the first phase's launches, then the finishers'; where each
+phase is one launch, the finishers' launch is a programmatic dependent of the first phase's, so
+its blocks start at once and wait only before they fold the first phase's slots in.  With
+``finish_launch`` "ordered" (an ablation) a plan whose two phases are one tile group each, of
+one tile, is one launch whose blocks pull the first phase's items first, the finishers waiting
+on per-request counts.
 With ``launch_mode`` "fused" (or "auto" on a small multi-group plan) every forward CTA goes into
 one launch of ``pat_fwd_fused_kernel`` on the caller's stream, each block running its CTA's
 tile variant, then the merge.  The
@@ -284,19 +285,19 @@ class CudaBackend:
         # ablation): the forward CTA that writes a request's last partial slot merges it (a
         # per-(request, KV head) counter) and the merge launch disappears
         self.merge_mode = os.environ.get("PAT_MERGE_MODE", "kernel")
-        # finisher-phase plans (pat_core.fold): "ordered" (default) runs a plan whose two phases
-        # are one tile group each, of one tile, as one launch in which the finishers' items are
-        # drawn after the first phase's and wait on counters before they fold; otherwise as
-        # "pdl": a one-launch finisher phase as a programmatic dependent of a one-launch first
-        # phase where the GPU has it (sm_90+), so the finishers' KV walks overlap the first
-        # phase; otherwise, and with "serial", the finishers start once the first phase has
-        # finished; env PAT_FINISH_LAUNCH
-        self.finish_launch = os.environ.get("PAT_FINISH_LAUNCH", "ordered")
+        # finisher-phase plans (pat_core.fold): "pdl" (default) launches a one-launch finisher
+        # phase as a programmatic dependent of a one-launch first phase where the GPU has it
+        # (sm_90+), so the finishers' KV walks overlap the first phase; "ordered" (measured
+        # slower, an ablation) runs a plan whose two phases are one tile group each, of one
+        # tile, as one launch in which the finishers' items are drawn after the first phase's
+        # and wait on counters before they fold, else as "pdl"; otherwise, and with "serial",
+        # the finishers start once the first phase has finished; env PAT_FINISH_LAUNCH
+        self.finish_launch = os.environ.get("PAT_FINISH_LAUNCH", "pdl")
         # the merge kernel after forward launches that all went on the caller's stream: "pdl"
-        # launches it as a programmatic dependent of the last of them (sm_90+; its blocks start
-        # while the forward runs and wait for it), "serial" (default) once it has finished; env
-        # PAT_MERGE_LAUNCH
-        self.merge_launch = os.environ.get("PAT_MERGE_LAUNCH", "serial")
+        # (default) launches it as a programmatic dependent of the last of them (sm_90+; its
+        # blocks start while the forward runs and wait for it), "serial" once it has finished
+        # (bench/NOTES.md, round 15); env PAT_MERGE_LAUNCH
+        self.merge_launch = os.environ.get("PAT_MERGE_LAUNCH", "pdl")
         self._counter_bufs: dict = {}  # device -> int32 counters, zero between runs
         # graph-safe mode: at most this many blocks per SM in each pull launch (None: as many
         # as can be resident); an ablation knob, env PAT_GRAPH_BLOCKS_PER_SM

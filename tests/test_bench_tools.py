@@ -77,14 +77,14 @@ def test_kernel_lab_tunings_apply_and_serial_labels_need_run_case():
     from pat_core import Planner
     for label, tun in TUNINGS.items():
         be = SimpleNamespace(launch_mode="auto", merge_mode="kernel", merge_heads_per_warp=None,
-                             one_tile="auto", finish_launch="ordered", merge_launch="serial")
+                             one_tile="auto", finish_launch="pdl", merge_launch="pdl")
         planner = Planner("pat", "h100")
         if tun.get("serial"):
             with pytest.raises(ValueError, match="serial"):
                 apply_tuning(label, planner, be)
         restore = apply_tuning(label, planner, be, serial_ok=True)
         assert be.merge_mode == tun.get("merge", "kernel")
-        assert be.finish_launch == tun.get("finish_launch", "ordered")
-        assert be.merge_launch == tun.get("merge_launch", "serial")
+        assert be.finish_launch == tun.get("finish_launch", "pdl")
+        assert be.merge_launch == tun.get("merge_launch", "pdl")
         restore()
-        assert (be.merge_mode, be.finish_launch, be.merge_launch) == ("kernel", "ordered", "serial")
+        assert (be.merge_mode, be.finish_launch, be.merge_launch) == ("kernel", "pdl", "pdl")

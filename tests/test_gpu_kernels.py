@@ -554,8 +554,11 @@ def test_merge_dependent_launch(backend, spec, heads):
     from pat_core.workloads import build_tree_batch
     b = build_tree_batch(spec, page_size=16, seed=1)
     saved = backend.merge_launch
-    backend.merge_launch = "pdl"
     try:
+        backend.merge_launch = "serial"   # the ablation, against the same references
+        check_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages, 16, heads[0],
+                   heads[1], 128, "float16", "NHD", seed=2)
+        backend.merge_launch = "pdl"
         check_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages, 16, heads[0],
                    heads[1], 128, "float16", "NHD", seed=2)
         w = PrefixAttentionWrapper(backend="cuda", packer="pat")
