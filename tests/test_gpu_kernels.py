@@ -400,9 +400,9 @@ def test_launch_paths_agree(backend, monkeypatch):
     taken = []
     real_call = cb._Launch.__call__
 
-    def spy(self, stream_ptr):
+    def spy(self, stream_ptr, dependent=False):
         taken.append(bool(self.fast))
-        return real_call(self, stream_ptr)
+        return real_call(self, stream_ptr, dependent=dependent)
 
     monkeypatch.setattr(cb._Launch, "__call__", spy)
     outs, paths, plans = [], [], []
