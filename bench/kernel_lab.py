@@ -244,6 +244,15 @@ def _pair_cases(pairs, labels) -> tuple:
                  for spec, heads in pairs for label in labels)
 
 
+# (spec, heads) pairs of the finisher-phase case sets (round 14)
+_FINISH_PAIRS = (("1,32,256_64,64,1024", (32, 8)), ("1,32,256_64,64,1024", (64, 8)),
+                 ("1,32,256_64,64,1024", (16, 8)), ("1,32,256_64,64,1024", (32, 32)),
+                 ("128_2048", (32, 8)), ("256_4096", (32, 8)), ("128_2048", (32, 32)),
+                 ("1,16_2048,128", (32, 8)), ("1,4,16_128,256,1024", (32, 8)),
+                 ("1,4,16_128,256,1024", (16, 8)), ("1,4,64_256,1024,64", (32, 8)),
+                 ("3,24,96_1024,64,512", (32, 8)),
+                 ("1,4,16,64,256,1024_1024,256,128,64,32,32", (32, 8)))
+
 CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
              "wg": tuple((spec, heads, "pat", None, None, label)
                          for spec in ("1,16_16384,16", "1,32_16384,16") + SHARING_SPECS
@@ -320,34 +329,13 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                     ("1,4,16_128,256,1024", (16, 8))),
                                    ("default", "narrow-off")),
              # the finisher phase against the merge launch (round 14)
-             "finish": _pair_cases((("1,32,256_64,64,1024", (32, 8)),
-                                    ("1,32,256_64,64,1024", (64, 8)),
-                                    ("1,32,256_64,64,1024", (16, 8)),
-                                    ("1,32,256_64,64,1024", (32, 32)),
-                                    ("128_2048", (32, 8)), ("256_4096", (32, 8)),
-                                    ("128_2048", (32, 32)),
-                                    ("1,16_2048,128", (32, 8)),
-                                    ("1,4,16_128,256,1024", (32, 8)),
-                                    ("1,4,16_128,256,1024", (16, 8)),
-                                    ("1,4,64_256,1024,64", (32, 8)),
-                                    ("3,24,96_1024,64,512", (32, 8)),
-                                    ("1,4,16,64,256,1024_1024,256,128,64,32,32", (32, 8))),
+             "finish": _pair_cases(_FINISH_PAIRS,
                                    ("finish-off", "finish-0", "finish", "finish-all")),
              # the finisher phase in one ordered launch or launched as a programmatic dependent
-             # (round 15), against the merge launch and round 14's serial phases
-             "finish-pdl": _pair_cases((("1,32,256_64,64,1024", (32, 8)),
-                                        ("1,32,256_64,64,1024", (64, 8)),
-                                        ("1,32,256_64,64,1024", (16, 8)),
-                                        ("1,32,256_64,64,1024", (32, 32)),
-                                        ("128_2048", (32, 8)), ("256_4096", (32, 8)),
-                                        ("128_2048", (32, 32)),
-                                        ("1,16_2048,128", (32, 8)),
-                                        ("1,4,16_128,256,1024", (32, 8)),
-                                        ("1,4,16_128,256,1024", (16, 8)),
-                                        ("1,4,64_256,1024,64", (32, 8)),
-                                        ("1,2,8,128_512,128,256,32", (32, 8)),
-                                        ("3,24,96_1024,64,512", (32, 8)),
-                                        ("1,4,16,64,256,1024_1024,256,128,64,32,32", (32, 8))),
+             # (round 15), against the merge launch and round 14's serial phases; round 14's
+             # pairs and one more deep tree, before the three-root batch
+             "finish-pdl": _pair_cases(_FINISH_PAIRS[:-2] + (("1,2,8,128_512,128,256,32", (32, 8)),)
+                                       + _FINISH_PAIRS[-2:],
                                        ("finish-off", "merge-serial", "finish-all",
                                         "finish-all-ordered", "finish-all-serial")),
              # the configurations whose plans the automatic split share changes (round 10)

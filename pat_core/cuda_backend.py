@@ -768,10 +768,8 @@ class CudaBackend:
         """Whether the finisher phase starting at ``launches[k]`` goes as a programmatic
         dependent launch (``finish_launch`` "pdl", or "ordered" where the phases could not share
         a launch): one launch per phase, both through the driver, on an sm_90 or later
-        device."""
-        if self.finish_launch not in FINISH_LAUNCH_MODES:
-            raise ValueError(f"finish_launch must be one of {FINISH_LAUNCH_MODES}, got "
-                             f"{self.finish_launch!r}")
+        device.  ``finish_launch`` was checked by :meth:`_finish_ordered` when the launches
+        were prepared."""
         return (self.finish_launch != "serial" and k == 1 and len(launches) == 2
                 and self._pdl_ok(launches))
 
