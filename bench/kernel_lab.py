@@ -104,6 +104,7 @@ TUNINGS = {
     "share1": {"split_share": 1.0},
     "share2": {"split_share": 2.0},
     "share4": {"split_share": 4.0},
+    "share6": {"split_share": 6.0},
     "rows32": {"max_rows": 32},
     "rows16": {"max_rows": 16},
     "narrow-off": {"narrow_share": 0.0},
@@ -115,6 +116,11 @@ TUNINGS = {
     "short-s1": {"layouts": {(16, 16): (1, 1, 16), (16, 32): (2, 1, 16)}},
     "short-w1s1": {"layouts": {(16, 16): (1, 1, 16), (16, 32): (1, 1, 16)}},
     "short-w1s2": {"layouts": {(16, 32): (1, 2, 16)}},
+    # the 16x64 variant's layout (default 4 warps, 2 stages: 2 blocks per SM by registers)
+    "l64-w4s3": {"layouts": {(16, 64): (4, 3, 16)}},
+    "l64-w2s2": {"layouts": {(16, 64): (2, 2, 16)}},
+    "l64-w2s3": {"layouts": {(16, 64): (2, 3, 16)}},
+    "l64-w1s2": {"layouts": {(16, 64): (1, 2, 16)}},
     # 16x32 on one warp and one stage, and n = 32 only up to 32 tokens (one tile per CTA)
     "short32-w1s1": {"kv_tile_table": ((16, 16), (32, 32), (1 << 62, 64)),
                      "layouts": {(16, 16): (1, 1, 16), (16, 32): (1, 1, 16)}},
@@ -358,6 +364,17 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                        "1,8,16,32,64,128,1024_256,128,64,32,32,32,32")
                           for heads in ((32, 8), (32, 32))
                           for label in ("default", "m64n32")),
+             # the quick-start batch, where FlashInfer decode leads at 16:8 (round 16): the split
+             # and the 16-row variants' layouts on a one-to-two-wave step
+             "qs-tune": _pair_cases((("1,4,16_128,256,1024", (16, 8)),
+                                     ("1,4,16_128,256,1024", (32, 8)),
+                                     ("1,4,16_128,256,1024", (64, 8))),
+                                    ("default", "share2", "share4", "share6", "mp128", "n32",
+                                     "l64-w4s3", "l64-w2s2", "l64-w2s3", "l64-w1s2"))
+             + _pair_cases((("1,32,256_64,64,1024", (64, 8)), ("128_2048", (32, 8))),
+                           ("default", "l64-w4s3", "l64-w2s2"))
+             + tuple(("1,4,16_128,256,1024", h, "query", None, None, "default")
+                     for h in ((16, 8), (32, 8), (64, 8))),
              "quickstart": tuple(("1,4,16_128,256,1024", (32, 8), p, None, None, "default")
                                  for p in ("pat", "query", "node", "cascade")),
              "nosharing": tuple(("256_4096", (32, 8), p, None, None, "default")
