@@ -375,6 +375,19 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                            ("default", "l64-w4s3", "l64-w2s2"))
              + tuple(("1,4,16_128,256,1024", h, "query", None, None, "default")
                      for h in ((16, 8), (32, 8), (64, 8))),
+             # batches whose steps are 16x64 blocks, for a kernel-level change to that variant
+             # (round 16: its blocks per SM)
+             "n64": _pair_cases((("1,4,16_128,256,1024", (16, 8)),
+                                 ("1,4,16_128,256,1024", (32, 8)),
+                                 ("1,4,16_128,256,1024", (64, 8)),
+                                 ("1,32,256_64,64,1024", (16, 8)),
+                                 ("1,32,256_64,64,1024", (32, 8)),
+                                 ("1,32,256_64,64,1024", (64, 8)),
+                                 ("128_2048", (16, 8)), ("128_2048", (32, 8)),
+                                 ("256_4096", (32, 8)), ("1,16_2048,128", (32, 8)),
+                                 ("1,4,64_256,1024,64", (32, 8)),
+                                 ("3,24,96_1024,64,512", (32, 8))), ("default",))
+             + (("1,4,16_128,256,1024", (32, 8), "query", None, None, "default"),),
              "quickstart": tuple(("1,4,16_128,256,1024", (32, 8), p, None, None, "default")
                                  for p in ("pat", "query", "node", "cascade")),
              "nosharing": tuple(("256_4096", (32, 8), p, None, None, "default")
