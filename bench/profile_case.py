@@ -5,8 +5,10 @@
 
 ``SPEC``: a tree-spec workload (:mod:`pat_core.workloads`); ``HEADS``: ``HQ:HK``; method
 ``pat`` (optionally ``--tuning LABEL``, a planner tuning of ``bench/kernel_lab.py``),
-``query`` or ``fasttree``.  The output is checked against float64 attention before the runs,
-so a profile is never taken of a wrong kernel.  Prints the plan's tiles and the median eager time;
+``query``, ``fasttree`` or ``fi-decode`` (FlashInfer's batch decode, importable from the
+environment, e.g. from the folder ``bench/gpu_compare.sh`` installs it into, on
+``PYTHONPATH``).  The output is checked against float64 attention before the runs, so a
+profile is never taken of a wrong kernel.  Prints the plan's tiles and the median eager time;
 ``--timeline`` also prints each kernel's start and duration in a CUDA-graph replay (from the
 profiler, after all timings: the profiler slows later launches).
 """
@@ -26,7 +28,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("spec")
     ap.add_argument("heads", help="HQ:HK")
-    ap.add_argument("method", choices=("pat", "query", "fasttree"))
+    ap.add_argument("method", choices=("pat", "query", "fasttree", "fi-decode"))
     ap.add_argument("--tuning", default="default", help="planner tuning label (kernel_lab)")
     ap.add_argument("--fasttree", metavar="DIR", default=None)
     ap.add_argument("--runs", type=int, default=3)
@@ -36,8 +38,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import numpy as np
     import torch
-    from compare import (make_fasttree, load_fasttree, reference_fp64, rel_err,
-                         torch_attention)
+    from compare import (make_fasttree, make_fi_decode, load_fasttree, reference_fp64,
+                         rel_err, torch_attention)
     from common import time_events
     from kernel_lab import apply_tuning
     from pat_core import PrefixAttentionWrapper
@@ -59,6 +61,13 @@ def main(argv=None) -> int:
             print("fasttree skipped:", info)
             return 1
         print(info)
+    elif args.method == "fi-decode":
+        import os
+        os.environ.setdefault("NVCC_APPEND_FLAGS", "-static-global-template-stub=false")
+        import flashinfer
+        fw, info = make_fi_decode(torch, flashinfer, b, hq, hk, d, ps, torch.float16)
+        print(f"flashinfer {getattr(flashinfer, '__version__', '?')} decode {info}")
+        fn = lambda: fw.run(q, (k, v))  # noqa: E731
     else:
         w = PrefixAttentionWrapper(backend="cuda", packer=args.method)
         apply_tuning(args.tuning, w.planner, w._gpu_backend)
