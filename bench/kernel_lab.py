@@ -117,6 +117,15 @@ TUNINGS = {
     "short-w1s1": {"layouts": {(16, 16): (1, 1, 16), (16, 32): (1, 1, 16)}},
     "short-w1s2": {"layouts": {(16, 32): (1, 2, 16)}},
     # the 16x64 variant's layout (default 4 warps, 2 stages: 2 blocks per SM by registers)
+    # finer splits of short steps (parts down to 64 tokens) with the one-warp 16x32 variant (10
+    # blocks per SM) or the 16x64 one: every block resident at once, as FlashInfer decode does
+    "n32-s6-mp64": {"kv_tile_table": ((1 << 62, 32),), "split_share": 6.0, "min_part": 64},
+    "n32-s10-mp64": {"kv_tile_table": ((1 << 62, 32),), "split_share": 10.0, "min_part": 64},
+    "n32-s20-mp64": {"kv_tile_table": ((1 << 62, 32),), "split_share": 20.0, "min_part": 64},
+    "n32w1s2-s6-mp64": {"kv_tile_table": ((1 << 62, 32),), "split_share": 6.0, "min_part": 64,
+                        "layouts": {(16, 32): (1, 2, 16)}},
+    "s4-mp64": {"split_share": 4.0, "min_part": 64},
+    "s6-mp64": {"split_share": 6.0, "min_part": 64},
     "l64-w4s3": {"layouts": {(16, 64): (4, 3, 16)}},
     "l64-w2s2": {"layouts": {(16, 64): (2, 2, 16)}},
     "l64-w2s3": {"layouts": {(16, 64): (2, 3, 16)}},
@@ -388,6 +397,14 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                  ("1,4,64_256,1024,64", (32, 8)),
                                  ("3,24,96_1024,64,512", (32, 8))), ("default",))
              + (("1,4,16_128,256,1024", (32, 8), "query", None, None, "default"),),
+             # one resident wave of small blocks on short steps (round 16)
+             "wave": _pair_cases((("1,4,16_128,256,1024", (16, 8)),
+                                  ("1,4,16_128,256,1024", (32, 8)),
+                                  ("1,4,16_128,256,1024", (64, 8))),
+                                 ("default", "n32-s6-mp64", "n32-s10-mp64", "n32-s20-mp64",
+                                  "n32w1s2-s6-mp64", "s4-mp64", "s6-mp64"))
+             + _pair_cases((("1,32,256_64,64,1024", (32, 8)), ("1,16_2048,128", (32, 8)),
+                            ("1,4,64_256,1024,64", (32, 8))), ("default", "n32-s10-mp64")),
              "quickstart": tuple(("1,4,16_128,256,1024", (32, 8), p, None, None, "default")
                                  for p in ("pat", "query", "node", "cascade")),
              "nosharing": tuple(("256_4096", (32, 8), p, None, None, "default")
