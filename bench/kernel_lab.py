@@ -410,6 +410,13 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                  for h in ((16, 8), (32, 8), (64, 8)) for pk in ("pat", "query"))
              + tuple(("1,4,16_128,256,1024", h, pk, None, None, "n32-s6-mp64")
                      for h in ((16, 8), (32, 8)) for pk in ("pat", "query")),
+             # the query plan with no merge launch (every request one CTA: finish_share 0)
+             "leaf-query-fin": tuple(("1,32,256_64,64,1024", h, pk, None, None, lab)
+                                     for h in ((16, 8), (32, 8), (64, 8))
+                                     for pk, lab in (("pat", "default"), ("query", "default"),
+                                                     ("query", "finish-0")))
+             + tuple((spec, (32, 8), "pat", None, None, lab)
+                     for spec in ("128_2048", "256_4096") for lab in ("default", "finish-0")),
              "quickstart": tuple(("1,4,16_128,256,1024", (32, 8), p, None, None, "default")
                                  for p in ("pat", "query", "node", "cascade")),
              "nosharing": tuple(("256_4096", (32, 8), p, None, None, "default")
