@@ -417,6 +417,16 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                                      ("query", "finish-0")))
              + tuple((spec, (32, 8), "pat", None, None, lab)
                      for spec in ("128_2048", "256_4096") for lab in ("default", "finish-0")),
+             # the pat plan against one CTA per request with no merge, as the share of KV tokens
+             # the per-request plan re-reads grows (0.11 .. 0.58)
+             "reread": tuple((spec, h, pk, None, None, lab)
+                             for spec in ("1,256_128,1024", "1,8,256_128,128,1024",
+                                          "1,256_256,1024", "1,256_512,1024", "1,256_1024,1024",
+                                          "1,128_512,512", "1,4,64_512,256,512")
+                             for h in ((16, 8), (32, 8), (64, 8))
+                             for pk, lab in (("pat", "default"), ("query", "finish-0")))
+             + tuple(("1,32,256_64,64,1024", (32, 32), pk, None, None, lab)
+                     for pk, lab in (("pat", "default"), ("query", "finish-0"))),
              "quickstart": tuple(("1,4,16_128,256,1024", (32, 8), p, None, None, "default")
                                  for p in ("pat", "query", "node", "cascade")),
              "nosharing": tuple(("256_4096", (32, 8), p, None, None, "default")
