@@ -948,9 +948,6 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
 // Not for long-KV tiles: with it the no-sharing batch 128_2048 (one 2048-token CTA per
 // request) ran 3% slower on 16x64 and 11% on 16x32, and the larger tiles' accumulators spill
 // under such a cap (32x32: 48 bytes, 128x16: 776 bytes at head_dim 128).  PAT_SMEM_OCCUPANCY=0 turns the request off.
-#ifndef PAT_N64_MIN_BLOCKS
-#define PAT_N64_MIN_BLOCKS 1
-#endif
 #ifndef PAT_SMEM_OCCUPANCY
 #define PAT_SMEM_OCCUPANCY 1
 #endif
@@ -973,8 +970,7 @@ constexpr int fwd_min_blocks() {
   constexpr int by_regs = 65536 / (WARPS * 32 * kShortTileRegs);
   constexpr int b0 = by_smem < by_threads ? by_smem : by_threads;
   constexpr int b = b0 < by_regs ? b0 : by_regs;
-  return (M == 16 && N == 64 && PAT_N64_MIN_BLOCKS > 1) ? PAT_N64_MIN_BLOCKS
-       : (PAT_SMEM_OCCUPANCY == 0 || M > 16 || N > 32 || b < 1) ? 1 : (b > 32 ? 32 : b);
+  return (PAT_SMEM_OCCUPANCY == 0 || M > 16 || N > 32 || b < 1) ? 1 : (b > 32 ? 32 : b);
 }
 }  // namespace pat
 

@@ -27,8 +27,12 @@ import numpy as np
 # Tile rows up to which a CTA can be a finisher (the kernels' mma.sync layouts).
 FINISH_MAX_ROWS = 32
 # Default largest share of the step's KV tokens the first phase may read (None: no finisher phase)
-# (:attr:`pat_core.planner.Tuning.finish_share`).
-FINISH_SHARE = None
+# (:attr:`pat_core.planner.Tuning.finish_share`).  0: only steps with no first phase fold, where
+# every request has one CTA; that CTA writes the output and the merge launch goes.  Measured on an
+# H100 (bench/NOTES.md, rounds 14 and 16): 0.4-0.6% faster on the no-sharing batches, and the
+# per-request plans of the ``pat`` packer's request rule 2-3% faster than with their copy-merge;
+# larger shares lose 16-20% where the first phase has several groups, so they stay opt-in.
+FINISH_SHARE = 0.0
 
 
 def finisher_ctas(first_req: np.ndarray, nreq: np.ndarray, kv_len: np.ndarray, tile_m: np.ndarray,

@@ -257,6 +257,58 @@ def narrow_wins(kv_wide: int, kv_narrow: int, share: float) -> bool:
     return kv_narrow <= kv_wide * (1.0 + share)
 
 
+# The per-request rule (:func:`request_packing`): the most extra KV tokens, as a share of the
+# ``pat`` packing's own, that one CTA per request may re-read, and the largest share of the L2
+# the pages it re-reads (every KV head) may fill.
+REQUEST_SHARE = 0.3
+REQUEST_L2_SHARE = 0.25
+
+
+def shared_tokens(forest: PrefixForest) -> int:
+    """Token positions of the forest's nodes that more than one request reads (each once)."""
+    n = np.arange(1, forest.start.shape[0])              # node 0: the virtual root
+    multi = (forest.hi[n] - forest.lo[n]) > 1
+    return int((forest.end[n][multi].astype(np.int64) - forest.start[n][multi]).sum())
+
+
+def request_packing(forest: PrefixForest, packs: Packs, share: float, group: int,
+                    head_dim: int, num_kv_heads: int, l2_bytes: int, kv_bytes: int = 2):
+    """``(packs', tokens)``: the per-request (``query``) packing of ``forest`` when it is a
+    candidate to replace ``packs`` (a ``pat`` packing), else ``None``; ``tokens``:
+    ``(pat, per_request)``, the two packings' KV tokens (``sum(kv_end - kv_start)``), or
+    ``None`` when the rule does not apply.
+
+    A candidate: some pack of ``packs`` holds several requests; the per-request packing reads
+    at most ``share`` more tokens (:func:`request_wins`); and the pages it reads more than once
+    (every KV head) fill at most ``REQUEST_L2_SHARE`` of ``l2_bytes``.  The planner takes it
+    only where, split and tiled, it needs no merge (every request one CTA that writes its own
+    output, :mod:`pat_core.fold`), while ``packs`` does.
+
+    Why: on a batch of long private leaves under short shared levels, sharing the levels costs
+    a partial result per request and level, a merge launch, and the shared CTAs' own blocks,
+    while the per-request CTAs re-read the shared pages from L2 (they are read by CTAs running
+    side by side).  Measured on an H100 (``bench/NOTES.md``, round 16): ``1,32,256_64,64,1024``
+    at 64:8, 393.0 µs shared against 380.8 per request; re-reading 50% more tokens, 395.3
+    against 401.8; at 32:32 the shared pages (34 MB over 32 KV heads) outgrow the L2 and the
+    per-request packing loses.  ``share = 0`` turns the rule off.
+    """
+    if share <= 0 or packs.num_packs == 0 or int(np.diff(packs.req_indptr).max()) <= 1:
+        return None, None
+    foot = shared_tokens(forest) * num_kv_heads * 2 * head_dim * kv_bytes
+    if foot > REQUEST_L2_SHARE * l2_bytes:
+        return None, None
+    alt = pack(forest, "query", group, group, head_dim, kv_bytes)
+    kv = int((packs.kv_end.astype(np.int64) - packs.kv_start).sum())
+    kv_alt = int((alt.kv_end.astype(np.int64) - alt.kv_start).sum())
+    return (alt if request_wins(kv, kv_alt, share) else None), (kv, kv_alt)
+
+
+def request_wins(kv_pat: int, kv_request: int, share: float) -> bool:
+    """Whether the per-request packing is a candidate: it reads at most ``share`` more KV
+    tokens than the ``pat`` packing."""
+    return share > 0 and kv_request <= kv_pat * (1.0 + share)
+
+
 def pack(forest: PrefixForest, packer: str, group: int, max_rows: int, head_dim: int,
          kv_bytes: int = 2, q_bytes: int = 2,
          partial_weight: float = PARTIAL_WEIGHT) -> Packs:

@@ -23,8 +23,8 @@ from .forest import PrefixForest
 from .gpus import get_gpu
 from .inputs import BlockTable, _check_seq_lens, as_block_table, check_heads, check_size
 from .fold import FINISH_SHARE, finisher_ctas
-from .packers import (NARROW_SHARE, PACKERS, PARTIAL_WEIGHT, Packs, narrow_packing,
-                      narrow_wins, pack)
+from .packers import (NARROW_SHARE, PACKERS, PARTIAL_WEIGHT, REQUEST_SHARE, Packs,
+                      narrow_packing, narrow_wins, pack, request_packing, request_wins)
 from .plan import DTYPE_BYTES, Plan, dtype_name
 from .split import auto_split_share, split_long_kv, split_threshold
 from .tiles import TileSelector
@@ -65,6 +65,13 @@ class Tuning:
     (no merge launch), provided the other CTAs read at most this share of the step's KV tokens
     (``0``: only steps whose requests each have one CTA; ``None``: never).  Not for serial or
     cascade plans.
+    ``request_share``: the ``pat`` packer's per-request rule
+    (:func:`pat_core.packers.request_packing`): with no ``max_rows`` set, no forced tile, a
+    finisher rule on (``finish_share`` not ``None``) and no serial plan, the step runs one CTA
+    per request when that re-reads at most this share more KV tokens, its re-read pages fit the
+    L2, and it needs no merge where the ``pat`` packing does (``None``:
+    :data:`pat_core.packers.REQUEST_SHARE`; ``0``: off; graph-safe mode, which always merges,
+    turns it off).
     ``exclude_tiles``: ``(m, n)`` pairs the tile selector must not pick (``None``: none).
     Graph-safe mode sets it for a fused pull launch set
     (:func:`pat_core.static_plan.fused_pull_exclusions`).
@@ -80,6 +87,7 @@ class Tuning:
     exclude_tiles: tuple | None = None
     narrow_share: float = NARROW_SHARE
     finish_share: float | None = FINISH_SHARE
+    request_share: float | None = None
 
     def __post_init__(self):
         if self.max_rows is not None and (not isinstance(self.max_rows, (int, np.integer))
@@ -94,6 +102,11 @@ class Tuning:
         if not isinstance(self.narrow_share, (int, float, np.number)) or \
                 not math.isfinite(self.narrow_share) or self.narrow_share < 0:
             raise ValueError(f"narrow_share must be a number >= 0, got {self.narrow_share!r}")
+        if self.request_share is not None and (
+                not isinstance(self.request_share, (int, float, np.number))
+                or not math.isfinite(self.request_share) or self.request_share < 0):
+            raise ValueError(f"request_share must be None or a number >= 0, got "
+                             f"{self.request_share!r}")
         if self.finish_share is not None and (
                 not isinstance(self.finish_share, (int, float, np.number))
                 or not math.isfinite(self.finish_share) or self.finish_share < 0):
@@ -338,19 +351,35 @@ class Planner:
                                            self.tuning.narrow_share, head_dim,
                                            DTYPE_BYTES[kv_dtype], DTYPE_BYTES[q_dtype],
                                            self.tuning.partial_weight)
-        plan = assemble_plan(bt, packs, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                             head_dim=head_dim, sm_scale=sm_scale, packer=self.packer,
-                             selector=selector, kv_dtype=kv_dtype, serial=serial, split=split,
-                             tuning=self.tuning)
+        kw = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                  sm_scale=sm_scale, packer=self.packer, selector=selector, kv_dtype=kv_dtype,
+                  serial=serial, split=split, tuning=self.tuning)
+        plan = assemble_plan(bt, packs, **kw)
+        request = None
+        if self.packer == "pat" and self.tuning.max_rows is None and tile is None \
+                and not serial and self.tuning.finish_share is not None \
+                and plan.finish_from < 0:
+            alt, tokens = request_packing(forest, packs, self._request_share(), group, head_dim,
+                                          num_kv_heads, self.gpu.l2_bytes, DTYPE_BYTES[kv_dtype])
+            if tokens is not None:
+                request = (tokens[0], tokens[1], False)
+            if alt is not None:
+                alt_plan = assemble_plan(bt, alt, **kw)
+                if alt_plan.finish_from == 0:      # no merge: every request writes its output
+                    packs, plan, request = alt, alt_plan, (tokens[0], tokens[1], True)
         plan.q_dtype = q_dtype
         plan.extra["forest"] = forest
         plan.extra["block_table"] = bt
         self._cache = dict(params=params, serial=serial, split=split,
                            raw=None if raw is None else raw.copy(),
                            seq_lens=bt.seq_lens.copy(), bt=bt, packs=packs, plan=plan,
-                           selector=selector, narrow=narrow)
+                           selector=selector, narrow=narrow, request=request)
         self.last_path = "full"
         return plan
+
+    def _request_share(self) -> float:
+        share = self.tuning.request_share
+        return REQUEST_SHARE if share is None else float(share)
 
     def tile_selector(self, head_dim: int, kv_data_type="float16", tile=None) -> TileSelector:
         """The tile selector :meth:`plan` uses for this head_dim and dtype (the GPU's KV-length
@@ -390,6 +419,16 @@ class Planner:
             if narrow_wins(wide, thin, share) != narrow_wins(narrow[0], narrow[1], share):
                 return None                   # the choice flips: pack again
             narrow = (wide, thin)
+        request = c.get("request")
+        if request is not None:
+            # both packings grow by the same tokens: re-check the per-request choice
+            added = int((grow - old[changed]).sum())
+            share = self._request_share()
+            kv_pat, kv_req = request[0] + added, request[1] + added
+            if request_wins(kv_pat, kv_req, share) != request_wins(request[0], request[1],
+                                                                   share):
+                return None                   # the choice may flip: pack again
+            request = (kv_pat, kv_req, request[2])
         packs = packs.copy()
         packs.kv_end[lp] = grow.astype(np.int32)
         nbt = BlockTable(table=bt.table, seq_lens=new_lens.astype(np.int32),
@@ -400,8 +439,11 @@ class Planner:
                              sm_scale=p.sm_scale, packer=self.packer, selector=c["selector"],
                              kv_dtype=p.kv_dtype, serial=c["serial"], split=c["split"],
                              tuning=self.tuning)
+        if request is not None and request[2] and plan.finish_from != 0:
+            return None                       # grown leaves now split: the choice is re-made
         plan.version = p.version + 1
         plan.q_dtype = p.q_dtype
         plan.extra["block_table"] = nbt
-        c.update(seq_lens=nbt.seq_lens.copy(), bt=nbt, packs=packs, plan=plan, narrow=narrow)
+        c.update(seq_lens=nbt.seq_lens.copy(), bt=nbt, packs=packs, plan=plan, narrow=narrow,
+                 request=request)
         return plan

@@ -164,24 +164,26 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
     if fused and launches:                        # every group in one forward launch
         launches = [Launch(name="forward fused", kind="forward", config=T + 1, begin=0,
                            end=pos, issue_ns=0.0, phase=0)]
+    nf_launch = len(cta)                          # forward groups' arrays come first
     nm = mw.bytes.shape[0]
-    launches.append(Launch(name="merge", kind="merge", config=-1, begin=pos, end=pos + nm,
-                           issue_ns=0.0, phase=len(launches) if serial else 1))
-    cfg.append(np.full(nm, T, np.int32))
-    cta.append(np.arange(nm, dtype=np.int32))
-    head.append(np.full(nm, -1, np.int32))
-    lau.append(np.full(nm, len(launches) - 1, np.int32))
-    byt.append(mw.bytes)
-    til.append(np.zeros(nm))
-    flo.append(np.zeros(nm))
-    slo.append(mw.max_slots.astype(np.float64))
+    if nm:      # no merge blocks: a finisher plan with no first phase writes its own output
+        launches.append(Launch(name="merge", kind="merge", config=-1, begin=pos, end=pos + nm,
+                               issue_ns=0.0, phase=len(launches) if serial else 1))
+        cfg.append(np.full(nm, T, np.int32))
+        cta.append(np.arange(nm, dtype=np.int32))
+        head.append(np.full(nm, -1, np.int32))
+        lau.append(np.full(nm, len(launches) - 1, np.int32))
+        byt.append(mw.bytes)
+        til.append(np.zeros(nm))
+        flo.append(np.zeros(nm))
+        slo.append(mw.max_slots.astype(np.float64))
     window = l2_window(gpu) if l2_window_bytes is None else float(l2_window_bytes)
-    f_cta = np.concatenate(cta[:-1]) if len(cta) > 1 else np.zeros(0, np.int32)
-    f_head = np.concatenate(head[:-1]) if len(head) > 1 else np.zeros(0, np.int32)
+    f_cta = np.concatenate(cta[:nf_launch]) if nf_launch else np.zeros(0, np.int32)
+    f_head = np.concatenate(head[:nf_launch]) if nf_launch else np.zeros(0, np.int32)
     f_other = (w.q_bytes + w.partial_write_bytes)[f_cta.astype(np.int64)]
     # room a resident forward block takes, in SMs: 1 / (blocks of its config one SM holds)
     per_sm = (cap[None, :] // np.maximum(need, 1)).min(axis=1)
-    f_cfg = np.concatenate(cfg[:-1]) if len(cfg) > 1 else np.zeros(0, np.int32)
+    f_cfg = np.concatenate(cfg[:nf_launch]) if nf_launch else np.zeros(0, np.int32)
     f_weight = 1.0 / np.maximum(per_sm[f_cfg], 1)
     blk_l2 = l2_split(plan, f_cta, f_head, f_other, mw.read_bytes_per_block, window,
                       blk_weight=f_weight, capacity=float(gpu.num_sms))
@@ -201,7 +203,7 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
                     blk_launch=np.concatenate(lau), blk_bytes=np.concatenate(byt),
                     blk_l2=blk_l2, blk_lead=blk_lead, blk_tiles=np.concatenate(til),
                     blk_flops=np.concatenate(flo), blk_slots=np.concatenate(slo),
-                    num_phases=(len(launches)) if serial else 2,
+                    num_phases=(len(launches)) if serial else (2 if nm else 1),
                     serial=serial, l2_window=window,
                     blk_warps=np.concatenate([cfg_warps[plan.cta_tile[fc].astype(np.int64)],
                                               np.zeros(nm)]),

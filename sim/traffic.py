@@ -37,10 +37,11 @@ class BlockWork:
     kv_bytes: np.ndarray
     q_bytes: np.ndarray
     partial_write_bytes: np.ndarray
+    out_bytes: np.ndarray     # a finisher CTA's output rows (0 for the others)
 
     @property
     def bytes(self) -> np.ndarray:
-        return self.kv_bytes + self.q_bytes + self.partial_write_bytes
+        return self.kv_bytes + self.q_bytes + self.partial_write_bytes + self.out_bytes
 
     @property
     def flops(self) -> np.ndarray:
@@ -59,7 +60,13 @@ def forward_work(plan) -> BlockWork:
     w = BlockWork(head_dim=d, rows=rows, m=mn[:, 0], n=mn[:, 1], kv_len=kv_len, tiles=tiles,
                   kv_bytes=(kv_len * 2 * d * b).astype(np.float64),
                   q_bytes=(rows * d * b).astype(np.float64),
-                  partial_write_bytes=(rows * (d + 1) * PARTIAL_BYTES).astype(np.float64))
+                  partial_write_bytes=(rows * (d + 1) * PARTIAL_BYTES).astype(np.float64),
+                  out_bytes=np.zeros(kv_len.shape[0]))
+    if plan.finish_from >= 0:
+        # finisher CTAs (one request each) write the output, not a partial slot
+        fin = np.arange(kv_len.shape[0]) >= plan.finish_cta
+        w.out_bytes[fin] = (rows[fin] * d * b).astype(np.float64)
+        w.partial_write_bytes[fin] = 0.0
     return w
 
 
@@ -76,12 +83,22 @@ class MergeWork:
 
 def merge_work(plan) -> MergeWork:
     """Blocks of the merge kernel: pair ``p = r * num_qo_heads + h`` goes to block
-    ``p // MERGE_WARPS`` (the kernel's indexing)."""
+    ``p // MERGE_WARPS`` (the kernel's indexing).
+
+    A plan with a finisher phase (``plan.finish_from >= 0``) has no merge kernel: each
+    request's finisher reads its other slots and writes the output.  Where there are other
+    slots (a first phase) their reads are priced here as a merge after the forward, an
+    approximation (the finishers fold at the end of their own KV walk); with no first phase
+    (``finish_from == 0``) there are no blocks."""
     b = DTYPE_BYTES[dtype_name(plan.kv_dtype)]
     d, hq = plan.head_dim, plan.num_qo_heads
     slots = np.diff(plan.req_slot_indptr).astype(np.int64)
+    fold = plan.finish_from >= 0
+    if fold:
+        slots = slots - 1                        # the finisher's own slot is never written
+        slots = slots[slots > 0]
     pair_slots = np.repeat(slots, hq)
-    pair_bytes = pair_slots * (d + 1) * PARTIAL_BYTES + d * b
+    pair_bytes = pair_slots * (d + 1) * PARTIAL_BYTES + (0 if fold else d * b)
     nblk = -(-pair_slots.shape[0] // MERGE_WARPS)
     pad = nblk * MERGE_WARPS - pair_slots.shape[0]
     ps = np.concatenate([pair_slots, np.zeros(pad, np.int64)]).reshape(nblk, MERGE_WARPS)
@@ -89,7 +106,7 @@ def merge_work(plan) -> MergeWork:
     pr = np.concatenate([pair_slots * (d + 1) * PARTIAL_BYTES,
                          np.zeros(pad, np.int64)]).reshape(nblk, MERGE_WARPS)
     read = float((pair_slots * (d + 1) * PARTIAL_BYTES).sum())
-    out = float(plan.batch_size * hq * d * b)
+    out = 0.0 if fold else float(plan.batch_size * hq * d * b)
     return MergeWork(bytes=pb.sum(axis=1).astype(np.float64),
                      read_bytes_per_block=pr.sum(axis=1).astype(np.float64),
                      max_slots=ps.max(axis=1),
@@ -107,7 +124,7 @@ def bytes_by_kind(plan) -> dict:
         "q": int(round(w.q_bytes.sum() * hk)),
         "partial_write": int(round(w.partial_write_bytes.sum() * hk)),
         "partial_read": int(round(mw.read_bytes)),
-        "out": int(round(mw.out_bytes)),
+        "out": int(round(mw.out_bytes + w.out_bytes.sum() * hk)),
     }
     out["total"] = sum(out.values())
     return out

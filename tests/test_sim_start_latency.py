@@ -32,8 +32,9 @@ def test_start_latency_shifts_every_plan_by_itself_once():
         # the timeline is shift invariant: the whole step moves by the start latency
         assert predict(wl, c.with_values(graph_start_ns=s)) == pytest.approx(base + s)
         tl = sim.model.run_timeline(wl, c.with_values(graph_start_ns=s))
-        assert tl.launches[0].issue_ns == pytest.approx(s + 1500.0)
-        assert tl.launches[1].issue_ns == pytest.approx(s + 3000.0)
+        assert len(tl.launches) >= 2 or wl is one
+        for k, ln in enumerate(tl.launches):
+            assert ln.issue_ns == pytest.approx(s + 1500.0 * (k + 1))
 
 
 def test_start_latency_is_not_a_per_launch_cost():

@@ -63,7 +63,8 @@ def test_work_order_launches_longest_first():
 
 def test_shared_order_launches_many_request_ctas_first():
     b = build_tree_batch("1,32,256_64,64,1024", page_size=16)
-    plan = Planner("pat", "h100", Tuning(order="shared", narrow_share=0.0)).plan(
+    plan = Planner("pat", "h100", Tuning(order="shared", narrow_share=0.0,
+                                         request_share=0.0)).plan(
         b.block_tables, b.seq_lens, 32, 8, 128, 16)
     nreq = np.diff(plan.cta_req_indptr)
     gmax = [int(nreq[plan.group_indptr[g]:plan.group_indptr[g + 1]].max())
@@ -76,7 +77,7 @@ def test_shared_order_launches_many_request_ctas_first():
         same = np.diff(nreq[lo:hi]) == 0
         assert np.all(np.diff(plan.cta_kv_len[lo:hi])[same] <= 0)
     # the default order puts the 1024-token leaves (one request each) first on this batch
-    work = Planner("pat", "h100", Tuning(narrow_share=0.0)).plan(
+    work = Planner("pat", "h100", Tuning(narrow_share=0.0, request_share=0.0)).plan(
         b.block_tables, b.seq_lens, 32, 8, 128, 16)
     assert np.diff(work.cta_req_indptr)[0] == 1
 
@@ -91,20 +92,22 @@ def test_narrow_packing_where_sharing_saves_little():
     user sets and other packers are left alone."""
     b = build_tree_batch("1,32,256_64,64,1024", page_size=16)
     args = (b.block_tables, b.seq_lens, 32, 8, 128, 16)
-    off = Planner("pat", "h100", Tuning(narrow_share=0.0)).plan(*args)
-    on = Planner("pat", "h100").plan(*args)
+    # (the per-request rule, which takes this batch first, off: it has its own tests)
+    off = Planner("pat", "h100", Tuning(narrow_share=0.0, request_share=0.0)).plan(*args)
+    on = Planner("pat", "h100", Tuning(request_share=0.0)).plan(*args)
     assert {int(m) for m, _ in off.tile_configs} == {16, 32}
     assert {int(m) for m, _ in on.tile_configs} == {16} and on.num_groups == 1
     assert _kv_tokens(off) < _kv_tokens(on) <= 1.02 * _kv_tokens(off)
     # 64:8: the narrow packing would re-read 4% more: kept wide
-    wide = Planner("pat", "h100").plan(b.block_tables, b.seq_lens, 64, 8, 128, 16)
+    wide = Planner("pat", "h100", Tuning(request_share=0.0)).plan(b.block_tables, b.seq_lens,
+                                                                   64, 8, 128, 16)
     assert max(int(m) for m, _ in wide.tile_configs) == 64
     # a shared root that carries the step keeps its 64-row CTAs
     r = build_tree_batch("1,16_2048,128", page_size=16)
     root = Planner("pat", "h100").plan(r.block_tables, r.seq_lens, 32, 8, 128, 16)
     assert max(int(m) for m, _ in root.tile_configs) == 64
     # the user's cap and the node packer: no narrow packing
-    capped = Planner("pat", "h100", Tuning(max_rows=32)).plan(*args)
+    capped = Planner("pat", "h100", Tuning(max_rows=32, request_share=0.0)).plan(*args)
     assert max(int(m) for m, _ in capped.tile_configs) == 32
     node = Planner("node", "h100").plan(*args)
     assert max(int(m) for m, _ in node.tile_configs) > 16
@@ -122,7 +125,8 @@ def test_partial_weight_changes_the_packing():
     (dict(partial_weight=float("nan")), "partial_weight"), (dict(min_part=0), "min_part"),
     (dict(order="fast"), "order"), (dict(narrow_share=-0.1), "narrow_share"),
     (dict(narrow_share=float("inf")), "narrow_share"), (dict(split_by="rows"), "split_by"),
-    (dict(finish_share=-1.0), "finish_share"),
+    (dict(finish_share=-1.0), "finish_share"), (dict(request_share=-0.5), "request_share"),
+    (dict(request_share=float("nan")), "request_share"),
     (dict(kv_tile_table=((64, 32), (32, 16))), "kv_tile_table"),
 ])
 def test_bad_tuning_is_named(kw, name):

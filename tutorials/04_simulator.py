@@ -191,8 +191,10 @@ assert r_q.bytes["kv"] > r_pat.bytes["kv"]
 # ## Several trees, every packer
 #
 # The shapes from the PAT paper's evaluation cover one big shared document, a deep
-# few-shot/tool tree, and a batch with no sharing at all (the last one: every packer ties with
-# `query` there, and the cell checks that it does not lose).
+# few-shot/tool tree, and a batch with no sharing at all (the last one: every packer but
+# `cascade` ties with `query` there, one CTA per request that writes its own output; `cascade`'s
+# level-by-level plans are serial, which keep their merge launch, so it is a little slower; the
+# cell checks both).
 
 # %%
 trees = ["1,16_2048,128", "1,4,64_256,1024,64", "1,2,8,128_512,128,256,32", "128_2048"]
@@ -214,7 +216,9 @@ fig.tight_layout()
 plt.show()
 for t in trees:
     print(f"{t:<28}" + "  ".join(f"{p} {lat[t][p]:7.1f} us" for p in packers))
-assert all(abs(lat["128_2048"][p] - lat["128_2048"]["query"]) < 1e-6 for p in packers)
+assert all(abs(lat["128_2048"][p] - lat["128_2048"]["query"]) < 1e-6
+           for p in packers if p != "cascade")
+assert lat["128_2048"]["cascade"] > lat["128_2048"]["query"]
 
 # %% [markdown]
 # ## Sweeps: when does sharing pay?
