@@ -572,6 +572,30 @@ def test_merge_dependent_launch(backend, spec, heads):
 
 
 @requires_gpu
+@pytest.mark.parametrize("spec,heads,d,dtype", [("1,32,256_64,64,1024", (64, 8), 128, "float16"),
+                                                ("1,8_16,240", (8, 2), 64, "bfloat16"),
+                                                ("1,256_256,1024", (32, 32), 128, "float16")])
+def test_request_rule_plans(backend, spec, heads, d, dtype):
+    """The pat packer's per-request plans (pat_core.packers.request_packing: one CTA per
+    request writing its own output, no merge): against float64, reruns bit-identical, and a
+    CUDA graph replay equal to the eager run."""
+    from pat_core import PrefixAttentionWrapper
+    from pat_core.workloads import build_tree_batch
+    b = build_tree_batch(spec, page_size=16, seed=1)
+    w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+    w._gpu_backend = backend
+    plan = w.plan(b.block_tables, b.seq_lens, heads[0], heads[1], d, 16, kv_data_type=dtype)
+    assert plan.num_ctas == plan.batch_size and plan.finish_from == 0
+    check_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages, 16, heads[0], heads[1],
+               d, dtype, "NHD", seed=2)
+    if dtype != "float16":   # the graph check runs float16 inputs
+        plan = w.plan(b.block_tables, b.seq_lens, heads[0], heads[1], d, 16,
+                      kv_data_type="float16")
+        assert plan.num_ctas == plan.batch_size and plan.finish_from == 0
+    _graph_replays_eager(w, plan, b, heads[0], heads[1], d, 16)
+
+
+@requires_gpu
 @pytest.mark.parametrize("merge_mode", ("forward", "kernel", "kernel-block", "kernel-h2",
                                         "kernel-h4", "fold"))
 @pytest.mark.parametrize("packer", PACKERS)
