@@ -142,6 +142,8 @@ TUNINGS = {
     "merge-fwd-shared-serial": {"merge": "forward", "order": "shared", "serial": True},
     # the finisher phase (pat_core.fold): off, only where every request has one CTA, where the
     # other CTAs read at most 5% of the KV tokens, wherever possible
+    # the pat packer's per-request rule off (pat_core.packers.request_packing)
+    "request-off": {"request_share": 0.0},
     "finish-off": {"finish_share": None}, "finish-0": {"finish_share": 0.0},
     "finish": {"finish_share": 0.05}, "finish-all": {"finish_share": 1.0},
     # the same with the finishers started only once the first phase has finished (round 14's
@@ -427,6 +429,25 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                              for pk, lab in (("pat", "default"), ("query", "finish-0")))
              + tuple(("1,32,256_64,64,1024", (32, 32), pk, None, None, lab)
                      for pk, lab in (("pat", "default"), ("query", "finish-0"))),
+             # the request rule on batches not used to set it (round 16): its plan, the shared
+             # plan with the rule off, and one CTA per request with no merge
+             "request-check": tuple((spec, h, pk, None, None, lab)
+                                    for spec, h in (("1,256_384,1024", (32, 8)),
+                                                    ("1,256_384,1024", (64, 8)),
+                                                    ("2,256_128,1024", (32, 8)),
+                                                    ("2,256_128,1024", (32, 32)),
+                                                    ("1,64_256,2048", (32, 8)),
+                                                    ("1,64_256,2048", (64, 8)),
+                                                    ("1,512_64,512", (32, 8)),
+                                                    ("1,512_64,512", (32, 32)),
+                                                    ("4,256_256,1024", (32, 8)),
+                                                    ("4,256_256,1024", (32, 32)),
+                                                    ("1,256_128,1024", (32, 32)),
+                                                    ("1,256_256,1024", (32, 32)),
+                                                    ("1,16,256_256,128,1024", (32, 8)),
+                                                    ("1,128_128,3072", (32, 8)))
+                                    for pk, lab in (("pat", "default"), ("pat", "request-off"),
+                                                    ("query", "finish-0"))),
              "quickstart": tuple(("1,4,16_128,256,1024", (32, 8), p, None, None, "default")
                                  for p in ("pat", "query", "node", "cascade")),
              "nosharing": tuple(("256_4096", (32, 8), p, None, None, "default")
