@@ -336,6 +336,7 @@ def test_one_tile_launches(backend, spec, page_size):
     order, with the separate and the in-kernel merge: within tolerance of float64 and
     bit-identical on a rerun (check_case; the piped kernel's work counters must be back at zero
     after every run), and the split-off launch really runs."""
+    from pat_core import Tuning
     from pat_core import cuda_compile as cc
     from pat_core.launch import one_tile_split
     from pat_core.workloads import build_tree_batch
@@ -351,8 +352,10 @@ def test_one_tile_launches(backend, spec, page_size):
         backend.launch_mode = "streams"
         for mode, d, (hq, hk), dtype, layout, minor, merge in cases:
             backend.one_tile, backend.head_minor, backend.merge_mode = mode, minor, merge
+            # finisher plans (no merge) never split a group: keep the merge on every plan
             plan, _, _ = check_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages,
-                                    page_size, hq, hk, d, dtype, layout=layout, seed=3)
+                                    page_size, hq, hk, d, dtype, layout=layout, seed=3,
+                                    tuning=Tuning(finish_share=None))
             # which groups must split, from the plan itself
             tails = [(m, n) for _, (m, n), g0, g1 in plan.groups()
                      if m == 16 and (plan.cta_kv_len[g0:g1] <= n).any()]
@@ -618,9 +621,10 @@ def test_nonfinite_input_propagates(backend, packer, merge_mode):
     try:
         w = PrefixAttentionWrapper(backend="cuda", packer=packer)
         w._gpu_backend = backend
-        if merge_mode == "fold":   # the finishers merge (pat_core.fold), where the packer allows
-            from pat_core import Tuning
-            w.planner.tuning = Tuning(finish_share=1.0)
+        from pat_core import Tuning
+        # "fold": the finishers merge (pat_core.fold), where the packer allows; the other modes
+        # keep the merge launch even where every request has one CTA
+        w.planner.tuning = Tuning(finish_share=1.0 if merge_mode == "fold" else None)
         plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16")
         assert (plan.finish_from >= 0) == (merge_mode == "fold" and packer != "cascade")
         q, k, v = make_inputs(b.num_pages, ps, b.batch_size, hq, hk, d, "float16", "NHD", 11)
