@@ -258,10 +258,22 @@ def narrow_wins(kv_wide: int, kv_narrow: int, share: float) -> bool:
 
 
 # The per-request rule (:func:`request_packing`): the most extra KV tokens, as a share of the
-# ``pat`` packing's own, that one CTA per request may re-read, and the largest share of the L2
-# the pages it re-reads (every KV head) may fill.
-REQUEST_SHARE = 0.3
+# ``pat`` packing's own, that one CTA per request may re-read: REQUEST_SHARE_PER_ROW per query
+# head of the GQA group, at most REQUEST_SHARE_MAX (:func:`request_share`); and the largest
+# share of the L2 the pages it re-reads (every KV head) may fill.
+REQUEST_SHARE_PER_ROW = 0.075
+REQUEST_SHARE_MAX = 0.4
 REQUEST_L2_SHARE = 0.25
+
+
+def request_share(group: int) -> float:
+    """The per-request rule's default share for GQA group ``group``.  What the rule saves, the
+    partial results and the merge, grows with the query heads; what it costs, the re-read
+    tokens, with the KV heads: so the share grows with the group.  Measured on an H100
+    (``bench/NOTES.md``, round 16): at 32:8 re-reading 12-25% more won 1-5%, at 32:32 re-reading
+    12% more lost 2% (but for 64-token roots), at 64:8 re-reading 37% more won 1% and 50% lost
+    2%, at 16:8 12% won 0.4% and 25% tied."""
+    return min(REQUEST_SHARE_MAX, REQUEST_SHARE_PER_ROW * int(group))
 
 
 def shared_tokens(forest: PrefixForest) -> int:
@@ -283,6 +295,8 @@ def request_packing(forest: PrefixForest, packs: Packs, share: float, group: int
     (every KV head) fill at most ``REQUEST_L2_SHARE`` of ``l2_bytes``.  The planner takes it
     only where, split and tiled, it needs no merge (every request one CTA that writes its own
     output, :mod:`pat_core.fold`), while ``packs`` does.
+
+    ``share``: see :func:`request_share`.
 
     Why: on a batch of long private leaves under short shared levels, sharing the levels costs
     a partial result per request and level, a merge launch, and the shared CTAs' own blocks,

@@ -23,8 +23,8 @@ from .forest import PrefixForest
 from .gpus import get_gpu
 from .inputs import BlockTable, _check_seq_lens, as_block_table, check_heads, check_size
 from .fold import FINISH_SHARE, finisher_ctas
-from .packers import (NARROW_SHARE, PACKERS, PARTIAL_WEIGHT, REQUEST_SHARE, Packs,
-                      narrow_packing, narrow_wins, pack, request_packing, request_wins)
+from .packers import (NARROW_SHARE, PACKERS, PARTIAL_WEIGHT, Packs, narrow_packing,
+                      narrow_wins, pack, request_packing, request_share, request_wins)
 from .plan import DTYPE_BYTES, Plan, dtype_name
 from .split import auto_split_share, split_long_kv, split_threshold
 from .tiles import TileSelector
@@ -70,8 +70,8 @@ class Tuning:
     finisher rule on (``finish_share`` not ``None``) and no serial plan, the step runs one CTA
     per request when that re-reads at most this share more KV tokens, its re-read pages fit the
     L2, and it needs no merge where the ``pat`` packing does (``None``:
-    :data:`pat_core.packers.REQUEST_SHARE`; ``0``: off; graph-safe mode, which always merges,
-    turns it off).
+    :func:`pat_core.packers.request_share` of the GQA group; ``0``: off; graph-safe mode,
+    which always merges, turns it off).
     ``exclude_tiles``: ``(m, n)`` pairs the tile selector must not pick (``None``: none).
     Graph-safe mode sets it for a fused pull launch set
     (:func:`pat_core.static_plan.fused_pull_exclusions`).
@@ -359,8 +359,9 @@ class Planner:
         if self.packer == "pat" and self.tuning.max_rows is None and tile is None \
                 and not serial and self.tuning.finish_share is not None \
                 and plan.finish_from < 0:
-            alt, tokens = request_packing(forest, packs, self._request_share(), group, head_dim,
-                                          num_kv_heads, self.gpu.l2_bytes, DTYPE_BYTES[kv_dtype])
+            alt, tokens = request_packing(forest, packs, self._request_share(group), group,
+                                          head_dim, num_kv_heads, self.gpu.l2_bytes,
+                                          DTYPE_BYTES[kv_dtype])
             if tokens is not None:
                 request = (tokens[0], tokens[1], False)
             if alt is not None:
@@ -377,9 +378,9 @@ class Planner:
         self.last_path = "full"
         return plan
 
-    def _request_share(self) -> float:
+    def _request_share(self, group: int) -> float:
         share = self.tuning.request_share
-        return REQUEST_SHARE if share is None else float(share)
+        return request_share(group) if share is None else float(share)
 
     def tile_selector(self, head_dim: int, kv_data_type="float16", tile=None) -> TileSelector:
         """The tile selector :meth:`plan` uses for this head_dim and dtype (the GPU's KV-length
@@ -423,7 +424,7 @@ class Planner:
         if request is not None:
             # both packings grow by the same tokens: re-check the per-request choice
             added = int((grow - old[changed]).sum())
-            share = self._request_share()
+            share = self._request_share(c["plan"].group_size)
             kv_pat, kv_req = request[0] + added, request[1] + added
             if request_wins(kv_pat, kv_req, share) != request_wins(request[0], request[1],
                                                                    share):

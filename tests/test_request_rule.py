@@ -6,7 +6,7 @@ import pytest
 from pat_core import Planner, PrefixAttentionWrapper, Tuning
 from pat_core.forest import PrefixForest
 from pat_core.inputs import as_block_table
-from pat_core.packers import REQUEST_L2_SHARE, request_wins, shared_tokens
+from pat_core.packers import REQUEST_L2_SHARE, request_share, request_wins, shared_tokens
 from pat_core.gpus import H100
 from pat_core.reference import dense_attention, relative_error
 from pat_core.workloads import build_tree_batch, random_kv_cache
@@ -63,6 +63,22 @@ def test_rule_is_off_where_the_merge_stays():
 def test_request_wins_threshold():
     assert request_wins(100, 130, 0.3) and not request_wins(100, 131, 0.3)
     assert not request_wins(100, 100, 0.0)
+    # the share grows with the GQA group: partials scale with query heads, re-reads with KV heads
+    assert request_share(1) < request_share(2) < request_share(4) < request_share(8) <= 0.4
+    assert request_share(16) == request_share(8)
+
+
+@pytest.mark.parametrize("spec,hq,hk,per_request", [
+    ("1,256_256,1024", 32, 8, True),      # +25% at group 4: won 1.1% (H100)
+    ("1,256_256,1024", 32, 32, False),    # +23% at group 1: lost 5%
+    ("1,256_128,1024", 32, 32, False),    # +12% at group 1: lost 2%
+    ("1,256_384,1024", 64, 8, True),      # +34% at group 8: won 1.1%
+    ("1,256_512,1024", 64, 8, False),     # +50% at group 8: lost 1.6%
+    ("1,256_128,1024", 16, 8, True),      # +11% at group 2: won 0.4%
+    ("1,256_256,1024", 16, 8, False)])    # +25% at group 2: a tie
+def test_share_follows_the_group(spec, hq, hk, per_request):
+    _, plan = _plan(spec, hq, hk)
+    assert _per_request(plan) == per_request
 
 
 def test_per_request_plan_matches_dense_attention_on_cpu():
