@@ -303,8 +303,9 @@ def request_packing(forest: PrefixForest, packs: Packs, share: float, group: int
     while the per-request CTAs re-read the shared pages from L2 (they are read by CTAs running
     side by side).  Measured on an H100 (``bench/NOTES.md``, round 16): ``1,32,256_64,64,1024``
     at 64:8, 393.0 µs shared against 380.8 per request; re-reading 50% more tokens, 395.3
-    against 401.8; at 32:32 the shared pages (34 MB over 32 KV heads) outgrow the L2 and the
-    per-request packing loses.  ``share = 0`` turns the rule off.
+    against 401.8; at 32:32 it lost 2-5% (:func:`request_share`).  The L2 bound keeps it off
+    where the shared pages could not stay resident while the leaves stream (that batch at
+    32:32: 34 MB over 32 KV heads).  ``share = 0`` turns the rule off.
     """
     if share <= 0 or packs.num_packs == 0 or int(np.diff(packs.req_indptr).max()) <= 1:
         return None, None

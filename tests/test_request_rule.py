@@ -38,8 +38,11 @@ def test_shared_pages_beyond_the_l2_keep_sharing():
     foot = shared_tokens(PrefixForest(as_block_table(b.block_tables, b.seq_lens, 16))) \
         * 32 * 2 * 128 * 2
     assert foot > REQUEST_L2_SHARE * H100.l2_bytes
-    _, plan = _plan("1,32,256_64,64,1024", 32, 32)
+    # the share forced to 32:8's, so that only the L2 check can refuse
+    _, plan = _plan("1,32,256_64,64,1024", 32, 32, request_share=0.3)
     assert not _per_request(plan) and plan.num_ctas > plan.batch_size
+    _, fits = _plan("1,256_128,1024", 32, 32, request_share=0.3)    # 2 MB of shared pages
+    assert _per_request(fits)
 
 
 def test_rereading_too_much_or_needing_a_split_keeps_sharing():
