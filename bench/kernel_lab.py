@@ -255,11 +255,16 @@ def _layout_candidates():
 
 
 def _pair_cases(pairs, labels) -> tuple:
-    """pat cases (no forced tile or layout) for every ``(spec, (hq, hk))`` of ``pairs`` and
-    every tuning label of ``labels``, pairs outermost."""
-    return tuple((spec, heads, "pat", None, None, label)
-                 for spec, heads in pairs for label in labels)
+    """Cases (no forced tile or layout) for every ``(spec, (hq, hk))`` of ``pairs`` and every
+    entry of ``labels``, pairs outermost: a tuning label (the ``pat`` packer) or a
+    ``(packer, label)`` pair."""
+    runs = [("pat", lab) if isinstance(lab, str) else tuple(lab) for lab in labels]
+    return tuple((spec, heads, packer, None, None, label)
+                 for spec, heads in pairs for packer, label in runs)
 
+
+# the three head configurations of 8 KV heads the round-16 case sets sweep
+_HEADS_X8 = ((16, 8), (32, 8), (64, 8))
 
 # (spec, heads) pairs of the finisher-phase case sets (round 14)
 _FINISH_PAIRS = (("1,32,256_64,64,1024", (32, 8)), ("1,32,256_64,64,1024", (64, 8)),
@@ -408,46 +413,43 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
              + _pair_cases((("1,32,256_64,64,1024", (32, 8)), ("1,16_2048,128", (32, 8)),
                             ("1,4,64_256,1024,64", (32, 8))), ("default", "n32-s10-mp64")),
              # pat against the query plan on the leaf-last batch (sharing saves 0.8% of its bytes)
-             "leaf-query": tuple(("1,32,256_64,64,1024", h, pk, None, None, "default")
-                                 for h in ((16, 8), (32, 8), (64, 8)) for pk in ("pat", "query"))
-             + tuple(("1,4,16_128,256,1024", h, pk, None, None, "n32-s6-mp64")
-                     for h in ((16, 8), (32, 8)) for pk in ("pat", "query")),
+             "leaf-query": _pair_cases((("1,32,256_64,64,1024", h) for h in _HEADS_X8),
+                                       (("pat", "default"), ("query", "default")))
+             + _pair_cases((("1,4,16_128,256,1024", h) for h in ((16, 8), (32, 8))),
+                           (("pat", "n32-s6-mp64"), ("query", "n32-s6-mp64"))),
              # the query plan with no merge launch (every request one CTA: finish_share 0)
-             "leaf-query-fin": tuple(("1,32,256_64,64,1024", h, pk, None, None, lab)
-                                     for h in ((16, 8), (32, 8), (64, 8))
-                                     for pk, lab in (("pat", "default"), ("query", "default"),
-                                                     ("query", "finish-0")))
-             + tuple((spec, (32, 8), "pat", None, None, lab)
-                     for spec in ("128_2048", "256_4096") for lab in ("default", "finish-0")),
+             "leaf-query-fin": _pair_cases((("1,32,256_64,64,1024", h) for h in _HEADS_X8),
+                                           ("default", ("query", "default"),
+                                            ("query", "finish-0")))
+             + _pair_cases((("128_2048", (32, 8)), ("256_4096", (32, 8))),
+                           ("default", "finish-0")),
              # the pat plan against one CTA per request with no merge, as the share of KV tokens
              # the per-request plan re-reads grows (0.11 .. 0.58)
-             "reread": tuple((spec, h, pk, None, None, lab)
-                             for spec in ("1,256_128,1024", "1,8,256_128,128,1024",
-                                          "1,256_256,1024", "1,256_512,1024", "1,256_1024,1024",
-                                          "1,128_512,512", "1,4,64_512,256,512")
-                             for h in ((16, 8), (32, 8), (64, 8))
-                             for pk, lab in (("pat", "default"), ("query", "finish-0")))
-             + tuple(("1,32,256_64,64,1024", (32, 32), pk, None, None, lab)
-                     for pk, lab in (("pat", "default"), ("query", "finish-0"))),
+             "reread": _pair_cases(((spec, h) for spec in ("1,256_128,1024",
+                                                           "1,8,256_128,128,1024",
+                                                           "1,256_256,1024", "1,256_512,1024",
+                                                           "1,256_1024,1024", "1,128_512,512",
+                                                           "1,4,64_512,256,512")
+                                    for h in _HEADS_X8), ("default", ("query", "finish-0")))
+             + _pair_cases((("1,32,256_64,64,1024", (32, 32)),),
+                           ("default", ("query", "finish-0"))),
              # the request rule on batches not used to set it (round 16): its plan, the shared
              # plan with the rule off, and one CTA per request with no merge
-             "request-check": tuple((spec, h, pk, None, None, lab)
-                                    for spec, h in (("1,256_384,1024", (32, 8)),
-                                                    ("1,256_384,1024", (64, 8)),
-                                                    ("2,256_128,1024", (32, 8)),
-                                                    ("2,256_128,1024", (32, 32)),
-                                                    ("1,64_256,2048", (32, 8)),
-                                                    ("1,64_256,2048", (64, 8)),
-                                                    ("1,512_64,512", (32, 8)),
-                                                    ("1,512_64,512", (32, 32)),
-                                                    ("4,256_256,1024", (32, 8)),
-                                                    ("4,256_256,1024", (32, 32)),
-                                                    ("1,256_128,1024", (32, 32)),
-                                                    ("1,256_256,1024", (32, 32)),
-                                                    ("1,16,256_256,128,1024", (32, 8)),
-                                                    ("1,128_128,3072", (32, 8)))
-                                    for pk, lab in (("pat", "default"), ("pat", "request-off"),
-                                                    ("query", "finish-0"))),
+             "request-check": _pair_cases((("1,256_384,1024", (32, 8)),
+                                           ("1,256_384,1024", (64, 8)),
+                                           ("2,256_128,1024", (32, 8)),
+                                           ("2,256_128,1024", (32, 32)),
+                                           ("1,64_256,2048", (32, 8)),
+                                           ("1,64_256,2048", (64, 8)),
+                                           ("1,512_64,512", (32, 8)),
+                                           ("1,512_64,512", (32, 32)),
+                                           ("4,256_256,1024", (32, 8)),
+                                           ("4,256_256,1024", (32, 32)),
+                                           ("1,256_128,1024", (32, 32)),
+                                           ("1,256_256,1024", (32, 32)),
+                                           ("1,16,256_256,128,1024", (32, 8)),
+                                           ("1,128_128,3072", (32, 8))),
+                                          ("default", "request-off", ("query", "finish-0"))),
              "quickstart": tuple(("1,4,16_128,256,1024", (32, 8), p, None, None, "default")
                                  for p in ("pat", "query", "node", "cascade")),
              "nosharing": tuple(("256_4096", (32, 8), p, None, None, "default")
