@@ -1,7 +1,8 @@
 """One-call GPU check: compile, correctness, GPU tests, sanitizer, timings.
 
     python3 bench/gpu_check.py --out DIR [--jobs 16] [--no-smoke] [--no-pytest] [--no-bench]
-                               [--sanitizer] [--host] [--sweep]
+                               [--sanitizer [--sanitizer-tools T ...] [--sanitizer-timeout S]]
+                               [--host] [--sweep]
 
 Needs CuPy, torch, pytest and hypothesis on the GPU machine; run from the repository root, e.g.
 
@@ -113,27 +114,34 @@ def sanitize_case():
         cases += [("1,32_300,20", 16, 32, 8, 128, "NHD", t, "off")
                   for t in ((64, 16), (64, 32), (64, 64), (64, 128), (128, 16), (128, 32),
                             (128, 64), (128, 128))]
-    # finisher phases (pat_core.fold): 16- and 32-row finisher tiles, one and several slots
+    # finisher phases (pat_core.fold): 16- and 32-row finisher tiles, one and several slots,
+    # the finishers launched as programmatic dependents of the first phase (the default)
     from pat_core import Tuning
-    cases = [c + (None,) for c in cases]
-    cases += [(spec, ps, hq, hk, d, layout, None, "off", 1.0)
+    cases = [c + (None, "pdl") for c in cases]
+    cases += [(spec, ps, hq, hk, d, layout, None, "off", 1.0, "pdl")
               for spec, ps, hq, hk, d, layout in (("1,4,16_100,37,61", 16, 32, 8, 128, "NHD"),
                                                   ("1,3,9_70,20,33", 1, 12, 4, 64, "HND"),
                                                   ("1,6_64,500", 16, 32, 1, 128, "NHD"),
                                                   ("1,8,32_40,64,700", 16, 64, 8, 128, "NHD"))]
-    for spec, ps, hq, hk, d, layout, tile, one_tile, finish in cases:
+    # both phases in one ordered launch (finishers spin on their request's counter), and the
+    # pat packer's per-request plans (default tuning: one CTA per request, no first phase)
+    cases += [("1,4,16_100,37,61", 16, 32, 8, 128, "NHD", None, "off", 1.0, "ordered"),
+              ("1,8_16,240", 16, 8, 2, 64, "NHD", None, "off", "default", "pdl")]
+    for spec, ps, hq, hk, d, layout, tile, one_tile, finish, finish_launch in cases:
         cc.VARIANT_OVERRIDES.clear()
         backend.one_tile = one_tile
+        backend.finish_launch = finish_launch
         if tile is not None and tile[0] >= 64:   # the warpgroup layout, two stages
             cc.VARIANT_OVERRIDES[tile] = (tile[0] // 16, 2, cc.WG_ROWS)
         b = build_tree_batch(spec, page_size=ps, seed=2)
         w = PrefixAttentionWrapper(backend="cuda", packer="pat", kv_layout=layout)
         w._gpu_backend = backend
-        if finish is not None:
+        if finish not in (None, "default"):
             w.planner.tuning = Tuning(finish_share=finish)
         plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16",
                       tile=tile)
         assert finish is None or plan.finish_from >= 0, spec
+        assert finish != "default" or (plan.finish_from == 0 and plan.num_ctas == b.batch_size)
         rng = np.random.default_rng(0)
         shape = (b.num_pages, ps, hk, d) if layout == "NHD" else (b.num_pages, hk, ps, d)
         k = cupy.asarray(rng.standard_normal(shape).astype(np.float16))
@@ -141,12 +149,14 @@ def sanitize_case():
         q = cupy.asarray(rng.standard_normal((b.batch_size, hq, d)).astype(np.float16))
         out, lse = w.run(q, (k, v), return_lse=True)
         cupy.cuda.Device().synchronize()
-        print(f"{spec} {layout} one_tile={one_tile} finish={finish}: groups={plan.num_groups} "
+        print(f"{spec} {layout} one_tile={one_tile} finish={finish} ({finish_launch}): "
+              f"groups={plan.num_groups} finish_from={plan.finish_from} "
               f"tiles={plan.stats()['tiles']} "
               f"variants={[v.key for v in backend.variants_for(plan)][:-1]} "
               f"finite={bool(cupy.isfinite(out).all())}")
     cc.VARIANT_OVERRIDES.clear()
     backend.one_tile = "off"
+    backend.finish_launch = "pdl"
     # graph-safe launch sets (pull kernels: a block's first item is its own, later ones drawn
     # from a counter), one launch per tile and fused; two plans each, the second with more
     # items than the grid so that blocks draw
@@ -170,15 +180,15 @@ def sanitize_case():
                   f"finite={bool(cupy.isfinite(out[:b.batch_size]).all())}")
 
 
-def step_sanitizer(out_dir):
+def step_sanitizer(out_dir, tools=("memcheck", "racecheck"), timeout=240):
     res = {}
-    for tool in ("memcheck", "racecheck"):
+    for tool in tools:
         path = Path(out_dir) / f"sanitizer_{tool}.txt"
         cmd = ["compute-sanitizer", f"--tool={tool}", "--print-limit", "20",
                sys.executable, str(Path(__file__).resolve()), "--sanitize-case"]
         t0 = time.time()
         try:
-            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
             text = p.stdout + p.stderr
             rc = p.returncode
         except Exception as e:
@@ -197,6 +207,10 @@ def main(argv=None):
     ap.add_argument("--no-pytest", action="store_true")
     ap.add_argument("--pytest-args", nargs="*", default=[])
     ap.add_argument("--sanitizer", action="store_true")
+    ap.add_argument("--sanitizer-tools", nargs="+", default=["memcheck", "racecheck"],
+                    choices=["memcheck", "racecheck", "synccheck", "initcheck"])
+    ap.add_argument("--sanitizer-timeout", type=float, default=240.0,
+                    help="seconds per compute-sanitizer tool")
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--bench-workloads", nargs="*", default=None)
     ap.add_argument("--bench-iters", type=int, default=20)
@@ -240,7 +254,8 @@ def main(argv=None):
     if not args.no_pytest:
         step("pytest", step_pytest, out, args.pytest_args)
     if args.sanitizer:
-        step("sanitizer", step_sanitizer, out)
+        step("sanitizer", step_sanitizer, out, tuple(args.sanitizer_tools),
+             args.sanitizer_timeout)
     if not args.no_bench:
         import gpu_kernels
         wl = args.bench_workloads or list(gpu_kernels.WORKLOADS)

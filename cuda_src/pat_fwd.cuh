@@ -629,6 +629,33 @@ __device__ __forceinline__ void sync_tile(const typename Tr::T* sQ,
   }
 }
 
+// The rows of this thread's accumulator fragment that are real rows of the CTA, in order: for
+// each, fn(mi, hr, ri, head, inv, lse) with ri the row's request within the CTA, head its query
+// head, inv = 1 / l (0 when every key scored -inf, the empty state; a NaN l from non-finite
+// input is kept) and lse its natural-log LSE (-inf for the empty state).  The one row decode
+// that the partial write and the finisher's output write share.
+template <typename Tr, typename RowFn>
+__device__ __forceinline__ void for_each_row(const CtaWork& w, int kv_head, int group,
+                                             float inv_group, int wm, int lane,
+                                             const float (&m_run)[Tr::MI][2],
+                                             const float (&l_run)[Tr::MI][2], RowFn&& fn) {
+  constexpr float kLn2 = 0.6931471805599453f;
+#pragma unroll
+  for (int mi = 0; mi < Tr::MI; ++mi) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int row = (wm * Tr::MI + mi) * 16 + (lane >> 2) + hr * 8;
+      if (row < w.n_rows) {
+        const int ri = div_rows(row, inv_group);
+        const float l = l_run[mi][hr];
+        const float inv = l != 0.f ? 1.f / l : 0.f;
+        const float lse = l != 0.f ? (m_run[mi][hr] + __log2f(l)) * kLn2 : neg_inf();
+        fn(mi, hr, ri, kv_head * group + (row - ri * group), inv, lse);
+      }
+    }
+  }
+}
+
 // The end of a work item, after its KV walk: full row sums, the token slices' states combined
 // (through `scratch`, shared memory of at least Tr::SMEM_BYTES that the item no longer reads),
 // the normalised partial output o_partial[slot, head, :] and its natural-log LSE written for every
@@ -650,7 +677,7 @@ __device__ __forceinline__ void finish_item(const FwdParams& p, const CtaWork& w
   const int group = p.group, num_qo_heads = p.num_qo_heads, num_kv_heads = p.num_kv_heads;
   const float inv_group = 1.f / (float)group;
   const MergeArgs& merge = p.merge;
-  const int req_begin = w.req_begin, n_rows = w.n_rows;
+  const int req_begin = w.req_begin;
 
   // Full row sums: reduce the per-thread partial sums over the quad.
 #pragma unroll
@@ -719,7 +746,6 @@ __device__ __forceinline__ void finish_item(const FwdParams& p, const CtaWork& w
   }
 
   if (wn != 0) return;
-  constexpr float kLn2 = 0.6931471805599453f;
   // FINISH 1: a finisher item; 2: the ordered launch, whose first-phase items (CTAs below
   // p.finish_cta) go on to the partial write below.
   if constexpr (FINISH != 0) {
@@ -743,59 +769,35 @@ __device__ __forceinline__ void finish_item(const FwdParams& p, const CtaWork& w
       fold_slots<Tr>(p, w, kv_head, wm, lane, acc, m_run, l_run);
       // ---- Finisher: the request's final output (input dtype) and LSE, as the merge writes them
       T* __restrict__ out = static_cast<T*>(merge.out);
+      for_each_row<Tr>(w, kv_head, group, inv_group, wm, lane, m_run, l_run,
+                       [&](int mi, int hr, int ri, int head, float inv, float lse) {
+        const long long r = cta_req[req_begin + ri];
+        T* dst = out + r * merge.out_sb + head * merge.out_sh + ((lane & 3) << 1);
 #pragma unroll
-      for (int mi = 0; mi < MI; ++mi) {
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          const int row = (wm * MI + mi) * 16 + (lane >> 2) + hr * 8;
-          if (row < n_rows) {
-            const int ri = div_rows(row, inv_group);
-            const int head = kv_head * group + (row - ri * group);
-            const long long r = cta_req[req_begin + ri];
-            const float l = l_run[mi][hr];
-            const float inv = l != 0.f ? 1.f / l : 0.f;  // no finite state: zeros and -inf
-            T* dst = out + r * merge.out_sb + head * merge.out_sh + ((lane & 3) << 1);
-#pragma unroll
-            for (int dt = 0; dt < D / 8; ++dt) {
-              dst[dt * 8] = ElemOps<T>::from_float(acc[mi][dt][2 * hr] * inv);
-              dst[dt * 8 + 1] = ElemOps<T>::from_float(acc[mi][dt][2 * hr + 1] * inv);
-            }
-            if (merge.lse_out != nullptr && (lane & 3) == 0)
-              merge.lse_out[r * merge.lse_sb + head * merge.lse_sh] =
-                  l != 0.f ? (m_run[mi][hr] + __log2f(l)) * kLn2 : neg_inf();
-          }
+        for (int dt = 0; dt < D / 8; ++dt) {
+          dst[dt * 8] = ElemOps<T>::from_float(acc[mi][dt][2 * hr] * inv);
+          dst[dt * 8 + 1] = ElemOps<T>::from_float(acc[mi][dt][2 * hr + 1] * inv);
         }
-      }
+        if (merge.lse_out != nullptr && (lane & 3) == 0)
+          merge.lse_out[r * merge.lse_sb + head * merge.lse_sh] = lse;
+      });
       return;
     }
   }
   // ---- Write the normalised partial output and its LSE for every real row -------------------
+  for_each_row<Tr>(w, kv_head, group, inv_group, wm, lane, m_run, l_run,
+                   [&](int mi, int hr, int ri, int head, float inv, float lse) {
+    const long long slot = cta_slot[req_begin + ri];
+    float* dst = o_partial + (slot * num_qo_heads + head) * D + ((lane & 3) << 1);
 #pragma unroll
-  for (int mi = 0; mi < MI; ++mi) {
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int row = (wm * MI + mi) * 16 + (lane >> 2) + hr * 8;
-      if (row < n_rows) {
-        const int ri = div_rows(row, inv_group);
-        const int head = kv_head * group + (row - ri * group);
-        const long long slot = cta_slot[req_begin + ri];
-        const float l = l_run[mi][hr];
-        // l == 0: every key scored -inf (the empty state); a NaN l (non-finite input) is kept
-        const float inv = l != 0.f ? 1.f / l : 0.f;
-        float* dst = o_partial + (slot * num_qo_heads + head) * D + ((lane & 3) << 1);
-#pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-          float2 v;
-          v.x = acc[mi][dt][2 * hr] * inv;
-          v.y = acc[mi][dt][2 * hr + 1] * inv;
-          *reinterpret_cast<float2*>(dst + dt * 8) = v;
-        }
-        if ((lane & 3) == 0)
-          lse_partial[slot * num_qo_heads + head] =
-              l != 0.f ? (m_run[mi][hr] + __log2f(l)) * kLn2 : neg_inf();
-      }
+    for (int dt = 0; dt < D / 8; ++dt) {
+      float2 v;
+      v.x = acc[mi][dt][2 * hr] * inv;
+      v.y = acc[mi][dt][2 * hr + 1] * inv;
+      *reinterpret_cast<float2*>(dst + dt * 8) = v;
     }
-  }
+    if ((lane & 3) == 0) lse_partial[slot * num_qo_heads + head] = lse;
+  });
   if (merge.counters == nullptr) return;
 
   // ---- In-kernel merge: the CTA that writes a request's last partial slot merges it -----------
