@@ -187,13 +187,15 @@ def step_sanitizer(out_dir, tools=("memcheck", "racecheck"), timeout=240):
         cmd = ["compute-sanitizer", f"--tool={tool}", "--print-limit", "20",
                sys.executable, str(Path(__file__).resolve()), "--sanitize-case"]
         t0 = time.time()
-        try:
-            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-            text = p.stdout + p.stderr
-            rc = p.returncode
-        except Exception as e:
-            text, rc = f"{type(e).__name__}: {e}", -1
-        path.write_text(text)
+        # streamed to the file, so that a run cut off by the timeout still shows how far it got
+        with open(path, "w") as fh:
+            try:
+                rc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
+                                    timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = -1
+                fh.write(f"\nTIMEOUT: {tool} did not finish in {timeout:.0f} s\n")
+        text = path.read_text()
         summ = [ln for ln in text.splitlines() if "SUMMARY" in ln or "finite=" in ln]
         res[tool] = {"rc": rc, "seconds": time.time() - t0, "summary": summ}
     return res
