@@ -264,15 +264,21 @@ def narrow_wins(kv_wide: int, kv_narrow: int, share: float) -> bool:
 REQUEST_SHARE_PER_ROW = 0.075
 REQUEST_SHARE_MAX = 0.4
 REQUEST_L2_SHARE = 0.25
+# the smallest GQA group the rule runs at by default (request_share)
+REQUEST_MIN_GROUP = 2
 
 
 def request_share(group: int) -> float:
     """The per-request rule's default share for GQA group ``group``.  What the rule saves, the
     partial results and the merge, grows with the query heads; what it costs, the re-read
     tokens, with the KV heads: so the share grows with the group.  Measured on an H100
-    (``bench/NOTES.md``, round 16): at 32:8 re-reading 12-25% more won 1-5%, at 32:32 re-reading
-    12% more lost 2% (but for 64-token roots), at 64:8 re-reading 37% more won 1% and 50% lost
-    2%, at 16:8 12% won 0.4% and 25% tied."""
+    (``bench/NOTES.md``, round 16): at 32:8 re-reading 12-25% more won 1-5%, at 64:8 re-reading
+    37% more won 1% and 50% lost 2%, at 16:8 12% won 0.4% and 25% tied.  Below
+    :data:`REQUEST_MIN_GROUP` the share is 0 (the rule is off): at 32:32 every measured step
+    lost, the synthetic batches by 2-5% at 12-25% more tokens and six real-trace steps, which
+    were not used to set the share, by 4-7% at only 4-5% more (round 17)."""
+    if int(group) < REQUEST_MIN_GROUP:
+        return 0.0
     return min(REQUEST_SHARE_MAX, REQUEST_SHARE_PER_ROW * int(group))
 
 
