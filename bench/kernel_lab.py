@@ -31,7 +31,9 @@ Case sets:
   their group's launch, in a launch of their own (several layouts), and in the piped kernel;
   ``long-tune``: the long-prefix batches under planner settings; ``planner``: the sharing
   batches under every planner setting of ``TUNINGS``; ``quickstart``, ``nosharing``,
-  ``nosharing-n``: the quick-start batch per packer, the no-sharing batches.
+  ``nosharing-n``: the quick-start batch per packer, the no-sharing batches;
+  ``nosharing-finish``: the no-sharing batches at 16:8, 32:8 and 64:8 with the finisher on
+  (default) and off.
 
 Writes ``DIR/kernel_lab.json`` (environment, copy bandwidth, every row) and prints a table last.
 """
@@ -453,7 +455,12 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
              "quickstart": tuple(("1,4,16_128,256,1024", (32, 8), p, None, None, "default")
                                  for p in ("pat", "query", "node", "cascade")),
              "nosharing": tuple(("256_4096", (32, 8), p, None, None, "default")
-                                for p in ("query", "pat"))}
+                                for p in ("query", "pat")),
+             # round 17: the no-sharing batches with and without the finisher (one CTA per
+             # request writing its output) at the three group sizes of 8 KV heads
+             "nosharing-finish": _pair_cases(tuple((spec, h) for spec in ("128_2048", "256_4096")
+                                                   for h in _HEADS_X8),
+                                             ("default", "finish-off"))}
 
 
 _REFS: dict = {}
