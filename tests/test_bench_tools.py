@@ -88,3 +88,22 @@ def test_kernel_lab_tunings_apply_and_serial_labels_need_run_case():
         assert be.merge_launch == tun.get("merge_launch", "pdl")
         restore()
         assert (be.merge_mode, be.finish_launch, be.merge_launch) == ("kernel", "pdl", "pdl")
+
+
+def test_request_rule_check_scores_the_rule_and_the_simulator(tmp_path):
+    """bench/request_rule_check.py pairs kernel_lab rows and scores the rule's choice."""
+    import request_rule_check as rrc
+    rows = []
+    for heads, req_us, pat_us in (("32:8", 375.0, 384.0),      # per request faster: rule right
+                                  ("64:8", 400.0, 380.0)):     # per request slower: rule wrong
+        rows.append(dict(workload="1,32,256_64,64,1024", heads=heads, packer="query",
+                         label="finish-0", graph_us=req_us))
+        rows.append(dict(workload="1,32,256_64,64,1024", heads=heads, packer="pat",
+                         label="request-off", graph_us=pat_us))
+    path = tmp_path / "kl.json"
+    path.write_text(json.dumps({"rows": rows}))
+    out = rrc.judge(rrc.kernel_lab_pairs(path))
+    by = {r["pair"].split()[-1]: r for r in out}
+    assert by["32:8"]["rule_takes"] and by["32:8"]["rule_right"]
+    assert by["64:8"]["rule_takes"] and not by["64:8"]["rule_right"]
+    assert all(r["sim_per_request_us"] > 0 and r["sim_pat_us"] > 0 for r in out)
