@@ -653,9 +653,9 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-within", type=float, default=0.02, metavar="FRACTION",
                     help="with --write-table: a tile keeps its layout in the packaged table "
                          "unless another measures more than this fraction faster (default 0.02)")
-    ap.add_argument("--filter", default="",
+    ap.add_argument("--filter", nargs="+", default=[], metavar="TEXT",
                     help="run only cases whose 'workload heads packer MxN label' contains one of "
-                         "these comma-separated strings")
+                         "these strings (one argument each: tree specs contain commas)")
     args = ap.parse_args(argv)
     names = [c for c in args.cases.split(",") if c]
     bad = [c for c in names if c not in CASE_SETS]
@@ -677,7 +677,7 @@ def main(argv=None) -> int:
         for case in CASE_SETS[name]:
             spec, (hq, hk), packer, tile, _, label = case
             desc = f"{spec} {hq}:{hk} {packer} {'x'.join(map(str, tile)) if tile else '-'} {label}"
-            if args.filter and not any(f in desc for f in args.filter.split(",") if f):
+            if args.filter and not any(f in desc for f in args.filter if f):
                 continue
             r = run_case(backend, case, args.iters, copy_bw, flush)
             r["set"] = name
