@@ -307,6 +307,9 @@ def main(argv=None):
         print(f"host    : run() {h['run_us']:.1f} us/call ({h['groups']} groups); bare launches: "
               f"forward packed {h['fwd_launch_us']:.1f} us, CuPy call {h['cupy_launch_us']:.1f} us "
               f"({h['fwd_args']} args)")
+        if "wrapper_run_us" in h:
+            print(f"host    : wrapper run(q, (k, v)) {h['wrapper_run_us']:.1f} us/call, with out= "
+                  f"{h['wrapper_run_out_us']:.1f} us/call")
     if "bench" in st and "summary" in st["bench"]:
         print("bench   :", json.dumps(st["bench"]["summary"]))
     print(f"total {report['seconds']:.0f}s")
