@@ -306,7 +306,7 @@ def main(argv=None):
         h = st["host"]
         print(f"host    : run() {h['run_us']:.1f} us/call ({h['groups']} groups); bare launches: "
               f"forward packed {h['fwd_launch_us']:.1f} us, CuPy call {h['cupy_launch_us']:.1f} us "
-              f"({h['fwd_args']} args)")
+              f"(a {h['fwd_param_bytes']}-byte parameter struct)")
         if "wrapper_run_us" in h:
             print(f"host    : wrapper run(q, (k, v)) {h['wrapper_run_us']:.1f} us/call, with out= "
                   f"{h['wrapper_run_out_us']:.1f} us/call")

@@ -269,6 +269,7 @@ def sweep(backend=None, cases=SWEEP, iters=20, copy_bw=None):
 def host_overhead(backend=None, spec="1,4,64_256,1024,64", heads=(32, 8), calls=200):
     """Enqueue cost of backend.run on a small plan, a profile of it, and one bare launch."""
     import cProfile
+    import ctypes
     import io
     import pstats
     import torch
@@ -311,7 +312,7 @@ def host_overhead(backend=None, spec="1,4,64_256,1024,64", heads=(32, 8), calls=
     for _ in range(calls):
         ln(sp)
     fwd_launch_us = (time.perf_counter() - t0) / calls * 1e6
-    slow = _Launch(ln.fn, ln.grid, ln.block, ln.args, ln.smem, fast=False)
+    slow = _Launch(ln.fn, ln.grid, ln.block, ln.params, ln.smem, fast=False)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(calls):
@@ -339,7 +340,8 @@ def host_overhead(backend=None, spec="1,4,64_256,1024,64", heads=(32, 8), calls=
     sio_w = io.StringIO()
     pstats.Stats(prof, stream=sio_w).sort_stats("tottime").print_stats(25)
     return {"run_us": run_us, "groups": plan.num_groups, "fwd_launch_us": fwd_launch_us,
-            "cupy_launch_us": cupy_launch_us, "fwd_args": len(ln.args), **wrapper_us,
+            "cupy_launch_us": cupy_launch_us, "fwd_param_bytes": ctypes.sizeof(ln.params),
+            **wrapper_us,
             "profile": sio.getvalue() + "\n# wrapper run(q, (k, v))\n" + sio_w.getvalue()}
 
 
