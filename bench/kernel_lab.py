@@ -33,7 +33,8 @@ Case sets:
   batches under every planner setting of ``TUNINGS``; ``quickstart``, ``nosharing``,
   ``nosharing-n``: the quick-start batch per packer, the no-sharing batches;
   ``nosharing-finish``: the no-sharing batches at 16:8, 32:8 and 64:8 with the finisher on
-  (default) and off.
+  (default) and off; ``long-stages``: the long-prefix batches with deeper warpgroup rings and
+  fewer, longer parts.
 
 Writes ``DIR/kernel_lab.json`` (environment, copy bandwidth, every row) and prints a table last.
 """
@@ -126,6 +127,17 @@ TUNINGS = {
     "n32-s20-mp64": {"kv_tile_table": ((1 << 62, 32),), "split_share": 20.0, "min_part": 64},
     "n32w1s2-s6-mp64": {"kv_tile_table": ((1 << 62, 32),), "split_share": 6.0, "min_part": 64,
                         "layouts": {(16, 32): (1, 2, 16)}},
+    # round 17: the long shared prefix's warpgroup tiles with a deeper ring (one block per SM
+    # keeps more tiles in flight) and fewer, longer parts (half the partial slots)
+    "wg64-s3": {"layouts": {(64, 64): (4, 3, 64)}},
+    "wg64-s4": {"layouts": {(64, 64): (4, 4, 64)}},
+    # (split share 0.95: 16 parts of 1024 tokens, 128 blocks of 8 KV heads, one per SM)
+    "share095": {"split_share": 0.95},
+    "wg64-s3-share095": {"layouts": {(64, 64): (4, 3, 64)}, "split_share": 0.95},
+    "wg64-s4-share095": {"layouts": {(64, 64): (4, 4, 64)}, "split_share": 0.95},
+    "wg128-s3": {"layouts": {(128, 64): (8, 3, 64)}},
+    "wg128-s3-share095": {"layouts": {(128, 64): (8, 3, 64)}, "split_share": 0.95},
+    "wg128-s4-share095": {"layouts": {(128, 64): (8, 4, 64)}, "split_share": 0.95},
     "s4-mp64": {"split_share": 4.0, "min_part": 64},
     "s6-mp64": {"split_share": 6.0, "min_part": 64},
     "l64-w4s3": {"layouts": {(16, 64): (4, 3, 16)}},
@@ -456,6 +468,11 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                  for p in ("pat", "query", "node", "cascade")),
              "nosharing": tuple(("256_4096", (32, 8), p, None, None, "default")
                                 for p in ("query", "pat")),
+             "long-stages": _pair_cases(tuple((spec, (32, 8)) for spec in
+                                              ("1,16_16384,16", "1,32_16384,16")),
+                                        ("default", "share095", "wg64-s3", "wg64-s4",
+                                         "wg64-s3-share095", "wg64-s4-share095", "wg128-s3",
+                                         "wg128-s3-share095", "wg128-s4-share095")),
              # round 17: the no-sharing batches with and without the finisher (one CTA per
              # request writing its output) at the three group sizes of 8 KV heads
              "nosharing-finish": _pair_cases(tuple((spec, h) for spec in ("128_2048", "256_4096")
