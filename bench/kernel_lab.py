@@ -473,6 +473,18 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                         ("default", "share095", "wg64-s3", "wg64-s4",
                                          "wg64-s3-share095", "wg64-s4-share095", "wg128-s3",
                                          "wg128-s3-share095", "wg128-s4-share095")),
+             # every development and long-prefix batch whose plan moves with a split share
+             # below the default's 2 (round 17)
+             "share-low": _pair_cases(tuple(
+                 (spec, h) for spec, hs in (
+                     ("1,16_2048,128", ((32, 32),)),
+                     ("1,4,64_256,1024,64", ((16, 8), (32, 8), (64, 8))),
+                     ("1,2,8,128_512,128,256,32", ((16, 8), (32, 8), (64, 8))),
+                     ("1,1024_1024,16", ((16, 8),)),
+                     ("1,16_16384,16", ((16, 8), (32, 8), (64, 8), (32, 32))),
+                     ("1,32_16384,16", ((16, 8), (32, 8), (64, 8), (32, 32))),
+                     ("1,4,16_128,256,1024", ((16, 8), (32, 8), (64, 8))))
+                 for h in hs), ("default", "share095", "share1")),
              # round 17: the no-sharing batches with and without the finisher (one CTA per
              # request writing its output) at the three group sizes of 8 KV heads
              "nosharing-finish": _pair_cases(tuple((spec, h) for spec in ("128_2048", "256_4096")
