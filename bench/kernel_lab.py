@@ -133,6 +133,7 @@ TUNINGS = {
     "wg64-s4": {"layouts": {(64, 64): (4, 4, 64)}},
     # (split share 0.95: 16 parts of 1024 tokens, 128 blocks of 8 KV heads, one per SM)
     "share095": {"split_share": 0.95},
+    "share2-fixed": {"split_share": 2.0},   # the default share before round 17's one-wave rule
     "wg64-s3-share095": {"layouts": {(64, 64): (4, 3, 64)}, "split_share": 0.95},
     "wg64-s4-share095": {"layouts": {(64, 64): (4, 4, 64)}, "split_share": 0.95},
     "wg128-s3": {"layouts": {(128, 64): (8, 3, 64)}},
@@ -485,6 +486,18 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                      ("1,32_16384,16", ((16, 8), (32, 8), (64, 8), (32, 32))),
                      ("1,4,16_128,256,1024", ((16, 8), (32, 8), (64, 8))))
                  for h in hs), ("default", "share095", "share1")),
+             # round 17's one-wave split share for many-row packs against share 2, on every
+             # development and long-prefix configuration whose plan it changes
+             "one-wave": _pair_cases(tuple(
+                 (spec, h) for spec, hs in (
+                     ("1,4,64_256,1024,64", ((16, 8), (32, 8), (64, 8))),
+                     ("1,2,8,128_512,128,256,32", ((16, 8), (32, 8), (64, 8))),
+                     ("1,1024_1024,16", ((16, 8),)),
+                     ("1,4,16,64,256_512,256,128,64,32", ((16, 8),)),
+                     ("1,2,4,8,16,32,64_256,128,64,64,32,32,32", ((32, 8), (64, 8))),
+                     ("1,16_16384,16", ((16, 8), (32, 8), (64, 8))),
+                     ("1,32_16384,16", ((16, 8), (32, 8), (64, 8), (32, 32))))
+                 for h in hs), ("default", "share2-fixed")),
              # round 17: the no-sharing batches with and without the finisher (one CTA per
              # request writing its output) at the three group sizes of 8 KV heads
              "nosharing-finish": _pair_cases(tuple((spec, h) for spec in ("128_2048", "256_4096")

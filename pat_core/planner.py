@@ -38,8 +38,9 @@ class Tuning:
     ``max_rows``: cap on a CTA's query rows (``None``: the largest feasible tile).  Smaller
     caps cut shared nodes into more CTAs that re-read the same pages (mostly from L2).
     ``split_share``: resident thread blocks per SM assumed by the ``"sm"`` split rule
-    (``None``: :func:`pat_core.split.auto_split_share`, 2 or, when only packs of at most 16
-    rows are cut, 3).
+    (``None``: :func:`pat_core.split.auto_split_share`: 2; 3 when only packs of at most 16
+    rows are cut; at most 1, so that the cut CTAs make no more blocks than SMs, when a cut pack
+    has more rows).
     ``min_part``: shortest part the split makes (tokens).
     ``partial_weight``: multiplies the partial-result bytes in the ``pat`` profit model (above 1
     favours merging short nodes into their children's CTAs: fewer partials and thread blocks

@@ -9,10 +9,11 @@ many short leaf CTAs: on ``1,1024_1024,16`` (heads 32:8) the mean is ~47 tokens,
 The default rule (``rule="sm"``) asks the question the split exists for: will this CTA finish
 long after the others?  Thread blocks (CTA x KV head) are spread over ``num_sms`` SMs, each
 running at least two at a time, so a block's fair share is
-``sum(kv_len) x num_kv_heads / (2 x num_sms)`` tokens; a CTA longer than that is a straggler
-whatever the mean says, and one shorter than that is not.  (Half an SM's work rather than a
-whole one: small batches are latency bound, and on an H100 a 1,4,64_256,1024,64 batch left
-most SMs idle while 64 blocks walked 8 tiles each.)  It still
+``sum(kv_len) x num_kv_heads / (share x num_sms)`` tokens, ``share`` blocks per SM; a CTA
+longer than that is a straggler whatever the mean says, and one shorter than that is not.  The
+share depends on what would be cut (:func:`auto_split_share`): 2 by default, 3 for long
+private requests of few rows, and one block per SM, without overshooting the SMs, where a cut
+CTA holds many query rows, whose partial results grow with every part.  It still
 splits one 100k-token request over the SMs (as split-KV does) and leaves a no-sharing batch
 that already fills the GPU alone.  Parts are never shorter than ``min_part`` tokens so that
 each one's partial write stays small next to its KV.
@@ -50,11 +51,40 @@ def split_threshold(kv_len: np.ndarray, num_kv_heads: int, num_sms: int,
     return max(1, int(np.ceil(max(float(min_part), per_sm))))
 
 
-# The "sm" rule's resident blocks per SM: the default, and the share used when every pack the
-# default would cut holds at most SHORT_ROWS query rows (see auto_split_share).
+# The "sm" rule's resident blocks per SM: the default, the share used when every pack the
+# default would cut holds at most SHORT_ROWS query rows, and the most used when one of them
+# holds more (see auto_split_share).
 DEFAULT_SPLIT_SHARE = 2.0
 SHORT_ROWS_SPLIT_SHARE = 3.0
+MANY_ROWS_SPLIT_SHARE = 1.0
 SHORT_ROWS = 16
+
+
+def _parts(kv_len: np.ndarray, threshold: int) -> np.ndarray:
+    """Parts :func:`split_long_kv` cuts each of ``kv_len`` (int ``[K]``) into at ``threshold``."""
+    k = np.maximum(1, -(-kv_len // threshold))
+    pl = -(-kv_len // k)
+    pl = np.where(k > 1, (pl + 15) // 16 * 16, pl)
+    return -(-kv_len // pl)
+
+
+def one_wave_share(kv_len: np.ndarray, num_kv_heads: int, num_sms: int, min_part: int = 256,
+                   share: float = MANY_ROWS_SPLIT_SHARE) -> float:
+    """The largest share of the form ``share * 0.97**i`` whose cut packs, split, make no more
+    thread blocks (parts x KV heads) than ``num_sms``: one block per SM, and never a few SMs
+    with two.  Each pack is cut into whole parts, so the plain rule can overshoot: the 16k-token
+    prefix of ``1,16_16384,16`` (32:8) at share 1 is cut into 17 parts, 136 blocks on 132 SMs,
+    and four SMs then run two of the longest blocks (bench/NOTES.md, round 5: slower than share
+    2; round 17: 16 parts, 128 blocks, 6% faster than share 2)."""
+    kv_len = np.asarray(kv_len).astype(np.int64)
+    s = float(share)
+    for _ in range(200):
+        thr = split_threshold(kv_len, num_kv_heads, num_sms, min_part=min_part, share=s)
+        cut = kv_len > thr
+        if int(_parts(kv_len[cut], thr).sum()) * num_kv_heads <= num_sms:
+            break
+        s *= 0.97
+    return s
 
 
 def auto_split_share(kv_len: np.ndarray, rows: np.ndarray, num_kv_heads: int, num_sms: int,
@@ -64,22 +94,31 @@ def auto_split_share(kv_len: np.ndarray, rows: np.ndarray, num_kv_heads: int, nu
     ``kv_len``, ``rows``: int ``[K]``, each pack's KV tokens and query rows (requests x group).
     Finer parts shorten the tail of a step whose long CTAs do not divide evenly over the SMs
     (each pack is cut into whole parts, so the CTA count overshoots the target), and cost one
-    partial result per part and row.  When every pack the default share would cut has at most
-    16 rows (long private requests: decode steps of a chat trace), a part's partials are a few KB
-    against MBs of KV: share 3 measured faster than 2 on 14 of 20 real-trace steps at 32:8 (by
-    up to 6%) and within 0.6% on the others, and 1% faster in geometric mean on a second
-    sample of 17 steps, 15 of them not used for the choice (H100, bench/NOTES.md round 10).  When a cut pack has more rows (a long
-    prefix shared by 16 requests at group 4 has 64), its partials and merge grow with every
-    part, and share 2 measured best (the 16k-token prefixes: share 3 was 16-26% slower)."""
+    partial result per part and row.  Which packs the default share (2) would cut decides:
+
+    * none: share 2 (nothing is cut either way);
+    * all of at most 16 rows (long private requests: decode steps of a chat trace): a part's
+      partials are a few KB against MBs of KV; share 3 measured faster than 2 on 14 of 20
+      real-trace steps at 32:8 (by up to 6%) and within 0.6% on the others, and 1% faster in
+      geometric mean on a second sample of 17 steps, 15 of them not used for the choice (H100,
+      bench/NOTES.md round 10);
+    * one with more rows (a prefix shared by 16 requests at group 4 has 64): its partials and
+      merge grow with every part, so one block per SM (:func:`one_wave_share`, share 1 at
+      most).  Measured against share 2 on every development and long-prefix batch whose plan it
+      changes (H100, round 17, ``kernel_lab --cases share-low``): 4-11% faster on nine of
+      fourteen, within 1.5% on four, 1.7% slower on ``1,2,8,128_512,128,256,32`` at 32:8.
+    """
     kv_len = np.asarray(kv_len)
     if kv_len.size == 0:
         return DEFAULT_SPLIT_SHARE
     thr = split_threshold(kv_len, num_kv_heads, num_sms, min_part=min_part,
                           share=DEFAULT_SPLIT_SHARE)
     cut = kv_len > thr
-    if cut.any() and bool((np.asarray(rows)[cut] <= SHORT_ROWS).all()):
+    if not cut.any():
+        return DEFAULT_SPLIT_SHARE
+    if bool((np.asarray(rows)[cut] <= SHORT_ROWS).all()):
         return SHORT_ROWS_SPLIT_SHARE
-    return DEFAULT_SPLIT_SHARE
+    return one_wave_share(kv_len, num_kv_heads, num_sms, min_part=min_part)
 
 
 def split_long_kv(packs: Packs, threshold: int, weight: np.ndarray | None = None,

@@ -2,15 +2,16 @@
 import numpy as np
 import pytest
 
-from pat_core import Planner
+from pat_core import Planner, Tuning
 from pat_core.launch import fused_ctas_per_sm, merge_block_per_pair, use_fused_launch
 from pat_core.workloads import build_tree_batch
 from sim.model import prepare
 
 
-def _plan(spec, packer="pat", heads=(32, 8)):
+def _plan(spec, packer="pat", heads=(32, 8), tuning=None):
     b = build_tree_batch(spec, page_size=16)
-    return Planner(packer, "h100").plan(b.block_tables, b.seq_lens, heads[0], heads[1], 128, 16)
+    return Planner(packer, "h100", tuning).plan(b.block_tables, b.seq_lens, heads[0], heads[1],
+                                                128, 16)
 
 
 def test_auto_fuses_small_short_multi_variant_plans_only():
@@ -27,9 +28,10 @@ def test_auto_fuses_small_short_multi_variant_plans_only():
 
 
 def test_auto_never_fuses_past_one_resident_wave():
-    """1,16_16384,16 at 32:8: 384 blocks (256 of 64x64, 128 of 16x16) fit 4 per SM, but the fused
+    """1,16_16384,16 at 32:8 split at share 2 (the default before round 17's one-wave share
+    for many-row packs): 384 blocks (256 of 64x64, 128 of 16x16) fit 4 per SM, but the fused
     block is the 64x64 block, two resident per SM: fusing would run two waves."""
-    plan = _plan("1,16_16384,16")
+    plan = _plan("1,16_16384,16", tuning=Tuning(split_share=2.0))
     blocks = plan.num_ctas * plan.num_kv_heads
     assert blocks <= 4 * 132 and int(plan.cta_kv_len.max()) <= 2048
     per_sm = fused_ctas_per_sm(plan)

@@ -147,7 +147,7 @@ def test_split_by_work_cuts_slow_tiles_shorter(monkeypatch):
     monkeypatch.setattr(TileSelector, "row_time_weight",
                         lambda self, rows: np.where(np.asarray(rows) > 64, 1.5, 1.0))
     b = build_tree_batch("1,64_4096,16", page_size=16)
-    plans = {by: Planner("pat", "h100", Tuning(split_by=by)).plan(
+    plans = {by: Planner("pat", "h100", Tuning(split_by=by, split_share=2.0)).plan(
         b.block_tables, b.seq_lens, 32, 8, 128, 16) for by in ("tokens", "work")}
     big = {by: pl.cta_kv_len[pl.tile_configs[pl.cta_tile][:, 0] == 128]
            for by, pl in plans.items()}
@@ -157,16 +157,19 @@ def test_split_by_work_cuts_slow_tiles_shorter(monkeypatch):
 
 
 def test_auto_split_share():
-    """Share 3 exactly when every pack the share-2 threshold cuts has at most 16 rows; the
-    planner's default (split_share None) follows it."""
+    """Share 3 exactly when every pack the share-2 threshold cuts has at most 16 rows, one
+    block per SM (share <= 1) when a cut pack has more; the planner's default (split_share
+    None) follows it."""
     from pat_core.split import (DEFAULT_SPLIT_SHARE, SHORT_ROWS_SPLIT_SHARE, auto_split_share,
-                                split_threshold)
+                                one_wave_share, split_threshold)
     lens = np.array([12000, 9000, 300, 200])
     assert split_threshold(lens, 8, 132, share=2.0) < 9000      # the two long packs are cut
     assert auto_split_share(lens, np.array([4, 4, 64, 64]), 8, 132) == SHORT_ROWS_SPLIT_SHARE
-    assert auto_split_share(lens, np.array([4, 64, 4, 4]), 8, 132) == DEFAULT_SPLIT_SHARE
+    many = one_wave_share(lens, 8, 132)
+    assert many <= 1.0
+    assert auto_split_share(lens, np.array([4, 64, 4, 4]), 8, 132) == many
     assert auto_split_share(lens, np.array([16, 16, 4, 4]), 8, 132) == SHORT_ROWS_SPLIT_SHARE
-    assert auto_split_share(lens, np.array([17, 4, 4, 4]), 8, 132) == DEFAULT_SPLIT_SHARE
+    assert auto_split_share(lens, np.array([17, 4, 4, 4]), 8, 132) == many
     short = np.array([200, 100])                  # nothing to cut: every pack under min_part
     assert auto_split_share(short, np.array([4, 4]), 8, 132) == DEFAULT_SPLIT_SHARE
     assert auto_split_share(np.array([], dtype=np.int64), np.array([]), 8, 132) == 2.0
@@ -178,8 +181,34 @@ def test_auto_split_share():
     two = p2.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
     three = p3.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
     assert auto.num_ctas == three.num_ctas > two.num_ctas
-    # the 16k-token prefix shared by 16 requests at 32:8 (64 rows) keeps share 2
+    # the 16k-token prefix shared by 16 requests at 32:8 (64 rows): one block per SM, 16 parts
+    # of 1024 tokens where share 2 makes 32 of 512
     b = build_tree_batch("1,16_16384,16", page_size=16)
     auto = Planner("pat", "h100").plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
     two = p2.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
-    assert np.array_equal(auto.cta_kv_len, two.cta_kv_len)
+    assert int(auto.cta_kv_len.max()) == 2 * int(two.cta_kv_len.max()) == 1024
+
+
+@pytest.mark.parametrize("spec,heads", [("1,16_16384,16", (32, 8)), ("1,32_16384,16", (64, 8)),
+                                        ("1,4,64_256,1024,64", (32, 8))])
+def test_many_row_splits_make_one_block_per_sm(spec, heads):
+    """Where a cut CTA holds many query rows the default split makes at most one thread block
+    per SM of the cut CTAs, where the plain share-1 rule overshoots (16k prefix: 17 parts, 136
+    blocks on 132 SMs) and share 2 makes two per SM."""
+    from pat_core.split import one_wave_share
+    b = build_tree_batch(spec, page_size=16)
+    args = (b.block_tables, b.seq_lens, heads[0], heads[1], 128, 16)
+    auto = Planner("pat", "h100").plan(*args)
+    share2 = Planner("pat", "h100", Tuning(split_share=2.0)).plan(*args)
+    rows = np.diff(auto.cta_req_indptr) * auto.group_size
+    # the parts of cut packs: CTAs of more than 16 rows whose pack is split (kv shorter than
+    # the node); here every CTA above 16 rows is one
+    cut_blocks = int((rows > 16).sum()) * auto.num_kv_heads
+    assert cut_blocks <= 132
+    assert auto.num_ctas < share2.num_ctas
+    assert auto.stats()["partial_bytes"] < share2.stats()["partial_bytes"]
+    if spec == "1,16_16384,16":
+        plain = Planner("pat", "h100", Tuning(split_share=1.0)).plan(*args)
+        over = np.diff(plain.cta_req_indptr) * plain.group_size
+        assert int((over > 16).sum()) * plain.num_kv_heads > 132     # the overshoot avoided
+        assert auto.num_ctas == 32 and set(auto.cta_kv_len.tolist()) == {16, 1024}
