@@ -266,12 +266,38 @@ def sweep(backend=None, cases=SWEEP, iters=20, copy_bw=None):
     return {"copy_bw_gbs": copy_bw, "rows": rows}
 
 
-def host_overhead(backend=None, spec="1,4,64_256,1024,64", heads=(32, 8), calls=200):
-    """Enqueue cost of backend.run on a small plan, a profile of it, and one bare launch."""
+def _host_cost(fn, calls: int, profile: bool = True):
+    """``(us, report)``: host microseconds per call of ``fn`` over ``calls`` calls after 10
+    warm-up calls, and a cProfile report (25 lines by own time) of another ``calls`` calls."""
     import cProfile
-    import ctypes
     import io
     import pstats
+    import torch
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    if not profile:
+        return us, ""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    sio = io.StringIO()
+    pstats.Stats(prof, stream=sio).sort_stats("tottime").print_stats(25)
+    return us, sio.getvalue()
+
+
+def host_overhead(backend=None, spec="1,4,64_256,1024,64", heads=(32, 8), calls=200):
+    """Host cost per call of backend.run on a small plan and of the wrapper's run() (with and
+    without ``out=``), profiles of both, and one bare launch (packed and through CuPy)."""
+    import ctypes
     import torch
     from pat_core import PrefixAttentionWrapper
     from pat_core.workloads import build_tree_batch
@@ -286,22 +312,7 @@ def host_overhead(backend=None, spec="1,4,64_256,1024,64", heads=(32, 8), calls=
     v = torch.randn_like(k)
     q = torch.randn((b.batch_size, hq, 128), device="cuda", dtype=torch.float16)
     out = torch.empty_like(q)
-    for _ in range(10):
-        backend.run(plan, q, k, v, out=out)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        backend.run(plan, q, k, v, out=out)
-    run_us = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        backend.run(plan, q, k, v, out=out)
-    prof.disable()
-    torch.cuda.synchronize()
-    sio = io.StringIO()
-    pstats.Stats(prof, stream=sio).sort_stats("tottime").print_stats(25)
+    run_us, prof_backend = _host_cost(lambda: backend.run(plan, q, k, v, out=out), calls)
     # bare launches of the prepared forward kernel: packed cuLaunchKernel vs CuPy's generic call
     from pat_core.cuda_backend import _Launch
     rec = backend._uploads[id(plan)]
@@ -320,29 +331,13 @@ def host_overhead(backend=None, spec="1,4,64_256,1024,64", heads=(32, 8), calls=
     cupy_launch_us = (time.perf_counter() - t0) / calls * 1e6
     torch.cuda.synchronize()
     # the wrapper's run() as users call it: input checks, then the backend (with and without
-    # an output to write into), and a profile of the call that allocates its output
-    wrapper_us = {}
-    for name, kw in (("wrapper_run_us", {}), ("wrapper_run_out_us", {"out": out})):
-        for _ in range(10):
-            w.run(q, (k, v), **kw)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            w.run(q, (k, v), **kw)
-        wrapper_us[name] = (time.perf_counter() - t0) / calls * 1e6
-        torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        w.run(q, (k, v))
-    prof.disable()
-    torch.cuda.synchronize()
-    sio_w = io.StringIO()
-    pstats.Stats(prof, stream=sio_w).sort_stats("tottime").print_stats(25)
+    # an output to write into)
+    wrap_us, prof_wrapper = _host_cost(lambda: w.run(q, (k, v)), calls)
+    wrap_out_us, _ = _host_cost(lambda: w.run(q, (k, v), out=out), calls, profile=False)
     return {"run_us": run_us, "groups": plan.num_groups, "fwd_launch_us": fwd_launch_us,
             "cupy_launch_us": cupy_launch_us, "fwd_param_bytes": ctypes.sizeof(ln.params),
-            **wrapper_us,
-            "profile": sio.getvalue() + "\n# wrapper run(q, (k, v))\n" + sio_w.getvalue()}
+            "wrapper_run_us": wrap_us, "wrapper_run_out_us": wrap_out_us,
+            "profile": prof_backend + "\n# wrapper run(q, (k, v))\n" + prof_wrapper}
 
 
 def main(argv=None):

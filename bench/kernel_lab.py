@@ -34,7 +34,9 @@ Case sets:
   ``nosharing-n``: the quick-start batch per packer, the no-sharing batches;
   ``nosharing-finish``: the no-sharing batches at 16:8, 32:8 and 64:8 with the finisher on
   (default) and off; ``long-stages``: the long-prefix batches with deeper warpgroup rings and
-  fewer, longer parts.
+  fewer, longer parts; ``share-low``: every batch whose plan moves with a split share below 2,
+  at shares 2 (default then), 0.95 and 1; ``one-wave``: the default split (one block per SM for
+  many-row CTAs) against share 2 where they differ.
 
 Writes ``DIR/kernel_lab.json`` (environment, copy bandwidth, every row) and prints a table last.
 """
@@ -133,7 +135,6 @@ TUNINGS = {
     "wg64-s4": {"layouts": {(64, 64): (4, 4, 64)}},
     # (split share 0.95: 16 parts of 1024 tokens, 128 blocks of 8 KV heads, one per SM)
     "share095": {"split_share": 0.95},
-    "share2-fixed": {"split_share": 2.0},   # the default share before round 17's one-wave rule
     "wg64-s3-share095": {"layouts": {(64, 64): (4, 3, 64)}, "split_share": 0.95},
     "wg64-s4-share095": {"layouts": {(64, 64): (4, 4, 64)}, "split_share": 0.95},
     "wg128-s3": {"layouts": {(128, 64): (8, 3, 64)}},
@@ -497,7 +498,7 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                      ("1,2,4,8,16,32,64_256,128,64,64,32,32,32", ((32, 8), (64, 8))),
                      ("1,16_16384,16", ((16, 8), (32, 8), (64, 8))),
                      ("1,32_16384,16", ((16, 8), (32, 8), (64, 8), (32, 32))))
-                 for h in hs), ("default", "share2-fixed")),
+                 for h in hs), ("default", "share2")),
              # round 17: the no-sharing batches with and without the finisher (one CTA per
              # request writing its output) at the three group sizes of 8 KV heads
              "nosharing-finish": _pair_cases(tuple((spec, h) for spec in ("128_2048", "256_4096")

@@ -274,9 +274,10 @@ def request_share(group: int) -> float:
     tokens, with the KV heads: so the share grows with the group.  Measured on an H100
     (``bench/NOTES.md``, round 16): at 32:8 re-reading 12-25% more won 1-5%, at 64:8 re-reading
     37% more won 1% and 50% lost 2%, at 16:8 12% won 0.4% and 25% tied.  Below
-    :data:`REQUEST_MIN_GROUP` the share is 0 (the rule is off): at 32:32 every measured step
-    lost, the synthetic batches by 2-5% at 12-25% more tokens and six real-trace steps, which
-    were not used to set the share, by 4-7% at only 4-5% more (round 17)."""
+    :data:`REQUEST_MIN_GROUP` the share is 0 (the rule is off): at 32:32 eight of nine measured
+    steps lost, the synthetic batches by 2-5% at 12-25% more tokens and six real-trace steps,
+    which were not used to set the share, by 4-7% at only 4-5% more; ``1,512_64,512`` won by
+    0.8% (round 17, ``bench/request_rule_check.py``)."""
     if int(group) < REQUEST_MIN_GROUP:
         return 0.0
     return min(REQUEST_SHARE_MAX, REQUEST_SHARE_PER_ROW * int(group))

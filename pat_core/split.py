@@ -8,8 +8,8 @@ many short leaf CTAs: on ``1,1024_1024,16`` (heads 32:8) the mean is ~47 tokens,
 
 The default rule (``rule="sm"``) asks the question the split exists for: will this CTA finish
 long after the others?  Thread blocks (CTA x KV head) are spread over ``num_sms`` SMs, each
-running at least two at a time, so a block's fair share is
-``sum(kv_len) x num_kv_heads / (share x num_sms)`` tokens, ``share`` blocks per SM; a CTA
+running ``share`` of them at a time, so a block's fair share is
+``sum(kv_len) x num_kv_heads / (share x num_sms)`` tokens; a CTA
 longer than that is a straggler whatever the mean says, and one shorter than that is not.  The
 share depends on what would be cut (:func:`auto_split_share`): 2 by default, 3 for long
 private requests of few rows, and one block per SM, without overshooting the SMs, where a cut
@@ -75,7 +75,10 @@ def one_wave_share(kv_len: np.ndarray, num_kv_heads: int, num_sms: int, min_part
     with two.  Each pack is cut into whole parts, so the plain rule can overshoot: the 16k-token
     prefix of ``1,16_16384,16`` (32:8) at share 1 is cut into 17 parts, 136 blocks on 132 SMs,
     and four SMs then run two of the longest blocks (bench/NOTES.md, round 5: slower than share
-    2; round 17: 16 parts, 128 blocks, 6% faster than share 2)."""
+    2; round 17: 16 parts, 128 blocks, 7% faster than share 2).  Only the cut CTAs are counted
+    (the uncut ones, leaves say, share the SMs with them), by tokens: the ``split_by="work"``
+    weights are not applied here.  Where even one part per cut pack would make more blocks than
+    SMs, the share falls until nothing is cut."""
     kv_len = np.asarray(kv_len).astype(np.int64)
     s = float(share)
     for _ in range(200):
@@ -104,9 +107,11 @@ def auto_split_share(kv_len: np.ndarray, rows: np.ndarray, num_kv_heads: int, nu
       bench/NOTES.md round 10);
     * one with more rows (a prefix shared by 16 requests at group 4 has 64): its partials and
       merge grow with every part, so one block per SM (:func:`one_wave_share`, share 1 at
-      most).  Measured against share 2 on every development and long-prefix batch whose plan it
-      changes (H100, round 17, ``kernel_lab --cases share-low``): 4-11% faster on nine of
-      fourteen, within 1.5% on four, 1.7% slower on ``1,2,8,128_512,128,256,32`` at 32:8.
+      most).  Measured against share 2 on every development and long-prefix configuration whose
+      plan it changes (H100, round 17, ``kernel_lab --cases one-wave``): faster on 14 of 17 by
+      1.2-16% (geometric mean over all 17: 0.953), slower on three by 1.3-3.1%
+      (``1,2,8,128_512,128,256,32`` and ``1,2,4,8,16,32,64_...`` at 32:8, ``1,32_16384,16`` at
+      16:8).
     """
     kv_len = np.asarray(kv_len)
     if kv_len.size == 0:

@@ -165,11 +165,17 @@ def test_auto_split_share():
     lens = np.array([12000, 9000, 300, 200])
     assert split_threshold(lens, 8, 132, share=2.0) < 9000      # the two long packs are cut
     assert auto_split_share(lens, np.array([4, 4, 64, 64]), 8, 132) == SHORT_ROWS_SPLIT_SHARE
-    many = one_wave_share(lens, 8, 132)
-    assert many <= 1.0
-    assert auto_split_share(lens, np.array([4, 64, 4, 4]), 8, 132) == many
-    assert auto_split_share(lens, np.array([16, 16, 4, 4]), 8, 132) == SHORT_ROWS_SPLIT_SHARE
+    # a cut pack of more than 16 rows: the largest share (1 at most, 3% steps) whose cut packs
+    # make no more than 132 blocks of 8 KV heads
+    many = auto_split_share(lens, np.array([4, 64, 4, 4]), 8, 132)
     assert auto_split_share(lens, np.array([17, 4, 4, 4]), 8, 132) == many
+    assert auto_split_share(lens, np.array([16, 16, 4, 4]), 8, 132) == SHORT_ROWS_SPLIT_SHARE
+
+    def cut_blocks(share):
+        thr = split_threshold(lens, 8, 132, share=share)
+        return sum(-(-int(n) // thr) for n in lens if n > thr) * 8
+    assert many <= 1.0 and cut_blocks(many) <= 132 < cut_blocks(many / 0.97)
+    assert one_wave_share(lens, 8, 132) == many
     short = np.array([200, 100])                  # nothing to cut: every pack under min_part
     assert auto_split_share(short, np.array([4, 4]), 8, 132) == DEFAULT_SPLIT_SHARE
     assert auto_split_share(np.array([], dtype=np.int64), np.array([]), 8, 132) == 2.0
@@ -195,15 +201,16 @@ def test_many_row_splits_make_one_block_per_sm(spec, heads):
     """Where a cut CTA holds many query rows the default split makes at most one thread block
     per SM of the cut CTAs, where the plain share-1 rule overshoots (16k prefix: 17 parts, 136
     blocks on 132 SMs) and share 2 makes two per SM."""
-    from pat_core.split import one_wave_share
     b = build_tree_batch(spec, page_size=16)
     args = (b.block_tables, b.seq_lens, heads[0], heads[1], 128, 16)
     auto = Planner("pat", "h100").plan(*args)
     share2 = Planner("pat", "h100", Tuning(split_share=2.0)).plan(*args)
+    whole = Planner("pat", "h100").plan(*args, split=False)
     rows = np.diff(auto.cta_req_indptr) * auto.group_size
-    # the parts of cut packs: CTAs of more than 16 rows whose pack is split (kv shorter than
-    # the node); here every CTA above 16 rows is one
+    # in these batches every CTA of more than 16 rows is a part of a cut pack
     cut_blocks = int((rows > 16).sum()) * auto.num_kv_heads
+    whole_rows = np.diff(whole.cta_req_indptr) * whole.group_size
+    assert int((rows > 16).sum()) > int((whole_rows > 16).sum())      # something was cut
     assert cut_blocks <= 132
     assert auto.num_ctas < share2.num_ctas
     assert auto.stats()["partial_bytes"] < share2.stats()["partial_bytes"]

@@ -439,9 +439,11 @@ assert q_total / big_totals["pat"] > st_["query"]["total_bytes"] / st_["pat"]["t
 # below a minimum part length (`pat_core.split.split_threshold`). "Twice" is the default share
 # of blocks per SM, and the planner moves it with what would be cut
 # (`pat_core.split.auto_split_share`): three for long private requests of few rows, where a
-# part's partial results are small, and one block per SM, never more cut blocks than SMs, where
-# a cut CTA holds many query rows, whose partials grow with every part (neither applies to the
-# two batches below). The PAT paper's rule, the batch's mean CTA length, is `split="mean"`. The split is on by default; above we turned it off
+# part's partial results are small, and one block per SM, never more cut blocks than SMs,
+# where a cut CTA holds many query rows, whose partials grow with every part. The big batch
+# below is such a case (a cut CTA of 64 rows), but there both shares fall under the 256-token
+# minimum part, so the default plan is the share-2 plan. The PAT paper's rule, the batch's
+# mean CTA length, is `split="mean"`. The split is on by default; above we turned it off
 # to keep the picture one CTA per pack. Below, the threshold of each rule and what it does, on
 # the small batch and on the big one:
 
