@@ -111,7 +111,8 @@ def auto_split_share(kv_len: np.ndarray, rows: np.ndarray, num_kv_heads: int, nu
       plan it changes (H100, round 17, ``kernel_lab --cases one-wave``): faster on 14 of 17 by
       1.2-16% (geometric mean over all 17: 0.953), slower on three by 1.3-3.1%
       (``1,2,8,128_512,128,256,32`` and ``1,2,4,8,16,32,64_...`` at 32:8, ``1,32_16384,16`` at
-      16:8).
+      16:8).  On an H200 faster on 12 of 17 (geometric mean 0.962), up to 9% slower on the
+      long prefixes, where one warpgroup block per SM does not keep up with its bandwidth.
     """
     kv_len = np.asarray(kv_len)
     if kv_len.size == 0:
