@@ -3,7 +3,8 @@
 A drawn batch has 1-3 roots, up to 6 levels, branching 1-8, node token counts that are rarely
 multiples of the page size (1 included), requests that end at internal nodes, identical
 requests, and requests forked inside a shared page (listing a longer request's partly covered
-page).  Page ids are shuffled and padding columns hold junk.
+page).  Page ids are shuffled and padding columns hold junk.  :func:`assert_run_matches_dense`
+runs a planned CPU wrapper on such a batch against float64 dense attention.
 """
 from __future__ import annotations
 
@@ -99,3 +100,15 @@ def prefix_batches(draw, max_requests=20, max_levels=6, page_sizes=(1, 2, 3, 4, 
 def head_configs():
     """(num_qo_heads, num_kv_heads) with GQA groups 1..8."""
     return st.tuples(st.integers(1, 8), st.integers(1, 2)).map(lambda t: (t[0] * t[1], t[1]))
+
+
+def assert_run_matches_dense(w, b, hq: int, hk: int, d: int, tol: float = 1e-5) -> None:
+    """Run the planned CPU wrapper ``w`` on batch ``b`` with a random float32 cache (seed 1)
+    and queries (seed 2), and assert its output is within ``tol`` of dense attention."""
+    from pat_core.reference import dense_attention, relative_error
+    from pat_core.workloads import random_kv_cache
+    k, v = random_kv_cache(b.num_pages, b.page_size, hk, d, seed=1)
+    q = np.random.default_rng(2).standard_normal((b.batch_size, hq, d)).astype(np.float32)
+    out = w.run(q, (k, v))
+    ref = dense_attention(q, (k, v), b.block_tables, b.seq_lens, b.page_size)
+    assert relative_error(out, ref) < tol

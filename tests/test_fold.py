@@ -11,7 +11,7 @@ from pat_core.fold import FINISH_MAX_ROWS, finisher_ctas
 from pat_core.merge import merge_partials
 from pat_core.reference import dense_attention, relative_error
 from pat_core.workloads import build_tree_batch, random_kv_cache
-from strategies import head_configs, prefix_batches
+from strategies import assert_run_matches_dense, head_configs, prefix_batches
 
 ALWAYS = Tuning(finish_share=1.0)
 
@@ -147,11 +147,7 @@ def test_fold_plans_match_dense(b, heads, share):
         assert np.all(cta_of[cta_of < f0] < f0)
         other = plan.cta_kv_len[:f0].astype(np.int64).sum()
         assert other <= share * plan.cta_kv_len.astype(np.int64).sum()
-    k, v = random_kv_cache(b.num_pages, b.page_size, hk, d, seed=1)
-    q = np.random.default_rng(2).standard_normal((b.batch_size, hq, d)).astype(np.float32)
-    out = w.run(q, (k, v))
-    ref = dense_attention(q, (k, v), b.block_tables, b.seq_lens, b.page_size)
-    assert relative_error(out, ref) < 1e-5
+    assert_run_matches_dense(w, b, hq, hk, d)
 
 
 def test_length_update_keeps_a_fold_plan_equal_to_a_fresh_one():

@@ -7,9 +7,8 @@ from hypothesis import strategies as st
 
 from pat_core import Planner, PrefixAttentionWrapper, Tuning
 from pat_core.packers import PARTIAL_WEIGHT
-from pat_core.reference import dense_attention, relative_error
-from pat_core.workloads import build_tree_batch, random_kv_cache
-from strategies import head_configs, prefix_batches
+from pat_core.workloads import build_tree_batch
+from strategies import assert_run_matches_dense, head_configs, prefix_batches
 
 SETTINGS = [
     Tuning(),
@@ -36,11 +35,7 @@ def test_every_tuning_matches_dense(b, heads, which):
     plan.validate()
     for cnt in plan.coverage_counts():
         assert np.all(cnt == 1)
-    k, v = random_kv_cache(b.num_pages, b.page_size, hk, d, seed=1)
-    q = np.random.default_rng(2).standard_normal((b.batch_size, hq, d)).astype(np.float32)
-    out = w.run(q, (k, v))
-    ref = dense_attention(q, (k, v), b.block_tables, b.seq_lens, b.page_size)
-    assert relative_error(out, ref) < 1e-5
+    assert_run_matches_dense(w, b, hq, hk, d)
 
 
 def test_work_order_launches_longest_first():
