@@ -60,14 +60,6 @@ MANY_ROWS_SPLIT_SHARE = 1.0
 SHORT_ROWS = 16
 
 
-def _parts(kv_len: np.ndarray, threshold: int) -> np.ndarray:
-    """Parts :func:`split_long_kv` cuts each of ``kv_len`` (int ``[K]``) into at ``threshold``."""
-    k = np.maximum(1, -(-kv_len // threshold))
-    pl = -(-kv_len // k)
-    pl = np.where(k > 1, (pl + 15) // 16 * 16, pl)
-    return -(-kv_len // pl)
-
-
 def one_wave_share(kv_len: np.ndarray, num_kv_heads: int, num_sms: int, min_part: int = 256,
                    share: float = MANY_ROWS_SPLIT_SHARE) -> float:
     """The largest share of the form ``share * 0.97**i`` whose cut packs, split, make no more
@@ -84,7 +76,8 @@ def one_wave_share(kv_len: np.ndarray, num_kv_heads: int, num_sms: int, min_part
     for _ in range(200):
         thr = split_threshold(kv_len, num_kv_heads, num_sms, min_part=min_part, share=s)
         cut = kv_len > thr
-        if int(_parts(kv_len[cut], thr).sum()) * num_kv_heads <= num_sms:
+        parts, _ = _part_layout(kv_len[cut], np.full(int(cut.sum()), thr, dtype=np.int64))
+        if int(parts.sum()) * num_kv_heads <= num_sms:
             break
         s *= 0.97
     return s
@@ -144,27 +137,36 @@ def split_long_kv(packs: Packs, threshold: int, weight: np.ndarray | None = None
 
 
 @njit(cache=True)
-def _split(kv_start, kv_end, thresholds):
-    K = kv_start.shape[0]
+def _part_layout(length, thresholds):
+    """``(parts, plen)``: int64 ``[K]``, how many parts each of ``length`` (int ``[K]`` tokens)
+    is cut into at ``thresholds`` (int64 ``[K]``), and their length (the last part may be
+    shorter).  The one rule :func:`split_long_kv` cuts by and :func:`one_wave_share` counts by."""
+    K = length.shape[0]
     parts = np.empty(K, dtype=np.int64)
     plen = np.empty(K, dtype=np.int64)
-    total = 0
     for p in range(K):
-        length = kv_end[p] - kv_start[p]
+        n = length[p]
         threshold = thresholds[p]
-        k = max(1, (length + threshold - 1) // threshold)
-        pl = (length + k - 1) // k
+        k = max(1, (n + threshold - 1) // threshold)
+        pl = (n + k - 1) // k
         if k > 1:
             pl = (pl + 15) // 16 * 16          # parts are whole 16-token tiles but the last
-        k = (length + pl - 1) // pl
-        parts[p] = k
+        parts[p] = (n + pl - 1) // pl
         plen[p] = pl
-        total += k
+    return parts, plen
+
+
+@njit(cache=True)
+def _split(kv_start, kv_end, thresholds):
+    parts, plen = _part_layout((kv_end - kv_start).astype(np.int64), thresholds)
+    total = 0
+    for p in range(kv_start.shape[0]):
+        total += parts[p]
     src = np.empty(total, dtype=np.int32)
     start = np.empty(total, dtype=np.int32)
     ln = np.empty(total, dtype=np.int32)
     i = 0
-    for p in range(K):
+    for p in range(kv_start.shape[0]):
         for k in range(parts[p]):
             s = kv_start[p] + k * plen[p]
             e = min(s + plen[p], kv_end[p])
