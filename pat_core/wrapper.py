@@ -390,19 +390,23 @@ class PrefixAttentionWrapper:
         plan = self.current_plan
         _check_array(q, "q")
         k_cache, v_cache = split_kv_cache(paged_kv_cache, self.kv_layout)
+        want_lse = bool(return_lse or lse is not None)
+        if self._gpu_backend is not None and not self.use_cuda_graph:
+            # the backend runs these checks only when it validates a new input set (plan,
+            # pointers, shapes, strides, dtypes), so a decode loop pays for them once
+            def check():
+                self._check_run_dtypes(plan, q, k_cache, v_cache)
+                plan.check_inputs(q, k_cache, v_cache, self.kv_layout)
+            return self._gpu_backend.run(plan, q, k_cache, v_cache, kv_layout=self.kv_layout,
+                                         return_lse=want_lse, out=out, lse=lse, check=check)
         if self._gpu_backend is None:
             for t, name in ((q, "q"), (k_cache, "paged_kv_cache"), (v_cache, "paged_kv_cache")):
                 _check_cpu_array(t, name)
         self._check_run_dtypes(plan, q, k_cache, v_cache)
-        want_lse = bool(return_lse or lse is not None)
         if self.use_cuda_graph:
             return self._gpu_backend.run_static(self._static, q, k_cache, v_cache,
                                                 kv_layout=self.kv_layout, return_lse=want_lse,
                                                 out=out, lse=lse)
-        if self._gpu_backend is not None:
-            plan.check_inputs(q, k_cache, v_cache, self.kv_layout)
-            return self._gpu_backend.run(plan, q, k_cache, v_cache, kv_layout=self.kv_layout,
-                                         return_lse=want_lse, out=out, lse=lse)
         qdt = _dtype_of(q)
         B, Hq, D = plan.batch_size, plan.num_qo_heads, plan.head_dim
         # check the caller's buffers before the work, so a bad one costs nothing

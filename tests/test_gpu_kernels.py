@@ -280,6 +280,41 @@ def test_bad_inputs(backend):
 
 
 @requires_gpu
+def test_wrapper_checks_once_per_input_set(backend, monkeypatch):
+    """The wrapper's checks run when the backend validates a new input set, not on calls that
+    reuse its cached launch arguments; a new q (other pointer or dtype) is checked again, and a
+    bad one still raises, naming the argument.  Outputs allocated by run() match out=."""
+    import torch
+    from pat_core import PrefixAttentionWrapper
+    from pat_core.plan import Plan
+    from pat_core.workloads import build_tree_batch
+    b = build_tree_batch("1,4_40,20", page_size=16, seed=0)
+    w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+    w._gpu_backend = backend
+    w.plan(b.block_tables, b.seq_lens, 8, 2, 64, 16)
+    q, k, v = make_inputs(b.num_pages, 16, b.batch_size, 8, 2, 64, "float16", "NHD", 0)
+    calls = []
+    real = Plan.check_inputs
+    monkeypatch.setattr(Plan, "check_inputs",
+                        lambda self, *a, **kw: (calls.append(1), real(self, *a, **kw))[1])
+    first, lse = w.run(q, (k, v), return_lse=True)
+    for _ in range(3):
+        again = w.run(q, (k, v))
+    assert len(calls) == 1
+    assert torch.equal(first, again)
+    out = torch.full_like(q, float("nan"))
+    lse_buf = torch.full(lse.shape, float("nan"), dtype=torch.float32, device="cuda")
+    w.run(q, (k, v), out=out, lse=lse_buf)
+    assert torch.equal(out, first) and torch.equal(lse_buf, lse) and len(calls) == 1
+    w.run(q.clone(), (k, v))
+    assert len(calls) == 2
+    with pytest.raises(TypeError, match=r"q is bfloat16 but plan\(\) fixed q_data_type="):
+        w.run(q.to(torch.bfloat16), (k, v))
+    with pytest.raises(ValueError, match="paged_kv_cache holds only"):
+        w.run(q, (k[:1], v[:1]))
+
+
+@requires_gpu
 @requires_gpu
 @pytest.mark.parametrize("launch_mode", ("streams", "fused", "auto"))
 @pytest.mark.parametrize("merge_mode", ("forward", "kernel"))

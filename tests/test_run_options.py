@@ -229,3 +229,41 @@ def test_cuda_backend_rejects_caches_past_32bit_offsets(layout):
     qbig = _Dev(_FakeDeviceArray((3, 4, d), (2**31 + 8, d, 1)), "q")
     with pytest.raises(ValueError, match="q: element strides"):
         _check_cache(qbig, ok, ok, layout, ps, hk, d)
+
+
+# ------------------------------------------------------- checks delegated to the GPU backend
+class _CachingBackend:
+    """Stands in for CudaBackend's input-set cache: runs the wrapper's ``check`` only for an
+    input set (by shapes and dtypes here) it has not seen, as the real backend does per
+    (pointers, shapes, strides, dtypes)."""
+
+    def __init__(self):
+        self.seen, self.checks = set(), 0
+
+    def run(self, plan, q, k, v, kv_layout="NHD", return_lse=False, out=None, lse=None,
+            check=None):
+        key = (id(plan), q.shape, str(q.dtype), k.shape, str(k.dtype), kv_layout)
+        if key not in self.seen:
+            self.checks += 1
+            check()
+            self.seen.add(key)
+        return "ran"
+
+
+def test_gpu_path_checks_once_per_input_set(batch):
+    """On the GPU path the wrapper's own checks (dtypes fixed at plan(), shapes and pages against
+    the plan) go to the backend as ``check``, run once per new input set instead of per call."""
+    q, k, v = _inputs(batch, np.float16)
+    w = _wrapper(batch, "float16")
+    w._gpu_backend = fake = _CachingBackend()
+    assert w.run(q, (k, v)) == "ran" and fake.checks == 1
+    for _ in range(3):
+        w.run(q, (k, v))
+    assert fake.checks == 1
+    with pytest.raises(TypeError, match=r"q is float32 but plan\(\) fixed q_data_type="):
+        w.run(q.astype(np.float32), (k, v))
+    with pytest.raises(ValueError, match="q has shape"):
+        w.run(q[:, :2], (k, v))
+    with pytest.raises(ValueError, match="paged_kv_cache holds only"):
+        w.run(q, (k[:1], v[:1]))
+    assert fake.checks == 4
