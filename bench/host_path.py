@@ -16,8 +16,11 @@ heads, pat's default plan, fp16, head_dim 128, page 16:
   the wrapper call.  The flush (a ~45 us kernel) runs while the host enqueues the eager call,
   so host time up to the flush's length is hidden there.
 * ``loop_eager_us`` / ``loop_graph_us``: per step over ``--calls`` steps issued back to back
-  (events around the loop, L2 warm, no flush): what a decode loop that calls ``run()`` per layer
+  (events around the loop, L2 warm, no flush): what a loop calling ``run()`` on the same inputs
   sees, host bound when the host cost exceeds the step, against the same loop of graph replays.
+* ``layers_plan_us`` / ``layers_call_us``: a model's eager decode steps: ``plan()`` once per
+  step, then one ``run()`` per layer over 32 layers with a KV cache each, so every call is an
+  input set new to the backend (host microseconds per plan and per call).
 
 Every configuration's output is checked against float64 attention before it is timed.
 Writes ``DIR/host_path_<label>.json`` (environment and rows) and prints a table last;
@@ -45,7 +48,7 @@ CASES = (
     ("1,4,16_128,256,1024", (32, 8)),
 )
 COLUMNS = ("host_us", "host_out_us", "backend_us", "graph_us", "eager_flush_us",
-           "loop_graph_us", "loop_eager_us")
+           "loop_graph_us", "loop_eager_us", "layers_plan_us", "layers_call_us")
 
 
 def _host_us(fn, calls: int) -> float:
@@ -113,7 +116,102 @@ def measure(spec: str, heads: tuple, calls: int, reps: int, flush) -> dict:
     row["eager_flush_us"] = float(np.median(time_events(run, reps, flush=flush))) * 1e3
     row["loop_graph_us"] = _loop_us(graph.replay, calls)
     row["loop_eager_us"] = _loop_us(run, calls)
+    row.update(_layers(w, b, q, k, v, hq, hk))
     return row
+
+
+def _layers(w, b, q, k, v, hq: int, hk: int, num_layers: int = 32, steps: int = 4) -> dict:
+    """A model's decode steps run eagerly: each step plans once, then calls ``run()`` for
+    ``num_layers`` layers, each with its own KV cache (so each call is an input set the backend
+    has not seen with this plan).  Host microseconds per ``plan()`` and per layer call."""
+    import torch
+    caches = [(k.clone(), v.clone()) for _ in range(num_layers)]
+    plan_s = call_s = 0.0
+    for step in range(steps + 1):                # the first step warms up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        w.plan(b.block_tables, b.seq_lens, hq, hk, 128, 16)
+        t1 = time.perf_counter()
+        for kc, vc in caches:
+            w.run(q, (kc, vc))
+        t2 = time.perf_counter()
+        if step:
+            plan_s += t1 - t0
+            call_s += t2 - t1
+    torch.cuda.synchronize()
+    del caches
+    return {"layers_plan_us": plan_s / steps * 1e6,
+            "layers_call_us": call_s / (steps * num_layers) * 1e6}
+
+
+def breakdown(spec: str = "1,4,64_256,1024,64", heads=(32, 8), calls: int = 300,
+              profile: bool = False) -> dict:
+    """Host microseconds per call of each piece of ``CudaBackend.run`` on one plan: the input
+    descriptors, the output allocation, the stream lookup, each launch on its own, the fork /
+    join events, the whole call, and a cache miss (``_prepare``)."""
+    import torch
+    from pat_core import PrefixAttentionWrapper
+    from pat_core import cuda_backend as cb
+    from pat_core.workloads import build_tree_batch
+    hq, hk = heads
+    b = build_tree_batch(spec, page_size=16, seed=0)
+    w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+    plan = w.plan(b.block_tables, b.seq_lens, hq, hk, 128, 16)
+    k = torch.randn((b.num_pages, 16, hk, 128), device="cuda", dtype=torch.float16)
+    v = torch.randn_like(k)
+    q = torch.randn((b.batch_size, hq, 128), device="cuda", dtype=torch.float16)
+    out = torch.empty_like(q)
+    be = w._gpu_backend
+    be.run(plan, q, k, v, out=out)
+    qd, kd, vd = cb._Dev(q, "q"), cb._Dev(k, "k"), cb._Dev(v, "v")
+    prep = next(iter(be._uploads[id(plan)]["prepared"].values()))
+    caller = be._caller_stream(qd)
+    rt = be.cp.cuda.runtime
+    streams, fork, joins = be._pool()
+    res = {"spec": spec, "heads": f"{hq}:{hk}", "launches": len(prep["launches"]),
+           "merge": prep["merge"] is not None}
+    pieces = {
+        "three _Dev": lambda: (cb._Dev(q, "q"), cb._Dev(k, "k"), cb._Dev(v, "v")),
+        "sig tuple": lambda: ("NHD", qd.sig(), kd.sig(), vd.sig(), be.launch_mode,
+                              be.fused_max_blocks_per_sm, be.fused_max_kv_len, be.merge_mode,
+                              be.merge_per_pair, be.merge_heads_per_warp, be.finish_launch,
+                              be.one_tile),
+        "torch.empty out": lambda: be._alloc_like(qd, (b.batch_size, hq, 128), "float16"),
+        "torch.empty_like(q)": lambda: torch.empty_like(q),
+        "stream handle": lambda: be._caller_stream(qd),
+        "getDevice": lambda: rt.getDevice(),
+        "event record + wait": lambda: (rt.eventRecord(fork.ptr, caller),
+                                        rt.streamWaitEvent(streams[0].ptr, fork.ptr, 0)),
+        "one launch (first)": lambda: prep["launches"][0](caller),
+        "_execute": lambda: be._execute(plan, prep, qd, False, out, None),
+        "backend.run(out=)": lambda: be.run(plan, q, k, v, out=out),
+        "wrapper.run": lambda: w.run(q, (k, v)),
+    }
+    if prep["merge"] is not None:
+        pieces["merge launch"] = lambda: prep["merge"](caller)
+    for name, fn in pieces.items():
+        for _ in range(5):
+            fn()
+        res[name] = _host_us(fn, calls)
+    t0 = time.perf_counter()
+    n = 20
+    for _ in range(n):
+        be._prepare(plan, qd, kd, vd, "NHD")
+    torch.cuda.synchronize()
+    res["_prepare (cache miss)"] = (time.perf_counter() - t0) / n * 1e6
+    if profile:
+        import cProfile
+        import io
+        import pstats
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(n):
+            be._prepare(plan, qd, kd, vd, "NHD")
+        prof.disable()
+        sio = io.StringIO()
+        pstats.Stats(prof, stream=sio).sort_stats("cumulative").print_stats(30)
+        print(sio.getvalue())
+    return res
 
 
 def env() -> dict:
@@ -141,7 +239,8 @@ def compare(a_path: str, b_path: str) -> str:
     a, b = (json.loads(Path(p).read_text()) for p in (a_path, b_path))
     lines = [f"A: {a['label']} ({a['env']['git_sha']})   B: {b['label']} ({b['env']['git_sha']})",
              f"{'batch':<28} {'heads':>5} {'host A':>8} {'host B':>8} {'loop e/g A':>10} "
-             f"{'loop e/g B':>10} {'flush e/g A':>11} {'flush e/g B':>11}"]
+             f"{'loop e/g B':>10} {'flush e/g A':>11} {'flush e/g B':>11} {'layer A':>8} "
+             f"{'layer B':>8}"]
     rows_b = {(r["spec"], r["heads"]): r for r in b["rows"]}
     for ra in a["rows"]:
         rb = rows_b.get((ra["spec"], ra["heads"]))
@@ -152,7 +251,9 @@ def compare(a_path: str, b_path: str) -> str:
             f"{ra['loop_eager_us'] / ra['loop_graph_us']:10.2f} "
             f"{rb['loop_eager_us'] / rb['loop_graph_us']:10.2f} "
             f"{ra['eager_flush_us'] / ra['graph_us']:11.2f} "
-            f"{rb['eager_flush_us'] / rb['graph_us']:11.2f}")
+            f"{rb['eager_flush_us'] / rb['graph_us']:11.2f} "
+            f"{ra.get('layers_call_us', float('nan')):8.1f} "
+            f"{rb.get('layers_call_us', float('nan')):8.1f}")
     return "\n".join(lines)
 
 
@@ -163,12 +264,21 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--compare", nargs=2, metavar="JSON")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="only time the pieces of one backend call (printed, not saved)")
+    ap.add_argument("--profile", action="store_true",
+                    help="with --breakdown: a cProfile of the cache-miss path")
     args = ap.parse_args(argv)
     if args.compare:
         print(compare(*args.compare))
         return 0
+    if args.breakdown:
+        for spec, heads in (("1,4,64_256,1024,64", (32, 8)), ("1,16_2048,128", (32, 8))):
+            for key, val in breakdown(spec, heads, args.calls, args.profile).items():
+                print(f"{key:<24} {val:9.2f}" if isinstance(val, float) else f"{key:<24} {val}")
+        return 0
     if not args.out:
-        ap.error("--out is required unless --compare")
+        ap.error("--out is required unless --compare or --breakdown")
     if args.calls < 1 or args.reps < 1:
         ap.error("--calls and --reps must be positive")
     from common import l2_flusher

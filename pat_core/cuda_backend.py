@@ -266,6 +266,7 @@ class CudaBackend:
         self.max_smem_optin = int(props.get("sharedMemPerBlockOptin", 0) or 0)
         self._uploads: dict = {}      # id(plan) -> record
         self._pools: dict = {}        # device -> (streams, fork event, join events)
+        self._sm_counts: dict = {}    # device -> SM count
         # blocks of one CTA's KV heads adjacent in launch order (see cuda_src/pat_fwd.cuh)
         self.head_minor = True
         # launch through cuLaunchKernel with pre-packed arguments (False: CuPy's generic call)
@@ -713,9 +714,13 @@ class CudaBackend:
         return per_sm
 
     def _num_sms(self) -> int:
-        """SMs of the current device."""
+        """SMs of the current device (its properties read once: the query takes ~1 ms)."""
         rt = self.cp.cuda.runtime
-        return int(rt.getDeviceProperties(rt.getDevice())["multiProcessorCount"])
+        dev = rt.getDevice()
+        n = self._sm_counts.get(dev)
+        if n is None:
+            n = self._sm_counts[dev] = int(rt.getDeviceProperties(dev)["multiProcessorCount"])
+        return n
 
     def _alloc_like(self, qd: _Dev, shape, dtype: str):
         """A new C-contiguous ``shape`` array of ``dtype`` on q's device, of q's kind."""

@@ -106,6 +106,22 @@ def kernel_resources(m: int, n: int, head_dim: int, dtype: str, gpu: GPUSpec,
     """
     data = _load_resource_file(path)
     dtype = dtype_name(dtype)
+    # answers are kept per loaded file: every launch preparation and tile solve asks, and a
+    # scan of the file's few hundred variants costs a fraction of a millisecond
+    memo = _RESOURCE_MEMO.get(path)
+    if memo is None or memo[0] is not data:
+        memo = _RESOURCE_MEMO[path] = (data, {})
+    key = (m, n, head_dim, dtype, gpu)
+    if key in memo[1]:
+        return memo[1][key]
+    memo[1][key] = res = _kernel_resources(data, m, n, head_dim, dtype, gpu)
+    return res
+
+
+_RESOURCE_MEMO: dict = {}   # path -> (the loaded file, {(m, n, head_dim, dtype, gpu): result})
+
+
+def _kernel_resources(data, m: int, n: int, head_dim: int, dtype: str, gpu: GPUSpec):
     forward = [v for v in (data or {}).get("variants", {}).values()
                if v.get("kind", "forward") == "forward" and "m" in v and not v.get("pull")
                and not v.get("finish")]
