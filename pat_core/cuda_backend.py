@@ -306,6 +306,7 @@ class CudaBackend:
         # (bench/NOTES.md, round 15); env PAT_MERGE_LAUNCH
         self.merge_launch = os.environ.get("PAT_MERGE_LAUNCH", "pdl")
         self._counter_bufs: dict = {}  # device -> int32 counters, zero between runs
+        self._counter_gens: dict = {}  # device -> times its counters were replaced
         # graph-safe mode: at most this many blocks per SM in each pull launch (None: as many
         # as can be resident); an ablation knob, env PAT_GRAPH_BLOCKS_PER_SM
         env_cap = os.environ.get("PAT_GRAPH_BLOCKS_PER_SM", "")
@@ -416,7 +417,7 @@ class CudaBackend:
             return
         _check_plan_tiles(plan)
         cp.cuda.Device(dev).synchronize()
-        rec = {"version": plan.version, "device": dev, "prepared": {},
+        rec = {"version": plan.version, "device": dev, "prepared": {}, "layouts": {},
                "max_page": int(plan.cta_pages.max()) if plan.cta_pages.size else -1,
                "min_page": int(plan.cta_pages.min()) if plan.cta_pages.size else 0}
         for name in _UPLOAD_FIELDS:
@@ -457,9 +458,11 @@ class CudaBackend:
             self._buffers[dev] = cur
         return cur[2], cur[3]
 
-    def _buffer_generation(self, dev) -> int:
+    def _buffer_generation(self, dev) -> tuple:
+        """Generation of the device's shared buffers (partials, merge counters): prepared
+        launches hold their addresses, so they are rebuilt when either grows."""
         cur = self._buffers.get(dev)
-        return cur[4] if cur else -1
+        return (cur[4] if cur else -1, self._counter_gens.get(dev, 0))
 
     def _pool(self):
         cp = self.cp
@@ -524,7 +527,7 @@ class CudaBackend:
                 check()
             prep = self._prepare(plan, qd, kd, vd, kv_layout)
             rec = self._uploads[id(plan)]
-            if len(rec["prepared"]) >= 16:
+            if len(rec["prepared"]) >= 64:     # e.g. one input set per model layer
                 rec["prepared"].clear()
             rec["prepared"][sig] = prep
         cp = self.cp
@@ -560,100 +563,123 @@ class CudaBackend:
             if rec["min_page"] < 0:
                 raise ValueError(f"the plan reads page {rec['min_page']}: page ids must be >= 0")
             dtype = qd.dtype
-            o_part, l_part = self._partials(plan.num_slots, Hq, D)
-            base = _fwd_params(qd, kd, vd, axes, o_part, l_part, rec,
-                               plan.group_size, Hq, Hk, plan.page_size, plan.sm_scale,
-                               self.head_minor)
-            if self.merge_mode not in ("forward", "kernel"):
-                raise ValueError(f"merge_mode must be 'forward' or 'kernel', got "
-                                 f"{self.merge_mode!r}")
-            # a plan with a finisher phase has no merge: its finishers write the output
-            fold = plan.finish_from >= 0
-            in_fwd = self.merge_mode == "forward" and not fold
-            if fold:
-                base.merge.req_slot_indptr = _ptr(rec["req_slot_indptr"])
-            if in_fwd:   # out / lse pointers and strides are filled in per call
-                base.merge.counters = _ptr(self._counters(plan.batch_size * Hk))
-                base.merge.req_slot_indptr = _ptr(rec["req_slot_indptr"])
-            launches = []
-            members = [cc.FwdVariant.make(m, n, D, dtype, arch=self.arch)
-                       for _, (m, n), b, e in plan.groups()
-                       if e > b]
-            if self._use_fused(plan, members):
-                fv = cc.FusedVariant(D, dtype, tuple(dict.fromkeys(members)))
-                pos = {(v.m, v.n): i for i, v in enumerate(fv.members)}
-                idx = np.array([pos[(int(m), int(n))] for m, n in plan.tile_configs],
-                               dtype=np.int32)[plan.cta_tile]
-                cta_variant = cp.asarray(np.ascontiguousarray(idx, dtype=np.int32))
+            key = (dtype, self.launch_mode, self.fused_max_blocks_per_sm, self.fused_max_kv_len,
+                   self.merge_mode, self.merge_per_pair, self.merge_heads_per_warp,
+                   self.finish_launch, self.one_tile, self.head_minor, self.fast_launch)
+            lay = rec["layouts"].get(key)
+            if lay is None or lay["buf_gen"] != self._buffer_generation(dev):
+                if len(rec["layouts"]) >= 8:
+                    rec["layouts"].clear()
+                lay = rec["layouts"][key] = self._launch_set(plan, rec, dtype)
+            # the launch set with this input set's addresses and strides (the only fields of
+            # the forward parameters that depend on q and the caches)
+            fields = _input_fields(qd, kd, vd, axes)
+            launches = [ln.with_inputs(fields) for ln in lay["launches"]]
+            return {"device": dev, "dtype": dtype, "launches": launches, "merge": lay["merge"],
+                    "phase_b": lay["phase_b"], "buf_gen": lay["buf_gen"]}
+
+    def _launch_set(self, plan: Plan, rec: dict, dtype: str) -> dict:
+        """Every launch of ``plan`` in ``dtype`` under the current settings, on the current
+        device, with the forward parameters' input fields (q, caches) left 0: what all input
+        sets of one plan share (kernels, grids, parameter templates, work counters).
+        Returns ``{"launches", "merge" (None when the forward writes the output), "phase_b"
+        (index of the finisher phase's first launch or None), "buf_gen"}``."""
+        cp = self.cp
+        B, Hq, Hk, D = plan.batch_size, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim
+        o_part, l_part = self._partials(plan.num_slots, Hq, D)
+        base = _fwd_params(None, None, None, None, o_part, l_part, rec,
+                           plan.group_size, Hq, Hk, plan.page_size, plan.sm_scale,
+                           self.head_minor)
+        if self.merge_mode not in ("forward", "kernel"):
+            raise ValueError(f"merge_mode must be 'forward' or 'kernel', got "
+                             f"{self.merge_mode!r}")
+        # a plan with a finisher phase has no merge: its finishers write the output
+        fold = plan.finish_from >= 0
+        in_fwd = self.merge_mode == "forward" and not fold
+        if fold:
+            base.merge.req_slot_indptr = _ptr(rec["req_slot_indptr"])
+        if in_fwd:   # out / lse pointers and strides are filled in per call
+            base.merge.counters = _ptr(self._counters(plan.batch_size * Hk))
+            base.merge.req_slot_indptr = _ptr(rec["req_slot_indptr"])
+        launches = []
+        members = [cc.FwdVariant.make(m, n, D, dtype, arch=self.arch)
+                   for _, (m, n), b, e in plan.groups()
+                   if e > b]
+        if self._use_fused(plan, members):
+            fv = cc.FusedVariant(D, dtype, tuple(dict.fromkeys(members)))
+            pos = {(v.m, v.n): i for i, v in enumerate(fv.members)}
+            idx = np.array([pos[(int(m), int(n))] for m, n in plan.tile_configs],
+                           dtype=np.int32)[plan.cta_tile]
+            cta_variant = cp.asarray(np.ascontiguousarray(idx, dtype=np.int32))
+            prm = _copy_params(base)
+            prm.cta_variant = _ptr(cta_variant)
+            prm.cta_offset, prm.n_ctas = 0, plan.num_ctas
+            launches.append(_Launch(self._function(fv), (plan.num_ctas * Hk, 1, 1),
+                                    (fv.threads, 1, 1), prm, fv.smem_bytes,
+                                    self.fast_launch, keep=cta_variant))
+            members = []
+        num_sms = self._num_sms()
+        if fold and self._finish_ordered(plan, num_sms):
+            # both phases in one ordered launch of the finisher kernel: blocks pull items in
+            # order, the first phase's first; finishers wait on the per-(request, KV head)
+            # counts of the slots written (cuda_src/pat_fwd.cuh)
+            (_, (m, n), b, _), (_, _, _, e) = [x for x in plan.groups() if x[3] > x[2]]
+            v = cc.FwdVariant.make(m, n, D, dtype, pull=True, arch=self.arch, finish=True)
+            # items drawn, blocks finished: zero between runs (the last block resets them)
+            ctr = cp.zeros(2, dtype=cp.int32)
+            prm = _copy_params(base)
+            prm.cta_offset, prm.n_ctas, prm.finish_cta = b, e - b, plan.finish_cta
+            prm.work_counter = _ptr(ctr)
+            prm.merge.counters = _ptr(self._counters(plan.batch_size * Hk))
+            grid = min((e - b) * Hk, self._blocks_per_sm(v) * num_sms)
+            launches.append(_Launch(self._function(v), (grid, 1, 1), (v.threads, 1, 1), prm,
+                                    v.smem_bytes, self.fast_launch, keep=ctr))
+            members = []
+        phase_b = None   # first launch of the finisher phase
+        for g, (m, n), b, e in (plan.groups() if members else ()):
+            if e <= b:
+                continue
+            finish = fold and g >= plan.finish_from
+            if finish and phase_b is None:
+                phase_b = len(launches)
+            # the group's one-tile tail may get a launch of its own (launch.one_tile_split;
+            # not a finisher group: those layouts have no finisher path)
+            s, kind, grid = (e, None, 0) if finish else \
+                one_tile_split(plan, b, e, num_sms, self.one_tile)
+            if s > b:
+                v = cc.FwdVariant.make(m, n, D, dtype, arch=self.arch, finish=finish)
                 prm = _copy_params(base)
-                prm.cta_variant = _ptr(cta_variant)
-                prm.cta_offset, prm.n_ctas = 0, plan.num_ctas
-                launches.append(_Launch(self._function(fv), (plan.num_ctas * Hk, 1, 1),
-                                        (fv.threads, 1, 1), prm, fv.smem_bytes,
-                                        self.fast_launch, keep=cta_variant))
-                members = []
-            num_sms = self._num_sms()
-            if fold and self._finish_ordered(plan, num_sms):
-                # both phases in one ordered launch of the finisher kernel: blocks pull items in
-                # order, the first phase's first; finishers wait on the per-(request, KV head)
-                # counts of the slots written (cuda_src/pat_fwd.cuh)
-                (_, (m, n), b, _), (_, _, _, e) = [x for x in plan.groups() if x[3] > x[2]]
-                v = cc.FwdVariant.make(m, n, D, dtype, pull=True, arch=self.arch, finish=True)
-                # items drawn, blocks finished: zero between runs (the last block resets them)
-                ctr = cp.zeros(2, dtype=cp.int32)
+                prm.cta_offset, prm.n_ctas = b, s - b
+                launches.append(_Launch(self._function(v), ((s - b) * Hk, 1, 1),
+                                        (v.threads, 1, 1), prm, v.smem_bytes,
+                                        self.fast_launch))
+            if s < e:
                 prm = _copy_params(base)
-                prm.cta_offset, prm.n_ctas, prm.finish_cta = b, e - b, plan.finish_cta
-                prm.work_counter = _ptr(ctr)
-                prm.merge.counters = _ptr(self._counters(plan.batch_size * Hk))
-                grid = min((e - b) * Hk, self._blocks_per_sm(v) * num_sms)
-                launches.append(_Launch(self._function(v), (grid, 1, 1), (v.threads, 1, 1), prm,
-                                        v.smem_bytes, self.fast_launch, keep=ctr))
-                members = []
-            phase_b = None   # first launch of the finisher phase
-            for g, (m, n), b, e in (plan.groups() if members else ()):
-                if e <= b:
-                    continue
-                finish = fold and g >= plan.finish_from
-                if finish and phase_b is None:
-                    phase_b = len(launches)
-                # the group's one-tile tail may get a launch of its own (launch.one_tile_split;
-                # not a finisher group: those layouts have no finisher path)
-                s, kind, grid = (e, None, 0) if finish else \
-                    one_tile_split(plan, b, e, num_sms, self.one_tile)
-                if s > b:
-                    v = cc.FwdVariant.make(m, n, D, dtype, arch=self.arch, finish=finish)
-                    prm = _copy_params(base)
-                    prm.cta_offset, prm.n_ctas = b, s - b
-                    launches.append(_Launch(self._function(v), ((s - b) * Hk, 1, 1),
-                                            (v.threads, 1, 1), prm, v.smem_bytes,
-                                            self.fast_launch))
-                if s < e:
-                    prm = _copy_params(base)
-                    prm.cta_offset, prm.n_ctas = s, e - s
-                    ctr = None
-                    if kind == "piped":
-                        v = cc.PipedVariant.make(n, D, dtype)
-                        # two int32 work counters of this launch, zero between runs (the
-                        # kernel's last block resets them)
-                        ctr = cp.zeros(2, dtype=cp.int32)
-                        prm.work_counter = _ptr(ctr)
-                    else:
-                        v = cc.FwdVariant.make(m, n, D, dtype, arch=self.arch, one_tile=True)
-                    launches.append(_Launch(self._function(v), (grid, 1, 1), (v.threads, 1, 1),
-                                            prm, v.smem_bytes, self.fast_launch, keep=ctr))
-            B = plan.batch_size
-            per_block, nh = self._merge_layout(plan)
-            mv = cc.MergeVariant(D, dtype, cc.MERGE_WARPS, nh)
-            mp = kp.MergeParams(o_partial=_ptr(o_part), lse_partial=_ptr(l_part),
-                                req_slot_indptr=_ptr(rec["req_slot_indptr"]), batch=B,
-                                num_qo_heads=Hq, block_per_pair=int(per_block))
-            units = B * Hq // nh
-            grid = B * Hq if per_block else (units + mv.warps - 1) // mv.warps
-            merge = _Launch(self._function(mv), (grid, 1, 1), (mv.threads, 1, 1), mp, 0,
-                            self.fast_launch)
-            return {"device": dev, "dtype": dtype, "launches": launches,
-                    "merge": None if in_fwd or fold else merge, "phase_b": phase_b,
-                    "buf_gen": self._buffer_generation(dev)}
+                prm.cta_offset, prm.n_ctas = s, e - s
+                ctr = None
+                if kind == "piped":
+                    v = cc.PipedVariant.make(n, D, dtype)
+                    # two int32 work counters of this launch, zero between runs (the
+                    # kernel's last block resets them)
+                    ctr = cp.zeros(2, dtype=cp.int32)
+                    prm.work_counter = _ptr(ctr)
+                else:
+                    v = cc.FwdVariant.make(m, n, D, dtype, arch=self.arch, one_tile=True)
+                launches.append(_Launch(self._function(v), (grid, 1, 1), (v.threads, 1, 1),
+                                        prm, v.smem_bytes, self.fast_launch, keep=ctr))
+        B = plan.batch_size
+        per_block, nh = self._merge_layout(plan)
+        mv = cc.MergeVariant(D, dtype, cc.MERGE_WARPS, nh)
+        mp = kp.MergeParams(o_partial=_ptr(o_part), lse_partial=_ptr(l_part),
+                            req_slot_indptr=_ptr(rec["req_slot_indptr"]), batch=B,
+                            num_qo_heads=Hq, block_per_pair=int(per_block))
+        units = B * Hq // nh
+        grid = B * Hq if per_block else (units + mv.warps - 1) // mv.warps
+        merge = _Launch(self._function(mv), (grid, 1, 1), (mv.threads, 1, 1), mp, 0,
+                        self.fast_launch)
+        return {"launches": launches, "merge": None if in_fwd or fold else merge,
+                "phase_b": phase_b,
+                "buf_gen": self._buffer_generation(cp.cuda.runtime.getDevice())}
 
     def _merge_layout(self, plan: Plan) -> tuple:
         """``(block_per_pair, heads_per_warp)`` of the merge launch for ``plan``: the
@@ -681,6 +707,8 @@ class CudaBackend:
         if cur is None or cur.size < n:
             if cur is not None:
                 cp.cuda.Device(dev).synchronize()   # a run in flight may still count in it
+            if cur is not None:
+                self._counter_gens[dev] = self._counter_gens.get(dev, 0) + 1
             cur = cp.zeros(max(n, int(cur.size * 1.25) if cur is not None else 0), dtype=cp.int32)
             self._counter_bufs[dev] = cur
         return cur
@@ -1093,6 +1121,20 @@ class _Launch:
             self.ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(params))
             self.fptr = int(func.ptr)
 
+    def with_inputs(self, fields) -> "_Launch":
+        """A copy of this launch whose parameter struct (a FwdParams) carries ``fields``
+        (:func:`_input_fields`); the kernel, grid and kept device arrays are shared."""
+        ln = _Launch.__new__(_Launch)
+        ln.fn, ln.grid, ln.block, ln.smem, ln.keep = self.fn, self.grid, self.block, self.smem, \
+            self.keep
+        ln.params = _copy_params(self.params)
+        _set_inputs(ln.params, fields)
+        ln.fast, ln.cfg = self.fast, None
+        if self.fast:
+            ln.launch, ln.fptr = self.launch, self.fptr
+            ln.ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(ln.params))
+        return ln
+
     def __call__(self, stream_ptr: int, dependent: bool = False) -> None:
         """Enqueue on ``stream_ptr``; ``dependent``: as a programmatic dependent of the launch
         before it on that stream (``cuLaunchKernelEx``; fast path only), which lets this
@@ -1185,22 +1227,40 @@ def _fwd_params(qd, kd, vd, axes, o_part, l_part, arrays, group, Hq, Hk, page_si
                 head_minor):
     """The forward parameters every launch of a step shares (CTA range and variant left 0).
     ``arrays`` maps each Plan array name to its device address (int) or CuPy array."""
-    ax_page, ax_tok, ax_head = axes
-
     def addr(name):
         v = arrays[name]
         return v if isinstance(v, int) else _ptr(v)
 
-    return kp.FwdParams(
-        q=qd.ptr, k_cache=kd.ptr, v_cache=vd.ptr, o_partial=_ptr(o_part),
+    prm = kp.FwdParams(
+        o_partial=_ptr(o_part),
         lse_partial=_ptr(l_part), cta_req_indptr=addr("cta_req_indptr"),
         cta_req=addr("cta_req"), cta_slot=addr("cta_slot"), cta_kv_start=addr("cta_kv_start"),
         cta_kv_len=addr("cta_kv_len"), cta_page_indptr=addr("cta_page_indptr"),
-        cta_pages=addr("cta_pages"), q_sb=qd.strides[0], q_sh=qd.strides[1],
-        k_sp=kd.strides[ax_page], k_st=kd.strides[ax_tok], k_sh=kd.strides[ax_head],
-        v_sp=vd.strides[ax_page], v_st=vd.strides[ax_tok], v_sh=vd.strides[ax_head],
+        cta_pages=addr("cta_pages"),
         num_kv_heads=Hk, head_minor=1 if head_minor else 0, group=group, num_qo_heads=Hq,
         page_size=page_size, scale_log2=float(sm_scale * _LOG2E))
+    if qd is not None:
+        _set_inputs(prm, _input_fields(qd, kd, vd, axes))
+    return prm
+
+
+def _input_fields(qd, kd, vd, axes) -> tuple:
+    """The forward parameters' input fields, in :data:`_INPUT_FIELDS` order: q and cache
+    addresses and their element strides (``axes``: the caches' (page, token, head) axes)."""
+    ax_page, ax_tok, ax_head = axes
+    return (qd.ptr, kd.ptr, vd.ptr, qd.strides[0], qd.strides[1], kd.strides[ax_page],
+            kd.strides[ax_tok], kd.strides[ax_head], vd.strides[ax_page], vd.strides[ax_tok],
+            vd.strides[ax_head])
+
+
+_INPUT_FIELDS = ("q", "k_cache", "v_cache", "q_sb", "q_sh", "k_sp", "k_st", "k_sh", "v_sp",
+                 "v_st", "v_sh")
+
+
+def _set_inputs(p, fields) -> None:
+    """Write :func:`_input_fields` into a FwdParams struct."""
+    (p.q, p.k_cache, p.v_cache, p.q_sb, p.q_sh, p.k_sp, p.k_st, p.k_sh, p.v_sp, p.v_st,
+     p.v_sh) = fields
 
 
 _RAW_STREAM = []   # [torch._C._cuda_getCurrentRawStream or None], looked up once

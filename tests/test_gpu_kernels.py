@@ -280,6 +280,45 @@ def test_bad_inputs(backend):
 
 
 @requires_gpu
+@pytest.mark.parametrize("launch_mode", ("auto", "streams", "fused"))
+def test_input_sets_share_one_launch_set(backend, launch_mode):
+    """A model's layers: several input sets (q and caches at other addresses, one strided) on
+    one plan share the launch set built once for the plan, each with its own addresses.  Every
+    layer's output is close to float64; after another plan has grown the shared partial
+    buffers and merge counters, the launch set is rebuilt and reruns are bit-identical."""
+    import torch
+    from pat_core import PrefixAttentionWrapper, dense_attention
+    from pat_core.workloads import build_tree_batch
+    saved = backend.launch_mode
+    backend.launch_mode = launch_mode
+    try:
+        b = build_tree_batch("1,4,16_64,40,21", page_size=16, seed=1)
+        w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+        w._gpu_backend = backend
+        plan = w.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
+        layers = [make_inputs(b.num_pages, 16, b.batch_size, 32, 8, 128, "float16", "NHD", s,
+                              strided=s == 2) for s in range(3)]
+        outs = [w.run(q, (k, v)) for q, k, v in layers]
+        rec = backend._uploads[id(plan)]
+        assert len(rec["layouts"]) == 1 and len(rec["prepared"]) == 3
+        for (q, k, v), o in zip(layers, outs):
+            ref = dense_attention(_np64(q), (_np64(k), _np64(v)), b.block_tables, b.seq_lens, 16)
+            assert _rel(_np64(o), ref) < 2e-3
+        dev = torch.cuda.current_device()
+        backend._counters(1)                      # make sure both buffers exist
+        gen = backend._buffer_generation(dev)
+        # what a larger plan's launch set does: both shared buffers grow (and move)
+        backend._partials(backend._buffers[dev][0] // (32 * 128) + 1, 32, 128)
+        backend._counters(backend._counter_bufs[dev].size + 1)
+        new_gen = backend._buffer_generation(dev)
+        assert new_gen[0] != gen[0] and new_gen[1] != gen[1]
+        for (q, k, v), o in zip(layers, outs):
+            assert torch.equal(w.run(q, (k, v)), o)
+    finally:
+        backend.launch_mode = saved
+
+
+@requires_gpu
 def test_wrapper_checks_once_per_input_set(backend, monkeypatch):
     """The wrapper's checks run when the backend validates a new input set, not on calls that
     reuse its cached launch arguments; a new q (other pointer or dtype) is checked again, and a
