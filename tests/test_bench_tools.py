@@ -107,3 +107,26 @@ def test_request_rule_check_scores_the_rule_and_the_simulator(tmp_path):
     assert by["32:8"]["rule_takes"] and by["32:8"]["rule_right"]
     assert by["64:8"]["rule_takes"] and not by["64:8"]["rule_right"]
     assert all(r["sim_per_request_us"] > 0 and r["sim_pat_us"] > 0 for r in out)
+
+
+def test_host_path_compare_and_cli(tmp_path, capsys):
+    """bench/host_path.py's side-by-side table reads two result files (the GPU part needs a
+    device); without --out or --compare the command line refuses."""
+    import host_path
+    row = {"spec": "1,16_2048,128", "heads": "32:8", "host_us": 40.0, "host_out_us": 35.0,
+           "backend_us": 30.0, "graph_us": 20.0, "eager_flush_us": 30.0, "loop_graph_us": 10.0,
+           "loop_eager_us": 40.0, "layers_plan_us": 100.0, "layers_call_us": 4000.0}
+    files = []
+    for label, scale in (("a", 1.0), ("b", 0.5)):
+        rec = {"label": label, "env": {"git_sha": label * 7, "device": "x"},
+               "rows": [{k: (v * scale if k.endswith("_us") and k != "graph_us"
+                             and k != "loop_graph_us" else v) for k, v in row.items()}]}
+        files.append(tmp_path / f"{label}.json")
+        files[-1].write_text(json.dumps(rec))
+    text = host_path.compare(*map(str, files))
+    line = [ln for ln in text.splitlines() if ln.startswith("1,16_2048,128")][0].split()
+    # host A, host B, loop e/g A, loop e/g B, flush e/g A, flush e/g B, layer A, layer B
+    assert line[2:] == ["40.0", "20.0", "4.00", "2.00", "1.50", "0.75", "4000.0", "2000.0"]
+    with pytest.raises(SystemExit):
+        host_path.main([])
+    capsys.readouterr()
