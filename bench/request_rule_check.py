@@ -93,7 +93,7 @@ def judge(pairs, gpu="h100", tie=0.005) -> list:
             continue
         pat = Planner("pat", gpu, Tuning(request_share=0.0)).plan(*args)
         chosen = Planner("pat", gpu).plan(*args)
-        rule_takes = chosen.finish_from == 0 and chosen.num_ctas == chosen.batch_size
+        rule_takes = chosen.one_cta_per_request
         sim_req, sim_pat = simulate(req).latency_us, simulate(pat).latency_us
         gain = pat_us / req_us - 1          # > 0: the per-request plan measured faster
         rows.append(dict(pair=name, per_request_us=req_us, pat_us=pat_us, gain=gain,

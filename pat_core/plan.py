@@ -164,6 +164,13 @@ class Plan:
             return self.num_ctas
         return int(self.group_indptr[self.finish_from])
 
+    @property
+    def one_cta_per_request(self) -> bool:
+        """Every request has one CTA of its own, which writes the request's output: a finisher
+        phase from the first group (the request rule's plans), so no partials and no merge."""
+        return (self.finish_from == 0 and self.num_ctas == self.batch_size
+                and bool(np.all(np.diff(self.cta_req_indptr) == 1)))
+
     def finisher_slots(self) -> np.ndarray:
         """int32 ``[B]``: the slot of each request's finisher CTA (``-1`` without a finisher
         phase).  The finisher computes the request's output; that slot is never written."""

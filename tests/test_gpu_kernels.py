@@ -662,13 +662,13 @@ def test_request_rule_plans(backend, spec, heads, d, dtype):
     w = PrefixAttentionWrapper(backend="cuda", packer="pat")
     w._gpu_backend = backend
     plan = w.plan(b.block_tables, b.seq_lens, heads[0], heads[1], d, 16, kv_data_type=dtype)
-    assert plan.num_ctas == plan.batch_size and plan.finish_from == 0
+    assert plan.one_cta_per_request
     check_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages, 16, heads[0], heads[1],
                d, dtype, "NHD", seed=2)
     if dtype != "float16":   # the graph check runs float16 inputs
         plan = w.plan(b.block_tables, b.seq_lens, heads[0], heads[1], d, 16,
                       kv_data_type="float16")
-        assert plan.num_ctas == plan.batch_size and plan.finish_from == 0
+        assert plan.one_cta_per_request
     _graph_replays_eager(w, plan, b, heads[0], heads[1], d, 16)
 
 

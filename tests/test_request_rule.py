@@ -17,15 +17,10 @@ def _plan(spec, hq, hk, d=128, ps=16, **tun):
     return b, Planner("pat", "h100", Tuning(**tun)).plan(b.block_tables, b.seq_lens, hq, hk, d, ps)
 
 
-def _per_request(plan) -> bool:
-    return (plan.num_ctas == plan.batch_size and plan.finish_from == 0
-            and np.all(np.diff(plan.cta_req_indptr) == 1))
-
-
 @pytest.mark.parametrize("hq", [16, 32, 64])
 def test_long_leaves_under_short_levels_run_one_cta_per_request(hq):
     b, plan = _plan("1,32,256_64,64,1024", hq, 8)
-    assert _per_request(plan) and plan.packer == "pat"
+    assert plan.one_cta_per_request and plan.packer == "pat"
     assert plan.stats()["partial_bytes"] == 0          # no slot written, no merge
     _, off = _plan("1,32,256_64,64,1024", hq, 8, request_share=0.0)
     assert off.num_ctas > off.batch_size and off.finish_from == -1
@@ -40,27 +35,27 @@ def test_shared_pages_beyond_the_l2_keep_sharing():
     assert foot > REQUEST_L2_SHARE * H100.l2_bytes
     # the share forced to 32:8's, so that only the L2 check can refuse
     _, plan = _plan("1,32,256_64,64,1024", 32, 32, request_share=0.3)
-    assert not _per_request(plan) and plan.num_ctas > plan.batch_size
+    assert not plan.one_cta_per_request and plan.num_ctas > plan.batch_size
     _, fits = _plan("1,256_128,1024", 32, 32, request_share=0.3)    # 2 MB of shared pages
-    assert _per_request(fits)
+    assert fits.one_cta_per_request
 
 
 def test_rereading_too_much_or_needing_a_split_keeps_sharing():
     _, half = _plan("1,256_512,1024", 32, 8)            # +50% tokens per request
-    assert not _per_request(half)
+    assert not half.one_cta_per_request
     _, quick = _plan("1,4,16_128,256,1024", 32, 8)      # per request it would be split
-    assert not _per_request(quick) and quick.num_ctas > quick.batch_size
+    assert not quick.one_cta_per_request and quick.num_ctas > quick.batch_size
     _, root = _plan("1,16_2048,128", 32, 8)             # a wide root: sharing carries the step
-    assert not _per_request(root)
+    assert not root.one_cta_per_request
 
 
 def test_rule_is_off_where_the_merge_stays():
     b = build_tree_batch("1,32,256_64,64,1024", page_size=16)
     args = (b.block_tables, b.seq_lens, 32, 8, 128, 16)
-    assert _per_request(Planner("pat", "h100").plan(*args))
+    assert Planner("pat", "h100").plan(*args).one_cta_per_request
     for tun, kw in ((Tuning(finish_share=None), {}), (Tuning(), {"serial": True}),
                     (Tuning(max_rows=32), {}), (Tuning(), {"tile": (16, 64)})):
-        assert not _per_request(Planner("pat", "h100", tun).plan(*args, **kw)), (tun, kw)
+        assert not Planner("pat", "h100", tun).plan(*args, **kw).one_cta_per_request, (tun, kw)
 
 
 def test_request_wins_threshold():
@@ -84,7 +79,7 @@ def test_request_wins_threshold():
     ("1,256_256,1024", 16, 8, False)])    # +25% at group 2: a tie
 def test_share_follows_the_group(spec, hq, hk, per_request):
     _, plan = _plan(spec, hq, hk)
-    assert _per_request(plan) == per_request
+    assert plan.one_cta_per_request == per_request
 
 
 def test_per_request_plan_matches_dense_attention_on_cpu():
@@ -93,7 +88,7 @@ def test_per_request_plan_matches_dense_attention_on_cpu():
     q = np.random.default_rng(3).standard_normal((b.batch_size, 8, 64)).astype(np.float16)
     w = PrefixAttentionWrapper(backend="cpu", packer="pat")
     plan = w.plan(b.block_tables, b.seq_lens, 8, 2, 64, 16)
-    assert _per_request(plan)
+    assert plan.one_cta_per_request
     out = w.run(q, (k, v))
     ref = dense_attention(q, (k, v), b.block_tables, b.seq_lens, 16)
     assert relative_error(out, ref) < 2e-3
@@ -112,9 +107,9 @@ def test_length_update_makes_the_choice_a_fresh_plan_makes(spec):
     for grow in range(16):
         p1 = lazy.plan(b.block_tables, start + grow, 32, 8, 128, 16)
         p2 = Planner("pat", "h100").plan(b.block_tables, start + grow, 32, 8, 128, 16)
-        assert _per_request(p1) == _per_request(p2), (spec, grow, lazy.last_path)
+        assert p1.one_cta_per_request == p2.one_cta_per_request, (spec, grow, lazy.last_path)
         assert p1.num_ctas == p2.num_ctas
         assert np.array_equal(p1.cta_kv_len, p2.cta_kv_len)
-        seen.add(_per_request(p1))
+        seen.add(p1.one_cta_per_request)
         assert grow == 0 or lazy.last_path in ("lengths", "full")
     assert len(seen) == (1 if spec == "1,8_32,88" else 2)
