@@ -290,7 +290,8 @@ class Plan:
     def check_inputs(self, q, k_cache, v_cache, kv_layout: str = "NHD") -> None:
         """Raise ``ValueError``/``TypeError`` naming the argument unless ``q`` and the 4-D caches
         fit this plan: shapes, page size, head counts, a shared dtype, and every page id the
-        plan reads inside the cache.  Every executor calls it once per run."""
+        plan reads inside the cache.  Every executor calls it before it runs: the CPU executor on
+        every run, the CUDA backend once per new input set (it caches validated inputs)."""
         if len(q.shape) != 3:
             raise ValueError(f"q must be [batch, num_qo_heads, head_dim], got shape "
                              f"{tuple(q.shape)}")

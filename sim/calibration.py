@@ -68,7 +68,9 @@ bench/NOTES.md, round 11), so ``l2_bandwidth`` is fitted.
 :func:`report` prints in-sample (fit workloads) and out-of-sample (all other workloads) numbers
 side by side, per timing mode and per method: the median of ``|predicted / measured - 1|``,
 Spearman rank correlation, and on sharing workloads the rate at which the faster of ``pat`` and
-``query`` is predicted correctly.
+``query`` is predicted correctly.  Two measurements within :data:`ORDER_TIE` of each other have
+no faster one (pat and query often make the very same plan, and then differ by the run's noise
+alone), so either prediction counts as right there; the report says how many such ties it saw.
 """
 from __future__ import annotations
 
@@ -295,6 +297,9 @@ def split_workloads(records, validation=None, file_split: dict | None = None) ->
     return {"fit": fit_set, "validation": [w for w in names if w in val], "rule": rule}
 
 
+ORDER_TIE = 0.005    # pat and query measured within 0.5%: a tie (below a run's spread)
+
+
 def _plan_key(r) -> tuple:
     return (r["workload"], r["page_size"], r["method"], r["num_qo_heads"], r["num_kv_heads"],
             r["head_dim"], r["dtype"])
@@ -450,9 +455,12 @@ def _summary(recs, pred, prep: Prepared) -> dict:
                    r["head_dim"], r["dtype"], r["timing"], r["file"])
             by_cfg.setdefault(key, {})[r["method"]] = (p, m)
     pairs = [v for v in by_cfg.values() if len(v) == 2]
-    ok = [(v["pat"][0] < v["query"][0]) == (v["pat"][1] < v["query"][1]) for v in pairs]
+    ties = [abs(v["pat"][1] / v["query"][1] - 1.0) <= ORDER_TIE for v in pairs]
+    ok = [t or (v["pat"][0] < v["query"][0]) == (v["pat"][1] < v["query"][1])
+          for v, t in zip(pairs, ties)]
     out["order_n"] = len(ok)
     out["order_ok"] = float(np.mean(ok)) if ok else float("nan")
+    out["order_ties"] = int(sum(ties))
     return out
 
 
@@ -463,7 +471,8 @@ def report(data: dict, constants: SimConstants, fit_workloads=(), gpu: str | Non
     Returns ``{"in_sample": S, "out_of_sample": S, ...}``; each ``S`` maps timing mode ->
     ``{"all": summary, "by_method": {method: summary}}``, a summary holding ``n``,
     ``median_abs_err``, ``spearman``, ``median_ratio``, ``max_abs_err``, ``order_n`` and
-    ``order_ok`` (share of sharing configurations whose faster of pat and query is predicted).
+    ``order_ok`` (share of sharing configurations whose faster of pat and query is predicted;
+    measured ties, within :data:`ORDER_TIE`, count as right) and ``order_ties``.
     """
     gpu = gpu or data.get("gpu", "h100")
     recs = data["records"]
@@ -533,7 +542,13 @@ def format_report(rep: dict) -> str:
             lines.append(f"{'':<8}{m:<12} {_cell((ins or {}).get('by_method', {}).get(m))} | "
                          f"{_cell((outs or {}).get('by_method', {}).get(m))}")
     lines.append("(med|err|: median |predicted/measured - 1|; rho: Spearman; pat<>q: faster of "
-                 "pat and query predicted right / sharing configs)")
+                 "pat and query predicted right / sharing configs, measured ties within "
+                 f"{100 * ORDER_TIE:.1f}% counting as right)")
+    ties = [f"{side} {t} {s['all'].get('order_ties', 0)}"
+            for side, key in (("in sample", "in_sample"), ("out of sample", "out_of_sample"))
+            for t, s in rep.get(key, {}).items() if s and s["all"].get("order_ties")]
+    if ties:
+        lines.append("measured pat/query ties: " + ", ".join(ties))
     return "\n".join(lines)
 
 

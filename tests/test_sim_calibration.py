@@ -277,3 +277,28 @@ def test_bad_measurements_are_rejected(tmp_path):
         load_measurements(str(p))
     assert main(["calibration-report", "--measurements", str(p)]) == 2
     assert main(["calibration-report", "--measurements", str(tmp_path / "none.json")]) == 2
+
+
+def test_order_score_counts_measured_ties_as_right():
+    """The pat/query order score: a wrong order counts against the model unless the two
+    measurements are within ORDER_TIE of each other (no faster one to predict)."""
+    from sim.calibration import ORDER_TIE, _summary
+
+    class _Sharing:
+        def sharing(self, r):
+            return True
+
+    def pair(wl, meas_pat, meas_q):
+        base = {"workload": wl, "page_size": 16, "num_qo_heads": 32, "num_kv_heads": 8,
+                "head_dim": 128, "dtype": "float16", "timing": "graph", "file": "f"}
+        return [dict(base, method="pat", measured_us=meas_pat),
+                dict(base, method="query", measured_us=meas_q)]
+
+    # predicted: pat faster everywhere
+    recs = (pair("right", 90.0, 100.0) + pair("wrong", 110.0, 100.0)
+            + pair("tie", 100.0 * (1 + ORDER_TIE / 2), 100.0)
+            + pair("just past a tie", 100.0 * (1 + 2 * ORDER_TIE), 100.0))
+    pred = np.array([90.0, 100.0] * 4)
+    s = _summary(recs, pred, _Sharing())
+    assert s["order_n"] == 4 and s["order_ties"] == 1
+    assert s["order_ok"] == pytest.approx(2 / 4)
