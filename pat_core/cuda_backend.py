@@ -707,7 +707,7 @@ class CudaBackend:
         if cur is None or cur.size < n:
             if cur is not None:
                 cp.cuda.Device(dev).synchronize()   # a run in flight may still count in it
-            if cur is not None:
+                # launches prepared with the old address must be rebuilt (_buffer_generation)
                 self._counter_gens[dev] = self._counter_gens.get(dev, 0) + 1
             cur = cp.zeros(max(n, int(cur.size * 1.25) if cur is not None else 0), dtype=cp.int32)
             self._counter_bufs[dev] = cur
