@@ -516,7 +516,7 @@ class CudaBackend:
         sig = (kv_layout, qd.sig(), kd.sig(), vd.sig(), self.launch_mode,
                self.fused_max_blocks_per_sm, self.fused_max_kv_len, self.merge_mode,
                self.merge_per_pair, self.merge_heads_per_warp, self.finish_launch,
-               self.one_tile)
+               self.one_tile, self.head_minor, self.fast_launch)
         prep = None
         if rec is not None and rec["version"] == plan.version:
             prep = rec["prepared"].get(sig)

@@ -319,6 +319,32 @@ def test_input_sets_share_one_launch_set(backend, launch_mode):
 
 
 @requires_gpu
+def test_prepared_launches_follow_backend_settings(backend):
+    """A setting changed between calls on the same inputs (KV heads' order in the grid, the
+    launch path) gets launches prepared for it, not the ones cached for the old value; every
+    variant of the run gives the same output."""
+    import torch
+    from pat_core.workloads import build_tree_batch
+    from pat_core import PrefixAttentionWrapper
+    saved = backend.head_minor, backend.fast_launch
+    try:
+        b = build_tree_batch("1,4,16_64,40,21", page_size=16, seed=1)
+        w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+        w._gpu_backend = backend
+        plan = w.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
+        q, k, v = make_inputs(b.num_pages, 16, b.batch_size, 32, 8, 128, "float16", "NHD", 4)
+        first = w.run(q, (k, v))
+        prepared = backend._uploads[id(plan)]["prepared"]
+        n0 = len(prepared)
+        for minor, fast in ((False, True), (True, False), (False, False)):
+            backend.head_minor, backend.fast_launch = minor, fast
+            assert torch.equal(w.run(q, (k, v)), first), (minor, fast)
+        assert len(prepared) == n0 + 3
+    finally:
+        backend.head_minor, backend.fast_launch = saved
+
+
+@requires_gpu
 def test_wrapper_checks_once_per_input_set(backend, monkeypatch):
     """The wrapper's checks run when the backend validates a new input set, not on calls that
     reuse its cached launch arguments; a new q (other pointer or dtype) is checked again, and a
