@@ -44,6 +44,37 @@ def time_events(fn, iters: int, warmup: int = 3, flush=None) -> list:
     return times
 
 
+def host_us(fn, calls: int) -> float:
+    """Host microseconds per call of ``fn`` over ``calls`` calls enqueued back to back (the
+    device synchronised before and after, outside the clock)."""
+    import time
+    import torch
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+def profile_calls(fn, calls: int, sort: str = "tottime", lines: int = 25) -> str:
+    """A cProfile report (``lines`` entries by ``sort``) of ``calls`` calls of ``fn``."""
+    import cProfile
+    import io
+    import pstats
+    import torch
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    sio = io.StringIO()
+    pstats.Stats(prof, stream=sio).sort_stats(sort).print_stats(lines)
+    return sio.getvalue()
+
+
 def capture_graph(fn):
     """``fn`` run twice on a side stream (warm-up, as torch asks before a capture), then
     captured once in a CUDA graph; returns the graph."""

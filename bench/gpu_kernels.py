@@ -269,29 +269,11 @@ def sweep(backend=None, cases=SWEEP, iters=20, copy_bw=None):
 def _host_cost(fn, calls: int, profile: bool = True):
     """``(us, report)``: host microseconds per call of ``fn`` over ``calls`` calls after 10
     warm-up calls, and a cProfile report (25 lines by own time) of another ``calls`` calls."""
-    import cProfile
-    import io
-    import pstats
-    import torch
+    from common import host_us, profile_calls
     for _ in range(10):
         fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    us = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    if not profile:
-        return us, ""
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    sio = io.StringIO()
-    pstats.Stats(prof, stream=sio).sort_stats("tottime").print_stats(25)
-    return us, sio.getvalue()
+    us = host_us(fn, calls)
+    return us, (profile_calls(fn, calls) if profile else "")
 
 
 def host_overhead(backend=None, spec="1,4,64_256,1024,64", heads=(32, 8), calls=200):

@@ -41,6 +41,8 @@ for p in (str(ROOT), str(ROOT / "bench")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+from common import host_us, profile_calls  # noqa: E402
+
 CASES = (
     ("1,16_2048,128", (32, 8)), ("1,16_2048,128", (32, 32)),
     ("1,4,64_256,1024,64", (32, 8)), ("1,4,64_256,1024,64", (32, 32)),
@@ -49,18 +51,6 @@ CASES = (
 )
 COLUMNS = ("host_us", "host_out_us", "backend_us", "graph_us", "eager_flush_us",
            "loop_graph_us", "loop_eager_us", "layers_plan_us", "layers_call_us")
-
-
-def _host_us(fn, calls: int) -> float:
-    """Host microseconds per call of ``fn`` over ``calls`` calls (after a synchronize)."""
-    import torch
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    us = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    return us
 
 
 def _loop_us(fn, calls: int) -> float:
@@ -109,8 +99,8 @@ def measure(spec: str, heads: tuple, calls: int, reps: int, flush) -> dict:
             fn()
     row = {"spec": spec, "heads": f"{hq}:{hk}", "rel_err": err, "num_ctas": plan.num_ctas,
            "launch_groups": sum(1 for *_, bb, e in plan.groups() if e > bb),
-           "host_us": _host_us(run, calls), "host_out_us": _host_us(run_out, calls),
-           "backend_us": _host_us(run_backend, calls)}
+           "host_us": host_us(run, calls), "host_out_us": host_us(run_out, calls),
+           "backend_us": host_us(run_backend, calls)}
     graph = capture_graph(run_out)
     row["graph_us"] = float(np.median(time_events(graph.replay, reps, flush=flush))) * 1e3
     row["eager_flush_us"] = float(np.median(time_events(run, reps, flush=flush))) * 1e3
@@ -192,7 +182,7 @@ def breakdown(spec: str = "1,4,64_256,1024,64", heads=(32, 8), calls: int = 300,
     for name, fn in pieces.items():
         for _ in range(5):
             fn()
-        res[name] = _host_us(fn, calls)
+        res[name] = host_us(fn, calls)
     t0 = time.perf_counter()
     n = 20
     for _ in range(n):
@@ -200,28 +190,16 @@ def breakdown(spec: str = "1,4,64_256,1024,64", heads=(32, 8), calls: int = 300,
     torch.cuda.synchronize()
     res["_prepare (cache miss)"] = (time.perf_counter() - t0) / n * 1e6
     if profile:
-        import cProfile
-        import io
-        import pstats
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(n):
-            be._prepare(plan, qd, kd, vd, "NHD")
-        prof.disable()
-        sio = io.StringIO()
-        pstats.Stats(prof, stream=sio).sort_stats("cumulative").print_stats(30)
-        print(sio.getvalue())
+        print(profile_calls(lambda: be._prepare(plan, qd, kd, vd, "NHD"), n, "cumulative", 30))
     return res
 
 
 def env() -> dict:
+    """kernel_lab's environment record (device, git sha, versions) and the host's CPU, whose
+    speed these numbers depend on."""
     import platform
-    import cupy
-    import torch
-    from common import git_sha
-    return {"device": torch.cuda.get_device_name(), "git_sha": git_sha(),
-            "torch": torch.__version__, "cupy": cupy.__version__,
-            "python": platform.python_version(), "cpu": platform.processor() or platform.machine()}
+    from kernel_lab import environment
+    return dict(environment(), cpu=platform.processor() or platform.machine())
 
 
 def _table(rows: list, label: str) -> str:
