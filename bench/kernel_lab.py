@@ -36,7 +36,8 @@ Case sets:
   (default) and off; ``long-stages``: the long-prefix batches with deeper warpgroup rings and
   fewer, longer parts; ``share-low``: every batch whose plan moves with a split share below 2,
   at shares 2 (default then), 0.95 and 1; ``one-wave``: the default split (one block per SM for
-  many-row CTAs) against share 2 where they differ.
+  many-row CTAs) against share 2 where they differ; ``one-wave-layouts``: the long-prefix
+  batches' one-wave CTAs on mma.sync layouts of several token-slice pipelines per block.
 
 Writes ``DIR/kernel_lab.json`` (environment, copy bandwidth, every row) and prints a table last.
 """
@@ -140,6 +141,15 @@ TUNINGS = {
     "wg128-s3": {"layouts": {(128, 64): (8, 3, 64)}},
     "wg128-s3-share095": {"layouts": {(128, 64): (8, 3, 64)}, "split_share": 0.95},
     "wg128-s4-share095": {"layouts": {(128, 64): (8, 4, 64)}, "split_share": 0.95},
+    # round 19: the one-wave long-prefix CTAs (one block per SM) on mma.sync layouts whose
+    # token slices run as independent pipelines (8 warps: 2 or 4 slices for 64 rows, 1 or 2
+    # for 128), against the warpgroup layout's single pipeline per block
+    "m64-w8r32": {"layouts": {(64, 64): (8, 2, 32)}},
+    "m64-w8r16": {"layouts": {(64, 64): (8, 2, 16)}},
+    "m64-w8r32-s3": {"layouts": {(64, 64): (8, 3, 32)}},
+    "m64n128-w8r32": {"n_by_m": {64: 128}, "layouts": {(64, 128): (8, 2, 32)}},
+    "m128-w8r32": {"layouts": {(128, 64): (8, 2, 32)}},
+    "m128-w8r16": {"layouts": {(128, 64): (8, 2, 16)}},
     "s4-mp64": {"split_share": 4.0, "min_part": 64},
     "s6-mp64": {"split_share": 6.0, "min_part": 64},
     "l64-w4s3": {"layouts": {(16, 64): (4, 3, 16)}},
@@ -499,6 +509,13 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                      ("1,16_16384,16", ((16, 8), (32, 8), (64, 8))),
                      ("1,32_16384,16", ((16, 8), (32, 8), (64, 8), (32, 32))))
                  for h in hs), ("default", "share2")),
+             # round 19: the long shared prefixes' one-wave CTAs on layouts with several
+             # independent token-slice pipelines per block (64-row, then 128-row packs)
+             "one-wave-layouts": _pair_cases(
+                 (("1,16_16384,16", (32, 8)), ("1,32_16384,16", (16, 8))),
+                 ("default", "m64-w8r32", "m64-w8r16", "m64-w8r32-s3", "m64n128-w8r32"))
+             + _pair_cases((("1,32_16384,16", (32, 8)), ("1,16_16384,16", (64, 8))),
+                           ("default", "m128-w8r32", "m128-w8r16")),
              # round 17: the no-sharing batches with and without the finisher (one CTA per
              # request writing its output) at the three group sizes of 8 KV heads
              "nosharing-finish": _pair_cases(tuple((spec, h) for spec in ("128_2048", "256_4096")
