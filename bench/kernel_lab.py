@@ -37,7 +37,9 @@ Case sets:
   fewer, longer parts; ``share-low``: every batch whose plan moves with a split share below 2,
   at shares 2 (default then), 0.95 and 1; ``one-wave``: the default split (one block per SM for
   many-row CTAs) against share 2 where they differ; ``one-wave-layouts``: the long-prefix
-  batches' one-wave CTAs on mma.sync layouts of several token-slice pipelines per block.
+  batches' one-wave CTAs on mma.sync layouts of several token-slice pipelines per block;
+  ``wg-gather``: every development batch whose plan has warpgroup tiles, and the forced
+  warpgroup tiles of two stages on the no-sharing batch.
 
 Writes ``DIR/kernel_lab.json`` (environment, copy bandwidth, every row) and prints a table last.
 """
@@ -516,6 +518,18 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                  ("default", "m64-w8r32", "m64-w8r16", "m64-w8r32-s3", "m64n128-w8r32"))
              + _pair_cases((("1,32_16384,16", (32, 8)), ("1,16_16384,16", (64, 8))),
                            ("default", "m128-w8r32", "m128-w8r16")),
+             # round 19: every batch whose plan uses warpgroup tiles (64 and 128 rows), for
+             # changes to their gather; and the forced warpgroup tiles on the no-sharing batch
+             "wg-gather": _pair_cases(
+                 (("1,16_16384,16", (32, 8)), ("1,16_16384,16", (64, 8)),
+                  ("1,32_16384,16", (16, 8)), ("1,32_16384,16", (32, 8)),
+                  ("1,1024_1024,16", (16, 8)), ("1,1024_1024,16", (32, 8)),
+                  ("1,1024_1024,16", (64, 8)), ("1,1024_1024,16", (32, 32)),
+                  ("1,4,16,64,256,1024_1024,256,128,64,32,32", (32, 8)),
+                  ("1,8,16,32,64,128,1024_256,128,64,32,32,32,32", (32, 8)),
+                  ("1,8,64,512_128,512,64,32", (32, 8)), ("1,2,8,128_512,128,256,32", (32, 8)),
+                  ("1,4,16_128,256,1024", (32, 8))), ("default",))
+             + tuple(c for c in FORCED_WG if c[5] in ("wg-s2",)),
              # round 17: the no-sharing batches with and without the finisher (one CTA per
              # request writing its output) at the three group sizes of 8 KV heads
              "nosharing-finish": _pair_cases(tuple((spec, h) for spec in ("128_2048", "256_4096")

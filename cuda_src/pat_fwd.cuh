@@ -189,10 +189,56 @@ struct KvTileLoader {
     }
   }
 
+  // The warpgroup layout's gather.  Thread tid copies chunk tid % CHUNKS of rows r0, r0 + RS,
+  // r0 + 2 RS, ... (r0 = tid / CHUNKS, RS = THREADS / CHUNKS, a multiple of 8), so all its rows
+  // have the same row % 8: their swizzled chunk position is the same and their shared-memory
+  // offsets step by a constant, folded into the copies.  What is left per row is the token's page
+  // and slot and two global addresses; fully unrolled, so the page-id loads issue together
+  // instead of one dependent load per pair of rows (the generic loop above spent ~45 PTX
+  // instructions per row, a third of the warpgroup tile's instructions per KV tile).
+  template <bool POW2>
+  __device__ __forceinline__ void load_rows_wg(T* dK, T* dV, int tile_base, int tid) const {
+    constexpr int N = Tr::N, CHUNKS = Tr::CHUNKS, THREADS = Tr::THREADS;
+    constexpr int RS = THREADS / CHUNKS;
+    constexpr int ROWS = N * CHUNKS / THREADS;
+    static_assert(RS % 8 == 0 && (N * CHUNKS) % THREADS == 0 && ROWS == Tr::KV_LOADS,
+                  "warpgroup gather: whole rows per thread, a multiple of 8 rows apart");
+    const int ch = tid % CHUNKS, r0 = tid / CHUNKS;
+    const unsigned off = (unsigned)Tr::template off<N>(r0, ch) * (unsigned)sizeof(T);
+    const unsigned k_dst = smem_u32(dK) + off, v_dst = smem_u32(dV) + off;
+    const T* __restrict__ k_src = k_cache + (k_head + ch * 8);
+    const T* __restrict__ v_src = v_cache + (v_head + ch * 8);
+    const int first = kv_start + tile_base + r0;
+    const int last = kv_start + kv_len - 1;  // a row past it reads the last token, 0 bytes
+#ifndef PAT_WG_GATHER_UNROLL
+#define PAT_WG_GATHER_UNROLL 16
+#endif
+    constexpr int UNROLL = PAT_WG_GATHER_UNROLL;
+#pragma unroll UNROLL
+    for (int it = 0; it < ROWS; ++it) {
+      const int pos = first + it * RS;
+      const int bytes = pos <= last ? 16 : 0;
+      const int pc = pos <= last ? pos : last;
+      const int pidx = POW2 ? (pc >> page_shift) : pc / page_size;
+      const int slot = POW2 ? (pc & (page_size - 1)) : pc - pidx * page_size;
+      const int page = pages[pidx];
+      constexpr unsigned STEP = RS * Tr::D * sizeof(T) / 2;  // RS rows of one 64-element half
+      cp_async_16(k_dst + it * STEP, k_src + (mul_wide(page, k_sp) + slot * k_st), bytes);
+      cp_async_16(v_dst + it * STEP, v_src + (mul_wide(page, v_sp) + slot * v_st), bytes);
+    }
+  }
+
   __device__ __forceinline__ void load(T* sK, T* sV, int tile, int stage, int row0,
                                       int tid) const {
     T* dK = sK + stage * Tr::KV_TILE_ELEMS;
     T* dV = sV + stage * Tr::KV_TILE_ELEMS;
+    if constexpr (Tr::WG) {
+      if (page_shift >= 0)
+        load_rows_wg<true>(dK, dV, tile * Tr::N, tid);
+      else
+        load_rows_wg<false>(dK, dV, tile * Tr::N, tid);
+      return;
+    }
     if (page_shift >= 0)
       load_rows<true>(dK, dV, tile * Tr::N, row0, tid);
     else
@@ -964,7 +1010,10 @@ constexpr int smem_per_sm() {
 // Registers a 16-row warp needs without spilling at head_dim 128 (accumulators, Q fragments,
 // scores, gather addresses: 164-168 as compiled); the cap never asks for fewer.
 constexpr int kShortTileRegs = 168;
-template <int D, int M, int N, int WARPS, int STAGES>
+#ifndef PAT_WG_MIN_BLOCKS
+#define PAT_WG_MIN_BLOCKS 1
+#endif
+template <int D, int M, int N, int WARPS, int STAGES, int RW = 0>
 constexpr int fwd_min_blocks() {
   constexpr int smem = M * D * 2 + STAGES * 2 * N * D * 2 + 1024;  // FwdTraits::SMEM_BYTES + 1 KB
   constexpr int by_smem = smem_per_sm() / smem;
@@ -972,6 +1021,11 @@ constexpr int fwd_min_blocks() {
   constexpr int by_regs = 65536 / (WARPS * 32 * kShortTileRegs);
   constexpr int b0 = by_smem < by_threads ? by_smem : by_threads;
   constexpr int b = b0 < by_regs ? b0 : by_regs;
+  // Warpgroup tiles: as many blocks as shared memory holds (with its 1 KB alignment pad), so
+  // that the 8-warp 128x64 block keeps the 128 registers that let two share an SM.
+  constexpr int wg = smem_per_sm() / (smem + 1024);
+  if constexpr (RW == 64 && PAT_WG_MIN_BLOCKS)
+    return wg < 1 ? 1 : (wg > 2 ? 2 : wg);
   return (PAT_SMEM_OCCUPANCY == 0 || M > 16 || N > 32 || b < 1) ? 1 : (b > 32 ? 32 : b);
 }
 }  // namespace pat
@@ -1208,7 +1262,7 @@ __global__ void __launch_bounds__((WARPS + 1) * 32,
 // pat_fwd_d{D}_{dtype}_m{M}_n{N}_w{W}_s{S}_r{RW}, with a _pull suffix for the graph-safe one.
 // Every argument is in pat::FwdParams (pat_params.cuh).
 template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES, int RW, bool PULL>
-__global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, N, WARPS, STAGES>())) pat_fwd_kernel(
+__global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, N, WARPS, STAGES, RW>())) pat_fwd_kernel(
     const __grid_constant__ pat::FwdParams p) {
   // the launch after this one (a finisher phase) may start while these blocks run
   pat::pdl_launch_dependents();
@@ -1230,7 +1284,7 @@ __global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, 
 // resident (the grid fits), and a drawn item's block is running, so the launch cannot deadlock.
 // The last block to finish sets both counters back to zero (p.work_counter[1] counts them).
 template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES, int RW, bool PULL>
-__global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, N, WARPS, STAGES>())) pat_fwd_finish_kernel(
+__global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, N, WARPS, STAGES, RW>())) pat_fwd_finish_kernel(
     const __grid_constant__ pat::FwdParams p) {
   using Tr = pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW>;
   int cta_local, kv_head;
