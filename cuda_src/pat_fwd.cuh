@@ -189,42 +189,53 @@ struct KvTileLoader {
     }
   }
 
-  // The warpgroup layout's gather.  Thread tid copies chunk tid % CHUNKS of rows r0, r0 + RS,
-  // r0 + 2 RS, ... (r0 = tid / CHUNKS, RS = THREADS / CHUNKS, a multiple of 8), so all its rows
-  // have the same row % 8: their swizzled chunk position is the same and their shared-memory
-  // offsets step by a constant, folded into the copies.  What is left per row is the token's page
-  // and slot and two global addresses; fully unrolled, so the page-id loads issue together
-  // instead of one dependent load per pair of rows (the generic loop above spent ~45 PTX
-  // instructions per row, a third of the warpgroup tile's instructions per KV tile).
-  template <bool POW2>
-  __device__ __forceinline__ void load_rows_wg(T* dK, T* dV, int tile_base, int tid) const {
-    constexpr int N = Tr::N, CHUNKS = Tr::CHUNKS, THREADS = Tr::THREADS;
-    constexpr int RS = THREADS / CHUNKS;
-    constexpr int ROWS = N * CHUNKS / THREADS;
-    static_assert(RS % 8 == 0 && (N * CHUNKS) % THREADS == 0 && ROWS == Tr::KV_LOADS,
+  // The warpgroup layout's gather, in two halves so that a tile's page ids can be loaded one
+  // KV tile ahead of its copies (a dependent page-id load per row was the loop's largest
+  // long-scoreboard stall).  Thread tid copies chunk tid % CHUNKS of rows r0, r0 + RS, r0 + 2 RS,
+  // ... (r0 = tid / CHUNKS, RS = THREADS / CHUNKS, a multiple of 8), so all its rows have the same
+  // row % 8: their swizzled chunk position is the same and their shared-memory offsets step by a
+  // constant, folded into the copies.  Rows past the range read the last token with 0 bytes.
+  static constexpr int WG_ROWS = Tr::N * Tr::CHUNKS / Tr::THREADS;  // rows per thread per tile
+  static constexpr int WG_RS = Tr::THREADS / Tr::CHUNKS;
+
+  // The position of row `it` of this thread in tile `tile` (clamped to the last token).
+  __device__ __forceinline__ int wg_pos(int tile, int it, int tid) const {
+    const int pos = kv_start + tile * Tr::N + tid / Tr::CHUNKS + it * WG_RS;
+    const int last = kv_start + kv_len - 1;
+    return pos <= last ? pos : last;
+  }
+
+  // Page ids of this thread's rows of `tile` (a tile past the range is never asked for).
+  __device__ __forceinline__ void wg_pages(int tile, int tid, int (&pg)[WG_ROWS]) const {
+#pragma unroll
+    for (int it = 0; it < WG_ROWS; ++it) {
+      const int pc = wg_pos(tile, it, tid);
+      pg[it] = pages[page_shift >= 0 ? (pc >> page_shift) : pc / page_size];
+    }
+  }
+
+  // This thread's copies of `tile` into stage `stage`, its page ids given by wg_pages.
+  __device__ __forceinline__ void wg_copy(T* sK, T* sV, int tile, int stage, int tid,
+                                          const int (&pg)[WG_ROWS]) const {
+    constexpr int N = Tr::N, CHUNKS = Tr::CHUNKS;
+    static_assert(WG_RS % 8 == 0 && (N * CHUNKS) % Tr::THREADS == 0 && WG_ROWS == Tr::KV_LOADS,
                   "warpgroup gather: whole rows per thread, a multiple of 8 rows apart");
-    const int ch = tid % CHUNKS, r0 = tid / CHUNKS;
-    const unsigned off = (unsigned)Tr::template off<N>(r0, ch) * (unsigned)sizeof(T);
-    const unsigned k_dst = smem_u32(dK) + off, v_dst = smem_u32(dV) + off;
+    const int ch = tid % CHUNKS;
+    const unsigned off = (unsigned)Tr::template off<N>(tid / CHUNKS, ch) * (unsigned)sizeof(T) +
+                         (unsigned)(stage * Tr::KV_TILE_ELEMS * sizeof(T));
+    const unsigned k_dst = smem_u32(sK) + off, v_dst = smem_u32(sV) + off;
     const T* __restrict__ k_src = k_cache + (k_head + ch * 8);
     const T* __restrict__ v_src = v_cache + (v_head + ch * 8);
-    const int first = kv_start + tile_base + r0;
-    const int last = kv_start + kv_len - 1;  // a row past it reads the last token, 0 bytes
-#ifndef PAT_WG_GATHER_UNROLL
-#define PAT_WG_GATHER_UNROLL 16
-#endif
-    constexpr int UNROLL = PAT_WG_GATHER_UNROLL;
-#pragma unroll UNROLL
-    for (int it = 0; it < ROWS; ++it) {
-      const int pos = first + it * RS;
+    const int last = kv_start + kv_len - 1;
+    constexpr unsigned STEP = WG_RS * Tr::D * sizeof(T) / 2;  // WG_RS rows of one 64-wide half
+#pragma unroll
+    for (int it = 0; it < WG_ROWS; ++it) {
+      const int pos = kv_start + tile * N + tid / CHUNKS + it * WG_RS;
       const int bytes = pos <= last ? 16 : 0;
       const int pc = pos <= last ? pos : last;
-      const int pidx = POW2 ? (pc >> page_shift) : pc / page_size;
-      const int slot = POW2 ? (pc & (page_size - 1)) : pc - pidx * page_size;
-      const int page = pages[pidx];
-      constexpr unsigned STEP = RS * Tr::D * sizeof(T) / 2;  // RS rows of one 64-element half
-      cp_async_16(k_dst + it * STEP, k_src + (mul_wide(page, k_sp) + slot * k_st), bytes);
-      cp_async_16(v_dst + it * STEP, v_src + (mul_wide(page, v_sp) + slot * v_st), bytes);
+      const int slot = page_shift >= 0 ? (pc & (page_size - 1)) : pc % page_size;
+      cp_async_16(k_dst + it * STEP, k_src + (mul_wide(pg[it], k_sp) + slot * k_st), bytes);
+      cp_async_16(v_dst + it * STEP, v_src + (mul_wide(pg[it], v_sp) + slot * v_st), bytes);
     }
   }
 
@@ -233,10 +244,9 @@ struct KvTileLoader {
     T* dK = sK + stage * Tr::KV_TILE_ELEMS;
     T* dV = sV + stage * Tr::KV_TILE_ELEMS;
     if constexpr (Tr::WG) {
-      if (page_shift >= 0)
-        load_rows_wg<true>(dK, dV, tile * Tr::N, tid);
-      else
-        load_rows_wg<false>(dK, dV, tile * Tr::N, tid);
+      int pg[WG_ROWS];
+      wg_pages(tile, tid, pg);
+      wg_copy(sK, sV, tile, stage, tid, pg);
       return;
     }
     if (page_shift >= 0)
@@ -372,10 +382,14 @@ __device__ __forceinline__ void pat_wg_loop(typename Tr::T* sQ, typename Tr::T* 
   const unsigned q_addr = smem_u32(sQ) + g * 64 * 128;  // first row of this group, first half
   const unsigned k_addr = smem_u32(sK), v_addr = smem_u32(sV);
   constexpr unsigned Q_HALF = M * 128, KV_HALF = N * 128, STAGE_BYTES = N * D * 2;
+  // page ids of the next tile to copy, loaded one iteration before its copies
+  int pg[Loader::WG_ROWS];
+  if (STAGES - 1 < num_tiles) loader.wg_pages(STAGES - 1, tid, pg);
   for (int t = 0; t < num_tiles; ++t) {
     const int tn = t + STAGES - 1;
-    if (tn < num_tiles) loader.load(sK, sV, tn, tn % STAGES, 0, tid);
+    if (tn < num_tiles) loader.wg_copy(sK, sV, tn, tn % STAGES, tid, pg);
     cp_async_commit();
+    if (tn + 1 < num_tiles) loader.wg_pages(tn + 1, tid, pg);
     cp_async_wait<STAGES - 1>();
     fence_proxy_async();  // this thread's copies of tile t (and Q) -> the tensor cores' view
     cta_sync<Tr>();       // every thread's copies of tile t have landed
