@@ -91,8 +91,9 @@ def step_pytest(out_dir, extra):
     return {"rc": rc, "seconds": time.time() - t0, "tail": tail}
 
 
-def sanitize_case():
-    """Small plans run once each on CuPy arrays (no torch): for compute-sanitizer."""
+def sanitize_case(warpgroup_only: bool = False):
+    """Small plans run once each on CuPy arrays (no torch): for compute-sanitizer.
+    ``warpgroup_only``: just the forced warpgroup tiles (a quick racecheck of their KV walk)."""
     import cupy
     import numpy as np
     from pat_core import PrefixAttentionWrapper
@@ -114,18 +115,21 @@ def sanitize_case():
         cases += [("1,32_300,20", 16, 32, 8, 128, "NHD", t, "off")
                   for t in ((64, 16), (64, 32), (64, 64), (64, 128), (128, 16), (128, 32),
                             (128, 64), (128, 128))]
+    if warpgroup_only:
+        cases = [c for c in cases if c[6] is not None and c[6][0] >= 64]
     # finisher phases (pat_core.fold): 16- and 32-row finisher tiles, one and several slots,
     # the finishers launched as programmatic dependents of the first phase (the default)
     from pat_core import Tuning
     cases = [c + (None, "pdl") for c in cases]
-    cases += [(spec, ps, hq, hk, d, layout, None, "off", 1.0, "pdl")
+    cases += [] if warpgroup_only else [(spec, ps, hq, hk, d, layout, None, "off", 1.0, "pdl")
               for spec, ps, hq, hk, d, layout in (("1,4,16_100,37,61", 16, 32, 8, 128, "NHD"),
                                                   ("1,3,9_70,20,33", 1, 12, 4, 64, "HND"),
                                                   ("1,6_64,500", 16, 32, 1, 128, "NHD"),
                                                   ("1,8,32_40,64,700", 16, 64, 8, 128, "NHD"))]
     # both phases in one ordered launch (finishers spin on their request's counter), and the
     # pat packer's per-request plans (default tuning: one CTA per request, no first phase)
-    cases += [("1,4,16_100,37,61", 16, 32, 8, 128, "NHD", None, "off", 1.0, "ordered"),
+    cases += [] if warpgroup_only else [
+              ("1,4,16_100,37,61", 16, 32, 8, 128, "NHD", None, "off", 1.0, "ordered"),
               ("1,8_16,240", 16, 8, 2, 64, "NHD", None, "off", "default", "pdl")]
     for spec, ps, hq, hk, d, layout, tile, one_tile, finish, finish_launch in cases:
         cc.VARIANT_OVERRIDES.clear()
@@ -157,6 +161,8 @@ def sanitize_case():
     cc.VARIANT_OVERRIDES.clear()
     backend.one_tile = "off"
     backend.finish_launch = "pdl"
+    if warpgroup_only:
+        return
     # graph-safe launch sets (pull kernels: a block's first item is its own, later ones drawn
     # from a counter), one launch per tile and fused; two plans each, the second with more
     # items than the grid so that blocks draw
@@ -219,9 +225,10 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="time forced tiles x (warps, stages)")
     ap.add_argument("--host", action="store_true", help="profile the launch path on the host")
     ap.add_argument("--sanitize-case", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--sanitize-warpgroup", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.sanitize_case:
-        sanitize_case()
+        sanitize_case(args.sanitize_warpgroup)
         return 0
     logging.basicConfig(level=logging.WARNING)
     out = Path(args.out)

@@ -39,7 +39,8 @@ Case sets:
   many-row CTAs) against share 2 where they differ; ``one-wave-layouts``: the long-prefix
   batches' one-wave CTAs on mma.sync layouts of several token-slice pipelines per block;
   ``wg-gather``: every development batch whose plan has warpgroup tiles, and the forced
-  warpgroup tiles of two stages on the no-sharing batch.
+  warpgroup tiles of two stages on the no-sharing batch; ``wg-overlap``: the batches whose plans
+  put many rows on warpgroup tiles, and the same forced tiles.
 
 Writes ``DIR/kernel_lab.json`` (environment, copy bandwidth, every row) and prints a table last.
 """
@@ -529,6 +530,18 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                   ("1,8,16,32,64,128,1024_256,128,64,32,32,32,32", (32, 8)),
                   ("1,8,64,512_128,512,64,32", (32, 8)), ("1,2,8,128_512,128,256,32", (32, 8)),
                   ("1,4,16_128,256,1024", (32, 8))), ("default",))
+             + tuple(c for c in FORCED_WG if c[5] in ("wg-s2",)),
+             # round 19: the batches whose plans put many rows on warpgroup tiles (where a
+             # tile is compute- rather than memory-bound), for the overlapped KV walk; and the
+             # forced two-stage warpgroup tiles on the no-sharing batch (memory-bound)
+             "wg-overlap": _pair_cases(
+                 (("1,1024_1024,16", (16, 8)), ("1,1024_1024,16", (32, 8)),
+                  ("1,1024_1024,16", (64, 8)), ("1,1024_1024,16", (32, 32)),
+                  ("1,4,16,64,256,1024_1024,256,128,64,32,32", (32, 8)),
+                  ("1,8,16,32,64,128,1024_256,128,64,32,32,32,32", (32, 8)),
+                  ("1,8,64,512_128,512,64,32", (32, 8)), ("1,8,64,512_128,512,64,32", (64, 8)),
+                  ("1,16_16384,16", (32, 8)), ("1,32_16384,16", (32, 8)),
+                  ("1,16_2048,128", (64, 8)), ("1,4,16_128,256,1024", (32, 8))), ("default",))
              + tuple(c for c in FORCED_WG if c[5] in ("wg-s2",)),
              # round 17: the no-sharing batches with and without the finisher (one CTA per
              # request writing its output) at the three group sizes of 8 KV heads
