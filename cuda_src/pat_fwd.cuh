@@ -31,12 +31,6 @@
 
 namespace pat {
 
-#ifndef PAT_WG_OVERLAP
-#define PAT_WG_OVERLAP 0
-#endif
-// 1: two-stage warpgroup tiles walk their KV with pat_wg_loop_overlap (the next tile's Q K^T and
-// this tile's P V in flight together, softmax under P V); 0: pat_wg_loop (each GEMM waited for).
-
 #ifndef PAT_LOAD_UNROLL
 #define PAT_LOAD_UNROLL 16
 #endif
@@ -195,70 +189,10 @@ struct KvTileLoader {
     }
   }
 
-  // The warpgroup layout's gather, in two halves so that a tile's page ids can be loaded one
-  // KV tile ahead of its copies (a dependent page-id load per row was the loop's largest
-  // long-scoreboard stall).  Thread tid copies chunk tid % CHUNKS of rows r0, r0 + RS, r0 + 2 RS,
-  // ... (r0 = tid / CHUNKS, RS = THREADS / CHUNKS, a multiple of 8), so all its rows have the same
-  // row % 8: their swizzled chunk position is the same and their shared-memory offsets step by a
-  // constant, folded into the copies.  Rows past the range read the last token with 0 bytes.
-  static constexpr int WG_ROWS = Tr::N * Tr::CHUNKS / Tr::THREADS;  // rows per thread per tile
-  static constexpr int WG_RS = Tr::THREADS / Tr::CHUNKS;
-
-  // The position of row `it` of this thread in tile `tile` (clamped to the last token).
-  __device__ __forceinline__ int wg_pos(int tile, int it, int tid) const {
-    const int pos = kv_start + tile * Tr::N + tid / Tr::CHUNKS + it * WG_RS;
-    const int last = kv_start + kv_len - 1;
-    return pos <= last ? pos : last;
-  }
-
-  // Page ids of this thread's rows of `tile` (a tile past the range is never asked for).
-  __device__ __forceinline__ void wg_pages(int tile, int tid, int (&pg)[WG_ROWS]) const {
-#pragma unroll
-    for (int it = 0; it < WG_ROWS; ++it) {
-      const int pc = wg_pos(tile, it, tid);
-      pg[it] = pages[page_shift >= 0 ? (pc >> page_shift) : pc / page_size];
-    }
-  }
-
-  // This thread's copies of `tile` into stage `stage`, its page ids given by wg_pages: K rows,
-  // V rows or both (the overlapped loop refills a stage's K and V halves at different times).
-  template <bool COPY_K = true, bool COPY_V = true>
-  __device__ __forceinline__ void wg_copy(T* sK, T* sV, int tile, int stage, int tid,
-                                          const int (&pg)[WG_ROWS]) const {
-    constexpr int N = Tr::N, CHUNKS = Tr::CHUNKS;
-    static_assert(WG_RS % 8 == 0 && (N * CHUNKS) % Tr::THREADS == 0 && WG_ROWS == Tr::KV_LOADS,
-                  "warpgroup gather: whole rows per thread, a multiple of 8 rows apart");
-    const int ch = tid % CHUNKS;
-    const unsigned off = (unsigned)Tr::template off<N>(tid / CHUNKS, ch) * (unsigned)sizeof(T) +
-                         (unsigned)(stage * Tr::KV_TILE_ELEMS * sizeof(T));
-    const unsigned k_dst = smem_u32(sK) + off, v_dst = smem_u32(sV) + off;
-    const T* __restrict__ k_src = k_cache + (k_head + ch * 8);
-    const T* __restrict__ v_src = v_cache + (v_head + ch * 8);
-    const int last = kv_start + kv_len - 1;
-    constexpr unsigned STEP = WG_RS * Tr::D * sizeof(T) / 2;  // WG_RS rows of one 64-wide half
-#pragma unroll
-    for (int it = 0; it < WG_ROWS; ++it) {
-      const int pos = kv_start + tile * N + tid / CHUNKS + it * WG_RS;
-      const int bytes = pos <= last ? 16 : 0;
-      const int pc = pos <= last ? pos : last;
-      const int slot = page_shift >= 0 ? (pc & (page_size - 1)) : pc % page_size;
-      if constexpr (COPY_K)
-        cp_async_16(k_dst + it * STEP, k_src + (mul_wide(pg[it], k_sp) + slot * k_st), bytes);
-      if constexpr (COPY_V)
-        cp_async_16(v_dst + it * STEP, v_src + (mul_wide(pg[it], v_sp) + slot * v_st), bytes);
-    }
-  }
-
   __device__ __forceinline__ void load(T* sK, T* sV, int tile, int stage, int row0,
                                       int tid) const {
     T* dK = sK + stage * Tr::KV_TILE_ELEMS;
     T* dV = sV + stage * Tr::KV_TILE_ELEMS;
-    if constexpr (Tr::WG) {
-      int pg[WG_ROWS];
-      wg_pages(tile, tid, pg);
-      wg_copy(sK, sV, tile, stage, tid, pg);
-      return;
-    }
     if (page_shift >= 0)
       load_rows<true>(dK, dV, tile * Tr::N, row0, tid);
     else
@@ -327,19 +261,17 @@ __device__ __forceinline__ void pack_p(const float (&s)[J][4], int kk, unsigned 
 }
 
 // One online-softmax step over the scores of MI row blocks x J column blocks of 8 (the m16n8
-// accumulator layout of both tensor-core paths: s[mi][j][0..1] row lane/4, [2..3] row + 8), in
-// two halves so that a pipelined loop can run the first while the tensor cores still write acc:
-// softmax_scores raises each row's running max m_run (log2 domain), turns the raw scores into
-// P = exp2(score * scale - max) in place, rescales the running sum l_run and returns in alpha the
-// factor the accumulator needs (and whether any row's is not 1: a warp-uniform vote);
-// rescale_acc applies it.  online_softmax_step does both at once.
+// accumulator layout of both tensor-core paths: s[mi][j][0..1] row lane/4, [2..3] row + 8):
+// raise each row's running max m_run (log2 domain), turn the raw scores into
+// P = exp2(score * scale - max) in place, rescale the running sum l_run and the accumulator acc.
+template <int MI, int J, int DJ>
+__device__ __forceinline__ void online_softmax_step(float (&s)[MI][J][4], float (&m_run)[MI][2],
+                                                    float (&l_run)[MI][2],
+                                                    float (&acc)[MI][DJ][4], float scale_log2) {
 // <tutorial:online-softmax>
-template <int MI, int J>
-__device__ __forceinline__ bool softmax_scores(float (&s)[MI][J][4], float (&m_run)[MI][2],
-                                               float (&l_run)[MI][2], float scale_log2,
-                                               float (&alpha)[MI][2]) {
   // Online softmax, per row (hr = 0: row g, hr = 1: row g + 8): raise the running max, turn
   // the scores into exp2(score * scale - max) with one FFMA each, rescale the running sum.
+  float alpha[MI][2];
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
@@ -362,18 +294,12 @@ __device__ __forceinline__ bool softmax_scores(float (&s)[MI][J][4], float (&m_r
       l_run[mi][hr] = l_run[mi][hr] * alpha[mi][hr] + sum;
     }
   }
-  // Once the max has settled most steps need no rescale of the accumulator (MI * D / 2
-  // multiplies): vote, so the warp skips it together.
+  // Rescale the accumulator only when some row's max moved (once the max has settled, most
+  // steps skip these MI * D / 2 multiplies); warp-uniform vote.
   bool moved = false;
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi) moved |= (alpha[mi][0] != 1.f) | (alpha[mi][1] != 1.f);
-  return __any_sync(0xffffffffu, moved);
-}
-
-template <int MI, int DJ>
-__device__ __forceinline__ void rescale_acc(float (&acc)[MI][DJ][4], const float (&alpha)[MI][2],
-                                            bool moved) {
-  if (moved) {
+  if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -381,16 +307,7 @@ __device__ __forceinline__ void rescale_acc(float (&acc)[MI][DJ][4], const float
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[mi][dt][e] *= alpha[mi][e >> 1];
   }
-}
 // </tutorial:online-softmax>
-
-template <int MI, int J, int DJ>
-__device__ __forceinline__ void online_softmax_step(float (&s)[MI][J][4], float (&m_run)[MI][2],
-                                                    float (&l_run)[MI][2],
-                                                    float (&acc)[MI][DJ][4], float scale_log2) {
-  float alpha[MI][2];
-  const bool moved = softmax_scores<MI, J>(s, m_run, l_run, scale_log2, alpha);
-  rescale_acc<MI, DJ>(acc, alpha, moved);
 }
 
 // The KV walk of the warpgroup layout (Tr::WG): every warp gathers its share of each tile (one
@@ -409,14 +326,10 @@ __device__ __forceinline__ void pat_wg_loop(typename Tr::T* sQ, typename Tr::T* 
   const unsigned q_addr = smem_u32(sQ) + g * 64 * 128;  // first row of this group, first half
   const unsigned k_addr = smem_u32(sK), v_addr = smem_u32(sV);
   constexpr unsigned Q_HALF = M * 128, KV_HALF = N * 128, STAGE_BYTES = N * D * 2;
-  // page ids of the next tile to copy, loaded one iteration before its copies
-  int pg[Loader::WG_ROWS];
-  if (STAGES - 1 < num_tiles) loader.wg_pages(STAGES - 1, tid, pg);
   for (int t = 0; t < num_tiles; ++t) {
     const int tn = t + STAGES - 1;
-    if (tn < num_tiles) loader.wg_copy(sK, sV, tn, tn % STAGES, tid, pg);
+    if (tn < num_tiles) loader.load(sK, sV, tn, tn % STAGES, 0, tid);
     cp_async_commit();
-    if (tn + 1 < num_tiles) loader.wg_pages(tn + 1, tid, pg);
     cp_async_wait<STAGES - 1>();
     fence_proxy_async();  // this thread's copies of tile t (and Q) -> the tensor cores' view
     cta_sync<Tr>();       // every thread's copies of tile t have landed
@@ -453,118 +366,6 @@ __device__ __forceinline__ void pat_wg_loop(typename Tr::T* sQ, typename Tr::T* 
     wgmma_wait<0>();
     wg_fence_regs(acc[0]);
     cta_sync<Tr>();  // every warpgroup is done with stage t % STAGES before it is refilled
-  }
-  cp_async_wait<0>();
-}
-
-// The warpgroup KV walk with the two GEMMs of consecutive tiles overlapped (two-stage rings):
-// step t issues S' = Q K_{t+1}^T and then O += P_t V_t back to back, runs the softmax of S' on the
-// CUDA cores while P_t V_t is still on the tensor cores, and only then waits for it and rescales
-// O.  pat_wg_loop instead waits for each GEMM before the next instruction, so a warpgroup's
-// tensor cores idle through its whole softmax (the latency bound ncu showed on the shared
-// levels, where a tile is compute- rather than memory-bound).  The price is P_t (N / 4
-// registers) held while S' is computed.  A stage's K and V halves are refilled at different
-// points: K_{t+2} at the top of step t (K_t was read by the GEMM of step t - 1), V_{t+2} at its
-// end (V_t is read in step t).  Commit groups per step: K_{t+2} at the top, V_{t+2} at the end,
-// so waiting for all but the newest two means K_{t+1} and V_t have landed.
-template <typename Tr, typename Loader>
-__device__ __forceinline__ void pat_wg_loop_overlap(typename Tr::T* sQ, typename Tr::T* sK,
-                                                    typename Tr::T* sV, const Loader& loader,
-                                                    int num_tiles, int kv_len, float scale_log2,
-                                                    int warp, int lane, int tid,
-                                                    float (&acc)[1][Tr::D / 8][4],
-                                                    float (&m_run)[1][2], float (&l_run)[1][2]) {
-  using T = typename Tr::T;
-  constexpr int M = Tr::M, N = Tr::N, D = Tr::D, J = N / 8;
-  static_assert(Tr::STAGES == 2, "the overlapped warpgroup loop runs a two-stage ring");
-  const int g = warp >> 2;  // warpgroup: rows 64g .. 64g + 63
-  const unsigned q_addr = smem_u32(sQ) + g * 64 * 128;
-  const unsigned k_addr = smem_u32(sK), v_addr = smem_u32(sV);
-  constexpr unsigned Q_HALF = M * 128, KV_HALF = N * 128, STAGE_BYTES = N * D * 2;
-  if (num_tiles == 0) {
-    cp_async_wait<0>();
-    return;
-  }
-  // Page ids are loaded a step before the copies that use them (a page-id load right before its
-  // copies stalls the warp for its latency): pg holds tile t + 2's during step t (for its K at
-  // the top and its V at the end), pg_next tile t + 3's, loaded after the K copies.
-  int pg[Loader::WG_ROWS], pg_next[Loader::WG_ROWS];
-  // On entry the caller's prologue has committed Q and tile 0 (K and V) and Q has landed.  Tile 1
-  // goes to stage 1 whole, followed by an empty group standing in for its V, so that the waits
-  // below count the same groups in every step.
-  if (num_tiles > 1) {
-    loader.wg_pages(1, tid, pg);
-    loader.wg_copy(sK, sV, 1, 1, tid, pg);
-  }
-  cp_async_commit();
-  cp_async_commit();
-  if (num_tiles > 2) loader.wg_pages(2, tid, pg);
-  cp_async_wait<2>();   // tile 0
-  fence_proxy_async();  // this thread's copies -> the tensor cores' view
-  cta_sync<Tr>();
-
-  float s[1][J][4];
-  auto qk = [&](int stage) {  // S = Q K^T over D / 16 k16 steps; the first overwrites S
-    const unsigned st = stage * STAGE_BYTES;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const unsigned koff = (kk & 3) * 32;  // k16 step inside a 64-element half
-      const unsigned long long da = wg_desc(q_addr + (kk >> 2) * Q_HALF + koff, 16, 1024);
-      const unsigned long long db = wg_desc(k_addr + st + (kk >> 2) * KV_HALF + koff, 16, 1024);
-      wgmma_ss<T, N>(s[0], da, db, kk > 0);
-    }
-    wgmma_commit();
-  };
-  wgmma_fence();
-  qk(0);
-  wgmma_wait<0>();
-  wg_fence_regs(s[0]);
-  mask_past_end<1, J>(s, 0, kv_len, lane);
-  float alpha[1][2];
-  softmax_scores<1, J>(s, m_run, l_run, scale_log2, alpha);  // acc is still 0: no rescale
-  unsigned pa[N / 16][4];  // P of the tile whose P V is next, as k16 A fragments
-#pragma unroll
-  for (int kt = 0; kt < N / 16; ++kt) pack_p<T, J>(s[0], kt, pa[kt]);
-  cta_sync<Tr>();  // every warpgroup is done reading K_0 before step 0 refills it
-
-  for (int t = 0; t < num_tiles; ++t) {
-    const bool next = t + 1 < num_tiles;
-    const int st = t & 1;
-    if (t + 2 < num_tiles) loader.template wg_copy<true, false>(sK, sV, t + 2, st, tid, pg);
-    cp_async_commit();
-    if (t + 3 < num_tiles) loader.wg_pages(t + 3, tid, pg_next);
-    cp_async_wait<2>();   // K_{t+1} and V_t have landed (V_{t+1}, K_{t+2} may be in flight)
-    fence_proxy_async();
-    cta_sync<Tr>();
-
-    wg_fence_regs(acc[0]);
-    wgmma_fence();
-    if (next) qk(st ^ 1);
-#pragma unroll
-    for (int kt = 0; kt < N / 16; ++kt) {
-      const unsigned long long db = wg_desc(v_addr + st * STAGE_BYTES + kt * 16 * 128, KV_HALF, 1024);
-      wgmma_rs_n128<T>(acc[0], pa[kt], db);
-    }
-    wgmma_commit();
-    bool moved = false;
-    if (next) {
-      wgmma_wait<1>();  // S' is done; P_t V_t may still run
-      wg_fence_regs(s[0]);
-      mask_past_end<1, J>(s, 0, kv_len - (t + 1) * N, lane);
-      moved = softmax_scores<1, J>(s, m_run, l_run, scale_log2, alpha);
-    }
-    wgmma_wait<0>();
-    wg_fence_regs(acc[0]);
-    if (next) {
-      rescale_acc<1, D / 8>(acc, alpha, moved);
-#pragma unroll
-      for (int kt = 0; kt < N / 16; ++kt) pack_p<T, J>(s[0], kt, pa[kt]);
-    }
-    cta_sync<Tr>();  // every warpgroup is done with V_t and K_{t+1}
-    if (t + 2 < num_tiles) loader.template wg_copy<false, true>(sK, sV, t + 2, st, tid, pg);
-    cp_async_commit();
-#pragma unroll
-    for (int i = 0; i < Loader::WG_ROWS; ++i) pg[i] = pg_next[i];
   }
   cp_async_wait<0>();
 }
@@ -1098,12 +899,8 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
   load_q_frags<Tr>(sQ, wm, lane, qf);
 
   if constexpr (Tr::WG) {
-    if constexpr (STAGES == 2 && PAT_WG_OVERLAP)
-      pat_wg_loop_overlap<Tr>(sQ, sK, sV, loader, num_tiles, kv_len, p.scale_log2, warp, lane,
-                              tid, acc, m_run, l_run);
-    else
-      pat_wg_loop<Tr>(sQ, sK, sV, loader, num_tiles, kv_len, p.scale_log2, warp, lane, tid, acc,
-                      m_run, l_run);
+    pat_wg_loop<Tr>(sQ, sK, sV, loader, num_tiles, kv_len, p.scale_log2, warp, lane, tid, acc,
+                    m_run, l_run);
   } else {
   for (int t = 0; t < num_tiles; ++t) {
 // <tutorial:loop-top>
@@ -1167,10 +964,7 @@ constexpr int smem_per_sm() {
 // Registers a 16-row warp needs without spilling at head_dim 128 (accumulators, Q fragments,
 // scores, gather addresses: 164-168 as compiled); the cap never asks for fewer.
 constexpr int kShortTileRegs = 168;
-#ifndef PAT_WG_MIN_BLOCKS
-#define PAT_WG_MIN_BLOCKS 1
-#endif
-template <int D, int M, int N, int WARPS, int STAGES, int RW = 0>
+template <int D, int M, int N, int WARPS, int STAGES>
 constexpr int fwd_min_blocks() {
   constexpr int smem = M * D * 2 + STAGES * 2 * N * D * 2 + 1024;  // FwdTraits::SMEM_BYTES + 1 KB
   constexpr int by_smem = smem_per_sm() / smem;
@@ -1178,11 +972,6 @@ constexpr int fwd_min_blocks() {
   constexpr int by_regs = 65536 / (WARPS * 32 * kShortTileRegs);
   constexpr int b0 = by_smem < by_threads ? by_smem : by_threads;
   constexpr int b = b0 < by_regs ? b0 : by_regs;
-  // Warpgroup tiles: as many blocks as shared memory holds (with its 1 KB alignment pad), so
-  // that the 8-warp 128x64 block keeps the 128 registers that let two share an SM.
-  constexpr int wg = smem_per_sm() / (smem + 1024);
-  if constexpr (RW == 64 && PAT_WG_MIN_BLOCKS)
-    return wg < 1 ? 1 : (wg > 2 ? 2 : wg);
   return (PAT_SMEM_OCCUPANCY == 0 || M > 16 || N > 32 || b < 1) ? 1 : (b > 32 ? 32 : b);
 }
 }  // namespace pat
@@ -1419,7 +1208,7 @@ __global__ void __launch_bounds__((WARPS + 1) * 32,
 // pat_fwd_d{D}_{dtype}_m{M}_n{N}_w{W}_s{S}_r{RW}, with a _pull suffix for the graph-safe one.
 // Every argument is in pat::FwdParams (pat_params.cuh).
 template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES, int RW, bool PULL>
-__global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, N, WARPS, STAGES, RW>())) pat_fwd_kernel(
+__global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, N, WARPS, STAGES>())) pat_fwd_kernel(
     const __grid_constant__ pat::FwdParams p) {
   // the launch after this one (a finisher phase) may start while these blocks run
   pat::pdl_launch_dependents();
@@ -1441,7 +1230,7 @@ __global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, 
 // resident (the grid fits), and a drawn item's block is running, so the launch cannot deadlock.
 // The last block to finish sets both counters back to zero (p.work_counter[1] counts them).
 template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES, int RW, bool PULL>
-__global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, N, WARPS, STAGES, RW>())) pat_fwd_finish_kernel(
+__global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, N, WARPS, STAGES>())) pat_fwd_finish_kernel(
     const __grid_constant__ pat::FwdParams p) {
   using Tr = pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW>;
   int cta_local, kv_head;
