@@ -40,7 +40,10 @@ Case sets:
   batches' one-wave CTAs on mma.sync layouts of several token-slice pipelines per block;
   ``wg-gather``: every development batch whose plan has warpgroup tiles, and the forced
   warpgroup tiles of two stages on the no-sharing batch; ``wg-overlap``: the batches whose plans
-  put many rows on warpgroup tiles, and the same forced tiles.
+  put many rows on warpgroup tiles, and the same forced tiles; ``finish-many``: batches of
+  many leaves, default plan against the finisher phase (``finish-all``); ``finish-pairs``:
+  batches the large-merge finisher rule changes, with and without it (``finish-pairs-2``:
+  more of them, chosen after the rule's last bound was set).
 
 Writes ``DIR/kernel_lab.json`` (environment, copy bandwidth, every row) and prints a table last.
 """
@@ -182,6 +185,7 @@ TUNINGS = {
     "finish-serial": {"finish_share": 0.05, "finish_launch": "serial"},
     "finish-all-serial": {"finish_share": 1.0, "finish_launch": "serial"},
     "finish-all-ordered": {"finish_share": 1.0, "finish_launch": "ordered"},
+    "finish-pairs-off": {"finish_pairs": None},
     # the merge launched once the forward has finished (CudaBackend.merge_launch; the default
     # "pdl" launches it as a programmatic dependent of the forward)
     "merge-serial": {"merge_launch": "serial"},
@@ -543,6 +547,38 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                   ("1,16_16384,16", (32, 8)), ("1,32_16384,16", (32, 8)),
                   ("1,16_2048,128", (64, 8)), ("1,4,16_128,256,1024", (32, 8))), ("default",))
              + tuple(c for c in FORCED_WG if c[5] in ("wg-s2",)),
+             # round 19: batches of many leaves under shared levels (hundreds of requests,
+             # thousands of (request, head) pairs: the merge reads tens of MB of partials),
+             # default plan against the finisher phase wherever every request has a leaf CTA
+             "finish-many": _pair_cases(
+                 (("1,1024_1024,16", (16, 8)), ("1,1024_1024,16", (32, 8)),
+                  ("1,1024_1024,16", (64, 8)), ("1,1024_1024,16", (32, 32)),
+                  ("1,8,64,512_128,512,64,32", (32, 8)), ("1,8,64,512_128,512,64,32", (64, 8)),
+                  ("1,8,64,512_128,512,64,32", (32, 32)),
+                  ("1,8,16,32,64,128,1024_256,128,64,32,32,32,32", (32, 8)),
+                  ("1,4,16,64,256_512,256,128,64,32", (32, 8)),
+                  ("1,2,4,8,16,32,64_256,128,64,64,32,32,32", (32, 8)),
+                  ("1,4,16,64,256,1024_1024,256,128,64,32,32", (32, 8)),
+                  ("1,16_2048,128", (64, 8)), ("1,2,8,128_512,128,256,32", (64, 8))),
+                 ("default", "finish-all")),
+             # round 19: batches the large-merge finisher rule (Tuning.finish_pairs) changes,
+             # none of them among those its threshold was set on: the rule against no rule
+             "finish-pairs": _pair_cases(
+                 (("1,2048_512,16", (16, 8)), ("2,1024_512,16", (32, 8)),
+                  ("1,512_4096,64", (64, 8)), ("1,1024_256,32", (32, 8)),
+                  ("1,4,1024_256,512,16", (32, 8)), ("1,16,1024_2048,256,32", (32, 8)),
+                  ("1,1024_2048,16", (32, 32)), ("1,32,1024_512,128,32", (64, 8)),
+                  ("4,1024_4096,16", (32, 8)), ("1,4096_512,16", (16, 8))),
+                 ("default", "finish-pairs-off")),
+             # round 19: the same, on batches chosen after the longest-first-CTA bound
+             # (fold.FINISH_FIRST_TOKENS) was set on the two sets above
+             "finish-pairs-2": _pair_cases(
+                 (("1,2048_256,16", (32, 8)), ("2,512_1024,32", (64, 8)),
+                  ("1,8,1024_128,256,16", (32, 8)), ("1,1024_768,64", (32, 8)),
+                  ("1,64,1024_512,512,32", (64, 8)), ("1,1024_1024,16", (64, 16)),
+                  ("1,3000_300,20", (16, 8)), ("1,2,2048_256,512,16", (32, 8)),
+                  ("1,1536_640,24", (32, 8))),
+                 ("default", "finish-pairs-off")),
              # round 17: the no-sharing batches with and without the finisher (one CTA per
              # request writing its output) at the three group sizes of 8 KV heads
              "nosharing-finish": _pair_cases(tuple((spec, h) for spec in ("128_2048", "256_4096")

@@ -33,6 +33,21 @@ FINISH_MAX_ROWS = 32
 # per-request plans of the ``pat`` packer's request rule 2-3% faster than with their copy-merge;
 # larger shares lose 16-20% where the first phase has several groups, so they stay opt-in.
 FINISH_SHARE = 0.0
+# Default smallest number of (request, query head) pairs from which a step folds whatever share
+# of its tokens the first phase reads, provided each phase is one tile group (so the finishers
+# are one launch dependent on one first-phase launch, starting while it runs)
+# (:attr:`pat_core.planner.Tuning.finish_pairs`; ``None``: off).  Measured on an H100
+# (bench/NOTES.md, round 19): on two-group plans of 32768 and 65536 pairs the finisher phase was
+# 1.5-9% faster (it drops the leaves' partial slots, half the merge's reads, and the merge
+# launch: 34-68 MB at 1024 requests x 32-64 heads) or level (0.998); at 16384 and 1024 pairs it
+# lost 8% and 3%.  With a first phase of several groups it lost everywhere (2-27%).
+FINISH_PAIRS = 32768
+# ... and provided no first-phase CTA reads more than this many KV tokens: the finishers fold
+# only once the whole first phase has ended, so a long first-phase CTA holds them back longer
+# than the merge would take.  Measured (round 19): the five two-group plans of 32768+ pairs
+# whose first phase has CTAs of 2048-4096 tokens were 1.00-1.03x slower folded; the eleven
+# whose longest first-phase CTA read 256-1024 tokens 0.88-1.00x.
+FINISH_FIRST_TOKENS = 1024
 
 
 def finisher_ctas(first_req: np.ndarray, nreq: np.ndarray, kv_len: np.ndarray, tile_m: np.ndarray,
@@ -69,5 +84,35 @@ def finisher_ctas(first_req: np.ndarray, nreq: np.ndarray, kv_len: np.ndarray, t
     fin[cand[o][last]] = True
     tok = kv_len.astype(np.int64)
     if int(tok[~fin].sum()) > share * int(tok.sum()):
+        return None
+    return fin
+
+
+def large_merge_finishers(first_req: np.ndarray, nreq: np.ndarray, kv_len: np.ndarray,
+                          tile_m: np.ndarray, tile_idx: np.ndarray, batch: int, num_qo_heads: int,
+                          min_pairs: int | None,
+                          max_first_tokens: int = FINISH_FIRST_TOKENS) -> np.ndarray | None:
+    """The finisher CTAs of a step whose merge would be large, or ``None``.
+
+    Where :func:`finisher_ctas`' share rule keeps the merge launch, a step of at least
+    ``min_pairs`` (request, query head) pairs still folds when every request has a candidate
+    finisher, each phase is a single tile group and no first-phase CTA reads more than
+    ``max_first_tokens``: then the finishers are one launch that may start while the first
+    phase's one launch runs (programmatic dependent launch), and what the fold saves (every
+    request's leaf slot written and read back, and the merge launch) grows with the pairs while
+    the wait for a short first phase does not.
+
+    Parameters: as :func:`finisher_ctas`, plus ``tile_idx`` int ``[C]`` (each CTA's tile
+    config: CTAs of one config form one launch group), ``num_qo_heads``, ``min_pairs``
+    (``None``: never) and ``max_first_tokens``.  Returns bool ``[C]`` or ``None``.
+    """
+    if min_pairs is None or int(batch) * int(num_qo_heads) < min_pairs:
+        return None
+    fin = finisher_ctas(first_req, nreq, kv_len, tile_m, batch, share=1.0)
+    if fin is None or fin.all():
+        return None   # no candidates, or no first phase (the share rule's case)
+    if np.unique(tile_idx[fin]).size != 1 or np.unique(tile_idx[~fin]).size != 1:
+        return None
+    if int(kv_len[~fin].max()) > max_first_tokens:
         return None
     return fin

@@ -22,7 +22,7 @@ from numba import njit
 from .forest import PrefixForest
 from .gpus import get_gpu
 from .inputs import BlockTable, _check_seq_lens, as_block_table, check_heads, check_size
-from .fold import FINISH_SHARE, finisher_ctas
+from .fold import FINISH_PAIRS, FINISH_SHARE, finisher_ctas, large_merge_finishers
 from .packers import (NARROW_SHARE, PACKERS, PARTIAL_WEIGHT, Packs, narrow_packing,
                       narrow_wins, pack, request_packing, request_share, request_wins)
 from .plan import DTYPE_BYTES, Plan, dtype_name
@@ -66,6 +66,10 @@ class Tuning:
     (no merge launch), provided the other CTAs read at most this share of the step's KV tokens
     (``0``: only steps whose requests each have one CTA; ``None``: never).  Not for serial or
     cascade plans.
+    ``finish_pairs``: with ``finish_share`` not ``None``, a step of at least this many
+    (request, query head) pairs also folds, whatever share the other CTAs read, when both
+    phases are one tile group each (:func:`pat_core.fold.large_merge_finishers`; ``None``:
+    off).
     ``request_share``: the ``pat`` packer's per-request rule
     (:func:`pat_core.packers.request_packing`): with no ``max_rows`` set, no forced tile, a
     finisher rule on (``finish_share`` not ``None``) and no serial plan, the step runs one CTA
@@ -88,6 +92,7 @@ class Tuning:
     exclude_tiles: tuple | None = None
     narrow_share: float = NARROW_SHARE
     finish_share: float | None = FINISH_SHARE
+    finish_pairs: int | None = FINISH_PAIRS
     request_share: float | None = None
 
     def __post_init__(self):
@@ -113,6 +118,10 @@ class Tuning:
                 or not math.isfinite(self.finish_share) or self.finish_share < 0):
             raise ValueError(f"finish_share must be None or a number >= 0, got "
                              f"{self.finish_share!r}")
+        if self.finish_pairs is not None and (
+                not isinstance(self.finish_pairs, (int, np.integer)) or self.finish_pairs < 1):
+            raise ValueError(f"finish_pairs must be None or a positive int, got "
+                             f"{self.finish_pairs!r}")
         if not isinstance(self.min_part, (int, np.integer)) or self.min_part < 1:
             raise ValueError(f"min_part must be a positive int, got {self.min_part!r}")
         if self.split_by not in ("tokens", "work"):
@@ -231,8 +240,12 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
         order = np.argsort(gkey, kind="stable")
     fin = None
     if not serial and tuning.finish_share is not None:
-        fin = finisher_ctas(packs.reqs[packs.req_indptr[src]], nreq, kv_len, mn[:, 0],
-                            bt.batch_size, tuning.finish_share)
+        first_req = packs.reqs[packs.req_indptr[src]]
+        fin = finisher_ctas(first_req, nreq, kv_len, mn[:, 0], bt.batch_size,
+                            tuning.finish_share)
+        if fin is None:
+            fin = large_merge_finishers(first_req, nreq, kv_len, mn[:, 0], tile_idx,
+                                        bt.batch_size, num_qo_heads, tuning.finish_pairs)
     finish_from = -1
     if fin is not None:
         # the finishers after every other CTA, each phase keeping its own group order

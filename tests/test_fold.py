@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 from pat_core import Planner, PrefixAttentionWrapper, Tuning
 from pat_core.executor import execute, execute_partials
-from pat_core.fold import FINISH_MAX_ROWS, finisher_ctas
+from pat_core.fold import (FINISH_FIRST_TOKENS, FINISH_MAX_ROWS, FINISH_PAIRS, finisher_ctas,
+                           large_merge_finishers)
 from pat_core.merge import merge_partials
 from pat_core.reference import dense_attention, relative_error
 from pat_core.workloads import build_tree_batch, random_kv_cache
@@ -135,7 +136,7 @@ def test_fold_plans_match_dense(b, heads, share):
     hq, hk = heads
     d = 64
     w = PrefixAttentionWrapper("cpu", "pat")
-    w.planner.tuning = Tuning(finish_share=share)
+    w.planner.tuning = Tuning(finish_share=share, finish_pairs=None)   # the share rule alone
     plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, b.page_size, kv_data_type="float32")
     plan.validate()
     if plan.finish_from >= 0:
@@ -169,3 +170,97 @@ def test_bad_finish_share_is_named():
     for bad in (-0.1, float("nan"), float("inf"), "all"):
         with pytest.raises(ValueError, match="finish_share"):
             Tuning(finish_share=bad)
+
+
+# ----------------------------------------------------------------------------- large merges
+def test_large_merge_finishers_rule():
+    #           CTA:   0  1  2  3  4
+    first = np.array([0, 0, 1, 2, 0])
+    nreq = np.array([3, 1, 1, 1, 3])
+    kv = np.array([512, 16, 20, 18, 512])
+    m = np.array([64, 16, 16, 16, 64])
+    tile = np.array([1, 0, 0, 0, 1])
+    fin = large_merge_finishers(first, nreq, kv, m, tile, 3, 8, min_pairs=24)
+    assert fin.tolist() == [False, True, True, True, False]
+    assert large_merge_finishers(first, nreq, kv, m, tile, 3, 8, min_pairs=25) is None
+    assert large_merge_finishers(first, nreq, kv, m, tile, 3, 8, min_pairs=None) is None
+    # the first phase in two tile groups, or the finishers in two: no dependent launch
+    assert large_merge_finishers(first, nreq, kv, m, np.array([1, 0, 0, 0, 2]), 3, 8, 24) is None
+    assert large_merge_finishers(first, nreq, kv, m, np.array([1, 0, 3, 0, 1]), 3, 8, 24) is None
+    # a first-phase CTA longer than the bound
+    assert large_merge_finishers(first, nreq, kv, m, tile, 3, 8, 24, max_first_tokens=511) is None
+    # no first phase: the share rule's case, not this one's
+    assert large_merge_finishers(first[1:4], nreq[1:4], kv[1:4], m[1:4], tile[1:4], 3, 8,
+                                 24) is None
+
+
+@pytest.mark.parametrize("spec,heads,folds", [
+    ("1,1024_1024,16", (32, 8), True),        # 32768 pairs, one 128x64 group + one 16x16 group
+    ("1,1024_1024,16", (64, 8), True),
+    ("1,1024_1024,16", (16, 8), False),       # 16384 pairs
+    ("1,8,64,512_128,512,64,32", (32, 8), False),   # a first phase of two tile groups
+    ("1,512_4096,64", (64, 8), False),        # first-phase CTAs of 4096 tokens
+])
+def test_large_merge_rule_in_the_planner(spec, heads, folds):
+    b = build_tree_batch(spec, page_size=16, seed=3)
+    args = (b.block_tables, b.seq_lens, heads[0], heads[1], 128, 16)
+    plan = Planner("pat", "h100").plan(*args)
+    plan.validate()
+    assert (plan.finish_from >= 0) == folds
+    if folds:
+        f0 = plan.finish_cta
+        assert plan.finish_from == 1 and plan.num_groups == 2
+        assert b.batch_size * heads[0] >= FINISH_PAIRS
+        assert int(plan.cta_kv_len[:f0].max()) <= FINISH_FIRST_TOKENS
+        # the fold removes each request's leaf slot and the merge
+        base = Planner("pat", "h100", Tuning(finish_pairs=None)).plan(*args)
+        assert base.finish_from < 0
+        assert base.num_ctas == plan.num_ctas
+        assert base.stats()["partial_bytes"] > plan.stats()["partial_bytes"]
+    for off in (Tuning(finish_pairs=None), Tuning(finish_share=None)):
+        assert Planner("pat", "h100", off).plan(*args).finish_from < 0
+
+
+@settings(max_examples=30, deadline=None)
+@given(prefix_batches(max_requests=10, max_node_pages=2), head_configs())
+def test_large_merge_plans_match_dense(b, heads):
+    """With the pair threshold at 1, every two-group plan whose requests all have a leaf CTA
+    folds; such plans are valid, fold only under the rule's conditions and match float64."""
+    hq, hk = heads
+    d = 64
+    w = PrefixAttentionWrapper("cpu", "pat")
+    w.planner.tuning = Tuning(finish_share=0.0, finish_pairs=1)
+    plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, b.page_size, kv_data_type="float32")
+    plan.validate()
+    if plan.finish_from > 0:                 # folded by the pair rule (0: no first phase)
+        f0 = plan.finish_cta
+        assert plan.finish_from == 1 and plan.num_groups == 2
+        assert int(plan.cta_kv_len[:f0].max()) <= FINISH_FIRST_TOKENS
+    assert_run_matches_dense(w, b, hq, hk, d)
+
+
+@pytest.mark.parametrize("spec,heads", [("1,8_40,20", (8, 2)), ("1,16_100,9", (32, 8)),
+                                        ("2,12_64,33", (16, 4)), ("1,4,16_48,32,17", (32, 8)),
+                                        ("1,32_300,5", (8, 8)), ("1,6_1000,30", (12, 4))])
+def test_cpu_large_merge_fold_matches_dense(spec, heads):
+    """Plans the pair rule folds (threshold lowered to 1, share rule at 0, so only it can):
+    the CPU executor's fold equals float64 dense attention and the merge of the same CTAs."""
+    hq, hk = heads
+    d = 64
+    b, plan = _plan(spec, hq, hk, d, tuning=Tuning(finish_share=0.0, finish_pairs=1),
+                    kv_data_type="float32")
+    assert plan.finish_from == 1 and plan.num_groups == 2
+    k, v = random_kv_cache(b.num_pages, 16, hk, d, seed=4, scale=2.0)
+    q = np.random.default_rng(5).standard_normal((b.batch_size, hq, d)).astype(np.float32)
+    out, lse = execute(plan, q, k, v, return_lse=True)
+    ref, ref_lse = dense_attention(q, (k, v), b.block_tables, b.seq_lens, 16, return_lse=True)
+    assert relative_error(out, ref) < 1e-5 and relative_error(lse, ref_lse) < 1e-5
+    o_part, l_part = execute_partials(plan, q, k, v)
+    mo, ml = merge_partials(o_part, l_part, plan.req_slot_indptr)
+    assert relative_error(mo, out) < 1e-5 and relative_error(ml, lse) < 1e-5
+
+
+def test_bad_finish_pairs_is_named():
+    for bad in (0, -5, 1.5, "many"):
+        with pytest.raises(ValueError, match="finish_pairs"):
+            Tuning(finish_pairs=bad)
