@@ -536,8 +536,9 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                   ("1,4,16_128,256,1024", (32, 8))), ("default",))
              + tuple(c for c in FORCED_WG if c[5] in ("wg-s2",)),
              # round 19: the batches whose plans put many rows on warpgroup tiles (where a
-             # tile is compute- rather than memory-bound), for the overlapped KV walk; and the
-             # forced two-stage warpgroup tiles on the no-sharing batch (memory-bound)
+             # tile is compute- rather than memory-bound), for changes to the warpgroup KV walk
+             # (the overlapped walk of NOTES round 19); and the forced two-stage warpgroup tiles
+             # on the no-sharing batch (memory-bound)
              "wg-overlap": _pair_cases(
                  (("1,1024_1024,16", (16, 8)), ("1,1024_1024,16", (32, 8)),
                   ("1,1024_1024,16", (64, 8)), ("1,1024_1024,16", (32, 32)),
