@@ -18,8 +18,8 @@ trace (12k-token prompts, 10-45 requests) the fused launch measured 5-14% slower
 streams (``bench/results/trace_replay_h100/``).
 
 A plan with a finisher phase (``plan.finish_from >= 0``, :mod:`pat_core.fold`) is never fused:
-its finishers must start after every other CTA has finished, so its two phases are two rounds of
-launches.
+its finishers fold only after every other CTA has finished, so its two phases are two rounds of
+launches, the second a dependent launch where :func:`finisher_launch_dependent` says so.
 
 One-tile CTAs (:func:`one_tile_split`, ablations, off by default): the one-tile tail of a 16-row
 launch group (tree leaves of a page or two) can run in a launch of its own, with a layout made
@@ -55,6 +55,18 @@ def fused_ctas_per_sm(plan) -> int:
                         registers=max(r.registers for r in rs), smem=max(r.smem for r in rs),
                         source="fused")
     return big.ctas_per_sm(gpu)
+
+
+def finisher_launch_dependent(plan, gpu) -> bool:
+    """Whether ``plan``'s finisher phase (``gpu``: a GPU spec or name) runs as one launch dependent on its first phase's one
+    launch (programmatic dependent launch: the finishers may start while the first phase runs
+    and wait for it only before they fold), as the CUDA backend launches it by default
+    (``CudaBackend.finish_launch`` "pdl"): both phases one tile group each, on an sm_90 or
+    later GPU.  Otherwise a plan with a first phase starts its finishers after that phase."""
+    from .gpus import get_gpu
+    from .tiles import _arch_of
+    return (plan.finish_from == 1 and plan.num_groups == 2
+            and int(_arch_of(get_gpu(gpu))[3:]) >= 90)
 
 
 def use_fused_launch(plan, num_sms: int, mode: str = "auto",

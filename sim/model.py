@@ -54,6 +54,15 @@ Forward thread blocks are dispatched CTA by CTA with a CTA's KV heads adjacent (
 default ``head_minor`` grid; :data:`HEAD_MINOR`).  When the backend would fuse the forward
 launches (:func:`pat_core.launch.use_fused_launch`, ``launch_mode="auto"`` by default) the model
 does too: one forward launch whose blocks each take the largest variant's resources.
+
+A plan with a finisher phase behind a first phase (:mod:`pat_core.fold`) is launched as the
+backend launches it: where :func:`pat_core.launch.finisher_launch_dependent` holds (each phase
+one tile group, an sm_90 GPU) the finishers are one launch gated on the first phase's (placed
+once every first-phase block has been: a programmatic dependent launch); otherwise they are a
+phase of their own after the first phase.  The reads of their fold are priced as a merge pass at
+the end (:func:`sim.traffic.merge_work`).  Against 32 measured fold / no-fold pairs (H100,
+bench/NOTES.md round 19) this gets the faster plan right on 24, where running every finisher
+beside the first phase got 21.
 """
 from __future__ import annotations
 
@@ -63,7 +72,7 @@ import numpy as np
 
 from pat_core.gpus import GPUSpec, get_gpu
 
-from pat_core.launch import use_fused_launch
+from pat_core.launch import finisher_launch_dependent, use_fused_launch
 
 from .constants import SimConstants, check_timing, load_constants
 from .l2 import l2_split, l2_window
@@ -138,6 +147,13 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
     mw = merge_work(plan)
     hk = plan.num_kv_heads
     launches, cfg, cta, head, lau, byt, til, flo, slo = [], [], [], [], [], [], [], [], []
+    # A finisher phase behind a first phase starts after it, unless the finishers are one
+    # launch dependent on the first phase's one launch (pat_core.launch): then they are placed
+    # once every first-phase block has been, and the reads of their fold are priced as a merge
+    # pass after both (see merge_work).
+    dependent = (not serial and not fused and plan.finish_from > 0
+                 and finisher_launch_dependent(plan, gpu))
+    after = not serial and not fused and plan.finish_from > 0 and not dependent
     # each block runs its own variant's code (in a fused launch too): its warps and stages
     cfg_warps = np.array([o.resources.threads // 32 for o in occ], dtype=np.float64)
     pos = 0
@@ -149,9 +165,11 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
             idx = np.tile(np.arange(b, e, dtype=np.int64), hk)
             hh = np.repeat(np.arange(hk, dtype=np.int32), e - b)
         k = int(plan.group_tile[g])
+        fin_phase = after and g >= plan.finish_from
         launches.append(Launch(name=f"forward {m}x{n}", kind="forward", config=k, begin=pos,
                                end=pos + idx.shape[0], issue_ns=0.0,
-                               phase=g if serial else 0))
+                               phase=g if serial else int(fin_phase),
+                               gate=0 if dependent and g >= plan.finish_from else -1))
         cfg.append(np.full(idx.shape[0], T + 1 if fused else k, np.int32))
         cta.append(idx.astype(np.int32))
         head.append(hh)
@@ -168,7 +186,8 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
     nm = mw.bytes.shape[0]
     if nm:      # no merge blocks: a finisher plan with no first phase writes its own output
         launches.append(Launch(name="merge", kind="merge", config=-1, begin=pos, end=pos + nm,
-                               issue_ns=0.0, phase=len(launches) if serial else 1))
+                               issue_ns=0.0,
+                               phase=len(launches) if serial else (2 if after else 1)))
         cfg.append(np.full(nm, T, np.int32))
         cta.append(np.arange(nm, dtype=np.int32))
         head.append(np.full(nm, -1, np.int32))
@@ -203,7 +222,7 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
                     blk_launch=np.concatenate(lau), blk_bytes=np.concatenate(byt),
                     blk_l2=blk_l2, blk_lead=blk_lead, blk_tiles=np.concatenate(til),
                     blk_flops=np.concatenate(flo), blk_slots=np.concatenate(slo),
-                    num_phases=(len(launches)) if serial else (2 if nm else 1),
+                    num_phases=(len(launches)) if serial else (int(after) + (2 if nm else 1)),
                     serial=serial, l2_window=window,
                     blk_warps=np.concatenate([cfg_warps[plan.cta_tile[fc].astype(np.int64)],
                                               np.zeros(nm)]),
@@ -237,12 +256,13 @@ def run_timeline(wl: Workload, c: SimConstants, timing: str = "graph") -> Timeli
     per_phase = np.bincount(phase, minlength=wl.num_phases)
     gaps = np.full(wl.num_phases, gap_ns)
     gaps[1:] += np.where(per_phase[:-1] >= 2, c.join_cost(timing), 0.0)
+    gate = np.array([ln.gate for ln in wl.launches], dtype=np.int32)
     sm, lane, start, end, ps, pe = run_engine(
         wl.gpu.num_sms, sm_capacity(wl.gpu), wl.need, wl.blk_cfg, latency, wl.blk_bytes, compute,
         ptr, issue, phase, wl.num_phases, gaps, c.sm_bandwidth, c.hbm_bandwidth,
-        blk_l2=wl.blk_l2, l2_bw=c.l2_bandwidth, blk_lead=wl.blk_lead)
-    launches = [Launch(ln.name, ln.kind, ln.config, ln.begin, ln.end, float(issue[i]), ln.phase)
-                for i, ln in enumerate(wl.launches)]
+        blk_l2=wl.blk_l2, l2_bw=c.l2_bandwidth, blk_lead=wl.blk_lead, stream_gate=gate)
+    launches = [Launch(ln.name, ln.kind, ln.config, ln.begin, ln.end, float(issue[i]), ln.phase,
+                       ln.gate) for i, ln in enumerate(wl.launches)]
     return Timeline(num_sms=wl.gpu.num_sms, launches=launches, block_launch=wl.blk_launch,
                     block_cta=wl.blk_cta, block_head=wl.blk_head, block_sm=sm, block_lane=lane,
                     block_start=start, block_end=end, phase_start=ps, phase_end=pe)

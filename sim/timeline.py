@@ -12,7 +12,9 @@ What it models
 * **Phases.** Launches carry a phase number.  A phase starts ``gap_ns`` after every block of the
   previous phase has finished (a kernel waiting on another, through stream order or an event).
   Concurrent launch groups share phase 0 and the merge kernel is phase 1; in serial mode each
-  group is its own phase.
+  group is its own phase.  A launch may also be *gated* on an earlier launch of its phase: none
+  of its blocks is placed before all of the gate's are (a programmatic dependent launch, which
+  starts once every block of the launch it depends on has started).
 * **A block's life.** ``latency`` (time the KV pipeline cannot hide: query load, first tile in
   flight, partial write), then *streaming*: it moves its ``bytes`` while computing; it ends when
   both the bytes are moved and ``compute`` time has passed since streaming began (the kernel
@@ -125,7 +127,8 @@ def _start_rest(b, x, V, blk_bytes, blk_lead, hshare, seg, vfin, hsum, lsum):
 
 @njit(cache=True)
 def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_l2, blk_lead, blk_compute,
-              stream_ptr, stream_ready, stream_phase, num_phases, phase_gap, sm_bw, hbm_bw, l2_bw):
+              stream_ptr, stream_ready, stream_phase, stream_gate, num_phases, phase_gap, sm_bw,
+              hbm_bw, l2_bw):
     N = blk_cfg.shape[0]
     S = stream_ready.shape[0]
     max_res = cap[3]
@@ -181,6 +184,9 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_l2, blk_l
             for s in range(S):
                 if stream_phase[s] != cur or stream_ready[s] > t:
                     continue
+                g = stream_gate[s]
+                if g >= 0 and head[g] < stream_ptr[g + 1]:
+                    continue            # its gate launch still has blocks to place
                 while head[s] < stream_ptr[s + 1]:
                     b = head[s]
                     k = blk_cfg[b]
@@ -324,6 +330,7 @@ class Launch:
     end: int
     issue_ns: float
     phase: int
+    gate: int = -1            # a launch whose blocks must all be placed first (-1: none)
 
 
 @dataclass
@@ -397,7 +404,7 @@ class Timeline:
 def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_latency, blk_bytes,
                blk_compute, stream_ptr, stream_ready, stream_phase, num_phases: int,
                gap_ns, sm_bw: float, hbm_bw: float, blk_l2=None,
-               l2_bw: float = np.inf, blk_lead=None):
+               l2_bw: float = np.inf, blk_lead=None, stream_gate=None):
     """Typed front door to the Numba loop; raises ``ValueError`` when a block fits no SM.
 
     ``gap_ns``: the wait (ns) between the end of one phase and the start of the next, one
@@ -407,6 +414,9 @@ def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_lat
     default none).  ``blk_lead``: float64 [N] of those, the bytes a block streams before the
     rest (``0 <= blk_lead <= blk_l2``; default 0); the rest streams as a fixed mix of HBM bytes
     and the remaining hits.  ``l2_bw``: bytes/ns the L2 serves to all SMs together.
+    ``stream_gate``: int [S], for each launch an earlier launch of the same phase whose blocks
+    must all have been placed before any of its own is (a programmatic dependent launch starts
+    once every block of the launch before it has started), or -1 (default: none).
     """
     blk_bytes = np.ascontiguousarray(blk_bytes, dtype=np.float64)
     blk_l2 = (np.zeros(blk_bytes.shape[0]) if blk_l2 is None
@@ -427,6 +437,13 @@ def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_lat
                          f"threads, slots) but an SM offers only {cap.tolist()}")
     if sm_bw <= 0 or hbm_bw <= 0:
         raise ValueError("bandwidths must be positive")
+    S = len(stream_ready)
+    gate = (np.full(S, -1, dtype=np.int32) if stream_gate is None
+            else np.ascontiguousarray(stream_gate, dtype=np.int32))
+    ph = np.asarray(stream_phase)
+    if gate.shape != (S,) or np.any(gate >= np.arange(S)) or \
+            np.any((gate >= 0) & (ph[np.maximum(gate, 0)] != ph)):
+        raise ValueError("stream_gate must name, per launch, -1 or an earlier launch of its phase")
     gaps = np.ascontiguousarray(np.broadcast_to(np.asarray(gap_ns, dtype=np.float64),
                                                 (max(int(num_phases), 1),)))
     if np.any(gaps < 0):
@@ -437,7 +454,7 @@ def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_lat
                     np.ascontiguousarray(blk_compute, dtype=np.float64),
                     np.ascontiguousarray(stream_ptr, dtype=np.int64),
                     np.ascontiguousarray(stream_ready, dtype=np.float64),
-                    np.ascontiguousarray(stream_phase, dtype=np.int32), int(num_phases),
+                    np.ascontiguousarray(stream_phase, dtype=np.int32), gate, int(num_phases),
                     gaps, float(sm_bw), float(hbm_bw), float(l2_bw))
     status = out[0]
     if status != 0:

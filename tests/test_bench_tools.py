@@ -109,6 +109,26 @@ def test_request_rule_check_scores_the_rule_and_the_simulator(tmp_path):
     assert all(r["sim_per_request_us"] > 0 and r["sim_pat_us"] > 0 for r in out)
 
 
+def test_fold_sim_check_pairs_fold_and_merge_plans(tmp_path):
+    """bench/fold_sim_check.py re-plans a kernel_lab pair as measured (fold / no fold) and
+    scores the simulator's choice against the measured one."""
+    import fold_sim_check as fsc
+    rows = [dict(workload="1,64_256,16", heads=[32, 8], packer="pat", label=lab, graph_us=us,
+                 set="finish-many") for lab, us in (("default", 30.0), ("finish-all", 20.0))]
+    path = tmp_path / "kl.json"
+    path.write_text(json.dumps({"rows": rows}))
+    out = tmp_path / "check.json"
+    assert fsc.main([str(path), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["score"]["pairs"] == 1
+    (row,) = res["rows"]
+    assert row["fold"]["fold"] and not row["merge"]["fold"]
+    assert row["measured_fold_over_merge"] == pytest.approx(20.0 / 30.0)
+    assert row["right"] == (row["predicted_fold_over_merge"] < 1)
+    with pytest.raises(ValueError, match="label"):
+        fsc.tuning_for("finish-0", "finish-many")
+
+
 def test_host_path_compare_and_cli(tmp_path, capsys):
     """bench/host_path.py's side-by-side table reads two result files (the GPU part needs a
     device); without --out or --compare the command line refuses."""
