@@ -58,11 +58,12 @@ does too: one forward launch whose blocks each take the largest variant's resour
 A plan with a finisher phase behind a first phase (:mod:`pat_core.fold`) is launched as the
 backend launches it: where :func:`pat_core.launch.finisher_launch_dependent` holds (each phase
 one tile group, an sm_90 GPU) the finishers are one launch gated on the first phase's (placed
-once every first-phase block has been: a programmatic dependent launch); otherwise they are a
-phase of their own after the first phase.  The reads of their fold are priced as a merge pass at
-the end (:func:`sim.traffic.merge_work`).  Against 32 measured fold / no-fold pairs (H100,
-bench/NOTES.md round 19) this gets the faster plan right on 24, where running every finisher
-beside the first phase got 21.
+once every first-phase block has been, as a programmatic dependent launch starts, and each
+ending no earlier than the first phase, holding its SM slot while it waits to fold); otherwise
+they are a phase of their own after the first phase.  The reads of their fold are priced as a
+merge pass at the end (:func:`sim.traffic.merge_work`).  Against 32 measured fold / no-fold
+pairs (H100, bench/NOTES.md round 19) this gets the faster plan right on 26, where running
+every finisher beside the first phase got 21.
 """
 from __future__ import annotations
 

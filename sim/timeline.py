@@ -13,8 +13,10 @@ What it models
   previous phase has finished (a kernel waiting on another, through stream order or an event).
   Concurrent launch groups share phase 0 and the merge kernel is phase 1; in serial mode each
   group is its own phase.  A launch may also be *gated* on an earlier launch of its phase: none
-  of its blocks is placed before all of the gate's are (a programmatic dependent launch, which
-  starts once every block of the launch it depends on has started).
+  of its blocks is placed before all of the gate's are, and none ends before all of the gate's
+  have ended (a block done earlier waits, holding its SM slot): a programmatic dependent launch,
+  which starts once every block of the launch it depends on has started and waits for that
+  launch's end where it needs its results (the finishers' fold).
 * **A block's life.** ``latency`` (time the KV pipeline cannot hide: query load, first tile in
   flight, partial write), then *streaming*: it moves its ``bytes`` while computing; it ends when
   both the bytes are moved and ``compute`` time has passed since streaming began (the kernel
@@ -126,6 +128,50 @@ def _start_rest(b, x, V, blk_bytes, blk_lead, hshare, seg, vfin, hsum, lsum):
 
 
 @njit(cache=True)
+def _finish_block(b, x, lane, t, state, blk_end, blk_cfg, need, free, nres, res, remaining,
+                  blk_phase):
+    state[b] = 4
+    blk_end[b] = t
+    k = blk_cfg[b]
+    for j in range(4):
+        free[x, j] += need[k, j]
+    nres[x] -= 1
+    res[x, lane] = -1
+    remaining[blk_phase[b]] -= 1
+
+
+@njit(cache=True)
+def _launch_done(s0, t, stream_left, stream_gate, state, blk_stream, blk_sm, blk_lane, blk_end,
+                 blk_cfg, need, free, nres, res, remaining, blk_phase, stream_ptr):
+    """A block of launch ``s0`` finished at ``t``: count it, and when that was the launch's last,
+    finish the waiting blocks of the launches gated on it (and so on).  Returns how many
+    waiting blocks finished."""
+    released = 0
+    stack = np.empty(stream_left.shape[0], dtype=np.int64)
+    top = 0
+    stream_left[s0] -= 1
+    if stream_left[s0] == 0:
+        stack[top] = s0
+        top += 1
+    while top > 0:
+        top -= 1
+        g = stack[top]
+        for s in range(stream_left.shape[0]):
+            if stream_gate[s] != g:
+                continue
+            for b in range(stream_ptr[s], stream_ptr[s + 1]):
+                if state[b] == 5:
+                    _finish_block(b, blk_sm[b], blk_lane[b], t, state, blk_end, blk_cfg, need,
+                                  free, nres, res, remaining, blk_phase)
+                    released += 1
+                    stream_left[s] -= 1
+                    if stream_left[s] == 0:
+                        stack[top] = s
+                        top += 1
+    return released
+
+
+@njit(cache=True)
 def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_l2, blk_lead, blk_compute,
               stream_ptr, stream_ready, stream_phase, stream_gate, num_phases, phase_gap, sm_bw,
               hbm_bw, l2_bw):
@@ -138,7 +184,9 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_l2, blk_l
     blk_end = np.full(N, np.nan)
     phase_start = np.full(num_phases, np.nan)
     phase_end = np.full(num_phases, np.nan)
-    state = np.zeros(N, dtype=np.int8)      # 0 pending, 1 latency, 2 streaming, 3 compute, 4 done
+    # 0 pending, 1 latency, 2 streaming, 3 compute, 4 done, 5 done but waiting (its SM slot
+    # held) for every block of its launch's gate launch to finish
+    state = np.zeros(N, dtype=np.int8)
     seg = np.zeros(N, dtype=np.int8)        # while streaming: 0 its leading hits, 1 the rest
     hshare = np.ones(N)                     # HBM share of the rest of each block's bytes
     for b in range(N):
@@ -165,10 +213,14 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_l2, blk_l
     head = stream_ptr[:-1].copy()
     remaining = np.zeros(num_phases, dtype=np.int64)
     blk_phase = np.empty(N, dtype=np.int32)
+    blk_stream = np.empty(N, dtype=np.int32)
+    stream_left = np.zeros(S, dtype=np.int64)   # blocks of each launch not yet finished
     for s in range(S):
         remaining[stream_phase[s]] += stream_ptr[s + 1] - stream_ptr[s]
+        stream_left[s] = stream_ptr[s + 1] - stream_ptr[s]
         for b in range(stream_ptr[s], stream_ptr[s + 1]):
             blk_phase[b] = stream_phase[s]
+            blk_stream[b] = s
     cur = 0
     release = 0.0
     while cur < num_phases and remaining[cur] == 0:
@@ -301,15 +353,16 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_l2, blk_l
                 elif state[b] == 3 and timer_end[b] <= t + eps_t:
                     finish = True
                 if finish:
-                    state[b] = 4
-                    blk_end[b] = t
-                    k = blk_cfg[b]
-                    for j in range(4):
-                        free[x, j] += need[k, j]
-                    nres[x] -= 1
-                    res[x, lane] = -1
+                    g = stream_gate[blk_stream[b]]
+                    if g >= 0 and stream_left[g] > 0:
+                        state[b] = 5        # a dependent block waits for its gate launch's end
+                        continue
+                    _finish_block(b, x, lane, t, state, blk_end, blk_cfg, need, free, nres,
+                                  res, remaining, blk_phase)
                     done += 1
-                    remaining[blk_phase[b]] -= 1
+                    done += _launch_done(blk_stream[b], t, stream_left, stream_gate, state,
+                                         blk_stream, blk_sm, blk_lane, blk_end, blk_cfg, need,
+                                         free, nres, res, remaining, blk_phase, stream_ptr)
             tmin[x], vmin[x] = _recompute_sm(x, res, state, timer_end, vfin, max_res)
         while cur < num_phases and remaining[cur] == 0:
             phase_end[cur] = t
@@ -415,8 +468,8 @@ def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_lat
     rest (``0 <= blk_lead <= blk_l2``; default 0); the rest streams as a fixed mix of HBM bytes
     and the remaining hits.  ``l2_bw``: bytes/ns the L2 serves to all SMs together.
     ``stream_gate``: int [S], for each launch an earlier launch of the same phase whose blocks
-    must all have been placed before any of its own is (a programmatic dependent launch starts
-    once every block of the launch before it has started), or -1 (default: none).
+    must all have been placed before any of its own is, and must all have finished before any
+    of its own finishes (a block done earlier waits on its SM), or -1 (default: none).
     """
     blk_bytes = np.ascontiguousarray(blk_bytes, dtype=np.float64)
     blk_l2 = (np.zeros(blk_bytes.shape[0]) if blk_l2 is None

@@ -1,7 +1,8 @@
 """How the simulator launches a finisher phase (pat_core.fold) behind a first phase, as the CUDA
 backend does: one launch dependent on the first phase's one launch (placed once every
-first-phase block has been) on sm_90 GPUs when each phase is one tile group, else after the
-first phase has ended.  And the engine's launch gate that the dependent launch uses (CPU only)."""
+first-phase block has been, each ending no earlier than the first phase) on sm_90 GPUs when each
+phase is one tile group, else after the first phase has ended.  And the engine's launch gate
+that the dependent launch uses (CPU only)."""
 from __future__ import annotations
 
 import numpy as np
@@ -41,6 +42,22 @@ def test_engine_gate_holds_a_launch_until_its_gate_is_placed():
             run_engine(*args, stream_gate=bad)
 
 
+def test_engine_gated_blocks_end_with_their_gate_holding_their_slot():
+    # one SM with two slots; launch 0: one block of 1000 ns; launch 1, gated on it: two blocks
+    # of 10 ns.  The first gated block is done at 10 ns but waits, holding its slot, until
+    # launch 0 ends at 1000 ns, so the second one starts only then.
+    cap = np.array([1 << 20, 1 << 16, 2048, 2])
+    need = np.array([[0, 32, 32, 1]])
+    args = (1, cap, need, np.zeros(3, np.int32), np.array([1000.0, 10.0, 10.0]), np.zeros(3),
+            np.zeros(3), np.array([0, 1, 3]), np.zeros(2), np.zeros(2, np.int32), 1, 0.0, 10.0,
+            10.0)
+    _, _, start, end, _, pe = run_engine(*args)
+    assert list(end) == pytest.approx([1000.0, 10.0, 20.0])
+    _, _, start, end, _, pe = run_engine(*args, stream_gate=np.array([-1, 0]))
+    assert list(start) == pytest.approx([0.0, 0.0, 1000.0])
+    assert list(end) == pytest.approx([1000.0, 1000.0, 1010.0]) and pe[0] == pytest.approx(1010.0)
+
+
 def test_dependent_finisher_launch_is_gated_on_the_first_phase():
     plan = _plan("1,1024_1024,16", 32, 8)
     assert plan.finish_from == 1 and plan.num_groups == 2
@@ -52,6 +69,7 @@ def test_dependent_finisher_launch_is_gated_on_the_first_phase():
     first = tl.block_launch == 0
     fin = tl.block_launch == 1
     assert np.nanmin(tl.block_start[fin]) >= np.nanmax(tl.block_start[first]) - 1e-6
+    assert np.nanmin(tl.block_end[fin]) >= np.nanmax(tl.block_end[first]) - 1e-6
 
 
 def test_finishers_behind_several_first_phase_groups_start_after_them():
