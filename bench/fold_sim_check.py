@@ -9,7 +9,8 @@ Default inputs: ``bench/results/round19/kernel_lab_finish_*.json``.  Labels: ``f
 (share 1.0: every request's leaf CTA finishes it), ``finish-pairs-off`` (no fold), ``default``
 (the plan of the commit that measured it: no fold in the ``finish-many`` files, which predate the
 large-merge rule; the rule's fold in the ``finish-pairs`` files, whose changed plans all fold
-with share 1.0 too).
+with share 1.0 too — including the four that today's rule, with its first-phase bound, no
+longer folds: the plan scored is the plan timed).
 """
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def main(argv=None) -> int:
             h = r["heads"]
             h = tuple(map(int, h.split(":"))) if isinstance(h, str) else tuple(h)
             key = (r["workload"], h, r.get("set") or "")
-            meas.setdefault(key, {}).setdefault(r["label"], []).append(r["graph_us"])
+            if r.get("graph_us"):          # a row without a graph time has nothing to score
+                meas.setdefault(key, {}).setdefault(r["label"], []).append(r["graph_us"])
     rows, right = [], 0
     for (spec, (hq, hk), case_set), labs in meas.items():
         if len(labs) != 2:

@@ -7,19 +7,38 @@
 #   bench/kernel_arms.sh OUT ARM [ARM ...] -- [kernel_lab.py options...]
 # ARM is NAME=DEFINES (defines separated by commas, e.g. "ovl=PAT_WG_OVERLAP=1,PAT_X=0"; empty
 # for the tree as it is) or NAME@DIR (a source tree with its own bench/kernel_lab.py).
+# OUT and DIR are taken relative to the folder the script is called from.  Exit status: 2 for
+# bad arguments, 1 when some arm's run failed (the table still prints), else 0.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-if [ $# -lt 2 ]; then
-    echo "usage: bench/kernel_arms.sh OUT ARM [ARM ...] -- [kernel_lab.py options...]" >&2
-    exit 2
-fi
+usage() { echo "usage: bench/kernel_arms.sh OUT ARM [ARM ...] -- [kernel_lab.py options...]" >&2
+          exit 2; }
+if [ $# -lt 2 ]; then usage; fi
 out="$1"; shift
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 arms=()
-while [ $# -gt 0 ] && [ "$1" != "--" ]; do arms+=("$1"); shift; done
+names=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do
+    arm="$1"; shift
+    if [[ "$arm" == *@* ]]; then
+        name="${arm%%@*}"; dir="${arm#*@}"
+        [ -d "$dir" ] || { echo "arm $name: no folder $dir" >&2; exit 2; }
+        arm="$name@$(cd "$dir" && pwd)"
+    elif [[ "$arm" == *=* ]]; then
+        name="${arm%%=*}"
+    else
+        echo "arm '$arm': write NAME=DEFINES (NAME= for the tree as it is) or NAME@DIR" >&2
+        exit 2
+    fi
+    [[ "$name" =~ ^[A-Za-z0-9_.-]+$ ]] || { echo "arm name '$name': letters, digits, . _ -" >&2; exit 2; }
+    for n in "${names[@]}"; do [ "$n" != "$name" ] || { echo "arm name '$name' twice" >&2; exit 2; }; done
+    arms+=("$arm"); names+=("$name")
+done
+[ ${#arms[@]} -gt 0 ] || usage
 [ $# -gt 0 ] && shift
+cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
+failed=0
 
 run_arm() {  # run_arm ARM PASS
     local arm="$1" pass="$2" name dir defs
@@ -32,7 +51,9 @@ run_arm() {  # run_arm ARM PASS
     local t0=$SECONDS
     (cd "$dir" && PAT_NVRTC_DEFINES="$defs" python3 bench/kernel_lab.py --out "$out" \
         --tag "_${name}_${pass}" "$@") > "$out/${name}_${pass}.log" 2>&1
-    echo "arm $name pass $pass: exit $? ($((SECONDS - t0)) s)"
+    local rc=$?
+    [ $rc -eq 0 ] || failed=1
+    echo "arm $name pass $pass: exit $rc ($((SECONDS - t0)) s)"
 }
 
 # ARMS_SUMMARY_ONLY=1: only the table, from the files an earlier (perhaps cut-off) call left
@@ -41,10 +62,6 @@ if [ -z "${ARMS_SUMMARY_ONLY:-}" ]; then
     for ((i = ${#arms[@]} - 1; i >= 0; i--)); do run_arm "${arms[$i]}" 2 "$@"; done
 fi
 
-names=()
-for arm in "${arms[@]}"; do
-    if [[ "$arm" == *@* ]]; then names+=("${arm%%@*}"); else names+=("${arm%%=*}"); fi
-done
 python3 - "$out" "${names[@]}" <<'PY'
 import json, sys
 from pathlib import Path
@@ -77,3 +94,4 @@ for k, arms in rows.items():
     summary.append({"case": list(k), "best_graph_us": best, "correct": {n: a["ok"] for n, a in arms.items()}})
 (out / "arms_summary.json").write_text(json.dumps({"arms": names, "rows": summary}, indent=1))
 PY
+exit $failed

@@ -57,16 +57,22 @@ def fused_ctas_per_sm(plan) -> int:
     return big.ctas_per_sm(gpu)
 
 
+def dependent_launch_ok(gpu) -> bool:
+    """Whether ``gpu`` (a GPU spec or name) runs programmatic dependent launches (sm_90 and
+    later; before that the CUDA backend's ``griddepcontrol`` instructions are no-ops and a
+    dependent launch is an ordinary stream-ordered one)."""
+    from .gpus import get_gpu
+    from .tiles import _arch_of
+    return int(_arch_of(get_gpu(gpu))[3:]) >= 90
+
+
 def finisher_launch_dependent(plan, gpu) -> bool:
     """Whether ``plan``'s finisher phase (``gpu``: a GPU spec or name) runs as one launch dependent on its first phase's one
     launch (programmatic dependent launch: the finishers may start while the first phase runs
     and wait for it only before they fold), as the CUDA backend launches it by default
     (``CudaBackend.finish_launch`` "pdl"): both phases one tile group each, on an sm_90 or
     later GPU.  Otherwise a plan with a first phase starts its finishers after that phase."""
-    from .gpus import get_gpu
-    from .tiles import _arch_of
-    return (plan.finish_from == 1 and plan.num_groups == 2
-            and int(_arch_of(get_gpu(gpu))[3:]) >= 90)
+    return plan.finish_from == 1 and plan.num_groups == 2 and dependent_launch_ok(gpu)
 
 
 def use_fused_launch(plan, num_sms: int, mode: str = "auto",

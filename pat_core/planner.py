@@ -23,6 +23,7 @@ from .forest import PrefixForest
 from .gpus import get_gpu
 from .inputs import BlockTable, _check_seq_lens, as_block_table, check_heads, check_size
 from .fold import FINISH_PAIRS, FINISH_SHARE, finisher_ctas, large_merge_finishers
+from .launch import dependent_launch_ok
 from .packers import (NARROW_SHARE, PACKERS, PARTIAL_WEIGHT, Packs, narrow_packing,
                       narrow_wins, pack, request_packing, request_share, request_wins)
 from .plan import DTYPE_BYTES, Plan, dtype_name
@@ -66,10 +67,12 @@ class Tuning:
     (no merge launch), provided the other CTAs read at most this share of the step's KV tokens
     (``0``: only steps whose requests each have one CTA; ``None``: never).  Not for serial or
     cascade plans.
-    ``finish_pairs``: with ``finish_share`` not ``None``, a step of at least this many
-    (request, query head) pairs also folds, whatever share the other CTAs read, when both
-    phases are one tile group each (:func:`pat_core.fold.large_merge_finishers`; ``None``:
-    off).
+    ``finish_pairs``: with ``finish_share`` not ``None``, on GPUs with dependent launches
+    (sm_90 and later), a step of at least this many (request, query head) pairs also folds,
+    whatever share the other CTAs read, when both phases are one tile group each and no
+    first-phase CTA reads more than :data:`pat_core.fold.FINISH_FIRST_TOKENS` tokens
+    (:func:`pat_core.fold.large_merge_finishers`; ``None``: off).  The per-request rule is
+    still tried on such a plan and wins where it applies.
     ``request_share``: the ``pat`` packer's per-request rule
     (:func:`pat_core.packers.request_packing`): with no ``max_rows`` set, no forced tile, a
     finisher rule on (``finish_share`` not ``None``) and no serial plan, the step runs one CTA
@@ -119,7 +122,8 @@ class Tuning:
             raise ValueError(f"finish_share must be None or a number >= 0, got "
                              f"{self.finish_share!r}")
         if self.finish_pairs is not None and (
-                not isinstance(self.finish_pairs, (int, np.integer)) or self.finish_pairs < 1):
+                not isinstance(self.finish_pairs, (int, np.integer))
+                or isinstance(self.finish_pairs, bool) or self.finish_pairs < 1):
             raise ValueError(f"finish_pairs must be None or a positive int, got "
                              f"{self.finish_pairs!r}")
         if not isinstance(self.min_part, (int, np.integer)) or self.min_part < 1:
@@ -239,13 +243,18 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
         gkey = tile_idx.astype(np.int64)
         order = np.argsort(gkey, kind="stable")
     fin = None
+    fold_rule = None       # which rule made the finisher phase: "share" or "pairs"
     if not serial and tuning.finish_share is not None:
         first_req = packs.reqs[packs.req_indptr[src]]
         fin = finisher_ctas(first_req, nreq, kv_len, mn[:, 0], bt.batch_size,
                             tuning.finish_share)
-        if fin is None:
+        if fin is not None:
+            fold_rule = "share"
+        elif dependent_launch_ok(gpu):
+            # only where the finishers can be a dependent launch (sm_90 and later)
             fin = large_merge_finishers(first_req, nreq, kv_len, mn[:, 0], tile_idx,
                                         bt.batch_size, num_qo_heads, tuning.finish_pairs)
+            fold_rule = "pairs" if fin is not None else None
     finish_from = -1
     if fin is not None:
         # the finishers after every other CTA, each phase keeping its own group order
@@ -269,7 +278,7 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
                          f"{n_pairs} (CTA, request) pairs; the int32 Plan holds at most 2^31 - 1")
     req_ptr, cta_req, cta_slot, page_ptr, pages, req_slot_indptr = _layout(
         packs.req_indptr, packs.reqs, src, kv_start, kv_len, order, bt.table, bt.page_size, B)
-    return Plan(
+    plan = Plan(
         batch_size=B, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         page_size=bt.page_size, sm_scale=float(sm_scale), packer=packer, gpu=gpu.name,
         kv_dtype=kv_dtype, serial=bool(serial),
@@ -279,6 +288,8 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
         cta_page_indptr=page_ptr, cta_pages=pages, req_slot_indptr=req_slot_indptr,
         seq_lens=bt.seq_lens.astype(np.int32), finish_from=finish_from,
     )
+    plan.extra["fold_rule"] = fold_rule
+    return plan
 
 
 class Planner:
@@ -370,9 +381,12 @@ class Planner:
                   serial=serial, split=split, tuning=self.tuning)
         plan = assemble_plan(bt, packs, **kw)
         request = None
+        # the per-request rule where the plan merges, or folds only by the large-merge rule
+        # (one CTA per request and no first phase at all is what the request rule measured
+        # faster than a merge; a large-merge fold keeps a first phase)
         if self.packer == "pat" and self.tuning.max_rows is None and tile is None \
                 and not serial and self.tuning.finish_share is not None \
-                and plan.finish_from < 0:
+                and (plan.finish_from < 0 or plan.extra.get("fold_rule") == "pairs"):
             alt, tokens = request_packing(forest, packs, self._request_share(group), group,
                                           head_dim, num_kv_heads, self.gpu.l2_bytes,
                                           DTYPE_BYTES[kv_dtype])

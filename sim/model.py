@@ -62,7 +62,7 @@ once every first-phase block has been, as a programmatic dependent launch starts
 ending no earlier than the first phase, holding its SM slot while it waits to fold); otherwise
 they are a phase of their own after the first phase.  The reads of their fold are priced as a
 merge pass at the end (:func:`sim.traffic.merge_work`).  Against 32 measured fold / no-fold
-pairs (H100, bench/NOTES.md round 19) this gets the faster plan right on 26, where running
+pairs (H100, bench/NOTES.md round 19) this gets the faster plan right on 25, where running
 every finisher beside the first phase got 21.
 """
 from __future__ import annotations
@@ -253,11 +253,12 @@ def run_timeline(wl: Workload, c: SimConstants, timing: str = "graph") -> Timeli
     ptr = np.array([ln.begin for ln in wl.launches] + [wl.launches[-1].end], dtype=np.int64)
     issue = start_ns + (np.arange(len(wl.launches), dtype=np.float64) + 1.0) * launch_ns
     phase = np.array([ln.phase for ln in wl.launches], dtype=np.int32)
-    # a phase after two or more concurrent launches also waits for their join
-    per_phase = np.bincount(phase, minlength=wl.num_phases)
+    gate = np.array([ln.gate for ln in wl.launches], dtype=np.int32)
+    # a phase after two or more concurrent launches also waits for their join (a gated launch
+    # follows its gate on the same stream: no fork, no join)
+    per_phase = np.bincount(phase[gate < 0], minlength=wl.num_phases)
     gaps = np.full(wl.num_phases, gap_ns)
     gaps[1:] += np.where(per_phase[:-1] >= 2, c.join_cost(timing), 0.0)
-    gate = np.array([ln.gate for ln in wl.launches], dtype=np.int32)
     sm, lane, start, end, ps, pe = run_engine(
         wl.gpu.num_sms, sm_capacity(wl.gpu), wl.need, wl.blk_cfg, latency, wl.blk_bytes, compute,
         ptr, issue, phase, wl.num_phases, gaps, c.sm_bandwidth, c.hbm_bandwidth,

@@ -494,7 +494,7 @@ def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_lat
     gate = (np.full(S, -1, dtype=np.int32) if stream_gate is None
             else np.ascontiguousarray(stream_gate, dtype=np.int32))
     ph = np.asarray(stream_phase)
-    if gate.shape != (S,) or np.any(gate >= np.arange(S)) or \
+    if gate.shape != (S,) or np.any(gate >= np.arange(S)) or np.any(gate < -1) or \
             np.any((gate >= 0) & (ph[np.maximum(gate, 0)] != ph)):
         raise ValueError("stream_gate must name, per launch, -1 or an earlier launch of its phase")
     gaps = np.ascontiguousarray(np.broadcast_to(np.asarray(gap_ns, dtype=np.float64),

@@ -221,11 +221,23 @@ def test_large_merge_rule_in_the_planner(spec, heads, folds):
         assert Planner("pat", "h100", off).plan(*args).finish_from < 0
 
 
+@st.composite
+def _root_and_leaves(draw):
+    """One shared root over 2-12 leaves (random lengths and page size): plans of one first-phase
+    CTA group and one leaf group, which the pair rule folds when the threshold allows."""
+    from pat_core.workloads import build_tree_batch
+    n = draw(st.integers(2, 12))
+    spec = f"1,{n}_{draw(st.integers(1, 300))},{draw(st.integers(1, 40))}"
+    return build_tree_batch(spec, page_size=draw(st.sampled_from((1, 16, 32))),
+                            seed=draw(st.integers(0, 99)))
+
+
 @settings(max_examples=30, deadline=None)
-@given(prefix_batches(max_requests=10, max_node_pages=2), head_configs())
+@given(st.one_of(_root_and_leaves(), prefix_batches(max_requests=10, max_node_pages=2)),
+       head_configs())
 def test_large_merge_plans_match_dense(b, heads):
-    """With the pair threshold at 1, every two-group plan whose requests all have a leaf CTA
-    folds; such plans are valid, fold only under the rule's conditions and match float64."""
+    """With the pair threshold at 1 (the share rule at 0), plans fold only under the pair rule's
+    conditions, and every plan, folded or not, matches float64 dense attention."""
     hq, hk = heads
     d = 64
     w = PrefixAttentionWrapper("cpu", "pat")
@@ -234,9 +246,24 @@ def test_large_merge_plans_match_dense(b, heads):
     plan.validate()
     if plan.finish_from > 0:                 # folded by the pair rule (0: no first phase)
         f0 = plan.finish_cta
+        assert plan.extra["fold_rule"] == "pairs"
         assert plan.finish_from == 1 and plan.num_groups == 2
         assert int(plan.cta_kv_len[:f0].max()) <= FINISH_FIRST_TOKENS
     assert_run_matches_dense(w, b, hq, hk, d)
+
+
+def test_large_merge_rule_leaves_the_request_rule_and_older_gpus_alone():
+    """A batch the per-request rule serves (long private leaves under short shared levels)
+    keeps its one-CTA-per-request plan; on an A100 (no dependent launch) the rule is off."""
+    b = build_tree_batch("1,32,1024_64,64,1024", page_size=16, seed=3)
+    args = (b.block_tables, b.seq_lens, 32, 8, 128, 16)
+    plan = Planner("pat", "h100").plan(*args)
+    assert plan.one_cta_per_request and plan.extra["fold_rule"] == "share"
+    b = build_tree_batch("1,1024_1024,16", page_size=16, seed=3)
+    args = (b.block_tables, b.seq_lens, 32, 8, 128, 16)
+    assert Planner("pat", "h100").plan(*args).extra["fold_rule"] == "pairs"
+    a100 = Planner("pat", "a100").plan(*args)
+    assert a100.finish_from < 0 and a100.extra["fold_rule"] is None
 
 
 @pytest.mark.parametrize("spec,heads", [("1,8_40,20", (8, 2)), ("1,16_100,9", (32, 8)),
@@ -261,6 +288,6 @@ def test_cpu_large_merge_fold_matches_dense(spec, heads):
 
 
 def test_bad_finish_pairs_is_named():
-    for bad in (0, -5, 1.5, "many"):
+    for bad in (0, -5, 1.5, "many", True):
         with pytest.raises(ValueError, match="finish_pairs"):
             Tuning(finish_pairs=bad)

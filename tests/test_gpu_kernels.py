@@ -180,8 +180,8 @@ def test_every_variant(backend, variant):
 @pytest.mark.parametrize("ps", (1, 16))
 @pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
 def test_warpgroup_tile_counts(backend, m, root, ps, dtype):
-    """Two-stage warpgroup tiles (n = 64) over shared roots of one, two and three KV tiles, full
-    and ragged: the prologue, the steady state and the last step of the warpgroup KV walk, each
+    """Two-stage warpgroup tiles (n = 64) over shared roots of one to four KV tiles, full and
+    ragged: the prologue, the steady state and the last step of the warpgroup KV walk, each
     against float64."""
     from pat_core.workloads import build_tree_batch
     b = build_tree_batch(f"1,{m // 4}_{root},3", page_size=ps, seed=root)

@@ -37,7 +37,7 @@ def test_engine_gate_holds_a_launch_until_its_gate_is_placed():
     _, _, start, end, _, pe = run_engine(*args, stream_gate=np.array([-1, 0]))
     assert start[0] == pytest.approx(5.0) and start[1] == pytest.approx(1005.0)
     assert start[2] == pytest.approx(2005.0) and pe[0] == pytest.approx(2015.0)
-    for bad in (np.array([-1, 1]), np.array([1, -1]), np.array([0])):
+    for bad in (np.array([-1, 1]), np.array([1, -1]), np.array([0]), np.array([-1, -2])):
         with pytest.raises(ValueError, match="stream_gate"):
             run_engine(*args, stream_gate=bad)
 
@@ -70,6 +70,10 @@ def test_dependent_finisher_launch_is_gated_on_the_first_phase():
     fin = tl.block_launch == 1
     assert np.nanmin(tl.block_start[fin]) >= np.nanmax(tl.block_start[first]) - 1e-6
     assert np.nanmin(tl.block_end[fin]) >= np.nanmax(tl.block_end[first]) - 1e-6
+    # one stream (the gated launch follows its gate): the fold's merge pass pays no join
+    c = load_constants("h100")
+    gap = c.launch_costs("graph")[1]
+    assert tl.phase_start[1] - tl.phase_end[0] == pytest.approx(gap, abs=1.0)
 
 
 def test_finishers_behind_several_first_phase_groups_start_after_them():
