@@ -34,19 +34,21 @@ FINISH_MAX_ROWS = 32
 # larger shares lose 16-20% where the first phase has several groups, so they stay opt-in.
 FINISH_SHARE = 0.0
 # Default smallest number of (request, query head) pairs from which a step folds whatever share
-# of its tokens the first phase reads, provided each phase is one tile group (so the finishers
-# are one launch dependent on one first-phase launch, starting while it runs)
-# (:attr:`pat_core.planner.Tuning.finish_pairs`; ``None``: off).  Measured on an H100
-# (bench/NOTES.md, round 19): on two-group plans of 32768 and 65536 pairs the finisher phase was
-# 1.5-9% faster (it drops the leaves' partial slots, half the merge's reads, and the merge
-# launch: 34-68 MB at 1024 requests x 32-64 heads) or level (0.998); at 16384 and 1024 pairs it
-# lost 8% and 3%.  With a first phase of several groups it lost everywhere (2-27%).
+# of its tokens the first phase reads, provided each phase is one tile group on a GPU with
+# dependent launches (so the finishers are one launch dependent on one first-phase launch,
+# starting while it runs) (:attr:`pat_core.planner.Tuning.finish_pairs`; ``None``: off).
+# Measured on an H100 (bench/NOTES.md, round 19): on two-group plans of 32768 and 65536 pairs
+# the finisher phase was 2-9% faster (it drops the leaves' partial slots, half the merge's
+# reads, and the merge launch: 34-68 MB at 1024 requests x 32-64 heads) or level (0.998); at
+# 16384 and 1024 pairs it lost 8% and 3%.  With a first phase of several groups it lost
+# everywhere (2-27%).
 FINISH_PAIRS = 32768
 # ... and provided no first-phase CTA reads more than this many KV tokens: the finishers fold
 # only once the whole first phase has ended, so a long first-phase CTA holds them back longer
-# than the merge would take.  Measured (round 19): the five two-group plans of 32768+ pairs
-# whose first phase has CTAs of 2048-4096 tokens were 1.00-1.03x slower folded; the eleven
-# whose longest first-phase CTA read 256-1024 tokens 0.88-1.00x.
+# than the merge would take.  Measured (round 19): the four two-group plans of 32768+ pairs
+# whose first phase has CTAs of 2048-4096 tokens were 1.004-1.025x slower folded; the eleven
+# whose longest first-phase CTA read 256-1024 tokens 0.88-1.00x; then nine more, chosen after
+# the bound was set, 0.86-0.97x.
 FINISH_FIRST_TOKENS = 1024
 
 

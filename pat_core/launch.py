@@ -67,11 +67,12 @@ def dependent_launch_ok(gpu) -> bool:
 
 
 def finisher_launch_dependent(plan, gpu) -> bool:
-    """Whether ``plan``'s finisher phase (``gpu``: a GPU spec or name) runs as one launch dependent on its first phase's one
-    launch (programmatic dependent launch: the finishers may start while the first phase runs
-    and wait for it only before they fold), as the CUDA backend launches it by default
-    (``CudaBackend.finish_launch`` "pdl"): both phases one tile group each, on an sm_90 or
-    later GPU.  Otherwise a plan with a first phase starts its finishers after that phase."""
+    """Whether ``plan``'s finisher phase runs on ``gpu`` (a GPU spec or name) as one launch
+    dependent on its first phase's one launch (programmatic dependent launch: the finishers may
+    start while the first phase runs and wait for it only before they fold), as the CUDA
+    backend launches it by default (``CudaBackend.finish_launch`` "pdl"): both phases one tile
+    group each, on an sm_90 or later GPU.  Otherwise a plan with a first phase starts its
+    finishers after that phase."""
     return plan.finish_from == 1 and plan.num_groups == 2 and dependent_launch_ok(gpu)
 
 

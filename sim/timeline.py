@@ -383,7 +383,7 @@ class Launch:
     end: int
     issue_ns: float
     phase: int
-    gate: int = -1            # a launch whose blocks must all be placed first (-1: none)
+    gate: int = -1            # a launch placed, and ended, before any of this one (-1: none)
 
 
 @dataclass
