@@ -23,6 +23,11 @@ def git_sha() -> str:
         return "unknown"
 
 
+def heads_of(h) -> tuple:
+    """``(num_qo_heads, num_kv_heads)`` from a results row's ``heads``: ``"32:8"`` or ``[32, 8]``."""
+    return tuple(int(x) for x in (h.split(":") if isinstance(h, str) else h))
+
+
 def time_events(fn, iters: int, warmup: int = 3, flush=None) -> list:
     """Per-run milliseconds of ``fn`` between two CUDA events, after ``warmup`` untimed calls;
     ``flush()`` (if given) runs before each timed call, outside the events."""

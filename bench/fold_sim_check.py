@@ -21,10 +21,13 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for _p in (ROOT, os.path.join(ROOT, "bench")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 import numpy as np  # noqa: E402
+
+from common import heads_of  # noqa: E402
 
 from pat_core import Planner, Tuning  # noqa: E402
 from pat_core.workloads import build_tree_batch  # noqa: E402
@@ -58,9 +61,7 @@ def main(argv=None) -> int:
     for f in files:
         d = json.load(open(f))
         for r in d["rows"]:
-            h = r["heads"]
-            h = tuple(map(int, h.split(":"))) if isinstance(h, str) else tuple(h)
-            key = (r["workload"], h, r.get("set") or "")
+            key = (r["workload"], heads_of(r["heads"]), r.get("set") or "")
             if r.get("graph_us"):          # a row without a graph time has nothing to score
                 meas.setdefault(key, {}).setdefault(r["label"], []).append(r["graph_us"])
     rows, right = [], 0

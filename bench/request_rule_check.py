@@ -36,9 +36,7 @@ for p in (str(ROOT), str(ROOT / "bench")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-
-def _heads(h) -> tuple:
-    return tuple(int(x) for x in (h.split(":") if isinstance(h, str) else h))
+from common import heads_of  # noqa: E402
 
 
 def kernel_lab_pairs(path) -> list:
@@ -56,7 +54,7 @@ def kernel_lab_pairs(path) -> list:
         if req is None or pat is None:
             continue
         b = build_tree_batch(spec, page_size=16)
-        out.append((f"{spec} {heads}", b.block_tables, b.seq_lens, 16, _heads(heads),
+        out.append((f"{spec} {heads}", b.block_tables, b.seq_lens, 16, heads_of(heads),
                     req["graph_us"], pat["graph_us"]))
     return out
 
@@ -78,7 +76,7 @@ def trace_pairs(result_path, steps_path) -> list:
         i = [k for k, (s, _, _) in enumerate(steps) if s["step"] == step][0]
         _, table, lens = steps[i]
         out.append((f"{Path(steps_path).stem} step {step} {heads}", table, lens, ps,
-                    _heads(heads), on["graph_us"], off["graph_us"]))
+                    heads_of(heads), on["graph_us"], off["graph_us"]))
     return out
 
 

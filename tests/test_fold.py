@@ -84,6 +84,22 @@ def test_share_rule_and_where_no_finisher_phase_is_possible():
     assert plan.finish_from == -1
 
 
+def _fold_matches_dense_and_merge(b, plan, hq, hk, d):
+    """Run ``plan`` (it folds) on the CPU: output and LSE equal float64 dense attention and the
+    merge of the same CTAs' partials (the finisher's slot holding its own partial only).
+    Returns the partials and the reference, ``(o_part, ref)``."""
+    k, v = random_kv_cache(b.num_pages, 16, hk, d, seed=4, scale=2.0)
+    q = np.random.default_rng(5).standard_normal((b.batch_size, hq, d)).astype(np.float32)
+    out, lse = execute(plan, q, k, v, return_lse=True)
+    ref, ref_lse = dense_attention(q, (k, v), b.block_tables, b.seq_lens, 16, return_lse=True)
+    assert relative_error(out, ref) < 1e-5
+    assert relative_error(lse, ref_lse) < 1e-5
+    o_part, l_part = execute_partials(plan, q, k, v)
+    mo, ml = merge_partials(o_part, l_part, plan.req_slot_indptr)
+    assert relative_error(mo, out) < 1e-5 and relative_error(ml, lse) < 1e-5
+    return o_part, ref
+
+
 @pytest.mark.parametrize("spec,heads", [("1,4,16_64,64,300", (32, 8)),
                                         ("1,3,9_50,70,400", (32, 32)),
                                         ("12_300", (16, 8)),
@@ -94,16 +110,7 @@ def test_cpu_fold_matches_dense_and_the_merge(spec, heads):
     d = 64
     b, plan = _plan(spec, hq, hk, d, kv_data_type="float32")
     assert plan.finish_from >= 0
-    k, v = random_kv_cache(b.num_pages, 16, hk, d, seed=4, scale=2.0)
-    q = np.random.default_rng(5).standard_normal((b.batch_size, hq, d)).astype(np.float32)
-    out, lse = execute(plan, q, k, v, return_lse=True)
-    ref, ref_lse = dense_attention(q, (k, v), b.block_tables, b.seq_lens, 16, return_lse=True)
-    assert relative_error(out, ref) < 1e-5
-    assert relative_error(lse, ref_lse) < 1e-5
-    # the same CTAs without the fold, merged: the finisher's slot was its own partial only
-    o_part, l_part = execute_partials(plan, q, k, v)
-    mo, ml = merge_partials(o_part, l_part, plan.req_slot_indptr)
-    assert relative_error(mo, out) < 1e-5 and relative_error(ml, lse) < 1e-5
+    o_part, ref = _fold_matches_dense_and_merge(b, plan, hq, hk, d)
     if plan.num_slots > plan.batch_size:
         fs = plan.finisher_slots()
         assert relative_error(o_part[fs], ref) > 1e-3        # a leaf alone is not the answer
@@ -277,14 +284,7 @@ def test_cpu_large_merge_fold_matches_dense(spec, heads):
     b, plan = _plan(spec, hq, hk, d, tuning=Tuning(finish_share=0.0, finish_pairs=1),
                     kv_data_type="float32")
     assert plan.finish_from == 1 and plan.num_groups == 2
-    k, v = random_kv_cache(b.num_pages, 16, hk, d, seed=4, scale=2.0)
-    q = np.random.default_rng(5).standard_normal((b.batch_size, hq, d)).astype(np.float32)
-    out, lse = execute(plan, q, k, v, return_lse=True)
-    ref, ref_lse = dense_attention(q, (k, v), b.block_tables, b.seq_lens, 16, return_lse=True)
-    assert relative_error(out, ref) < 1e-5 and relative_error(lse, ref_lse) < 1e-5
-    o_part, l_part = execute_partials(plan, q, k, v)
-    mo, ml = merge_partials(o_part, l_part, plan.req_slot_indptr)
-    assert relative_error(mo, out) < 1e-5 and relative_error(ml, lse) < 1e-5
+    _fold_matches_dense_and_merge(b, plan, hq, hk, d)
 
 
 def test_bad_finish_pairs_is_named():
