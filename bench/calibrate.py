@@ -46,8 +46,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import (copy_bandwidth, git_sha, graph_launch_costs, graph_times,  # noqa: E402
-                    l2_read_bandwidth, time_events)
+from common import (copy_bandwidth, flush_mode, git_sha, graph_launch_costs,  # noqa: E402
+                    graph_times, l2_flusher, l2_read_bandwidth, time_events)
 
 METHODS = ("pat", "node", "compute", "query", "cascade", "pat-fixed", "pat-serial")
 
@@ -157,8 +157,7 @@ def main(argv=None) -> int:
                                  f" ns, join of concurrent launches {launches['join_ns']:.0f} ns"
                                  if launches else ""), flush=True)
     l2 = int(getattr(dev, "L2_cache_size", 50 << 20) or (50 << 20))
-    scratch = torch.empty(2 * l2 // 4 + 1, dtype=torch.float32, device="cuda")
-    flush = scratch.zero_
+    flush = l2_flusher(2 * l2)
 
     records = []
     t_start = time.time()
@@ -239,6 +238,7 @@ def main(argv=None) -> int:
         "throwaway": bool(args.throwaway),
         "timing": "CUDA events around run() (eager) and around a CUDA-graph replay of it "
                   "(graph), L2 flushed before each run, median",
+        "l2_flush": flush_mode(),
         "split": {"unit": "tree spec", "fit": fit_names,
                   "validation": sorted({w for w, _ in val_set} - set(fit_names))},
         "constants_used": {"source": consts.source, **consts.as_dict()},

@@ -161,11 +161,37 @@ def kernel_spans(fn, iters: int, flush, warmup: int = 2) -> list:
             for r in kernel_timeline(fn, iters, flush, warmup)]
 
 
-def l2_flusher(nbytes: int = 256 << 20):
-    """A function that overwrites a buffer larger than L2, so the next run starts cold."""
+FLUSH_MODES = ("clean", "dirty")
+
+
+def flush_mode() -> str:
+    """The L2 flush the benchmarks use: ``PAT_L2_FLUSH`` (``clean`` or ``dirty``), default clean.
+
+    ``dirty`` overwrites a buffer larger than L2, which leaves L2 full of modified lines: the
+    timed run then pays their write-back to DRAM as it evicts them (up to the L2's size, ~50 MB
+    on an H100, on a run that reads that much).  ``clean`` reads the buffer instead, so the
+    timed run starts with L2 holding unmodified lines, as it does in a decode step whose previous
+    kernels mostly read weights.  Both leave none of the timed run's own data in L2.  Results
+    before this option existed (bench/NOTES.md, round 20) were measured with ``dirty``.
+    """
+    import os as _os
+    mode = _os.environ.get("PAT_L2_FLUSH", "clean")
+    if mode not in FLUSH_MODES:
+        raise ValueError(f"PAT_L2_FLUSH must be one of {FLUSH_MODES}, got {mode!r}")
+    return mode
+
+
+def l2_flusher(nbytes: int = 256 << 20, mode: str | None = None):
+    """A function that evicts L2 through a buffer of ``nbytes`` (larger than L2), so the next run
+    starts cold; ``mode`` as in :func:`flush_mode` (default: that function's answer)."""
     import torch
-    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    return lambda: buf.fill_(1)
+    mode = flush_mode() if mode is None else mode
+    if mode not in FLUSH_MODES:
+        raise ValueError(f"l2_flusher: mode must be one of {FLUSH_MODES}, got {mode!r}")
+    buf = torch.ones(nbytes // 4, dtype=torch.int32, device="cuda")
+    if mode == "dirty":
+        return lambda: buf.fill_(1)
+    return lambda: buf.max()        # a read of the whole buffer; L2 ends with clean lines
 
 
 def unique_kv_tokens(block_tables, seq_lens, page_size: int) -> int:

@@ -55,7 +55,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import copy_bandwidth, git_sha, l2_flusher, time_events, unique_kv_tokens  # noqa: E402
+from common import (copy_bandwidth, flush_mode, git_sha, l2_flusher, time_events,  # noqa: E402
+                    unique_kv_tokens)
 from fasttree_map import (FASTTREE_COST, FASTTREE_KV_SPLITS, FASTTREE_KV_TILES,  # noqa: E402
                           FASTTREE_PARA_THRESH1, FASTTREE_PARA_THRESH2, FASTTREE_Q_TILES,
                           Unsupported, batch_token_tree, fasttree_nodes, fasttree_reason,
@@ -559,7 +560,8 @@ def main(argv=None):
                     r[f"speedup_vs_{base}"] = b["latency_us"] / r["latency_us"]
     result = dict(
         benchmark="compare", device=dev.name, sm_count=dev.multi_processor_count,
-        copy_bandwidth=bw, git_sha=git_sha(), dtype=args.dtype, head_dim=d, reps=args.reps,
+        copy_bandwidth=bw, git_sha=git_sha(), l2_flush=flush_mode(), dtype=args.dtype,
+        head_dim=d, reps=args.reps,
         versions=dict(python=platform.python_version(), torch=torch.__version__,
                       cuda=torch.version.cuda, flashinfer=fi_version,
                       triton=triton_version, numpy=np.__version__, pat=pat_core.__version__,

@@ -739,8 +739,9 @@ def environment() -> dict:
     import platform
     import cupy
     import torch
-    from common import git_sha
+    from common import flush_mode, git_sha
     return {"device": torch.cuda.get_device_name(), "git_sha": git_sha(),
+            "l2_flush": flush_mode(),
             "torch": torch.__version__, "cupy": cupy.__version__,
             "python": platform.python_version(), "cuda_runtime": torch.version.cuda,
             "nvrtc_defines": __import__("os").environ.get("PAT_NVRTC_DEFINES", "")}
