@@ -115,6 +115,9 @@ def sanitize_case(warpgroup_only: bool = False):
         cases += [("1,32_300,20", 16, 32, 8, 128, "NHD", t, "off")
                   for t in ((64, 16), (64, 32), (64, 64), (64, 128), (128, 16), (128, 32),
                             (128, 64), (128, 128))]
+        # the 64-row tiles on two token slices (two warpgroups, 8 warps; (m, n, warps))
+        cases += [("1,32_300,20", 16, 32, 8, 128, "NHD", t, "off")
+                  for t in ((64, 32, 8), (64, 64, 8), (64, 128, 8))]
     if warpgroup_only:
         cases = [c for c in cases if c[6] is not None and c[6][0] >= 64]
     # finisher phases (pat_core.fold): 16- and 32-row finisher tiles, one and several slots,
@@ -136,7 +139,9 @@ def sanitize_case(warpgroup_only: bool = False):
         backend.one_tile = one_tile
         backend.finish_launch = finish_launch
         if tile is not None and tile[0] >= 64:   # the warpgroup layout, two stages
-            cc.VARIANT_OVERRIDES[tile] = (tile[0] // 16, 2, cc.WG_ROWS)
+            warps = tile[2] if len(tile) > 2 else tile[0] // 16
+            tile = tile[:2]
+            cc.VARIANT_OVERRIDES[tile] = (warps, 2, cc.WG_ROWS)
         b = build_tree_batch(spec, page_size=ps, seed=2)
         w = PrefixAttentionWrapper(backend="cuda", packer="pat", kv_layout=layout)
         w._gpu_backend = backend

@@ -38,7 +38,9 @@ Case sets:
   at shares 2 (default then), 0.95 and 1; ``one-wave``: the default split (one block per SM for
   many-row CTAs) against share 2 where they differ; ``one-wave-layouts``: the long-prefix
   batches' one-wave CTAs on mma.sync layouts of several token-slice pipelines per block;
-  ``wg-gather``: every development batch whose plan has warpgroup tiles, and the forced
+  ``wg-slices``: the batches whose plans have 64-row tiles, default layouts against the
+  64-row warpgroup tiles on two token slices (8 warps), and those tiles forced on the no-sharing
+  batch; ``wg-gather``: every development batch whose plan has warpgroup tiles, and the forced
   warpgroup tiles of two stages on the no-sharing batch; ``wg-overlap``: the batches whose plans
   put many rows on warpgroup tiles, and the same forced tiles; ``finish-many``: batches of
   many leaves, default plan against the finisher phase (``finish-all``); ``finish-pairs``:
@@ -150,6 +152,12 @@ TUNINGS = {
     # round 19: the one-wave long-prefix CTAs (one block per SM) on mma.sync layouts whose
     # token slices run as independent pipelines (8 warps: 2 or 4 slices for 64 rows, 1 or 2
     # for 128), against the warpgroup layout's single pipeline per block
+    # round 20: 64-row warpgroup tiles on two token slices (8 warps: two warpgroups over the
+    # same rows, each walking half of every tile's tokens)
+    "wg64-w8": {"layouts": {(64, 64): (8, 2, 64)}},
+    "wg64-w8-s3": {"layouts": {(64, 64): (8, 3, 64)}},
+    "wg64-w8-all": {"layouts": {(64, 32): (8, 3, 64), (64, 64): (8, 2, 64),
+                                (64, 128): (8, 2, 64)}},
     "m64-w8r32": {"layouts": {(64, 64): (8, 2, 32)}},
     "m64-w8r16": {"layouts": {(64, 64): (8, 2, 16)}},
     "m64-w8r32-s3": {"layouts": {(64, 64): (8, 3, 32)}},
@@ -535,6 +543,21 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                   ("1,8,64,512_128,512,64,32", (32, 8)), ("1,2,8,128_512,128,256,32", (32, 8)),
                   ("1,4,16_128,256,1024", (32, 8))), ("default",))
              + tuple(c for c in FORCED_WG if c[5] in ("wg-s2",)),
+             # round 20: the 64-row warpgroup tiles on two token slices, on every batch whose
+             # plan has 64-row tiles, and forced on the no-sharing batch (memory bound)
+             "wg-slices": _pair_cases(
+                 (("1,16_16384,16", (32, 8)), ("1,16_16384,16", (16, 8)),
+                  ("1,32_16384,16", (16, 8)), ("1,4,64_256,1024,64", (32, 8)),
+                  ("1,4,64_256,1024,64", (16, 8)), ("1,4,64_256,1024,64", (64, 8)),
+                  ("1,1024_1024,16", (16, 8)), ("1,2,8,128_512,128,256,32", (32, 8)),
+                  ("1,8,64,512_128,512,64,32", (32, 8)), ("1,4,16_128,256,1024", (32, 8)),
+                  ("1,4,16,64,256,1024_1024,256,128,64,32,32", (32, 8)),
+                  ("1,8,16,32,64,128,1024_256,128,64,32,32,32,32", (32, 8)),
+                  ("1,16_2048,128", (32, 32))), ("default", "wg64-w8", "wg64-w8-s3",
+                                                 "wg64-w8-all"))
+             + tuple(("256_4096", (32, 8), "query", (64, 64), over, label)
+                     for over, label in (((4, 2, 64), "wg-s2"), ((8, 2, 64), "wg2-s2"),
+                                         ((8, 3, 64), "wg2-s3"))),
              # round 19: the batches whose plans put many rows on warpgroup tiles (where a
              # tile is compute- rather than memory-bound), for changes to the warpgroup KV walk
              # (the overlapped walk of NOTES round 19); and the forced two-stage warpgroup tiles

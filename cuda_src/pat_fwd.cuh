@@ -58,7 +58,10 @@ struct FwdTraits {
   static constexpr int THREADS = WARPS * 32;
 
   // RW_ == 64: the Hopper warpgroup layout (pat_wgmma.cuh): each group of 4 warps owns 64 rows
-  // through wgmma, each warp holding 16 of them in registers; one token slice; sm_90a only.
+  // through wgmma, each warp holding 16 of them in registers; sm_90a only.  One token slice, or
+  // for 64-row tiles on 8 warps two: two warpgroups over the same rows, each walking its half of
+  // every tile's tokens as an independent pipeline (twice the warps issuing a block's gather
+  // and softmax where one block fills an SM), their states combined at the end.
   static constexpr bool WG = RW == 64;
   static constexpr int MI = WG ? 1 : RW / 16;                     // 16-row MMA blocks per warp
   static constexpr bool Q_IN_REGS = !WG && MI == 1;
@@ -108,8 +111,9 @@ struct FwdTraits {
 
   static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
   static_assert(RW == 16 || RW == 32 || RW == 64, "16 or 32 rows per warp, or 64 per warpgroup");
-  static_assert(!WG || (D == 128 && WARPS == M / 16 && M % 64 == 0),
-                "warpgroup layout: head_dim 128, 64 or 128 rows, one warp per 16 rows");
+  static_assert(!WG || (D == 128 && M % 64 == 0 && (WARPS == M / 16 || WARPS == 2 * M / 16)),
+                "warpgroup layout: head_dim 128, 64 or 128 rows, one warp per 16 rows of each "
+                "of one or two token slices");
   static_assert(M % RW == 0 && M >= 16 && M <= 128, "m must be a multiple of the warp rows, <= 128");
   static_assert(N % 16 == 0 && N >= 16 && N <= 256, "n must be a multiple of 16 in [16, 256]");
   static_assert(WARPS >= 1 && WARPS <= 8, "1..8 warps");
@@ -310,62 +314,73 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[MI][J][4], float 
 // </tutorial:online-softmax>
 }
 
-// The KV walk of the warpgroup layout (Tr::WG): every warp gathers its share of each tile (one
-// token slice, CTA-wide barriers), then warpgroup g computes S = Q[64g .. 64g + 63] K^T with
+// The KV walk of the warpgroup layout (Tr::WG): the warps of token slice wn gather their NW
+// tokens of each tile (slice barriers: with two slices the two warpgroups of a 64-row tile run as
+// independent pipelines), then warpgroup g of the slice computes S = Q[64g .. 64g + 63] K^T with
 // wgmma from shared memory, the online softmax on S in registers, and O += P V with P from
-// registers.  Each tile's MMAs are waited for before the registers are touched.
+// registers.  Each tile's MMAs are waited for before the registers are touched.  A slice whose
+// tokens of the last tile all lie past the range skips that tile's MMAs (a fully masked step
+// would turn an empty state's -inf max into NaN); it still takes both barriers.
 template <typename Tr, typename Loader>
 __device__ __forceinline__ void pat_wg_loop(typename Tr::T* sQ, typename Tr::T* sK,
                                             typename Tr::T* sV, const Loader& loader,
-                                            int num_tiles, int kv_len, float scale_log2, int warp,
-                                            int lane, int tid, float (&acc)[1][Tr::D / 8][4],
+                                            int num_tiles, int kv_len, float scale_log2, int wn,
+                                            int wm, int lane, int tid, int stid,
+                                            float (&acc)[1][Tr::D / 8][4],
                                             float (&m_run)[1][2], float (&l_run)[1][2]) {
   using T = typename Tr::T;
-  constexpr int M = Tr::M, N = Tr::N, D = Tr::D, STAGES = Tr::STAGES;
-  const int g = warp >> 2;  // warpgroup: rows 64g .. 64g + 63
+  constexpr int M = Tr::M, N = Tr::N, NW = Tr::NW, D = Tr::D, STAGES = Tr::STAGES;
+  constexpr bool ONE = Tr::WARPS_N == 1;
+  const int g = wm >> 2;  // warpgroup of the slice: rows 64g .. 64g + 63
   const unsigned q_addr = smem_u32(sQ) + g * 64 * 128;  // first row of this group, first half
-  const unsigned k_addr = smem_u32(sK), v_addr = smem_u32(sV);
+  // this slice's first token row in each half of a stage (NW * 128 bytes: whole swizzle atoms);
+  // a compile-time 0 with one slice
+  const int row0 = ONE ? 0 : wn * NW;
+  const unsigned k_addr = smem_u32(sK) + row0 * 128, v_addr = smem_u32(sV) + row0 * 128;
   constexpr unsigned Q_HALF = M * 128, KV_HALF = N * 128, STAGE_BYTES = N * D * 2;
   for (int t = 0; t < num_tiles; ++t) {
     const int tn = t + STAGES - 1;
-    if (tn < num_tiles) loader.load(sK, sV, tn, tn % STAGES, 0, tid);
+    if (tn < num_tiles) loader.load(sK, sV, tn, tn % STAGES, row0, ONE ? tid : stid);
     cp_async_commit();
     cp_async_wait<STAGES - 1>();
     fence_proxy_async();  // this thread's copies of tile t (and Q) -> the tensor cores' view
-    cta_sync<Tr>();       // every thread's copies of tile t have landed
+    slice_sync<Tr>(ONE ? 0 : wn);  // every copy of this slice of tile t has landed
     const unsigned st = (t % STAGES) * STAGE_BYTES;
+    const int valid = kv_len - t * N;  // tokens of tile t inside the range
 
-    // S = Q K^T: D / 16 steps of k16; the first overwrites S
-    float s[1][N / 8][4];
-    wgmma_fence();
+    if (ONE || row0 < valid) {  // uniform over the warpgroup
+      // S = Q K^T: D / 16 steps of k16; the first overwrites S
+      float s[1][NW / 8][4];
+      wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const unsigned koff = (kk & 3) * 32;  // k16 step inside a 64-element half
-      const unsigned long long da = wg_desc(q_addr + (kk >> 2) * Q_HALF + koff, 16, 1024);
-      const unsigned long long db = wg_desc(k_addr + st + (kk >> 2) * KV_HALF + koff, 16, 1024);
-      wgmma_ss<T, N>(s[0], da, db, kk > 0);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    wg_fence_regs(s[0]);
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const unsigned koff = (kk & 3) * 32;  // k16 step inside a 64-element half
+        const unsigned long long da = wg_desc(q_addr + (kk >> 2) * Q_HALF + koff, 16, 1024);
+        const unsigned long long db = wg_desc(k_addr + st + (kk >> 2) * KV_HALF + koff, 16, 1024);
+        wgmma_ss<T, NW>(s[0], da, db, kk > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      wg_fence_regs(s[0]);
 
-    mask_past_end<1, N / 8>(s, 0, kv_len - t * N, lane);
-    online_softmax_step<1, N / 8, D / 8>(s, m_run, l_run, acc, scale_log2);
+      mask_past_end<1, NW / 8>(s, row0, valid, lane);
+      online_softmax_step<1, NW / 8, D / 8>(s, m_run, l_run, acc, scale_log2);
 
-    // O += P V: k16 steps over the tile's tokens, P from registers
-    wg_fence_regs(acc[0]);
-    wgmma_fence();
+      // O += P V: k16 steps over the slice's tokens, P from registers
+      wg_fence_regs(acc[0]);
+      wgmma_fence();
 #pragma unroll
-    for (int kt = 0; kt < N / 16; ++kt) {
-      unsigned pa[4];
-      pack_p<T, N / 8>(s[0], kt, pa);
-      const unsigned long long db = wg_desc(v_addr + st + kt * 16 * 128, KV_HALF, 1024);
-      wgmma_rs_n128<T>(acc[0], pa, db);
+      for (int kt = 0; kt < NW / 16; ++kt) {
+        unsigned pa[4];
+        pack_p<T, NW / 8>(s[0], kt, pa);
+        const unsigned long long db = wg_desc(v_addr + st + kt * 16 * 128, KV_HALF, 1024);
+        wgmma_rs_n128<T>(acc[0], pa, db);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      wg_fence_regs(acc[0]);
     }
-    wgmma_commit();
-    wgmma_wait<0>();
-    wg_fence_regs(acc[0]);
-    cta_sync<Tr>();  // every warpgroup is done with stage t % STAGES before it is refilled
+    slice_sync<Tr>(ONE ? 0 : wn);  // the slice is done with its rows of stage t % STAGES
   }
   cp_async_wait<0>();
 }
@@ -899,8 +914,8 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
   load_q_frags<Tr>(sQ, wm, lane, qf);
 
   if constexpr (Tr::WG) {
-    pat_wg_loop<Tr>(sQ, sK, sV, loader, num_tiles, kv_len, p.scale_log2, warp, lane, tid, acc,
-                    m_run, l_run);
+    pat_wg_loop<Tr>(sQ, sK, sV, loader, num_tiles, kv_len, p.scale_log2, wn, wm, lane, tid,
+                    stid, acc, m_run, l_run);
   } else {
   for (int t = 0; t < num_tiles; ++t) {
 // <tutorial:loop-top>

@@ -190,6 +190,31 @@ def test_warpgroup_tile_counts(backend, m, root, ps, dtype):
     assert set(plan.stats()["tiles"]) == {f"{m}x64"}
 
 
+@requires_gpu
+@pytest.mark.parametrize("n,stages", ((32, 3), (64, 2), (64, 3), (128, 2)))
+@pytest.mark.parametrize("root", (15, 40, 64, 100, 129, 200))
+@pytest.mark.parametrize("ps", (1, 16))
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+def test_warpgroup_two_slices(backend, n, stages, root, ps, dtype):
+    """64-row warpgroup tiles on two token slices (8 warps, two warpgroups over the same rows,
+    each walking half of every tile's tokens, states combined at the end) over shared roots of
+    one to seven KV tiles: ragged last tiles, including ones whose second slice holds no token
+    (root 15 and 40 at n = 64, 129 at n = 128), against float64."""
+    import torch
+    from pat_core.workloads import build_tree_batch
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("warpgroup tiles need sm_90")
+    b = build_tree_batch(f"1,16_{root},3", page_size=ps, seed=root)
+    cc.VARIANT_OVERRIDES[(64, n)] = (8, stages, cc.WG_ROWS)
+    try:
+        plan, err, plain = check_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages,
+                                      ps, 8, 2, 128, dtype, seed=root, tile=(64, n))
+        assert set(plan.stats()["tiles"]) == {f"64x{n}"}
+        assert {v.warps for v in backend.variants_for(plan) if getattr(v, "m", 0) == 64} == {8}
+    finally:
+        cc.VARIANT_OVERRIDES.pop((64, n), None)
+
+
 # ----------------------------------------------------------------------------- random forests
 from strategies import head_configs, prefix_batches  # noqa: E402  (tests/strategies.py)
 
