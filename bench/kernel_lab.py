@@ -38,7 +38,8 @@ Case sets:
   at shares 2 (default then), 0.95 and 1; ``one-wave``: the default split (one block per SM for
   many-row CTAs) against share 2 where they differ; ``one-wave-layouts``: the long-prefix
   batches' one-wave CTAs on mma.sync layouts of several token-slice pipelines per block;
-  ``wg-slices``: the batches whose plans have 64-row tiles, default layouts against the
+  ``hnd``: the long prefixes and a few sharing batches with the cache in the HND layout
+  against NHD; ``wg-slices``: the batches whose plans have 64-row tiles, default layouts against the
   64-row warpgroup tiles on two token slices (8 warps), and those tiles forced on the no-sharing
   batch; ``wg-gather``: every development batch whose plan has warpgroup tiles, and the forced
   warpgroup tiles of two stages on the no-sharing batch; ``wg-overlap``: the batches whose plans
@@ -152,6 +153,9 @@ TUNINGS = {
     # round 19: the one-wave long-prefix CTAs (one block per SM) on mma.sync layouts whose
     # token slices run as independent pipelines (8 warps: 2 or 4 slices for 64 rows, 1 or 2
     # for 128), against the warpgroup layout's single pipeline per block
+    # round 20: the KV cache in the HND layout (each page holds one head's tokens
+    # contiguously: a block's gather reads 4 KB runs instead of 256-byte rows 2 KB apart)
+    "hnd": {"kv_layout": "HND"},
     # round 20: 64-row warpgroup tiles on two token slices (8 warps: two warpgroups over the
     # same rows, each walking half of every tile's tokens)
     "wg64-w8": {"layouts": {(64, 64): (8, 2, 64)}},
@@ -223,6 +227,7 @@ def apply_tuning(label: str, planner, backend, serial_ok: bool = False):
     tun = dict(TUNINGS[label])
     tun.pop("layouts", None)   # kernel layouts: set by run_case (cuda_compile.VARIANT_OVERRIDES)
     tun.pop("n_by_m", None)    # forced n per m: set by run_case (forced_n)
+    tun.pop("kv_layout", None)  # the cache's layout: set by run_case
     if tun.pop("serial", False) and not serial_ok:   # a plan() argument: run_case passes it
         raise ValueError(f"tuning {label!r} needs serial plans, which only kernel_lab.py's "
                          "run_case makes")
@@ -543,6 +548,13 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                   ("1,8,64,512_128,512,64,32", (32, 8)), ("1,2,8,128_512,128,256,32", (32, 8)),
                   ("1,4,16_128,256,1024", (32, 8))), ("default",))
              + tuple(c for c in FORCED_WG if c[5] in ("wg-s2",)),
+             # round 20: the cache in the HND layout against NHD on the long prefixes and
+             # batches of 64-row tiles
+             "hnd": _pair_cases(
+                 (("1,16_16384,16", (32, 8)), ("1,32_16384,16", (32, 8)),
+                  ("1,4,64_256,1024,64", (32, 8)), ("1,16_2048,128", (32, 8)),
+                  ("1,16_2048,128", (32, 32)), ("1,1024_1024,16", (32, 8)),
+                  ("1,4,16_128,256,1024", (32, 8))), ("default", "hnd")),
              # round 20: the 64-row warpgroup tiles on two token slices, on every batch whose
              # plan has 64-row tiles, and forced on the no-sharing batch (memory bound)
              "wg-slices": _pair_cases(
@@ -653,7 +665,11 @@ def run_case(backend, case, iters, copy_bw, flush, seed=0) -> dict:
         row["variants"] = [v_.key for v_ in backend.variants_for(plan)]
         backend.warmup(plan)
         out = torch.full((b.batch_size, hq, d), float("nan"), dtype=torch.float16, device="cuda")
-        fn = lambda: backend.run(plan, q, k, v, out=out)  # noqa: E731
+        layout = TUNINGS.get(label, {}).get("kv_layout", "NHD")
+        # the same values in the layout under test (the references read the NHD tensors)
+        kl, vl = ((k, v) if layout == "NHD" else
+                  (k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()))
+        fn = lambda: backend.run(plan, q, kl, vl, kv_layout=layout, out=out)  # noqa: E731
         fn()
         torch.cuda.synchronize()
         key = (spec, hq, hk, seed)
@@ -692,7 +708,7 @@ def run_case(backend, case, iters, copy_bw, flush, seed=0) -> dict:
         row["graph_over_floor"] = row["graph_us"] / row["floor_us"]
         row["eager_over_floor"] = row["eager_us"] / row["floor_us"]
         row["moved_frac_copy"] = st["total_bytes"] / (best * 1e-6) / copy_bw
-        del k, v, q, out
+        del k, v, q, out, kl, vl
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {e}"[:500]
     finally:

@@ -227,7 +227,8 @@ def plot_all(result, out_dir) -> list:
     ver = result.get("versions", {})
     md = [f"# pat vs FlashInfer and FastTree on {result['device']}", "",
           f"git {result['git_sha'][:10]}, {result['dtype']}, head_dim {result['head_dim']}, "
-          f"median of {result['reps']}, L2 flushed; copy bandwidth "
+          f"median of {result['reps']}, L2 flushed ({result.get('l2_flush', 'dirty')}); "
+          f"copy bandwidth "
           f"{result['copy_bandwidth'] / 1e12:.2f} TB/s; versions {ver}", ""]
     if result.get("command"):
         md += [f"command: `{result['command']}`", ""]

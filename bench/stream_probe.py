@@ -9,8 +9,10 @@ threads, each block reading ``MB / B`` contiguous bytes with 16-byte loads, ``U`
 per thread, and one float written per block (so the reads cannot be dropped).  Timed with CUDA
 events, L2 flushed before every run, median of 20.  It separates what the memory system gives
 one wave of ``B`` blocks (no MMA, no gather, no partials) from what the attention kernel adds.
+A second pattern (``head-rows``) reads the same bytes the way the kernel's gather does in the NHD
+cache layout: each block one KV head's 256-byte rows of a token range, 2 KB apart (8 heads).
 
-Prints a table (blocks, threads, loads in flight, L2 flush mode of ``common.flush_mode``, µs,
+Prints a table (pattern, blocks, threads, loads in flight, L2 flush mode of ``common.flush_mode``, µs,
 TB/s, fraction of a device-to-device copy) and writes ``DIR/stream_probe.json`` when ``--out``
 is given.
 """
@@ -46,6 +48,30 @@ __global__ void read_wave(const uint4* __restrict__ src, long long per_block, fl
     acc = __reduce_xor_sync(0xffffffffu, acc);
     if ((threadIdx.x & 31) == 0) atomicXor((unsigned*)out + blockIdx.x, acc);
 }
+
+// The gather's pattern in the NHD cache layout: block b reads head (b % heads) of the tokens
+// of its range (b / heads): 256 bytes (16 words) of every 2 KB token row, the heads of a range
+// in adjacent blocks.  Threads keep one 16-byte column and stride over rows.
+template <int U>
+__global__ void read_head_rows(const uint4* __restrict__ src, long long rows_per_block,
+                               int heads, float* out) {
+  const int head = blockIdx.x % heads, range = blockIdx.x / heads;
+  const int col = threadIdx.x & 15, r0 = threadIdx.x >> 4, rstep = blockDim.x >> 4;
+  const uint4* p = src + (long long)range * rows_per_block * heads * 16 + head * 16 + col;
+  unsigned acc = 0;
+  for (long long r = r0; r < rows_per_block; r += (long long)rstep * U) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      long long rr = r + (long long)u * rstep;
+      v[u] = rr < rows_per_block ? __ldg(p + rr * heads * 16) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  acc = __reduce_xor_sync(0xffffffffu, acc);
+  if ((threadIdx.x & 31) == 0) atomicXor((unsigned*)out + blockIdx.x, acc);
+}
 """
 
 
@@ -64,7 +90,8 @@ def main(argv=None) -> int:
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     mod = cp.RawModule(code=_SRC, options=("-std=c++17",),
-                       name_expressions=[f"read_wave<{u}>" for u in (1, 2, 4, 8, 16)])
+                       name_expressions=[f"{k}<{u}>" for k in ("read_wave", "read_head_rows")
+                                         for u in (1, 2, 4, 8, 16)])
     words = int(args.mb * 1e6) // 16
     buf = torch.empty(words * 4, dtype=torch.int32, device="cuda").random_()
     out = torch.zeros(8 * sms, dtype=torch.int32, device="cuda")
@@ -86,13 +113,33 @@ def main(argv=None) -> int:
         nbytes = per * blocks * 16
         for mode, flush in flushes.items():
             us = float(np.median(time_events(fn, args.iters, flush=flush))) * 1e3
-            rows.append({"blocks": blocks, "threads": threads, "in_flight": u, "flush": mode,
-                         "bytes": nbytes, "us": us, "tb_s": nbytes / us / 1e6,
-                         "of_copy": nbytes / us / 1e6 / copy_bw})
+            rows.append({"pattern": "contiguous", "blocks": blocks, "threads": threads,
+                         "in_flight": u, "flush": mode, "bytes": nbytes, "us": us,
+                         "tb_s": nbytes / us / 1e6, "of_copy": nbytes / us / 1e6 / copy_bw})
+    # the NHD gather's pattern: 8 heads, 2 KB token rows, each block one head of a token range
+    heads = 8
+    for blocks, threads, u in ((128, 128, 8), (128, 128, 16), (128, 256, 8), (128, 512, 8),
+                               (256, 128, 8), (1024, 128, 4)):
+        ker = mod.get_function(f"read_head_rows<{u}>")
+        src, dst = cp.asarray(buf), cp.asarray(out)
+        rows_per_block = (words // (heads * 16)) // (blocks // heads)
+
+        def fn(ker=ker, blocks=blocks, threads=threads, rpb=rows_per_block, src=src, dst=dst):
+            ker((blocks,), (threads,), (src, np.int64(rpb), np.int32(heads), dst))
+        fn()
+        torch.cuda.synchronize()
+        nbytes = rows_per_block * (blocks // heads) * heads * 256
+        for mode, flush in flushes.items():
+            us = float(np.median(time_events(fn, args.iters, flush=flush))) * 1e3
+            rows.append({"pattern": "head-rows", "blocks": blocks, "threads": threads,
+                         "in_flight": u, "flush": mode, "bytes": nbytes, "us": us,
+                         "tb_s": nbytes / us / 1e6, "of_copy": nbytes / us / 1e6 / copy_bw})
     print(f"copy bandwidth {copy_bw:.2f} TB/s, {sms} SMs, {args.mb:.1f} MB read")
-    print(f"{'blocks':>6} {'thr':>4} {'U':>3} {'flush':>5} {'us':>7} {'TB/s':>6} {'of copy':>7}")
+    print(f"{'pattern':>10} {'blocks':>6} {'thr':>4} {'U':>3} {'flush':>5} {'us':>7} {'TB/s':>6} "
+          f"{'of copy':>7}")
     for r in rows:
-        print(f"{r['blocks']:6d} {r['threads']:4d} {r['in_flight']:3d} {r['flush']:>5} "
+        print(f"{r['pattern']:>10} {r['blocks']:6d} {r['threads']:4d} {r['in_flight']:3d} "
+              f"{r['flush']:>5} "
               f"{r['us']:7.1f} {r['tb_s']:6.2f} {r['of_copy']:7.2f}")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
