@@ -52,9 +52,9 @@ FINISH_PAIRS = 32768
 FINISH_FIRST_TOKENS = 1024
 
 
-def finisher_ctas(first_req: np.ndarray, nreq: np.ndarray, kv_len: np.ndarray, tile_m: np.ndarray,
-                  batch: int, share: float) -> np.ndarray | None:
-    """The finisher CTA of every request, or ``None`` when the step keeps its merge launch.
+def pick_finishers(first_req: np.ndarray, nreq: np.ndarray, kv_len: np.ndarray,
+                   tile_m: np.ndarray, batch: int) -> np.ndarray | None:
+    """Each request's candidate finisher CTA, or ``None`` when some request has none.
 
     Parameters (``C`` CTAs, in any order)
     ----------
@@ -63,11 +63,9 @@ def finisher_ctas(first_req: np.ndarray, nreq: np.ndarray, kv_len: np.ndarray, t
     kv_len : int ``[C]``, KV tokens each CTA reads.
     tile_m : int ``[C]``, rows of each CTA's tile.
     batch : requests in the step.
-    share : largest share of all KV tokens the CTAs that are not finishers may read (``0``: a
-        step only folds when every request has exactly one CTA).
 
-    Returns bool ``[C]`` (``True``: the CTA finishes its request) when every request has a
-    candidate and the others read at most ``share`` of the tokens; else ``None``.
+    Returns bool ``[C]``: per request, of its single-request CTAs on a tile of at most
+    ``FINISH_MAX_ROWS`` rows, the one reading the most tokens (ties: the later CTA).
     """
     C = int(kv_len.shape[0])
     if C == 0 or batch == 0:
@@ -76,7 +74,6 @@ def finisher_ctas(first_req: np.ndarray, nreq: np.ndarray, kv_len: np.ndarray, t
     if cand.size == 0:
         return None
     req = first_req[cand].astype(np.int64)
-    # per request, the candidate reading the most tokens (ties: the later CTA)
     o = np.lexsort((cand, kv_len[cand], req))
     req_s = req[o]
     last = np.r_[req_s[1:] != req_s[:-1], True]
@@ -84,6 +81,24 @@ def finisher_ctas(first_req: np.ndarray, nreq: np.ndarray, kv_len: np.ndarray, t
         return None                         # some request has no CTA of its own
     fin = np.zeros(C, dtype=bool)
     fin[cand[o][last]] = True
+    return fin
+
+
+def finisher_ctas(first_req: np.ndarray, nreq: np.ndarray, kv_len: np.ndarray, tile_m: np.ndarray,
+                  batch: int, share: float, picked=None) -> np.ndarray | None:
+    """The finisher CTA of every request, or ``None`` when the step keeps its merge launch.
+
+    Parameters: as :func:`pick_finishers`, plus ``share``, the largest share of all KV tokens
+    the CTAs that are not finishers may read (``0``: a step only folds when every request has
+    exactly one CTA), and ``picked``, :func:`pick_finishers`' answer when the caller has it
+    (``None``: pick here).
+
+    Returns bool ``[C]`` (``True``: the CTA finishes its request) when every request has a
+    candidate and the others read at most ``share`` of the tokens; else ``None``.
+    """
+    fin = pick_finishers(first_req, nreq, kv_len, tile_m, batch) if picked is None else picked
+    if fin is None:
+        return None
     tok = kv_len.astype(np.int64)
     if int(tok[~fin].sum()) > share * int(tok.sum()):
         return None
@@ -93,7 +108,8 @@ def finisher_ctas(first_req: np.ndarray, nreq: np.ndarray, kv_len: np.ndarray, t
 def large_merge_finishers(first_req: np.ndarray, nreq: np.ndarray, kv_len: np.ndarray,
                           tile_m: np.ndarray, tile_idx: np.ndarray, batch: int, num_qo_heads: int,
                           min_pairs: int | None,
-                          max_first_tokens: int = FINISH_FIRST_TOKENS) -> np.ndarray | None:
+                          max_first_tokens: int = FINISH_FIRST_TOKENS,
+                          picked=None) -> np.ndarray | None:
     """The finisher CTAs of a step whose merge would be large, or ``None``.
 
     Where :func:`finisher_ctas`' share rule keeps the merge launch, a step of at least
@@ -106,11 +122,12 @@ def large_merge_finishers(first_req: np.ndarray, nreq: np.ndarray, kv_len: np.nd
 
     Parameters: as :func:`finisher_ctas`, plus ``tile_idx`` int ``[C]`` (each CTA's tile
     config: CTAs of one config form one launch group), ``num_qo_heads``, ``min_pairs``
-    (``None``: never) and ``max_first_tokens``.  Returns bool ``[C]`` or ``None``.
+    (``None``: never), ``max_first_tokens`` and ``picked`` (as :func:`finisher_ctas`).
+    Returns bool ``[C]`` or ``None``.
     """
     if min_pairs is None or int(batch) * int(num_qo_heads) < min_pairs:
         return None
-    fin = finisher_ctas(first_req, nreq, kv_len, tile_m, batch, share=1.0)
+    fin = pick_finishers(first_req, nreq, kv_len, tile_m, batch) if picked is None else picked
     if fin is None or fin.all():
         return None   # no candidates, or no first phase (the share rule's case)
     if np.unique(tile_idx[fin]).size != 1 or np.unique(tile_idx[~fin]).size != 1:

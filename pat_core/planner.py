@@ -22,7 +22,8 @@ from numba import njit
 from .forest import PrefixForest
 from .gpus import get_gpu
 from .inputs import BlockTable, _check_seq_lens, as_block_table, check_heads, check_size
-from .fold import FINISH_PAIRS, FINISH_SHARE, finisher_ctas, large_merge_finishers
+from .fold import (FINISH_PAIRS, FINISH_SHARE, finisher_ctas, large_merge_finishers,
+                   pick_finishers)
 from .launch import dependent_launch_ok
 from .packers import (NARROW_SHARE, PACKERS, PARTIAL_WEIGHT, Packs, narrow_packing,
                       narrow_wins, pack, request_packing, request_share, request_wins)
@@ -246,15 +247,19 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
     fold_rule = None       # which rule made the finisher phase: "share" or "pairs"
     if not serial and tuning.finish_share is not None:
         first_req = packs.reqs[packs.req_indptr[src]]
-        fin = finisher_ctas(first_req, nreq, kv_len, mn[:, 0], bt.batch_size,
-                            tuning.finish_share)
-        if fin is not None:
-            fold_rule = "share"
-        elif dependent_launch_ok(gpu):
-            # only where the finishers can be a dependent launch (sm_90 and later)
-            fin = large_merge_finishers(first_req, nreq, kv_len, mn[:, 0], tile_idx,
-                                        bt.batch_size, num_qo_heads, tuning.finish_pairs)
-            fold_rule = "pairs" if fin is not None else None
+        # the candidates once, for both rules
+        picked = pick_finishers(first_req, nreq, kv_len, mn[:, 0], bt.batch_size)
+        if picked is not None:
+            fin = finisher_ctas(first_req, nreq, kv_len, mn[:, 0], bt.batch_size,
+                                tuning.finish_share, picked=picked)
+            if fin is not None:
+                fold_rule = "share"
+            elif dependent_launch_ok(gpu):
+                # only where the finishers can be a dependent launch (sm_90 and later)
+                fin = large_merge_finishers(first_req, nreq, kv_len, mn[:, 0], tile_idx,
+                                            bt.batch_size, num_qo_heads, tuning.finish_pairs,
+                                            picked=picked)
+                fold_rule = "pairs" if fin is not None else None
     finish_from = -1
     if fin is not None:
         # the finishers after every other CTA, each phase keeping its own group order
