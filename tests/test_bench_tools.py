@@ -150,3 +150,16 @@ def test_host_path_compare_and_cli(tmp_path, capsys):
     with pytest.raises(SystemExit):
         host_path.main([])
     capsys.readouterr()
+
+
+def test_flush_mode_reads_the_environment(monkeypatch):
+    """The benchmarks' L2 flush: clean by default, dirty on request, anything else refused."""
+    from common import FLUSH_MODES, flush_mode
+    monkeypatch.delenv("PAT_L2_FLUSH", raising=False)
+    assert flush_mode() == "clean"
+    monkeypatch.setenv("PAT_L2_FLUSH", "dirty")
+    assert flush_mode() == "dirty"
+    monkeypatch.setenv("PAT_L2_FLUSH", "warm")
+    with pytest.raises(ValueError, match="PAT_L2_FLUSH"):
+        flush_mode()
+    assert set(FLUSH_MODES) == {"clean", "dirty"}
