@@ -98,6 +98,17 @@ def main(argv=None) -> int:
     flushes = {m: l2_flusher(128 << 20, m) for m in FLUSH_MODES}
     copy_bw = copy_bandwidth() / 1e12
     rows = []
+
+    def timed(pattern, fn, blocks, threads, u, nbytes):
+        """One row per flush mode: ``fn`` reading ``nbytes`` with that launch shape."""
+        fn()
+        torch.cuda.synchronize()
+        for mode, flush in flushes.items():
+            us = float(np.median(time_events(fn, args.iters, flush=flush))) * 1e3
+            rows.append({"pattern": pattern, "blocks": blocks, "threads": threads,
+                         "in_flight": u, "flush": mode, "bytes": nbytes, "us": us,
+                         "tb_s": nbytes / us / 1e6, "of_copy": nbytes / us / 1e6 / copy_bw})
+
     shapes = [(sms, t, u) for t in (128, 256, 512) for u in (2, 4, 8, 16)]
     shapes += [(128, 128, 8), (128, 256, 8), (2 * sms, 128, 8), (2 * sms, 256, 4),
                (4 * sms, 128, 4), (8 * sms, 128, 4)]
@@ -108,14 +119,7 @@ def main(argv=None) -> int:
 
         def fn(ker=ker, blocks=blocks, threads=threads, per=per, src=src, dst=dst):
             ker((blocks,), (threads,), (src, np.int64(per), dst))
-        fn()
-        torch.cuda.synchronize()
-        nbytes = per * blocks * 16
-        for mode, flush in flushes.items():
-            us = float(np.median(time_events(fn, args.iters, flush=flush))) * 1e3
-            rows.append({"pattern": "contiguous", "blocks": blocks, "threads": threads,
-                         "in_flight": u, "flush": mode, "bytes": nbytes, "us": us,
-                         "tb_s": nbytes / us / 1e6, "of_copy": nbytes / us / 1e6 / copy_bw})
+        timed("contiguous", fn, blocks, threads, u, per * blocks * 16)
     # the NHD gather's pattern: 8 heads, 2 KB token rows, each block one head of a token range
     heads = 8
     for blocks, threads, u in ((128, 128, 8), (128, 128, 16), (128, 256, 8), (128, 512, 8),
@@ -126,14 +130,8 @@ def main(argv=None) -> int:
 
         def fn(ker=ker, blocks=blocks, threads=threads, rpb=rows_per_block, src=src, dst=dst):
             ker((blocks,), (threads,), (src, np.int64(rpb), np.int32(heads), dst))
-        fn()
-        torch.cuda.synchronize()
-        nbytes = rows_per_block * (blocks // heads) * heads * 256
-        for mode, flush in flushes.items():
-            us = float(np.median(time_events(fn, args.iters, flush=flush))) * 1e3
-            rows.append({"pattern": "head-rows", "blocks": blocks, "threads": threads,
-                         "in_flight": u, "flush": mode, "bytes": nbytes, "us": us,
-                         "tb_s": nbytes / us / 1e6, "of_copy": nbytes / us / 1e6 / copy_bw})
+        timed("head-rows", fn, blocks, threads, u,
+              rows_per_block * (blocks // heads) * heads * 256)
     print(f"copy bandwidth {copy_bw:.2f} TB/s, {sms} SMs, {args.mb:.1f} MB read")
     print(f"{'pattern':>10} {'blocks':>6} {'thr':>4} {'U':>3} {'flush':>5} {'us':>7} {'TB/s':>6} "
           f"{'of copy':>7}")
