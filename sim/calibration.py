@@ -553,16 +553,27 @@ def format_report(rep: dict) -> str:
 
 
 def fit_and_save(paths, out: str, gpu: str | None = None, validation=None,
-                 max_evals: int = 600, names=DEFAULT_FIT):
+                 max_evals: int = 600, names=DEFAULT_FIT, measured: dict | None = None):
     """Load ``paths``, split by workload, fit, and write the constants to ``out``.
 
-    ``out`` is required: the packaged constants change only when it names them.  The file
-    records the measurement files, device, git shas, the split and the in-/out-of-sample
-    report.  Returns ``(path, constants, info, report)``.
+    ``out`` is required: the packaged constants change only when it names them.  ``measured``
+    replaces device measurements of the files (keys of :data:`MEASURED`, e.g.
+    ``{"copy_bandwidth_gbps": 2955.0}`` where a file's own copy measurement is an outlier); the
+    written file records the replacement.  The file records the measurement files, device, git
+    shas, the split and the in-/out-of-sample report.  Returns ``(path, constants, info,
+    report)``.
     """
     if not out:
         raise ValueError("out: a path for the fitted constants is required")
     data = load_measurements(paths)
+    measured = dict(measured or {})
+    for k, v in measured.items():
+        if k not in MEASURED:
+            raise ValueError(f"measured: {k!r} is not a device measurement "
+                             f"(one of {sorted(MEASURED)})")
+        if not (float(v) > 0):
+            raise ValueError(f"measured: {k} must be positive, got {v!r}")
+        data[k] = float(v)
     gpu = gpu or data["gpu"]
     split = split_workloads(data["records"], validation, data.get("split"))
     prep = Prepared(data["records"], gpu)
@@ -573,7 +584,8 @@ def fit_and_save(paths, out: str, gpu: str | None = None, validation=None,
                      "device": data["device"], "git_sha": data["git_sha"],
                      "split": split, "fitted": info["fitted"], "measured": info["measured"],
                      "loss_before": info["loss_before"], "loss_after": info["loss_after"],
-                     "evaluations": info["evaluations"], "report": slim}}
+                     "evaluations": info["evaluations"], "report": slim,
+                     **({"replaced_measurements": measured} if measured else {})}}
     written = save_constants(consts, gpu, out, extra=extra)
     return written, consts, info, rep
 

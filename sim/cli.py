@@ -150,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-chain", action="store_true",
                    help="also fit tile_lat_ns, the forward blocks' latency chain (off in the "
                         "packaged constants; see sim.model)")
+    p.add_argument("--measured", action="append", default=[], metavar="KEY=VALUE",
+                   help="replace a device measurement of the files (copy_bandwidth_gbps, "
+                        "graph_launch_interval_ns, graph_join_ns), e.g. where a run's own copy "
+                        "measurement is an outlier; recorded in the written file")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
     from .trace import add_parser as add_trace_parser      # python -m sim trace
@@ -377,8 +381,17 @@ def _dispatch(args) -> int:
         val = args.validation.split(";") if args.validation else None
         names = (KERNEL_FIT + CHAIN_FIT + TIMING_FIT["eager"] + TIMING_FIT["graph"]
                  if args.latency_chain else DEFAULT_FIT)
+        measured = {}
+        for item in args.measured:
+            key, sep, value = item.partition("=")
+            try:
+                measured[key] = float(value)
+            except ValueError:
+                sep = ""
+            if not sep:
+                raise SystemExit(f"--measured: expected KEY=NUMBER, got {item!r}")
         path, _, info, rep = fit_and_save(args.measurements, args.out, args.gpu, val,
-                                          args.max_evals, names=names)
+                                          args.max_evals, names=names, measured=measured)
         if args.json:
             print(json.dumps(rep, indent=2))
             return 0

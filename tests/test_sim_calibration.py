@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sim.calibration import (Prepared, fit, fit_workloads_of, load_measurements, report,
-                             spearman, split_workloads)
+from sim.calibration import (Prepared, fit, fit_and_save, fit_workloads_of, load_measurements,
+                             report, spearman, split_workloads)
 from sim.cli import main
 from sim.constants import default_constants, load_constants
 
@@ -261,6 +261,30 @@ def test_fit_and_report_commands(tmp_path, capsys):
     assert main(["calibration-report", "--measurements", str(tmp_path), "--constants",
                  str(out)]) == 0
     assert "Spearman" in capsys.readouterr().out
+
+
+def test_fit_replaces_a_device_measurement_on_request(tmp_path, capsys):
+    """``sim fit --measured KEY=VALUE`` takes that device measurement instead of the files'
+    (an outlier copy measurement, say), fixes its constant to it and records the replacement;
+    unknown keys and malformed values are refused."""
+    path, _, _ = _synthetic(tmp_path)
+    raw = json.loads(open(path).read())
+    raw.update(copy_bandwidth_gbps=2500.0)
+    open(path, "w").write(json.dumps(raw))
+    out = tmp_path / "h100.json"
+    assert main(["fit", "--measurements", path, "--out", str(out), "--max-evals", "10",
+                 "--measured", "copy_bandwidth_gbps=2950"]) == 0
+    capsys.readouterr()
+    saved = json.loads(out.read_text())
+    assert saved["constants"]["hbm_bandwidth"] == pytest.approx(2950.0)
+    assert saved["fit"]["measured"]["hbm_bandwidth"] == pytest.approx(2950.0)
+    assert saved["fit"]["replaced_measurements"] == {"copy_bandwidth_gbps": 2950.0}
+    with pytest.raises(ValueError, match="not a device measurement"):
+        fit_and_save([path], str(out), measured={"l2_bandwidth_gbps": 9000.0}, max_evals=5)
+    with pytest.raises(ValueError, match="must be positive"):
+        fit_and_save([path], str(out), measured={"copy_bandwidth_gbps": 0.0}, max_evals=5)
+    with pytest.raises(SystemExit, match="KEY=NUMBER"):
+        main(["fit", "--measurements", path, "--out", str(out), "--measured", "copy=fast"])
 
 
 def test_fit_needs_an_output_path(tmp_path, capsys):
