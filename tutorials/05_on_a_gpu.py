@@ -119,6 +119,10 @@ if measured_here:
 # Note that the timings above include no L2 flush: the KV cache of this batch fits in an H100's
 # 50 MB L2, so repeated runs partly read from cache and look faster than a cold decode step. The
 # benchmark scripts in `bench/` flush the L2 between runs; trust those numbers over these.
+# How they flush matters too: overwriting a buffer larger than L2 leaves it full of modified
+# lines whose write-back the next run pays (up to ~10 us on a step that reads 67 MB), so since
+# round 20 they read the buffer instead (`PAT_L2_FLUSH=clean`; `dirty` for the old way), and
+# every results file records which (`l2_flush`; files without the field used `dirty`).
 #
 # ## Committed measurements
 #
