@@ -100,8 +100,8 @@ SHARING = tuple(
 
 
 # planner knobs (pat_core.Tuning fields), plus backend settings: "launch" (CudaBackend's
-# launch_mode), "merge" (its merge_mode), "merge_heads", "one_tile", "finish_launch" and
-# "merge_launch".  Labels name what differs from the defaults.
+# launch_mode), "merge" (its merge_mode), "merge_heads", "one_tile", "finish_launch",
+# "merge_launch" and "fwd_chain".  Labels name what differs from the defaults.
 _N16_32 = ((32, 16), (96, 32), (1 << 62, 64))
 TUNINGS = {
     "default": {},
@@ -201,6 +201,11 @@ TUNINGS = {
     # the merge launched once the forward has finished (CudaBackend.merge_launch; the default
     # "pdl" launches it as a programmatic dependent of the forward)
     "merge-serial": {"merge_launch": "serial"},
+    # a plan's forward launches chained on one stream, each a programmatic dependent of the one
+    # before it, longest first ("chain") or in plan order ("chain-plan"), and forked onto pool
+    # streams ("fork") (CudaBackend.fwd_chain)
+    "chain": {"fwd_chain": "pdl"}, "chain-plan": {"fwd_chain": "pdl-plan"},
+    "fork": {"fwd_chain": "fork"},
     "mh1": {"merge_heads": 1}, "mh2": {"merge_heads": 2}, "mh4": {"merge_heads": 4},
     # n of the 128-row tiles forced (their KV is mostly shared, read from L2: compute bound)
     "m128n64": {"n_by_m": {128: 64}},
@@ -232,18 +237,20 @@ def apply_tuning(label: str, planner, backend, serial_ok: bool = False):
         raise ValueError(f"tuning {label!r} needs serial plans, which only kernel_lab.py's "
                          "run_case makes")
     saved = (backend.launch_mode, backend.merge_mode, backend.merge_heads_per_warp,
-             backend.one_tile, backend.finish_launch, backend.merge_launch)
+             backend.one_tile, backend.finish_launch, backend.merge_launch, backend.fwd_chain)
     backend.launch_mode = tun.pop("launch", backend.launch_mode)
     backend.one_tile = tun.pop("one_tile", backend.one_tile)
     backend.merge_mode = tun.pop("merge", backend.merge_mode)
     backend.merge_heads_per_warp = tun.pop("merge_heads", backend.merge_heads_per_warp)
     backend.finish_launch = tun.pop("finish_launch", backend.finish_launch)
     backend.merge_launch = tun.pop("merge_launch", backend.merge_launch)
+    backend.fwd_chain = tun.pop("fwd_chain", backend.fwd_chain)
     planner.tuning = Tuning(**tun)
 
     def restore():
         (backend.launch_mode, backend.merge_mode, backend.merge_heads_per_warp,
-         backend.one_tile, backend.finish_launch, backend.merge_launch) = saved
+         backend.one_tile, backend.finish_launch, backend.merge_launch,
+         backend.fwd_chain) = saved
     return restore
 
 
@@ -309,6 +316,14 @@ def _pair_cases(pairs, labels) -> tuple:
                  for spec, heads in pairs for packer, label in runs)
 
 
+# sharing batches whose plans have two or more forward launches (round 21's chain)
+CHAIN_SPECS = ("1,4,64_256,1024,64", "1,2,8,128_512,128,256,32", "3,24,96_1024,64,512",
+               "1,8,64,512_128,512,64,32", "1,4,16,64,256_512,256,128,64,32",
+               "1,4,16,64,256,1024_1024,256,128,64,32,32",
+               "1,2,4,8,16,32,64_256,128,64,64,32,32,32",
+               "1,8,16,32,64,128,1024_256,128,64,32,32,32,32", "1,16_2048,128",
+               "1,1024_1024,16")
+
 # the three head configurations of 8 KV heads the round-16 case sets sweep
 _HEADS_X8 = ((16, 8), (32, 8), (64, 8))
 
@@ -325,6 +340,11 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
              "wg": tuple((spec, heads, "pat", None, None, label)
                          for spec in ("1,16_16384,16", "1,32_16384,16") + SHARING_SPECS
                          for heads in ((32, 8), (32, 32)) for label in ("default", "wg")),
+             # forward launches forked onto streams or chained on one (round 21): the
+             # multi-launch sharing plans of the development set
+             "chain": _pair_cases(tuple((spec, heads) for spec in CHAIN_SPECS
+                                        for heads in ((32, 8), (32, 32))),
+                                  ("fork", "chain", "chain-plan")),
              "long": LONG, "sharing": SHARING, "layouts": _layout_candidates(),
              "short": tuple((spec, heads, "pat", None, None, label)
                             for spec in SHORT_SPECS for heads in ((32, 8), (32, 32))

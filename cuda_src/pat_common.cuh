@@ -132,4 +132,22 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+
+// The end of a chained forward launch (pat_core/cuda_backend.py, fwd_chain "pdl").  The forward
+// launches of a step go on one stream, each a programmatic dependent of the one before it, so the
+// next launch's blocks are placed as soon as every block of this one is (pdl_launch_dependents at
+// the start of each block), with no fork and join and in a fixed order.  Nothing in a forward
+// launch reads what another writes, but whatever follows the last launch (the merge, the caller's
+// next kernel) must find all of them finished: so this grid may not finish before the one before
+// it.  The block that finishes last waits for that grid (pdl_wait; a no-op when the launch was not
+// a dependent one) before it exits, and resets the counter for the next run.  Only one block per
+// launch waits, so the launch's other blocks free their SM slots at once.
+__device__ __forceinline__ void chain_exit(int* chain) {
+  if (chain == nullptr || threadIdx.x != 0) return;
+  if (atomicAdd(chain, 1) == (int)(gridDim.x * gridDim.y * gridDim.z) - 1) {
+    pdl_wait();
+    *chain = 0;
+  }
+}
+
 }  // namespace pat

@@ -1216,6 +1216,7 @@ __global__ void __launch_bounds__((WARPS + 1) * 32,
     pat_fwd_piped_kernel(const __grid_constant__ pat::FwdParams p) {
   pat::pdl_launch_dependents();
   pat::run_piped<pat::FwdTraits<HEAD_DIM, T, 16, N, WARPS, 1, 16>, R>(p);
+  pat::chain_exit(p.chain);
 }
 
 // Kernel entry point.  Template arguments: head_dim, element type, m, n, warps, stages, rows per
@@ -1228,6 +1229,7 @@ __global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, 
   // the launch after this one (a finisher phase) may start while these blocks run
   pat::pdl_launch_dependents();
   pat::run_items<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW>, PULL>(p);
+  pat::chain_exit(p.chain);  // chained launches: the last block waits for the launch before
 }
 
 // Finisher entry point (pat_core/fold.py).  PULL = false: block b runs item b of the launch, as

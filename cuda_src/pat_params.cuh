@@ -40,6 +40,9 @@ struct FwdParams {
   // live == nullptr: block b runs item b of cta_offset + [0, n_ctas).
   const int* live;
   int* work_counter;
+  // Chained launches (pat_core/cuda_backend.py, fwd_chain): a counter of this launch's blocks
+  // that have finished, zero between runs (the last block resets it); nullptr: not chained.
+  int* chain;
   long long q_sb, q_sh, k_sp, k_st, k_sh, v_sp, v_st, v_sh;
   int cta_offset;              // first CTA of this launch (live == nullptr)
   int n_ctas;                  // CTAs of this launch (live == nullptr)
@@ -74,7 +77,7 @@ struct MergeParams {
 
 // The host mirror (pat_core/kernel_params.py) checks its sizes against these.
 static_assert(sizeof(MergeArgs) == 64, "MergeArgs layout changed: update kernel_params.py");
-static_assert(sizeof(FwdParams) == 288, "FwdParams layout changed: update kernel_params.py");
+static_assert(sizeof(FwdParams) == 296, "FwdParams layout changed: update kernel_params.py");
 static_assert(sizeof(MergeParams) == 104, "MergeParams layout changed: update kernel_params.py");
 
 }  // namespace pat

@@ -305,6 +305,12 @@ class CudaBackend:
         # blocks start while the forward runs and wait for it), "serial" once it has finished
         # (bench/NOTES.md, round 15); env PAT_MERGE_LAUNCH
         self.merge_launch = os.environ.get("PAT_MERGE_LAUNCH", "pdl")
+        # a plan's forward launches (several tile groups, no finisher phase): "pdl" puts them on
+        # the caller's stream, the longest first, each a programmatic dependent of the one
+        # before it (sm_90+; chain_exit in cuda_src/pat_common.cuh), "pdl-plan" the same in the
+        # plan's group order, "fork" concurrently on pool streams forked from the caller's
+        # stream and joined before the merge; env PAT_FWD_CHAIN
+        self.fwd_chain = os.environ.get("PAT_FWD_CHAIN", "fork")
         self._counter_bufs: dict = {}  # device -> int32 counters, zero between runs
         self._counter_gens: dict = {}  # device -> times its counters were replaced
         # graph-safe mode: at most this many blocks per SM in each pull launch (None: as many
@@ -565,7 +571,8 @@ class CudaBackend:
             dtype = qd.dtype
             key = (dtype, self.launch_mode, self.fused_max_blocks_per_sm, self.fused_max_kv_len,
                    self.merge_mode, self.merge_per_pair, self.merge_heads_per_warp,
-                   self.finish_launch, self.one_tile, self.head_minor, self.fast_launch)
+                   self.finish_launch, self.one_tile, self.head_minor, self.fast_launch,
+                   self.fwd_chain)
             lay = rec["layouts"].get(key)
             if lay is None or lay["buf_gen"] != self._buffer_generation(dev):
                 if len(rec["layouts"]) >= 8:
@@ -576,7 +583,8 @@ class CudaBackend:
             fields = _input_fields(qd, kd, vd, axes)
             launches = [ln.with_inputs(fields) for ln in lay["launches"]]
             return {"device": dev, "dtype": dtype, "launches": launches, "merge": lay["merge"],
-                    "phase_b": lay["phase_b"], "buf_gen": lay["buf_gen"]}
+                    "phase_b": lay["phase_b"], "chain": lay["chain"],
+                    "buf_gen": lay["buf_gen"]}
 
     def _launch_set(self, plan: Plan, rec: dict, dtype: str) -> dict:
         """Every launch of ``plan`` in ``dtype`` under the current settings, on the current
@@ -602,6 +610,8 @@ class CudaBackend:
             base.merge.counters = _ptr(self._counters(plan.batch_size * Hk))
             base.merge.req_slot_indptr = _ptr(rec["req_slot_indptr"])
         launches = []
+        spans = []   # per forward launch: (longest CTA's KV tokens, tile rows), for the chain
+        kv_len = plan.cta_kv_len
         members = [cc.FwdVariant.make(m, n, D, dtype, arch=self.arch)
                    for _, (m, n), b, e in plan.groups()
                    if e > b]
@@ -617,6 +627,7 @@ class CudaBackend:
             launches.append(_Launch(self._function(fv), (plan.num_ctas * Hk, 1, 1),
                                     (fv.threads, 1, 1), prm, fv.smem_bytes,
                                     self.fast_launch, keep=cta_variant))
+            spans.append((int(kv_len.max()), 0))
             members = []
         num_sms = self._num_sms()
         if fold and self._finish_ordered(plan, num_sms):
@@ -634,6 +645,7 @@ class CudaBackend:
             grid = min((e - b) * Hk, self._blocks_per_sm(v) * num_sms)
             launches.append(_Launch(self._function(v), (grid, 1, 1), (v.threads, 1, 1), prm,
                                     v.smem_bytes, self.fast_launch, keep=ctr))
+            spans.append((int(kv_len[b:e].max()), m))
             members = []
         phase_b = None   # first launch of the finisher phase
         for g, (m, n), b, e in (plan.groups() if members else ()):
@@ -653,6 +665,7 @@ class CudaBackend:
                 launches.append(_Launch(self._function(v), ((s - b) * Hk, 1, 1),
                                         (v.threads, 1, 1), prm, v.smem_bytes,
                                         self.fast_launch))
+                spans.append((int(kv_len[b:s].max()), m))
             if s < e:
                 prm = _copy_params(base)
                 prm.cta_offset, prm.n_ctas = s, e - s
@@ -667,6 +680,10 @@ class CudaBackend:
                     v = cc.FwdVariant.make(m, n, D, dtype, arch=self.arch, one_tile=True)
                 launches.append(_Launch(self._function(v), (grid, 1, 1), (v.threads, 1, 1),
                                         prm, v.smem_bytes, self.fast_launch, keep=ctr))
+                spans.append((int(kv_len[s:e].max()), m))
+        chain = phase_b is None and not plan.serial and self._chain_mode(launches)
+        if chain:
+            launches = self._chain(launches, spans, self.fwd_chain == "pdl")
         B = plan.batch_size
         per_block, nh = self._merge_layout(plan)
         mv = cc.MergeVariant(D, dtype, cc.MERGE_WARPS, nh)
@@ -678,8 +695,33 @@ class CudaBackend:
         merge = _Launch(self._function(mv), (grid, 1, 1), (mv.threads, 1, 1), mp, 0,
                         self.fast_launch)
         return {"launches": launches, "merge": None if in_fwd or fold else merge,
-                "phase_b": phase_b,
+                "phase_b": phase_b, "chain": chain,
                 "buf_gen": self._buffer_generation(cp.cuda.runtime.getDevice())}
+
+    def _chain_mode(self, launches) -> bool:
+        """Whether ``launches`` (a plan's forward launches, no finisher phase) go as one chain
+        of programmatic dependent launches on the caller's stream (``fwd_chain`` "pdl" or
+        "pdl-plan"): two or more of them, on an sm_90 or later device, all on the fast path."""
+        if self.fwd_chain not in FWD_CHAIN_MODES:
+            raise ValueError(f"fwd_chain must be one of {FWD_CHAIN_MODES}, got "
+                             f"{self.fwd_chain!r}")
+        return self.fwd_chain != "fork" and len(launches) > 1 and self._pdl_ok(launches)
+
+    def _chain(self, launches, spans, longest_first: bool) -> list:
+        """``launches`` as a chain: each gets a zeroed block counter (its ``chain`` field; the
+        kernel's last block waits for the launch before it, see ``chain_exit`` in
+        cuda_src/pat_common.cuh), in order of their longest CTA, longest first (ties: larger
+        tiles first), with ``longest_first``, else in the given order.  A long CTA placed
+        first cannot end up as the step's tail behind a launch of short ones: the next launch's
+        blocks fill the SMs around it."""
+        if longest_first:
+            order = sorted(range(len(launches)), key=lambda i: (-spans[i][0], -spans[i][1], i))
+            launches = [launches[i] for i in order]
+        ctr = self.cp.zeros(len(launches), dtype=self.cp.int32)
+        for i, ln in enumerate(launches):
+            ln.params.chain = _ptr(ctr) + 4 * i
+            ln.keep = (ln.keep, ctr)
+        return launches
 
     def _merge_layout(self, plan: Plan) -> tuple:
         """``(block_per_pair, heads_per_warp)`` of the merge launch for ``plan``: the
@@ -779,7 +821,7 @@ class CudaBackend:
         caller = self._caller_stream(qd)
         k = prep["phase_b"]
         if k is None:
-            self._enqueue(launches, merge, caller, plan.serial)
+            self._enqueue(launches, merge, caller, plan.serial, prep["chain"])
         elif self._finish_pdl(launches, k):
             # the finishers start while the first phase runs; they wait for it (pdl_wait in
             # cuda_src/pat_fwd.cuh) only before they fold its slots in
@@ -854,12 +896,18 @@ class CudaBackend:
                 l_ptr, l_sb, l_sh = ld.ptr, ld.strides[0], ld.strides[1]
         return out, lse, (o_ptr, l_ptr, o_sb, o_sh, l_sb, l_sh)
 
-    def _enqueue(self, launches, merge, caller: int, serial: bool) -> None:
+    def _enqueue(self, launches, merge, caller: int, serial: bool, chain: bool = False) -> None:
         """Forward launches (concurrent on pool streams forked from the caller's stream unless
-        ``serial``), then the merge (if any) on the caller's stream once they have joined."""
+        ``serial`` or ``chain``), then the merge (if any) on the caller's stream once they have
+        joined.  ``chain`` (launches prepared by :meth:`_chain`): on the caller's stream, each
+        after the first a programmatic dependent of the one before it."""
         rt = self.cp.cuda.runtime
-        on_caller = serial or len(launches) <= 1
-        if on_caller:
+        on_caller = serial or chain or len(launches) <= 1
+        if chain:
+            launches[0](caller)
+            for ln in launches[1:]:
+                ln(caller, dependent=True)
+        elif on_caller:
             for ln in launches:
                 ln(caller)
         else:
@@ -906,7 +954,7 @@ class CudaBackend:
         want_lse = bool(return_lse or lse is not None)
         if state.batch is None:
             raise RuntimeError("graph-safe mode: write a plan (plan()) before run()")
-        sig = (kv_layout, qd.sig(), kd.sig(), vd.sig())
+        sig = (kv_layout, qd.sig(), kd.sig(), vd.sig(), self.fwd_chain)
         prep = state.prepared.get(sig)
         if prep is None:
             prep = state.prepare(qd, kd, vd, kv_layout)
@@ -918,7 +966,7 @@ class CudaBackend:
         with cp.cuda.Device(state.device):
             _set_out(prep["merge"].params, out_args)
             self._enqueue(prep["launches"], prep["merge"], self._caller_stream(qd),
-                          self.static_serial)
+                          self.static_serial, prep["chain"] and not self.static_serial)
         return (out, lse) if want_lse else out
 
 
@@ -1092,7 +1140,12 @@ class StaticState:
                                 reset_n=lay.num_variants, batch=0, num_qo_heads=Hq)
             merge = _Launch(be._function(mv), (grid, 1, 1), (mv.threads, 1, 1), mp, 0,
                             be.fast_launch)
-        return {"launches": launches, "merge": merge}
+            # several tile launches: chained in the layout's tile order (the plan, and so which
+            # launch is longest, changes between replays)
+            chain = not be.static_serial and be._chain_mode(launches)
+            if chain:
+                launches = be._chain(launches, None, False)
+        return {"launches": launches, "merge": merge, "chain": chain}
 
 
 class _Launch:
@@ -1166,6 +1219,7 @@ class _Launch:
 
 
 FINISH_LAUNCH_MODES = ("ordered", "pdl", "serial")   # CudaBackend.finish_launch
+FWD_CHAIN_MODES = ("fork", "pdl", "pdl-plan")        # CudaBackend.fwd_chain
 
 
 def _mode(value, name: str) -> bool:

@@ -31,6 +31,7 @@ class FwdParams(ctypes.Structure):
                 ("lse_partial", _P), ("cta_req_indptr", _P), ("cta_req", _P), ("cta_slot", _P),
                 ("cta_kv_start", _P), ("cta_kv_len", _P), ("cta_page_indptr", _P),
                 ("cta_pages", _P), ("cta_variant", _P), ("live", _P), ("work_counter", _P),
+                ("chain", _P),
                 ("q_sb", _I64), ("q_sh", _I64), ("k_sp", _I64), ("k_st", _I64), ("k_sh", _I64),
                 ("v_sp", _I64), ("v_st", _I64), ("v_sh", _I64),
                 ("cta_offset", _I32), ("n_ctas", _I32), ("num_kv_heads", _I32),

@@ -716,6 +716,48 @@ def test_merge_dependent_launch(backend, spec, heads):
 
 
 @requires_gpu
+@pytest.mark.parametrize("spec,heads", [("1,4,64_256,1024,64", (32, 8)),
+                                        ("1,2,8,128_512,128,256,32", (32, 32)),
+                                        ("3,24,96_1024,64,512", (16, 8)),
+                                        ("1,8,64,512_128,512,64,32", (32, 8))])
+def test_forward_chain(backend, spec, heads):
+    """A plan's forward launches chained on one stream (fwd_chain "pdl", longest first, and
+    "pdl-plan"), against the forked launches ("fork"): float64 references and bit-identical
+    reruns with partials poisoned (a merge that read a slot before the launch writing it had
+    finished would show it), with the separate merge and with the merge in the forward kernels;
+    graph replays equal the eager run; on sm_90+ the chain is the path taken, longest launch
+    first."""
+    from pat_core import PrefixAttentionWrapper
+    from pat_core.workloads import build_tree_batch
+    b = build_tree_batch(spec, page_size=16, seed=4)
+    saved = backend.fwd_chain, backend.merge_mode
+    try:
+        for chain in ("fork", "pdl", "pdl-plan"):
+            backend.fwd_chain = chain
+            for merge_mode in ("kernel", "forward"):
+                backend.merge_mode = merge_mode
+                check_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages, 16,
+                           heads[0], heads[1], 128, "float16", "NHD", seed=2)
+            backend.merge_mode = "kernel"
+            w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+            w._gpu_backend = backend
+            plan = w.plan(b.block_tables, b.seq_lens, heads[0], heads[1], 128, 16,
+                          kv_data_type="float16")
+            prep = _graph_replays_eager(w, plan, b, heads[0], heads[1], 128, 16)
+            n = len(prep["launches"])
+            assert n >= 2 or chain == "fork", plan.summary()
+            assert prep["chain"] == (chain != "fork" and n >= 2
+                                     and int(backend.arch[3:]) >= 90)
+            if prep["chain"] and chain == "pdl":
+                spans = [int(plan.cta_kv_len[ln.params.cta_offset:ln.params.cta_offset
+                                             + ln.params.n_ctas].max())
+                         for ln in prep["launches"]]
+                assert spans == sorted(spans, reverse=True), spans
+    finally:
+        backend.fwd_chain, backend.merge_mode = saved
+
+
+@requires_gpu
 @pytest.mark.parametrize("spec,heads,d,dtype", [("1,32,256_64,64,1024", (64, 8), 128, "float16"),
                                                 ("1,8_16,240", (8, 2), 64, "bfloat16"),
                                                 ("1,256_128,1024", (16, 8), 128, "float16")])
