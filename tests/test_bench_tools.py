@@ -77,7 +77,8 @@ def test_kernel_lab_tunings_apply_and_serial_labels_need_run_case():
     from pat_core import Planner
     for label, tun in TUNINGS.items():
         be = SimpleNamespace(launch_mode="auto", merge_mode="kernel", merge_heads_per_warp=None,
-                             one_tile="auto", finish_launch="pdl", merge_launch="pdl")
+                             one_tile="auto", finish_launch="pdl", merge_launch="pdl",
+                             fwd_chain="fork")
         planner = Planner("pat", "h100")
         if tun.get("serial"):
             with pytest.raises(ValueError, match="serial"):
@@ -86,8 +87,10 @@ def test_kernel_lab_tunings_apply_and_serial_labels_need_run_case():
         assert be.merge_mode == tun.get("merge", "kernel")
         assert be.finish_launch == tun.get("finish_launch", "pdl")
         assert be.merge_launch == tun.get("merge_launch", "pdl")
+        assert be.fwd_chain == tun.get("fwd_chain", "fork")
         restore()
-        assert (be.merge_mode, be.finish_launch, be.merge_launch) == ("kernel", "pdl", "pdl")
+        assert (be.merge_mode, be.finish_launch, be.merge_launch, be.fwd_chain) == \
+            ("kernel", "pdl", "pdl", "fork")
 
 
 def test_request_rule_check_scores_the_rule_and_the_simulator(tmp_path):
