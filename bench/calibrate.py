@@ -132,7 +132,9 @@ def main(argv=None) -> int:
 
     import pat_core
     from pat_core.gpus import detect_gpu_name
+    from pat_core.launch import default_fwd_chain
     from pat_core.workloads import build_tree_batch
+    chain = default_fwd_chain()     # the backend's forward launches, as the model lays them out
     from sim import simulate
     from sim.constants import load_constants
 
@@ -201,15 +203,15 @@ def main(argv=None) -> int:
                     runs = time_us(fn, flush, args.warmup, args.reps)
                     rec["measured_eager_us"] = statistics.median(runs)
                     rec["runs_eager_us"] = [round(x, 3) for x in runs]
-                    rec["predicted_eager_us"] = simulate(plan, gpu, consts,
-                                                         timing="eager").latency_us
+                    rec["predicted_eager_us"] = simulate(plan, gpu, consts, timing="eager",
+                                                         fwd_chain=chain).latency_us
                     if not args.no_graph:
                         try:
                             g = [t * 1e3 for t in graph_times(fn, args.reps, flush=flush)]
                             rec["measured_graph_us"] = statistics.median(g)
                             rec["runs_graph_us"] = [round(x, 3) for x in g]
-                            rec["predicted_graph_us"] = simulate(plan, gpu, consts,
-                                                                 timing="graph").latency_us
+                            rec["predicted_graph_us"] = simulate(
+                                plan, gpu, consts, timing="graph", fwd_chain=chain).latency_us
                         except Exception as exc:  # noqa: BLE001 - eager timing stands
                             rec["graph_error"] = f"{type(exc).__name__}: {exc}"[:200]
                     rec["stats"] = {kk: vv for kk, vv in plan.stats().items() if kk != "tiles"}
@@ -239,6 +241,7 @@ def main(argv=None) -> int:
         "timing": "CUDA events around run() (eager) and around a CUDA-graph replay of it "
                   "(graph), L2 flushed before each run, median",
         "l2_flush": flush_mode(),
+        "fwd_chain": default_fwd_chain(),
         "split": {"unit": "tree spec", "fit": fit_names,
                   "validation": sorted({w for w, _ in val_set} - set(fit_names))},
         "constants_used": {"source": consts.source, **consts.as_dict()},

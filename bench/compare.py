@@ -413,6 +413,7 @@ def main(argv=None):
     import torch
 
     import pat_core
+    from pat_core.launch import default_fwd_chain
     from pat_core.workloads import build_tree_batch
 
     os.makedirs(args.out, exist_ok=True)
@@ -560,7 +561,8 @@ def main(argv=None):
                     r[f"speedup_vs_{base}"] = b["latency_us"] / r["latency_us"]
     result = dict(
         benchmark="compare", device=dev.name, sm_count=dev.multi_processor_count,
-        copy_bandwidth=bw, git_sha=git_sha(), l2_flush=flush_mode(), dtype=args.dtype,
+        copy_bandwidth=bw, git_sha=git_sha(), l2_flush=flush_mode(),
+        fwd_chain=default_fwd_chain(), dtype=args.dtype,
         head_dim=d, reps=args.reps,
         versions=dict(python=platform.python_version(), torch=torch.__version__,
                       cuda=torch.version.cuda, flashinfer=fi_version,

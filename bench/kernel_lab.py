@@ -799,8 +799,10 @@ def environment() -> dict:
     import cupy
     import torch
     from common import flush_mode, git_sha
+    from pat_core.launch import default_fwd_chain
     return {"device": torch.cuda.get_device_name(), "git_sha": git_sha(),
             "l2_flush": flush_mode(),
+            "fwd_chain": default_fwd_chain(),
             "torch": torch.__version__, "cupy": cupy.__version__,
             "python": platform.python_version(), "cuda_runtime": torch.version.cuda,
             "nvrtc_defines": __import__("os").environ.get("PAT_NVRTC_DEFINES", "")}

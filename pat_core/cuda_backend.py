@@ -5,7 +5,14 @@ name expressions), one module per variant; see :mod:`pat_core.cuda_compile` for 
 rules and names.  Inputs may be torch CUDA tensors or CuPy arrays (zero copy: the kernels get
 their device pointers and element strides); outputs are returned as the same kind as ``q``.
 
-Execution of one batch::
+Execution of one batch, by default on a Hopper or later GPU (``fwd_chain`` "pdl")::
+
+    caller stream ── forward launch (longest CTAs) ─▶ forward launch ─▶ ... ─▶ merge ── out [, lse]
+
+each arrow a programmatic dependent launch: the next launch's blocks are placed as soon as every
+block of the one before it is, and each launch's last block waits for the launch before it
+before it exits, so the merge (which waits for the last) finds every forward launch finished
+(:mod:`pat_core.launch`).  Before sm_90, and with ``fwd_chain`` "fork" (an ablation)::
 
     caller stream ── fork event ──┬─ (caller stream itself): forward launch of tile group 0 ─┐
                                   ├─ pool stream 0: forward launch of tile group 1 ──────────┤
@@ -63,8 +70,9 @@ import numpy as np
 from . import cuda_compile as cc
 from . import kernel_params as kp
 from .gpus import detect_gpu_name
-from .launch import (FUSED_MAX_BLOCKS_PER_SM, FUSED_MAX_KV_LEN, merge_block_per_pair,
-                     merge_heads_per_warp, one_tile_split, use_fused_launch)
+from .launch import (FUSED_MAX_BLOCKS_PER_SM, FUSED_MAX_KV_LEN, FWD_CHAIN_MODES, chain_order,
+                     default_fwd_chain, merge_block_per_pair, merge_heads_per_warp, one_tile_split,
+                     use_fused_launch)
 from .plan import Plan, dtype_name
 
 log = logging.getLogger("pat_core.cuda")
@@ -305,12 +313,13 @@ class CudaBackend:
         # blocks start while the forward runs and wait for it), "serial" once it has finished
         # (bench/NOTES.md, round 15); env PAT_MERGE_LAUNCH
         self.merge_launch = os.environ.get("PAT_MERGE_LAUNCH", "pdl")
-        # a plan's forward launches (several tile groups, no finisher phase): "pdl" puts them on
-        # the caller's stream, the longest first, each a programmatic dependent of the one
-        # before it (sm_90+; chain_exit in cuda_src/pat_common.cuh), "pdl-plan" the same in the
-        # plan's group order, "fork" concurrently on pool streams forked from the caller's
-        # stream and joined before the merge; env PAT_FWD_CHAIN
-        self.fwd_chain = os.environ.get("PAT_FWD_CHAIN", "fork")
+        # a plan's forward launches (several tile groups, no finisher phase): "pdl" (default)
+        # puts them on the caller's stream, the longest first, each a programmatic dependent of
+        # the one before it (sm_90+; chain_exit in cuda_src/pat_common.cuh), "pdl-plan" the same
+        # in the plan's group order, "fork" (an ablation) concurrently on pool streams forked
+        # from the caller's stream and joined before the merge (pat_core.launch); env
+        # PAT_FWD_CHAIN
+        self.fwd_chain = default_fwd_chain()
         self._counter_bufs: dict = {}  # device -> int32 counters, zero between runs
         self._counter_gens: dict = {}  # device -> times its counters were replaced
         # graph-safe mode: at most this many blocks per SM in each pull launch (None: as many
@@ -711,12 +720,10 @@ class CudaBackend:
         """``launches`` as a chain: each gets a zeroed block counter (its ``chain`` field; the
         kernel's last block waits for the launch before it, see ``chain_exit`` in
         cuda_src/pat_common.cuh), in order of their longest CTA, longest first (ties: larger
-        tiles first), with ``longest_first``, else in the given order.  A long CTA placed
-        first cannot end up as the step's tail behind a launch of short ones: the next launch's
-        blocks fill the SMs around it."""
+        tiles first; :func:`pat_core.launch.chain_order`) with ``longest_first``, else in the
+        given order."""
         if longest_first:
-            order = sorted(range(len(launches)), key=lambda i: (-spans[i][0], -spans[i][1], i))
-            launches = [launches[i] for i in order]
+            launches = [launches[i] for i in chain_order(spans)]
         ctr = self.cp.zeros(len(launches), dtype=self.cp.int32)
         for i, ln in enumerate(launches):
             ln.params.chain = _ptr(ctr) + 4 * i
@@ -1219,7 +1226,6 @@ class _Launch:
 
 
 FINISH_LAUNCH_MODES = ("ordered", "pdl", "serial")   # CudaBackend.finish_launch
-FWD_CHAIN_MODES = ("fork", "pdl", "pdl-plan")        # CudaBackend.fwd_chain
 
 
 def _mode(value, name: str) -> bool:

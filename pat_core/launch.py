@@ -27,6 +27,8 @@ for it or in the piped kernel.
 """
 from __future__ import annotations
 
+import os
+
 LAUNCH_MODES = ("auto", "fused", "streams")
 # The merge runs one block per (request, query head) pair, its warps splitting the pair's
 # partial slots, when there are at most this many pairs per SM and requests average at least
@@ -74,6 +76,56 @@ def finisher_launch_dependent(plan, gpu) -> bool:
     group each, on an sm_90 or later GPU.  Otherwise a plan with a first phase starts its
     finishers after that phase."""
     return plan.finish_from == 1 and plan.num_groups == 2 and dependent_launch_ok(gpu)
+
+
+# How a plan's forward launches (two or more tile groups, no finisher phase) are enqueued.
+# "pdl" (the default): on the caller's stream, longest first (chain_order), each a programmatic
+# dependent of the one before it, so its blocks are placed as soon as every block of the one
+# before it is; the last block of each waits for the launch before it (cuda_src/pat_common.cuh
+# chain_exit), so the merge, a dependent of the last, waits for them all.  "pdl-plan": the same
+# in the plan's group order.  "fork" (an ablation): concurrently on pool streams forked from the
+# caller's stream and joined before the merge.  On an H100 the chain was 0-15% faster on every
+# multi-launch sharing batch of the development set (bench/NOTES.md, round 21): the fork and
+# join cost up to 6 us of a CUDA graph's replay, and the replay started the forked launches in
+# either order.
+FWD_CHAIN_MODES = ("pdl", "pdl-plan", "fork")
+# Files measured before the chain existed (no "fwd_chain" field) ran the forked launches.
+FWD_CHAIN_BEFORE = "fork"
+
+
+def default_fwd_chain() -> str:
+    """The CUDA backend's ``fwd_chain`` unless set otherwise: env ``PAT_FWD_CHAIN``, else
+    ``"pdl"``.  The benchmarks record it next to their timings."""
+    return os.environ.get("PAT_FWD_CHAIN", "pdl")
+
+
+def chain_order(spans) -> list:
+    """Order of chained launches: ``spans[i] = (longest CTA's KV tokens, tile rows)`` of launch
+    ``i``; longest first, then more rows, then the given order.  A long CTA placed first cannot
+    become the step's tail behind a launch of short ones: the later launches' blocks fill the
+    SMs around it."""
+    return sorted(range(len(spans)), key=lambda i: (-int(spans[i][0]), -int(spans[i][1]), i))
+
+
+def forward_chained(plan, gpu, mode: str = "pdl", fused: bool = False,
+                    serial: bool | None = None) -> bool:
+    """Whether ``plan``'s forward launches run as a chain on ``gpu`` under ``mode`` (see
+    FWD_CHAIN_MODES): two or more tile groups with CTAs, not serial (``serial``: default
+    ``plan.serial``), not fused, no finisher phase, an sm_90 or later GPU."""
+    if mode not in FWD_CHAIN_MODES:
+        raise ValueError(f"fwd_chain must be one of {FWD_CHAIN_MODES}, got {mode!r}")
+    serial = plan.serial if serial is None else serial
+    if mode == "fork" or serial or fused or plan.finish_from >= 0:
+        return False
+    live = sum(1 for _, _, b, e in plan.groups() if e > b)
+    return live >= 2 and dependent_launch_ok(gpu)
+
+
+def group_spans(plan) -> list:
+    """``[(longest CTA's KV tokens, tile rows), ...]`` per tile group of ``plan`` (0 tokens for
+    an empty group): what :func:`chain_order` sorts."""
+    return [(int(plan.cta_kv_len[b:e].max()) if e > b else 0, m)
+            for _, (m, _n), b, e in plan.groups()]
 
 
 def use_fused_launch(plan, num_sms: int, mode: str = "auto",

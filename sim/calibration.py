@@ -83,6 +83,8 @@ import os
 import numpy as np
 from scipy import optimize, stats
 
+from pat_core.launch import FWD_CHAIN_BEFORE
+
 from .constants import TIMINGS, SimConstants, load_constants, save_constants
 from .methods import METHODS, load_batch, make_plan
 from .model import predict, prepare
@@ -145,6 +147,7 @@ def _records_calibrate(data: dict, src: str) -> list:
                         "num_kv_heads": int(r["num_kv_heads"]), "head_dim": int(r["head_dim"]),
                         "page_size": int(r.get("page_size", 16)),
                         "dtype": r.get("dtype", "float16"), "timing": t, "measured_us": us,
+                        "fwd_chain": data.get("fwd_chain", FWD_CHAIN_BEFORE),
                         "file": os.path.basename(src)})
     return out
 
@@ -164,7 +167,9 @@ def _records_compare(data: dict, src: str) -> list:
                         "head_dim": int(data.get("head_dim", 128)),
                         "page_size": int(r.get("page_size", 16)),
                         "dtype": data.get("dtype", "float16"), "timing": t,
-                        "measured_us": float(us), "file": os.path.basename(src)})
+                        "measured_us": float(us),
+                        "fwd_chain": data.get("fwd_chain", FWD_CHAIN_BEFORE),
+                        "file": os.path.basename(src)})
     return out
 
 
@@ -302,7 +307,7 @@ ORDER_TIE = 0.005    # pat and query measured within 0.5%: a tie (below a run's 
 
 def _plan_key(r) -> tuple:
     return (r["workload"], r["page_size"], r["method"], r["num_qo_heads"], r["num_kv_heads"],
-            r["head_dim"], r["dtype"])
+            r["head_dim"], r["dtype"], r.get("fwd_chain", FWD_CHAIN_BEFORE))
 
 
 class Prepared:
@@ -322,7 +327,8 @@ class Prepared:
                 batches[bkey] = load_batch(r["workload"], r["page_size"])
             plan = make_plan(batches[bkey], r["method"], r["num_qo_heads"], r["num_kv_heads"],
                              r["head_dim"], gpu=gpu, kv_data_type=r["dtype"])
-            self.wl[key] = prepare(plan, gpu)
+            # launched as the measured run launched it (forked or chained forward launches)
+            self.wl[key] = prepare(plan, gpu, fwd_chain=key[-1])
         self._sharing = {}
         for (wl, ps) in batches:
             b = batches[(wl, ps)]

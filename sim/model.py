@@ -73,7 +73,8 @@ import numpy as np
 
 from pat_core.gpus import GPUSpec, get_gpu
 
-from pat_core.launch import finisher_launch_dependent, use_fused_launch
+from pat_core.launch import (chain_order, finisher_launch_dependent, forward_chained,
+                             group_spans, use_fused_launch)
 
 from .constants import SimConstants, check_timing, load_constants
 from .l2 import l2_split, l2_window
@@ -113,7 +114,7 @@ class Workload:
 
 
 def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float | None = None,
-            launch_mode: str = "auto") -> Workload:
+            launch_mode: str = "auto", fwd_chain: str = "pdl") -> Workload:
     """Lay out ``plan``'s thread blocks as launches (see module docstring).
 
     ``gpu``: spec or name to simulate (default: the GPU the plan was made for).  ``serial``:
@@ -122,10 +123,14 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
     ``launch_mode``: the CUDA backend's (``"auto"``, ``"fused"``, ``"streams"``); when
     :func:`pat_core.launch.use_fused_launch` says the backend fuses, every forward block is one
     launch and takes the largest variant's threads, registers and shared memory.
+    ``fwd_chain``: the CUDA backend's (``"pdl"``, ``"pdl-plan"``, ``"fork"``); where
+    :func:`pat_core.launch.forward_chained` says the backend chains the forward launches, they
+    are laid out in its order, each gated (without holding) on the one before it.
     """
     gpu = get_gpu(gpu if gpu is not None else plan.gpu)
     serial = bool(plan.serial if serial is None else serial)
     fused = not serial and use_fused_launch(plan, gpu.num_sms, launch_mode)
+    chained = forward_chained(plan, gpu, fwd_chain, fused, serial)
     occ = plan_occupancy(plan, gpu)
     T = plan.tile_configs.shape[0]
     need = np.zeros((T + 2, 4), dtype=np.int64)   # tile configs, the merge, the fused block
@@ -158,7 +163,10 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
     # each block runs its own variant's code (in a fused launch too): its warps and stages
     cfg_warps = np.array([o.resources.threads // 32 for o in occ], dtype=np.float64)
     pos = 0
-    for g, (m, n), b, e in plan.groups():
+    groups = list(plan.groups())
+    if chained and fwd_chain == "pdl":            # the backend's order: longest first
+        groups = [groups[i] for i in chain_order(group_spans(plan))]
+    for g, (m, n), b, e in groups:
         if HEAD_MINOR:                                  # a CTA's KV heads adjacent
             idx = np.repeat(np.arange(b, e, dtype=np.int64), hk)
             hh = np.tile(np.arange(hk, dtype=np.int32), e - b)
@@ -170,7 +178,9 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
         launches.append(Launch(name=f"forward {m}x{n}", kind="forward", config=k, begin=pos,
                                end=pos + idx.shape[0], issue_ns=0.0,
                                phase=g if serial else int(fin_phase),
-                               gate=0 if dependent and g >= plan.finish_from else -1))
+                               gate=(0 if dependent and g >= plan.finish_from else
+                                     len(launches) - 1 if chained and launches else -1),
+                               hold=not chained))
         cfg.append(np.full(idx.shape[0], T + 1 if fused else k, np.int32))
         cta.append(idx.astype(np.int32))
         head.append(hh)
@@ -254,6 +264,7 @@ def run_timeline(wl: Workload, c: SimConstants, timing: str = "graph") -> Timeli
     issue = start_ns + (np.arange(len(wl.launches), dtype=np.float64) + 1.0) * launch_ns
     phase = np.array([ln.phase for ln in wl.launches], dtype=np.int32)
     gate = np.array([ln.gate for ln in wl.launches], dtype=np.int32)
+    hold = np.array([ln.hold for ln in wl.launches], dtype=bool)
     # a phase after two or more concurrent launches also waits for their join (a gated launch
     # follows its gate on the same stream: no fork, no join)
     per_phase = np.bincount(phase[gate < 0], minlength=wl.num_phases)
@@ -262,9 +273,10 @@ def run_timeline(wl: Workload, c: SimConstants, timing: str = "graph") -> Timeli
     sm, lane, start, end, ps, pe = run_engine(
         wl.gpu.num_sms, sm_capacity(wl.gpu), wl.need, wl.blk_cfg, latency, wl.blk_bytes, compute,
         ptr, issue, phase, wl.num_phases, gaps, c.sm_bandwidth, c.hbm_bandwidth,
-        blk_l2=wl.blk_l2, l2_bw=c.l2_bandwidth, blk_lead=wl.blk_lead, stream_gate=gate)
+        blk_l2=wl.blk_l2, l2_bw=c.l2_bandwidth, blk_lead=wl.blk_lead, stream_gate=gate,
+        stream_hold=hold)
     launches = [Launch(ln.name, ln.kind, ln.config, ln.begin, ln.end, float(issue[i]), ln.phase,
-                       ln.gate) for i, ln in enumerate(wl.launches)]
+                       ln.gate, ln.hold) for i, ln in enumerate(wl.launches)]
     return Timeline(num_sms=wl.gpu.num_sms, launches=launches, block_launch=wl.blk_launch,
                     block_cta=wl.blk_cta, block_head=wl.blk_head, block_sm=sm, block_lane=lane,
                     block_start=start, block_end=end, phase_start=ps, phase_end=pe)
@@ -356,7 +368,7 @@ def _idle_share(tl: Timeline, mask, t0: float, t1: float) -> float:
 
 def simulate(plan, gpu=None, constants: SimConstants | str | None = None,
              serial: bool | None = None, timing: str = "graph",
-             launch_mode: str = "auto") -> SimResult:
+             launch_mode: str = "auto", fwd_chain: str = "pdl") -> SimResult:
     """Simulate one decode step of ``plan``.
 
     Parameters
@@ -370,9 +382,10 @@ def simulate(plan, gpu=None, constants: SimConstants | str | None = None,
     timing : ``"graph"`` (default: CUDA-graph replay, in-graph launch gaps) or ``"eager"``
         (``run()`` from Python: the host's cost per launch).
     launch_mode : the CUDA backend's launch mode to model (see :func:`prepare`).
+    fwd_chain : the CUDA backend's forward-launch chaining to model (see :func:`prepare`).
     """
     check_timing(timing)
-    wl = prepare(plan, gpu, serial, launch_mode=launch_mode)
+    wl = prepare(plan, gpu, serial, launch_mode=launch_mode, fwd_chain=fwd_chain)
     if constants is None or isinstance(constants, str):
         constants = load_constants(wl.gpu, constants)
     tl = run_timeline(wl, constants, timing)

@@ -13,10 +13,12 @@ What it models
   previous phase has finished (a kernel waiting on another, through stream order or an event).
   Concurrent launch groups share phase 0 and the merge kernel is phase 1; in serial mode each
   group is its own phase.  A launch may also be *gated* on an earlier launch of its phase: none
-  of its blocks is placed before all of the gate's are, and none ends before all of the gate's
-  have ended (a block done earlier waits, holding its SM slot): a programmatic dependent launch,
-  which starts once every block of the launch it depends on has started and waits for that
-  launch's end where it needs its results (the finishers' fold).
+  of its blocks is placed before all of the gate's are, and (unless the launch does not *hold*)
+  none ends before all of the gate's have ended (a block done earlier waits, holding its SM
+  slot): a programmatic dependent launch, which starts once every block of the launch it
+  depends on has started and waits for that launch's end where it needs its results (the
+  finishers' fold).  Chained forward launches (:func:`pat_core.launch.forward_chained`) are
+  gated without holding: only their last block waits, and the phase ends after every block.
 * **A block's life.** ``latency`` (time the KV pipeline cannot hide: query load, first tile in
   flight, partial write), then *streaming*: it moves its ``bytes`` while computing; it ends when
   both the bytes are moved and ``compute`` time has passed since streaming began (the kernel
@@ -173,8 +175,8 @@ def _launch_done(s0, t, stream_left, stream_gate, state, blk_stream, blk_sm, blk
 
 @njit(cache=True)
 def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_l2, blk_lead, blk_compute,
-              stream_ptr, stream_ready, stream_phase, stream_gate, num_phases, phase_gap, sm_bw,
-              hbm_bw, l2_bw):
+              stream_ptr, stream_ready, stream_phase, stream_gate, stream_hold, num_phases,
+              phase_gap, sm_bw, hbm_bw, l2_bw):
     N = blk_cfg.shape[0]
     S = stream_ready.shape[0]
     max_res = cap[3]
@@ -354,7 +356,7 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_l2, blk_l
                     finish = True
                 if finish:
                     g = stream_gate[blk_stream[b]]
-                    if g >= 0 and stream_left[g] > 0:
+                    if g >= 0 and stream_hold[blk_stream[b]] != 0 and stream_left[g] > 0:
                         state[b] = 5        # a dependent block waits for its gate launch's end
                         continue
                     _finish_block(b, x, lane, t, state, blk_end, blk_cfg, need, free, nres,
@@ -384,6 +386,7 @@ class Launch:
     issue_ns: float
     phase: int
     gate: int = -1            # a launch placed, and ended, before any of this one (-1: none)
+    hold: bool = True         # gated: its blocks wait for the gate's end (False: placement only)
 
 
 @dataclass
@@ -457,7 +460,7 @@ class Timeline:
 def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_latency, blk_bytes,
                blk_compute, stream_ptr, stream_ready, stream_phase, num_phases: int,
                gap_ns, sm_bw: float, hbm_bw: float, blk_l2=None,
-               l2_bw: float = np.inf, blk_lead=None, stream_gate=None):
+               l2_bw: float = np.inf, blk_lead=None, stream_gate=None, stream_hold=None):
     """Typed front door to the Numba loop; raises ``ValueError`` when a block fits no SM.
 
     ``gap_ns``: the wait (ns) between the end of one phase and the start of the next, one
@@ -470,6 +473,9 @@ def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_lat
     ``stream_gate``: int [S], for each launch an earlier launch of the same phase whose blocks
     must all have been placed before any of its own is, and must all have finished before any
     of its own finishes (a block done earlier waits on its SM), or -1 (default: none).
+    ``stream_hold``: bool [S], for each gated launch whether its blocks wait for the gate's end
+    (default: all do); a launch that does not is only placed after its gate (a chained forward
+    launch, whose one waiting block is its last).
     """
     blk_bytes = np.ascontiguousarray(blk_bytes, dtype=np.float64)
     blk_l2 = (np.zeros(blk_bytes.shape[0]) if blk_l2 is None
@@ -497,6 +503,10 @@ def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_lat
     if gate.shape != (S,) or np.any(gate >= np.arange(S)) or np.any(gate < -1) or \
             np.any((gate >= 0) & (ph[np.maximum(gate, 0)] != ph)):
         raise ValueError("stream_gate must name, per launch, -1 or an earlier launch of its phase")
+    hold = (np.ones(S, dtype=np.int8) if stream_hold is None
+            else np.ascontiguousarray(stream_hold, dtype=np.int8))
+    if hold.shape != (S,):
+        raise ValueError("stream_hold must hold one flag per launch")
     gaps = np.ascontiguousarray(np.broadcast_to(np.asarray(gap_ns, dtype=np.float64),
                                                 (max(int(num_phases), 1),)))
     if np.any(gaps < 0):
@@ -507,7 +517,8 @@ def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_lat
                     np.ascontiguousarray(blk_compute, dtype=np.float64),
                     np.ascontiguousarray(stream_ptr, dtype=np.int64),
                     np.ascontiguousarray(stream_ready, dtype=np.float64),
-                    np.ascontiguousarray(stream_phase, dtype=np.int32), gate, int(num_phases),
+                    np.ascontiguousarray(stream_phase, dtype=np.int32), gate, hold,
+                    int(num_phases),
                     gaps, float(sm_bw), float(hbm_bw), float(l2_bw))
     status = out[0]
     if status != 0:

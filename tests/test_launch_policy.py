@@ -96,3 +96,57 @@ def test_one_tile_split_takes_the_one_tile_tail_of_16_row_groups():
     assert checked == 1     # the 16x32 group: 512 leaves of 32 tokens after 64 nodes of 64
     with pytest.raises(ValueError, match="one_tile"):
         one_tile_split(plan, 0, plan.num_ctas, 132, "sometimes")
+
+
+def test_forward_chain_rule_and_order():
+    """Chained forward launches (pat_core.launch.forward_chained): two or more live groups, not
+    serial, not fused, no finisher phase, sm_90+; longest CTA first, then more rows."""
+    from pat_core.launch import chain_order, forward_chained, group_spans
+    plan = _plan("1,4,64_256,1024,64")              # 64x64 shared levels, 16x32 leaves
+    assert sum(1 for _, _, b, e in plan.groups() if e > b) >= 2 and plan.finish_from < 0
+    assert forward_chained(plan, "h100") and forward_chained(plan, "h100", "pdl-plan")
+    assert not forward_chained(plan, "h100", "fork")
+    assert not forward_chained(plan, "h100", fused=True)
+    assert not forward_chained(plan, "h100", serial=True)
+    assert not forward_chained(plan, "a100")         # no programmatic dependent launch
+    assert not forward_chained(_plan("16_512"), "h100")   # one group
+    with pytest.raises(ValueError, match="fwd_chain"):
+        forward_chained(plan, "h100", "streams")
+    spans = group_spans(plan)
+    order = chain_order(spans)
+    assert sorted(order) == list(range(len(spans)))
+    got = [spans[i] for i in order]
+    assert got == sorted(spans, key=lambda s: (-s[0], -s[1]))
+    assert chain_order([(64, 16), (1024, 64), (1024, 128), (64, 16)]) == [2, 1, 0, 3]
+
+
+def test_simulator_models_the_chain():
+    """The simulator lays chained launches out in the backend's order, each gated on the one
+    before it without holding: no block of a launch starts before every block of the one
+    before it has, blocks of a later launch may end first, and the merge follows them all."""
+    from pat_core.launch import chain_order, group_spans
+    from sim.constants import load_constants
+    from sim.model import run_timeline
+    plan = _plan("1,2,8,128_512,128,256,32", heads=(32, 32))
+    wl = prepare(plan, "h100")
+    fwd = [ln for ln in wl.launches if ln.kind == "forward"]
+    live = [g for g in plan.groups() if g[3] > g[2]]
+    assert len(fwd) == len(list(plan.groups())) and len(live) >= 3
+    groups = list(plan.groups())
+    want = [groups[i][1] for i in chain_order(group_spans(plan))]
+    assert [tuple(int(x) for x in ln.name.split()[1].split("x")) for ln in fwd] == want
+    assert fwd[0].gate == -1 and all(ln.gate == i and not ln.hold
+                                     for i, ln in enumerate(fwd[1:]))
+    tl = run_timeline(wl, load_constants("h100"))
+    first_end = None
+    for i in range(1, len(fwd)):
+        a, b = fwd[i - 1], fwd[i]
+        if a.end > a.begin and b.end > b.begin:
+            assert tl.block_start[b.begin:b.end].min() >= tl.block_start[a.begin:a.end].max()
+            first_end = first_end or (tl.block_end[b.begin:b.end].min()
+                                      < tl.block_end[a.begin:a.end].max())
+    assert first_end, "no chained block ended before the launch before it (held?)"
+    mrg = tl.blocks_of("merge")
+    assert tl.block_start[mrg].min() >= tl.block_end[~mrg].max()
+    forked = prepare(plan, "h100", fwd_chain="fork")
+    assert all(ln.gate == -1 for ln in forked.launches)

@@ -1,6 +1,7 @@
 """The join of concurrent launches (``graph_join_ns``): the kernel that waits for two or more
 forked launch groups (the merge) starts that much later in graph timing; a plan of one forward
-launch, and eager timing, do not pay it (CPU only)."""
+launch, chained forward launches (one stream, no fork), and eager timing, do not pay it (CPU
+only)."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,12 +15,12 @@ from sim.timeline import run_engine
 DEEP = "1,2,4,8,16,32_32,32,32,32,32,32"     # node: several forward groups; query: one
 
 
-def _wl(method):
-    return prepare(make_plan(load_batch(DEEP, 16), method, 32, 8, 128))
+def _wl(method, fwd_chain="fork"):
+    return prepare(make_plan(load_batch(DEEP, 16), method, 32, 8, 128), fwd_chain=fwd_chain)
 
 
 def test_merge_after_forked_groups_waits_for_the_join():
-    many, one = _wl("node"), _wl("query")
+    many, one, chained = _wl("node"), _wl("query"), _wl("node", "pdl")
     assert sum(ln.kind == "forward" for ln in many.launches) >= 3
     assert sum(ln.kind == "forward" for ln in one.launches) == 1
     c = load_constants("h100").with_values(graph_join_ns=0.0)
@@ -30,6 +31,7 @@ def test_merge_after_forked_groups_waits_for_the_join():
     assert tl1.phase_start[1] - tl1.phase_end[0] == pytest.approx(
         tl0.phase_start[1] - tl0.phase_end[0] + j)
     assert predict(one, cj) == predict(one, c)
+    assert predict(chained, cj) == predict(chained, c)
     assert predict(many, cj, "eager") == predict(many, c, "eager")
     assert cj.join_cost("eager") == 0.0 and cj.join_cost("graph") == j
 
