@@ -5,8 +5,8 @@
 #
 # * how the simulator (`sim`) turns a `Plan` into bytes, SM occupancy, a per-SM timeline and a
 #   predicted latency, on a laptop;
-# * how to read a per-SM timeline: waves, launch groups (one stream each), the merge kernel,
-#   and idle "bubbles";
+# * how to read a per-SM timeline: waves, launch groups (chained on one stream), the merge
+#   kernel, and idle "bubbles";
 # * how the packers compare on several batch shapes;
 # * sweeps over shared-prefix length, batch size, tree depth and GQA ratio, and where prefix-aware
 #   packing stops paying off.
@@ -137,16 +137,25 @@ for o in res.occupancy:
 # ## The per-SM timeline
 #
 # `sim.plots.gantt` draws every block as a bar on the SM it ran on, coloured by launch: each tile
-# group is its own kernel launch on its own stream, the grey bars are the merge kernel. We
-# compare pat with the query-centric baseline and with pat's own plan launched one group at a
-# time (`serial=True`, the way a cascade runs its levels).
+# group is its own kernel launch, the grey bars are the merge kernel. On Hopper the CUDA backend
+# chains a plan's launches on one stream, longest CTAs first, each a programmatic dependent of
+# the one before (`fwd_chain="pdl"`, the simulator's default too): a launch's blocks are placed
+# as soon as the previous launch's blocks all are, with no fork and no join. We compare pat with
+# the query-centric baseline, with pat's own plan launched one group at a time (`serial=True`,
+# the way a cascade runs its levels), and with its groups forked onto one stream each and joined
+# before the merge (`fwd_chain="fork"`, the backend's older launch path). The running example
+# plans a single tile shape, so this section takes a batch whose pat plan has two: 4 documents
+# of 256 tokens under a 1,024-token prompt, 64 requests with 64 tokens each of their own.
 
 # %%
 outdir = tempfile.mkdtemp(prefix="pat_tutorial_")
+spec2 = "1,4,64_1024,256,64"
+plan2 = plan_for(spec2)
 runs = {
-    "pat": sim.simulate(plan),
-    "pat, groups launched serially": sim.simulate(plan, serial=True),
-    "query": sim.simulate(plan_for(spec, "query")),
+    "pat": sim.simulate(plan2),
+    "pat, groups launched serially": sim.simulate(plan2, serial=True),
+    "pat, groups forked onto streams": sim.simulate(plan2, fwd_chain="fork"),
+    "query": sim.simulate(plan_for(spec2, "query")),
 }
 for name, r in runs.items():
     path = sim.plots.gantt(r, os.path.join(outdir, f"gantt_{len(os.listdir(outdir))}.png"),
@@ -159,19 +168,23 @@ for name, r in runs.items():
 #
 # * **query** reads the 384 shared tokens once per request, so its blocks are longer; it has
 #   one launch group and no partial results beyond one per request.
-# * **pat** has one launch group per tile shape, each on its own stream; the host issues the
-#   launches one after another (dashed lines), so a group starts only once it is issued, and
-#   whether groups overlap depends on how long each runs against the issue interval. The merge
-#   kernel at the end is the price of splitting requests over several CTAs.
-# * launching the same groups **serially** makes each group wait for the one before it: never
-#   faster than the streams.
+# * **pat** has one launch group per tile shape, chained: the launches are issued one after
+#   another (dashed lines), a group starts only once it is issued and the group before it is
+#   placed, and the groups overlap as soon as SMs free up. The merge kernel at the end is the
+#   price of splitting requests over several CTAs.
+# * launching the same groups **serially** makes each group wait for the one before it to
+#   finish: never faster than the chain.
+# * **forking** the groups onto streams lets them start in any order but pays a join before the
+#   merge: not faster than the chain either (measured on an H100, the chain was 0-15% faster:
+#   `bench/NOTES.md`, round 21).
 
 # %%
-r_pat, r_ser, r_q = (runs[k] for k in ("pat", "pat, groups launched serially", "query"))
-q_plan = plan_for(spec, "query")
-print(f"query: {q_plan.num_groups} launch group; pat: {plan.num_groups} launch groups "
-      f"(tiles {plan.stats()['tiles']})")
-assert q_plan.num_groups == 1 and plan.num_groups == len(plan.stats()["tiles"])
+r_pat, r_ser, r_fork, r_q = (runs[k] for k in ("pat", "pat, groups launched serially",
+                                                 "pat, groups forked onto streams", "query"))
+q_plan = plan_for(spec2, "query")
+print(f"query: {q_plan.num_groups} launch group; pat: {plan2.num_groups} launch groups "
+      f"(tiles {plan2.stats()['tiles']})")
+assert q_plan.num_groups == 1 and plan2.num_groups == len(plan2.stats()["tiles"]) >= 2
 tl = r_pat.timeline
 spans = []
 for ln in tl.launches:
@@ -183,9 +196,10 @@ for ln in tl.launches:
     assert spans[-1][2] >= spans[-1][1]                 # nothing runs before it is issued
 fwd = [s for s in spans if not s[0].startswith("merge")]
 overlap = any(a[2] < b[3] and b[2] < a[3] for i, a in enumerate(fwd) for b in fwd[i + 1:])
-print(f"forward groups overlap in time: {overlap}; serial launch: {r_ser.latency_us:.1f} us "
-      f"vs streams {r_pat.latency_us:.1f} us")
-assert r_ser.latency_us >= r_pat.latency_us - 1e-6
+print(f"forward groups overlap in time: {overlap}; chained {r_pat.latency_us:.1f} us, serial "
+      f"{r_ser.latency_us:.1f} us, forked {r_fork.latency_us:.1f} us")
+assert overlap and r_ser.latency_us >= r_pat.latency_us - 1e-6
+assert r_fork.latency_us > r_pat.latency_us            # the join before the merge
 assert r_q.bytes["kv"] > r_pat.bytes["kv"]
 #
 # ## Several trees, every packer
