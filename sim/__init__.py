@@ -12,9 +12,11 @@ True
 Modules: :mod:`sim.traffic` (bytes by kind, padding waste), :mod:`sim.occupancy` (resident
 blocks per SM), :mod:`sim.timeline` (event-driven scheduler), :mod:`sim.model` (cost model and
 :func:`simulate`), :mod:`sim.constants` (per-GPU constants in ``sim/data``), :mod:`sim.methods`
-(batches and methods), :mod:`sim.calibration` (fit and report), :mod:`sim.plots`,
+(batches and methods), :mod:`sim.calibration` (fit and report), :mod:`sim.choose` (a packer picked by predicted
+latency), :mod:`sim.plots`,
 :mod:`sim.cli` (``python -m sim``).
 """
+from .choose import PackerChoice, choose_packer
 from .constants import SimConstants, default_constants, load_constants, save_constants
 from .model import SimResult, prepare, predict, simulate
 from .occupancy import plan_occupancy
@@ -22,4 +24,4 @@ from .traffic import bytes_by_kind, padding_waste
 
 __all__ = ["simulate", "SimResult", "prepare", "predict", "SimConstants", "load_constants",
            "save_constants", "default_constants", "plan_occupancy", "bytes_by_kind",
-           "padding_waste"]
+           "padding_waste", "choose_packer", "PackerChoice"]

@@ -26,6 +26,7 @@ import sys
 from pat_core.__main__ import _positive  # the demo's argument check, one copy for both CLIs
 from pat_core.gpus import get_gpu
 
+from .choose import DEFAULT_MARGIN, pick
 from .constants import TIMINGS, load_constants
 from .methods import METHODS, load_batch, make_plan
 from .model import simulate
@@ -176,11 +177,14 @@ def compare(batch, methods, heads, head_dim, gpu, dtype="float16", constants=Non
         row["bytes"] = r.bytes
         row["bytes_level"] = r.bytes_level
         rows.append(row)
+    pred = {r["method"]: r["predicted_us"] for r in rows if r["method"] in ("pat", "query")}
     return {"batch": batch.label, "batch_size": batch.batch_size, "gpu": get_gpu(gpu).name,
             "heads": [hq, hk], "head_dim": head_dim, "page_size": batch.page_size,
             "dtype": dtype, "constants_source": consts.source, "timing": timing,
             "launch_ns": launch_ns, "gap_ns": gap_ns, "start_ns": consts.start_cost(timing),
-            "join_ns": consts.join_cost(timing), "rows": rows}
+            "join_ns": consts.join_cost(timing), "rows": rows,
+            # sim.choose's rule on these rows: which packer the simulator would run
+            "pick": pick(pred, "pat", DEFAULT_MARGIN) if len(pred) == 2 else None}
 
 
 def timing_line(res: dict) -> str:
@@ -213,6 +217,9 @@ def format_compare(res: dict) -> str:
                      f"{r['l2_bytes'] / 1e6:>7.2f} {r['predicted_us']:>9.2f} "
                      f"{r['forward_us']:>8.2f} {r['merge_us']:>8.2f} {r['bubble_pct']:>8.1f} "
                      f"{r['waste_pct']:>8.1f}  {tiles}")
+    if res.get("pick"):
+        lines.append(f"pick between pat and query (sim.choose, kept on pat unless query is "
+                     f"predicted more than {100 * DEFAULT_MARGIN:.0f}% faster): {res['pick']}")
     return "\n".join(lines)
 
 

@@ -377,6 +377,18 @@ assert ps_["partial_bytes"] > qs["partial_bytes"]
 # are small" would do better; the simulator is the place to find that threshold for your own
 # traffic.
 #
+# `sim.choose_packer` does that per batch: it plans with `pat` and with `query`, simulates both,
+# and keeps `pat` unless `query` is predicted faster by more than 2% (`bench/NOTES.md`, round
+# 22, judges that rule on measured steps). The cell asks it about the worst cell above.
+
+# %%
+b_worst = build_tree_batch(worst, page_size=16)
+choice = sim.choose_packer(b_worst.block_tables, b_worst.seq_lens, HQ, HK, D, 16)
+print(f"{worst}: predicted {choice.predicted_us} -> run the {choice.packer!r} packer")
+assert choice.packer == "query" and choice.plan.num_groups == qp.num_groups
+
+# %% [markdown]
+#
 # **Try your own batch.** The simulator takes any `Plan`, so a block table from your own server
 # works the same way:
 #
