@@ -10,7 +10,10 @@ For every workload x method x head config (``HEAD_CONFIGS``, GQA 1 to 8), plan w
 ``pat_core.PrefixAttentionWrapper(backend="cuda", packer=...)``, then time ``run`` with CUDA
 events, twice: eagerly (``run()`` from Python, each launch paying the host's cost) and as a
 CUDA-graph replay of the same call (what a serving loop that captures decode sees).  Warm-up
-first (compiles happen there), L2 flushed before every timed run, median of ``--reps`` (>= 20).
+first (compiles happen there), L2 flushed before every timed run, median of ``--reps`` (>= 20);
+a record whose runs spread more than ``--max-spread`` (interquartile range over median, 10%) is
+timed again, up to ``--tries`` times, and the steadiest try is kept (``tries_*`` and
+``spread_*`` in the record).
 Each record holds both measured latencies next to the simulator's predictions under the
 constants it had at the time; the file also holds the device name, its L2 size, git sha,
 versions, the split and device measurements: three the fit takes as they are instead of fitting
@@ -47,7 +50,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (copy_bandwidth, flush_mode, git_sha, graph_launch_costs,  # noqa: E402
-                    graph_times, l2_flusher, l2_read_bandwidth, time_events)
+                    graph_times, l2_flusher, l2_read_bandwidth, spread, stable_runs,
+                    time_events)
+from sim.calibration import UNSTEADY  # noqa: E402
 
 METHODS = ("pat", "node", "compute", "query", "cascade", "pat-fixed", "pat-serial")
 
@@ -117,9 +122,18 @@ def main(argv=None) -> int:
     ap.add_argument("--no-graph", action="store_true", help="time eagerly only")
     ap.add_argument("--no-throwaway", dest="throwaway", action="store_false",
                     help="skip the untimed run of the first method per workload and heads")
+    ap.add_argument("--max-spread", type=float, default=UNSTEADY,
+                    help="time a record again when its runs' interquartile range exceeds this "
+                         "share of their median (common.stable_runs)")
+    ap.add_argument("--tries", type=int, default=3,
+                    help="timings per record at most (the steadiest is kept)")
     args = ap.parse_args(argv)
     if args.reps < 20:
         ap.error("--reps must be >= 20 (median of at least 20 runs)")
+    if not args.max_spread >= 0:
+        ap.error(f"--max-spread must be >= 0, got {args.max_spread}")
+    if args.tries < 1:
+        ap.error(f"--tries must be >= 1, got {args.tries}")
     if args.workloads is None:
         fit_set = [(w, args.page_size) for w in DESIGN_WORKLOADS + DEEP_WORKLOADS]
         val_set = list(VALIDATION_WORKLOADS)
@@ -200,16 +214,24 @@ def main(argv=None) -> int:
                        "set": "fit" if (wl, page_size) in fit_set else "validation"}
                 try:
                     plan, fn = planned(method)
-                    runs = time_us(fn, flush, args.warmup, args.reps)
+                    # a try whose runs disagree (something else on the device) is timed again
+                    runs, tries = stable_runs(lambda: time_us(fn, flush, args.warmup,
+                                                              args.reps),
+                                              args.max_spread, args.tries)
                     rec["measured_eager_us"] = statistics.median(runs)
                     rec["runs_eager_us"] = [round(x, 3) for x in runs]
+                    rec["tries_eager"], rec["spread_eager"] = tries, round(spread(runs), 4)
                     rec["predicted_eager_us"] = simulate(plan, gpu, consts, timing="eager",
                                                          fwd_chain=chain).latency_us
                     if not args.no_graph:
                         try:
-                            g = [t * 1e3 for t in graph_times(fn, args.reps, flush=flush)]
+                            g, tries = stable_runs(
+                                lambda: [t * 1e3 for t in graph_times(fn, args.reps,
+                                                                      flush=flush)],
+                                args.max_spread, args.tries)
                             rec["measured_graph_us"] = statistics.median(g)
                             rec["runs_graph_us"] = [round(x, 3) for x in g]
+                            rec["tries_graph"], rec["spread_graph"] = tries, round(spread(g), 4)
                             rec["predicted_graph_us"] = simulate(
                                 plan, gpu, consts, timing="graph", fwd_chain=chain).latency_us
                         except Exception as exc:  # noqa: BLE001 - eager timing stands
@@ -236,7 +258,8 @@ def main(argv=None) -> int:
         "sm_count": dev.multi_processor_count, "l2_cache_bytes": l2,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "copy_bandwidth_gbps": bw, "l2_bandwidth_gbps": l2_bw, "graph_launch": launches,
-        "warmup": args.warmup, "reps": args.reps,
+        "warmup": args.warmup, "reps": args.reps, "max_spread": args.max_spread,
+        "tries": args.tries,
         "throwaway": bool(args.throwaway),
         "timing": "CUDA events around run() (eager) and around a CUDA-graph replay of it "
                   "(graph), L2 flushed before each run, median",

@@ -49,6 +49,32 @@ def time_events(fn, iters: int, warmup: int = 3, flush=None) -> list:
     return times
 
 
+def spread(runs) -> float:
+    """Interquartile range of ``runs`` over their median: :func:`sim.calibration.run_spread`,
+    the rule the simulator's report counts with."""
+    from sim.calibration import run_spread
+    return run_spread(runs)
+
+
+def stable_runs(measure, max_spread: float, tries: int = 3) -> tuple:
+    """``(runs, tries_made)``: call ``measure()`` (returning a list of run times) until its
+    runs' :func:`spread` is at most ``max_spread``, at most ``tries`` times, and keep the try
+    with the smallest spread (the first of equals)."""
+    if tries < 1:
+        raise ValueError(f"tries must be >= 1, got {tries!r}")
+    if not max_spread >= 0:
+        raise ValueError(f"max_spread must be >= 0, got {max_spread!r}")
+    best, best_s = None, float("inf")
+    for k in range(1, tries + 1):
+        runs = list(measure())
+        s = spread(runs)
+        if s < best_s:
+            best, best_s = runs, s
+        if s <= max_spread:
+            return best, k
+    return best, tries
+
+
 def host_us(fn, calls: int) -> float:
     """Host microseconds per call of ``fn`` over ``calls`` calls enqueued back to back (the
     device synchronised before and after, outside the clock)."""

@@ -123,6 +123,18 @@ def spearman(a, b) -> float:
 
 
 # ---------------------------------------------------------------------------- measurements
+def run_spread(runs) -> float:
+    """Interquartile range of repeated timings ``runs`` over their median (0 for fewer than
+    4).  ``bench/calibrate.py`` times a record again above 10%; :func:`report` counts such
+    records, since a plan timed alongside something else on the device reads slow and
+    scattered (bench/NOTES.md, round 22)."""
+    x = np.asarray(runs, dtype=np.float64)
+    if x.size < 4:
+        return 0.0
+    q25, q50, q75 = np.percentile(x, [25, 50, 75])
+    return float((q75 - q25) / q50) if q50 > 0 else float("inf")
+
+
 def _records_calibrate(data: dict, src: str) -> list:
     need = {"workload", "method", "num_qo_heads", "num_kv_heads", "head_dim"}
     file_timing = "graph" if "graph" in str(data.get("timing", "")).lower() else "eager"
@@ -148,6 +160,7 @@ def _records_calibrate(data: dict, src: str) -> list:
                         "page_size": int(r.get("page_size", 16)),
                         "dtype": r.get("dtype", "float16"), "timing": t, "measured_us": us,
                         "fwd_chain": data.get("fwd_chain", FWD_CHAIN_BEFORE),
+                        "spread": run_spread(r.get(f"runs_{t}_us") or ()),
                         "file": os.path.basename(src)})
     return out
 
@@ -302,6 +315,11 @@ def split_workloads(records, validation=None, file_split: dict | None = None) ->
     return {"fit": fit_set, "validation": [w for w in names if w in val], "rule": rule}
 
 
+# run_spread above which a record's runs disagree: bench/calibrate.py times it again, report
+# counts it.  On the H100 calibration of round 21 one plan (the compute and node packers make
+# the same one for 2,8,64_256,512,64 at 64:8) read 27.8 us with steady runs and 51.6 us with
+# runs from 43 to 109 us (bench/NOTES.md, round 22): the second was not the plan alone.
+UNSTEADY = 0.10
 ORDER_TIE = 0.005    # pat and query measured within 0.5%: a tie (below a run's spread)
 
 
@@ -467,6 +485,9 @@ def _summary(recs, pred, prep: Prepared) -> dict:
     out["order_n"] = len(ok)
     out["order_ok"] = float(np.mean(ok)) if ok else float("nan")
     out["order_ties"] = int(sum(ties))
+    # records whose repeated runs disagree (run_spread above UNSTEADY): scored as measured,
+    # but counted, since they may not be measurements of the plan alone
+    out["unsteady"] = int(sum(1 for r in recs if r.get("spread", 0.0) > UNSTEADY))
     return out
 
 
@@ -555,6 +576,12 @@ def format_report(rep: dict) -> str:
             for t, s in rep.get(key, {}).items() if s and s["all"].get("order_ties")]
     if ties:
         lines.append("measured pat/query ties: " + ", ".join(ties))
+    unsteady = [f"{side} {t} {s['all']['unsteady']} of {s['all']['n']}"
+                for side, key in (("in sample", "in_sample"), ("out of sample", "out_of_sample"))
+                for t, s in rep.get(key, {}).items() if s and s["all"].get("unsteady")]
+    if unsteady:
+        lines.append(f"records whose runs spread more than {100 * UNSTEADY:.0f}% (interquartile "
+                     f"range over median; scored as measured): " + ", ".join(unsteady))
     return "\n".join(lines)
 
 

@@ -166,3 +166,43 @@ def test_flush_mode_reads_the_environment(monkeypatch):
     with pytest.raises(ValueError, match="PAT_L2_FLUSH"):
         flush_mode()
     assert set(FLUSH_MODES) == {"clean", "dirty"}
+
+
+def test_stable_runs_times_again_until_the_runs_agree():
+    """common.stable_runs keeps the first try whose runs spread at most max_spread, else the
+    steadiest of its tries; common.spread is the simulator's run_spread."""
+    from common import spread, stable_runs
+    from sim.calibration import UNSTEADY, run_spread
+    steady = [10.0, 10.1, 9.9, 10.0, 10.2, 9.8]
+    noisy = [10.0, 20.0, 11.0, 30.0, 9.0, 25.0]
+    worse = [10.0, 40.0, 5.0, 60.0, 9.0, 25.0]
+    assert spread(steady) == run_spread(steady) < UNSTEADY < spread(noisy) < spread(worse)
+    assert run_spread([1.0, 100.0, 1.0]) == 0.0                  # too few runs to judge
+    seq = iter([noisy, steady, worse])
+    assert stable_runs(lambda: next(seq), UNSTEADY, 3) == (steady, 2)
+    seq = iter([worse, noisy, worse])
+    assert stable_runs(lambda: next(seq), UNSTEADY, 3) == (noisy, 3)
+    seq = iter([noisy])
+    assert stable_runs(lambda: next(seq), UNSTEADY, 1) == (noisy, 1)
+    with pytest.raises(ValueError, match="tries"):
+        stable_runs(lambda: steady, UNSTEADY, 0)
+    with pytest.raises(ValueError, match="max_spread"):
+        stable_runs(lambda: steady, -0.1, 2)
+
+
+def test_calibration_report_counts_unsteady_records(tmp_path):
+    """A record whose runs disagree is scored as measured and counted in the report."""
+    from sim.calibration import format_report, load_measurements, report
+    from sim.constants import load_constants
+    recs = [dict(workload="1,16_2048,128", method=m, num_qo_heads=32, num_kv_heads=8,
+                 head_dim=128, page_size=16, measured_graph_us=us, runs_graph_us=runs)
+            for m, us, runs in (("pat", 20.0, [20.0, 20.1, 19.9, 20.0]),
+                                ("query", 30.0, [30.0, 60.0, 25.0, 45.0]))]
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"gpu": "h100", "records": recs}))
+    data = load_measurements([str(path)])
+    assert [r["spread"] > 0.1 for r in data["records"]] == [False, True]
+    rep = report(data, load_constants("h100"), fit_workloads=("1,16_2048,128",))
+    assert rep["in_sample"]["graph"]["all"]["unsteady"] == 1
+    assert "spread more than 10%" in format_report(rep)
+    assert "in sample graph 1 of 2" in format_report(rep)
