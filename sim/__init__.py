@@ -12,9 +12,8 @@ True
 Modules: :mod:`sim.traffic` (bytes by kind, padding waste), :mod:`sim.occupancy` (resident
 blocks per SM), :mod:`sim.timeline` (event-driven scheduler), :mod:`sim.model` (cost model and
 :func:`simulate`), :mod:`sim.constants` (per-GPU constants in ``sim/data``), :mod:`sim.methods`
-(batches and methods), :mod:`sim.calibration` (fit and report), :mod:`sim.choose` (a packer picked by predicted
-latency), :mod:`sim.plots`,
-:mod:`sim.cli` (``python -m sim``).
+(batches and methods), :mod:`sim.calibration` (fit and report), :mod:`sim.choose` (a packer
+picked by predicted latency), :mod:`sim.plots`, :mod:`sim.cli` (``python -m sim``).
 """
 from .choose import PackerChoice, choose_packer
 from .constants import SimConstants, default_constants, load_constants, save_constants
