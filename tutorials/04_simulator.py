@@ -201,6 +201,8 @@ print(f"forward groups overlap in time: {overlap}; chained {r_pat.latency_us:.1f
 assert overlap and r_ser.latency_us >= r_pat.latency_us - 1e-6
 assert r_fork.latency_us > r_pat.latency_us            # the join before the merge
 assert r_q.bytes["kv"] > r_pat.bytes["kv"]
+b2 = build_tree_batch(spec2, page_size=16)          # 64 requests, 1,280 shared tokens each
+assert b2.batch_size == 64 and set(np.asarray(b2.seq_lens).tolist()) == {1024 + 256 + 64}
 #
 # ## Several trees, every packer
 #
