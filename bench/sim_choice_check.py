@@ -4,7 +4,8 @@ judged on measured calibration files (no GPU needed).
 For every sharing configuration (workload, page size, heads) of each file that holds both
 packers' graph-replay timings, :func:`sim.choose.choose_packer`'s rule is applied to the
 simulator's predictions of the two measured plans (the packaged constants of the file's GPU):
-keep ``pat`` unless ``query`` is predicted faster by more than the margin.  The measured time
+:func:`sim.choose.pick`, which keeps ``pat`` unless ``query`` is predicted faster by more than
+the margin.  The measured time
 of the chosen plan over ``pat``'s is then summarised per file, margin and workload set (the
 file's fit / validation split): geometric mean, best, worst, how many configurations changed.
 
@@ -26,6 +27,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from sim.calibration import Prepared, load_measurements  # noqa: E402
+from sim.choose import pick  # noqa: E402
 from sim.constants import load_constants  # noqa: E402
 
 
@@ -33,9 +35,7 @@ def check(path: str, margins) -> list:
     """Rows ``{file, gpu, margin, set, n, geomean, best, worst, changed}`` for one file."""
     data = load_measurements([path])
     gpu = data.get("gpu", "h100")
-    with open(path) as fh:
-        split = json.load(fh).get("split", {})
-    fit = set(split.get("fit", ()))
+    fit = set(data["split"]["fit"])
     recs = [r for r in data["records"] if r["timing"] == "graph"
             and r["method"] in ("pat", "query")]
     prep = Prepared(recs, gpu)
@@ -52,8 +52,8 @@ def check(path: str, margins) -> list:
             for key, m in by.items():
                 if (key[0] in fit) != keep or len(m) < 2:
                     continue
-                (mp, pp), (mq, pq) = m["pat"], m["query"]
-                ratios.append((mq if pq < pp * (1.0 - margin) else mp) / mp)
+                chosen = pick({k: p for k, (_, p) in m.items()}, "pat", margin)
+                ratios.append(m[chosen][0] / m["pat"][0])
             if not ratios:
                 continue
             rows.append(dict(file=os.path.basename(path), gpu=gpu, margin=margin, set=name,
