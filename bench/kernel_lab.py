@@ -46,7 +46,9 @@ Case sets:
   put many rows on warpgroup tiles, and the same forced tiles; ``finish-many``: batches of
   many leaves, default plan against the finisher phase (``finish-all``); ``finish-pairs``:
   batches the large-merge finisher rule changes, with and without it (``finish-pairs-2``:
-  more of them, chosen after the rule's last bound was set).
+  more of them, chosen after the rule's last bound was set); ``finish-chain``: the multi-launch
+  batches and the quick-start batch, default plan against the finisher phase wherever possible,
+  behind a chained first phase (``finish-all``) and behind a forked one (``finish-all-fork``).
 
 Writes ``DIR/kernel_lab.json`` (environment, copy bandwidth, every row) and prints a table last.
 """
@@ -206,6 +208,9 @@ TUNINGS = {
     # streams ("fork") (CudaBackend.fwd_chain)
     "chain": {"fwd_chain": "pdl"}, "chain-plan": {"fwd_chain": "pdl-plan"},
     "fork": {"fwd_chain": "fork"},
+    # the finisher phase wherever possible with its first phase forked and the finishers
+    # started after it (the path before round 23; "finish-all" chains them, launch.finisher_chain)
+    "finish-all-fork": {"finish_share": 1.0, "fwd_chain": "fork"},
     "mh1": {"merge_heads": 1}, "mh2": {"merge_heads": 2}, "mh4": {"merge_heads": 4},
     # n of the 128-row tiles forced (their KV is mostly shared, read from L2: compute bound)
     "m128n64": {"n_by_m": {128: 64}},
@@ -345,6 +350,12 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
              "chain": _pair_cases(tuple((spec, heads) for spec in CHAIN_SPECS
                                         for heads in ((32, 8), (32, 32))),
                                   ("fork", "chain", "chain-plan")),
+             # round 23: the finisher phase behind a chained first phase, against the default
+             # plan and the forked first phase it replaces
+             "finish-chain": _pair_cases(tuple((spec, heads)
+                                               for spec in CHAIN_SPECS + ("1,4,16_128,256,1024",)
+                                               for heads in ((32, 8), (32, 32), (64, 8))),
+                                         ("default", "finish-all", "finish-all-fork")),
              "long": LONG, "sharing": SHARING, "layouts": _layout_candidates(),
              "short": tuple((spec, heads, "pat", None, None, label)
                             for spec in SHORT_SPECS for heads in ((32, 8), (32, 32))

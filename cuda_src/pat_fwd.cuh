@@ -1252,6 +1252,9 @@ __global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, 
   using Tr = pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW>;
   int cta_local, kv_head;
   if constexpr (!PULL) {
+    // a finisher launch behind it (several finisher groups chained) may start its KV walks
+    // while these blocks run; its pdl_wait still waits for this whole grid before it folds
+    pat::pdl_launch_dependents();
     pat::item_cta_head(p, (int)blockIdx.x, cta_local, kv_head);
     pat::pat_fwd_body<Tr, 1>(p, p.cta_offset + cta_local, kv_head);
   } else {

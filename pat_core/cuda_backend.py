@@ -71,8 +71,8 @@ from . import cuda_compile as cc
 from . import kernel_params as kp
 from .gpus import detect_gpu_name
 from .launch import (FUSED_MAX_BLOCKS_PER_SM, FUSED_MAX_KV_LEN, FWD_CHAIN_MODES, chain_order,
-                     default_fwd_chain, merge_block_per_pair, merge_heads_per_warp, one_tile_split,
-                     use_fused_launch)
+                     default_fwd_chain, finisher_chain, merge_block_per_pair,
+                     merge_heads_per_warp, one_tile_split, use_fused_launch)
 from .plan import Plan, dtype_name
 
 log = logging.getLogger("pat_core.cuda")
@@ -690,9 +690,21 @@ class CudaBackend:
                 launches.append(_Launch(self._function(v), (grid, 1, 1), (v.threads, 1, 1),
                                         prm, v.smem_bytes, self.fast_launch, keep=ctr))
                 spans.append((int(kv_len[s:e].max()), m))
-        chain = phase_b is None and not plan.serial and self._chain_mode(launches)
-        if chain:
-            launches = self._chain(launches, spans, self.fwd_chain == "pdl")
+        if phase_b is None:
+            chain = not plan.serial and self._chain_mode(launches)
+            if chain:
+                launches = self._chain(launches, spans, self.fwd_chain == "pdl")
+        else:
+            # a finisher phase behind a chained first phase (launch.finisher_chain): the first
+            # phase's launches chained as above, the finisher launches after them in plan order
+            chain = (self.finish_launch != "serial" and not self._finish_ordered(plan, num_sms)
+                     and finisher_chain(plan, plan.gpu, self.fwd_chain)
+                     and self._pdl_ok(launches))
+            if chain:
+                first = launches[:phase_b]
+                if len(first) > 1:
+                    first = self._chain(first, spans[:phase_b], self.fwd_chain == "pdl")
+                launches = first + launches[phase_b:]
         B = plan.batch_size
         per_block, nh = self._merge_layout(plan)
         mv = cc.MergeVariant(D, dtype, cc.MERGE_WARPS, nh)
@@ -829,6 +841,10 @@ class CudaBackend:
         k = prep["phase_b"]
         if k is None:
             self._enqueue(launches, merge, caller, plan.serial, prep["chain"])
+        elif prep["chain"]:
+            # the first phase chained, each finisher launch a dependent of the launch before it;
+            # a finisher folds after its pdl_wait, when the whole chain before it has finished
+            self._enqueue(launches, None, caller, False, chain=True)
         elif self._finish_pdl(launches, k):
             # the finishers start while the first phase runs; they wait for it (pdl_wait in
             # cuda_src/pat_fwd.cuh) only before they fold its slots in

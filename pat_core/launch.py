@@ -68,14 +68,38 @@ def dependent_launch_ok(gpu) -> bool:
     return int(_arch_of(get_gpu(gpu))[3:]) >= 90
 
 
-def finisher_launch_dependent(plan, gpu) -> bool:
-    """Whether ``plan``'s finisher phase runs on ``gpu`` (a GPU spec or name) as one launch
-    dependent on its first phase's one launch (programmatic dependent launch: the finishers may
-    start while the first phase runs and wait for it only before they fold), as the CUDA
-    backend launches it by default (``CudaBackend.finish_launch`` "pdl"): both phases one tile
-    group each, on an sm_90 or later GPU.  Otherwise a plan with a first phase starts its
-    finishers after that phase."""
-    return plan.finish_from == 1 and plan.num_groups == 2 and dependent_launch_ok(gpu)
+def finisher_launch_dependent(plan, gpu, fwd_chain: str = "pdl") -> bool:
+    """Whether ``plan``'s finisher phase runs on ``gpu`` (a GPU spec or name) behind its first
+    phase as programmatic dependent launches (the finishers may start while the first phase runs
+    and wait for it only before they fold), as the CUDA backend launches it by default
+    (``CudaBackend.finish_launch`` "pdl"), on an sm_90 or later GPU: either both phases are one
+    tile group each (the finishers' one launch depends on the first phase's one launch), or,
+    with ``fwd_chain`` not ``"fork"``, the first phase's launches are a chain
+    (:func:`finisher_chain`) and the finisher launches follow it, each a dependent of the launch
+    before it.  Otherwise a plan with a first phase starts its finishers after that phase."""
+    if fwd_chain not in FWD_CHAIN_MODES:
+        raise ValueError(f"fwd_chain must be one of {FWD_CHAIN_MODES}, got {fwd_chain!r}")
+    if plan.finish_from < 1 or not dependent_launch_ok(gpu):
+        return False
+    return (plan.finish_from == 1 and plan.num_groups == 2) or finisher_chain(plan, gpu,
+                                                                              fwd_chain)
+
+
+def finisher_chain(plan, gpu, fwd_chain: str = "pdl") -> bool:
+    """Whether ``plan``'s finisher phase goes behind a chain (``fwd_chain`` "pdl" or "pdl-plan"
+    on an sm_90 or later GPU): a first phase and more than two live tile groups in all.  The
+    first phase's launches are chained as :func:`forward_chained` chains a plan's forward
+    launches (longest first under "pdl"), then the finisher groups' launches in plan order, each
+    a programmatic dependent of the launch before it: a finisher folds only after its ``pdl_wait``
+    (the launch before it has finished, and with it every earlier one), so the whole chain has
+    ended before any fold.  Measured against forking the first phase and starting the finishers
+    after it: bench/NOTES.md, round 23."""
+    if fwd_chain not in FWD_CHAIN_MODES:
+        raise ValueError(f"fwd_chain must be one of {FWD_CHAIN_MODES}, got {fwd_chain!r}")
+    if fwd_chain == "fork" or plan.finish_from < 1 or plan.serial:
+        return False
+    live = sum(1 for _, _, b, e in plan.groups() if e > b)
+    return live > 2 and dependent_launch_ok(gpu)
 
 
 # How a plan's forward launches (two or more tile groups, no finisher phase) are enqueued.

@@ -59,7 +59,9 @@ A plan with a finisher phase behind a first phase (:mod:`pat_core.fold`) is laun
 backend launches it: where :func:`pat_core.launch.finisher_launch_dependent` holds (each phase
 one tile group, an sm_90 GPU) the finishers are one launch gated on the first phase's (placed
 once every first-phase block has been, as a programmatic dependent launch starts, and each
-ending no earlier than the first phase, holding its SM slot while it waits to fold); otherwise
+ending no earlier than the first phase, holding its SM slot while it waits to fold); with more
+launches than that (:func:`pat_core.launch.finisher_chain`) the first phase's launches are
+chained as above and each finisher launch is gated on the launch before it, holding; otherwise
 they are a phase of their own after the first phase.  The reads of their fold are priced as a
 merge pass at the end (:func:`sim.traffic.merge_work`).  Against 32 measured fold / no-fold
 pairs (H100, bench/NOTES.md round 19) this gets the faster plan right on 25, where running
@@ -73,8 +75,8 @@ import numpy as np
 
 from pat_core.gpus import GPUSpec, get_gpu
 
-from pat_core.launch import (chain_order, finisher_launch_dependent, forward_chained,
-                             group_spans, use_fused_launch)
+from pat_core.launch import (chain_order, finisher_chain, finisher_launch_dependent,
+                             forward_chained, group_spans, use_fused_launch)
 
 from .constants import SimConstants, check_timing, load_constants
 from .l2 import l2_split, l2_window
@@ -158,14 +160,20 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
     # once every first-phase block has been, and the reads of their fold are priced as a merge
     # pass after both (see merge_work).
     dependent = (not serial and not fused and plan.finish_from > 0
-                 and finisher_launch_dependent(plan, gpu))
+                 and finisher_launch_dependent(plan, gpu, fwd_chain))
     after = not serial and not fused and plan.finish_from > 0 and not dependent
+    # several launches before or in the finisher phase: the first phase chained, then the
+    # finisher launches, each gated on the launch before it (pat_core.launch.finisher_chain)
+    fin_chain = dependent and finisher_chain(plan, gpu, fwd_chain)
     # each block runs its own variant's code (in a fused launch too): its warps and stages
     cfg_warps = np.array([o.resources.threads // 32 for o in occ], dtype=np.float64)
     pos = 0
     groups = list(plan.groups())
     if chained and fwd_chain == "pdl":            # the backend's order: longest first
         groups = [groups[i] for i in chain_order(group_spans(plan))]
+    elif fin_chain and fwd_chain == "pdl":        # the first phase longest first, then finishers
+        ff = plan.finish_from
+        groups = ([groups[i] for i in chain_order(group_spans(plan)[:ff])] + groups[ff:])
     for g, (m, n), b, e in groups:
         if HEAD_MINOR:                                  # a CTA's KV heads adjacent
             idx = np.repeat(np.arange(b, e, dtype=np.int64), hk)
@@ -175,12 +183,15 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
             hh = np.repeat(np.arange(hk, dtype=np.int32), e - b)
         k = int(plan.group_tile[g])
         fin_phase = after and g >= plan.finish_from
+        if fin_chain:     # a chained first-phase launch does not hold; a finisher waits to fold
+            gate, hold = (len(launches) - 1 if launches else -1), g >= plan.finish_from
+        else:
+            gate = (0 if dependent and g >= plan.finish_from else
+                    len(launches) - 1 if chained and launches else -1)
+            hold = not chained
         launches.append(Launch(name=f"forward {m}x{n}", kind="forward", config=k, begin=pos,
                                end=pos + idx.shape[0], issue_ns=0.0,
-                               phase=g if serial else int(fin_phase),
-                               gate=(0 if dependent and g >= plan.finish_from else
-                                     len(launches) - 1 if chained and launches else -1),
-                               hold=not chained))
+                               phase=g if serial else int(fin_phase), gate=gate, hold=hold))
         cfg.append(np.full(idx.shape[0], T + 1 if fused else k, np.int32))
         cta.append(idx.astype(np.int32))
         head.append(hh)

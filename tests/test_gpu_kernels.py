@@ -685,6 +685,62 @@ def test_finisher_launch_modes_in_graph(backend, mode):
 
 
 @requires_gpu
+@pytest.mark.parametrize("spec,heads", [("1,8,64,512_128,512,64,32", (32, 8)),
+                                        ("1,4,64_256,1024,64", (32, 32)),
+                                        ("3,24,96_1024,64,512", (32, 8)),
+                                        ("1,4,16_128,256,1024", (64, 8)),
+                                        # two trees: two finisher groups (16x64, 16x32)
+                                        ("1,4_512,1000+1,8_256,40", (32, 8)),
+                                        ("1,4,16_512,64,300+1,8_1024,24", (32, 8))])
+def test_finisher_chain(backend, spec, heads):
+    """A finisher phase behind several launches (pat_core.launch.finisher_chain): the first
+    phase chained (longest first, or in plan order) and each finisher launch a programmatic
+    dependent of the launch before it, against the forked first phase with the finishers
+    after it: float64 references and bit-identical reruns with partials poisoned (a finisher
+    that folded a slot before the launch writing it had finished would show it), graph replays
+    equal to the eager run; on sm_90+ the chain is the path taken."""
+    from types import SimpleNamespace
+    from pat_core import PrefixAttentionWrapper, Tuning
+    from pat_core.launch import finisher_chain
+    from pat_core.workloads import build_tree_batch
+    parts = [build_tree_batch(s_, page_size=16, seed=5) for s_ in spec.split("+")]
+    width = max(p.block_tables.shape[1] for p in parts)
+    tables, base = [], 0
+    for p in parts:     # the trees side by side in one cache: page ids offset per tree
+        tables.append(np.pad(p.block_tables, ((0, 0), (0, width - p.block_tables.shape[1])))
+                      + base)
+        base += p.num_pages
+    bt = np.concatenate(tables).astype(np.int32)
+    sl = np.concatenate([p.seq_lens for p in parts]).astype(np.int32)
+    b = SimpleNamespace(block_tables=bt, seq_lens=sl, num_pages=base, batch_size=len(sl))
+    always = Tuning(finish_share=1.0)
+    saved = backend.fwd_chain
+    try:
+        for chain in ("fork", "pdl", "pdl-plan"):
+            backend.fwd_chain = chain
+            plan, _, _ = check_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages, 16,
+                                    heads[0], heads[1], 128, "float16", "NHD", seed=3,
+                                    tuning=always)
+            assert plan.finish_from >= 1 and finisher_chain(plan, plan.gpu), plan.summary()
+            w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+            w._gpu_backend = backend
+            w.planner.tuning = always
+            plan = w.plan(b.block_tables, b.seq_lens, heads[0], heads[1], 128, 16,
+                          kv_data_type="float16")
+            prep = _graph_replays_eager(w, plan, b, heads[0], heads[1], 128, 16)
+            assert prep["chain"] == (chain != "fork" and int(backend.arch[3:]) >= 90)
+            k = prep["phase_b"]
+            assert k is not None and k < len(prep["launches"])
+            if prep["chain"] and chain == "pdl" and k > 1:
+                spans = [int(plan.cta_kv_len[ln.params.cta_offset:ln.params.cta_offset
+                                             + ln.params.n_ctas].max())
+                         for ln in prep["launches"][:k]]
+                assert spans == sorted(spans, reverse=True), spans
+    finally:
+        backend.fwd_chain = saved
+
+
+@requires_gpu
 @pytest.mark.parametrize("spec,heads", [("1,32,256_64,64,1024", (32, 8)),
                                         ("1,4,16_128,256,1024", (64, 8)),
                                         ("3,24,96_1024,64,512", (32, 8)),

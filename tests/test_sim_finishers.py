@@ -1,7 +1,8 @@
 """How the simulator launches a finisher phase (pat_core.fold) behind a first phase, as the CUDA
 backend does: one launch dependent on the first phase's one launch (placed once every
 first-phase block has been, each ending no earlier than the first phase) on sm_90 GPUs when each
-phase is one tile group, else after the first phase has ended.  And the engine's launch gate
+phase is one tile group; with more launches, behind the chained first phase, each launch gated
+on the one before it; with forked launches, after the first phase has ended.  And the engine's launch gate
 that the dependent launch uses (CPU only)."""
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 
 from pat_core import Planner, Tuning
-from pat_core.launch import finisher_launch_dependent
+from pat_core.launch import (chain_order, finisher_chain, finisher_launch_dependent,
+                             group_spans)
 from pat_core.workloads import build_tree_batch
 from sim.model import prepare, run_timeline
 from sim.constants import load_constants
@@ -76,11 +78,12 @@ def test_dependent_finisher_launch_is_gated_on_the_first_phase():
     assert tl.phase_start[1] - tl.phase_end[0] == pytest.approx(gap, abs=1.0)
 
 
-def test_finishers_behind_several_first_phase_groups_start_after_them():
+def test_finishers_behind_a_forked_first_phase_start_after_it():
     plan = _plan("1,8,64,512_128,512,64,32", 32, 8)
     assert plan.finish_from >= 2            # a first phase of two tile groups
-    assert not finisher_launch_dependent(plan, plan.gpu)
-    wl = prepare(plan)
+    assert not finisher_launch_dependent(plan, plan.gpu, "fork")
+    assert finisher_launch_dependent(plan, plan.gpu)    # chained by default (next test)
+    wl = prepare(plan, fwd_chain="fork")
     fwd = [(i, ln) for i, ln in enumerate(wl.launches) if ln.kind == "forward"]
     for g, (i, ln) in enumerate(fwd):
         assert ln.phase == (1 if g >= plan.finish_from else 0) and ln.gate == -1
@@ -89,6 +92,36 @@ def test_finishers_behind_several_first_phase_groups_start_after_them():
     first = np.isin(tl.block_launch, [i for i, ln in fwd[:plan.finish_from]])
     fin = np.isin(tl.block_launch, [i for i, ln in fwd[plan.finish_from:]])
     assert np.nanmin(tl.block_start[fin]) > np.nanmax(tl.block_end[first])
+
+
+def test_finishers_behind_a_chained_first_phase():
+    """Several first-phase groups (pat_core.launch.finisher_chain): the first phase chained
+    longest first, without holding; each finisher launch gated on the launch before it and
+    holding, so no finisher block starts before the last first-phase block has been placed or
+    ends before every first-phase block has ended; one phase, then the fold's pass."""
+    plan = _plan("1,8,64,512_128,512,64,32", 32, 8)
+    ff = plan.finish_from
+    assert ff >= 2 and finisher_chain(plan, plan.gpu) and not finisher_chain(plan, plan.gpu,
+                                                                              "fork")
+    wl = prepare(plan)
+    fwd = [(i, ln) for i, ln in enumerate(wl.launches) if ln.kind == "forward"]
+    groups = list(plan.groups())
+    want = [groups[i][1] for i in chain_order(group_spans(plan)[:ff])] + [g[1] for g in groups[ff:]]
+    assert [tuple(int(x) for x in ln.name.split()[1].split("x")) for _, ln in fwd] == want
+    assert [ln.gate for _, ln in fwd] == [-1] + list(range(len(fwd) - 1))
+    assert [ln.hold for _, ln in fwd] == [False] * ff + [True] * (len(fwd) - ff)
+    assert all(ln.phase == 0 for _, ln in fwd)
+    assert all(ln.phase == 1 for ln in wl.launches if ln.kind == "merge")
+    tl = run_timeline(wl, load_constants("h100"))
+    first = np.isin(tl.block_launch, [i for i, _ in fwd[:ff]])
+    last_first = tl.block_launch == fwd[ff - 1][0]
+    fin = np.isin(tl.block_launch, [i for i, _ in fwd[ff:]])
+    assert np.nanmin(tl.block_start[fin]) >= np.nanmax(tl.block_start[last_first]) - 1e-6
+    assert np.nanmin(tl.block_end[fin]) >= np.nanmax(tl.block_end[first]) - 1e-6
+    # the finishers' KV walks overlap the first phase: the step beats the forked layout
+    c = load_constants("h100")
+    forked = run_timeline(prepare(plan, fwd_chain="fork"), c).makespan
+    assert tl.makespan < forked
 
 
 def test_no_dependent_launch_before_sm90():
