@@ -977,8 +977,12 @@ constexpr int smem_per_sm() {
 #endif
 }
 // Registers a 16-row warp needs without spilling at head_dim 128 (accumulators, Q fragments,
-// scores, gather addresses: 164-168 as compiled); the cap never asks for fewer.
-constexpr int kShortTileRegs = 168;
+// scores, gather addresses: 164-168 as compiled); the cap never asks for fewer.  PAT_SHORT_TILE_REGS
+// (a build define, for measurements only) asks for another cap.
+#ifndef PAT_SHORT_TILE_REGS
+#define PAT_SHORT_TILE_REGS 168
+#endif
+constexpr int kShortTileRegs = PAT_SHORT_TILE_REGS;
 template <int D, int M, int N, int WARPS, int STAGES>
 constexpr int fwd_min_blocks() {
   constexpr int smem = M * D * 2 + STAGES * 2 * N * D * 2 + 1024;  // FwdTraits::SMEM_BYTES + 1 KB
