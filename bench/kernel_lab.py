@@ -48,7 +48,9 @@ Case sets:
   batches the large-merge finisher rule changes, with and without it (``finish-pairs-2``:
   more of them, chosen after the rule's last bound was set); ``finish-chain``: the multi-launch
   batches and the quick-start batch, default plan against the finisher phase wherever possible,
-  behind a chained first phase (``finish-all``) and behind a forked one (``finish-all-fork``).
+  behind a chained first phase (``finish-all``) and behind a forked one (``finish-all-fork``);
+  ``rows64-all``: the same batches at four head configurations, default against CTAs of at most
+  64 rows; ``long-finish``: the long prefixes with the finisher phase.
 
 Writes ``DIR/kernel_lab.json`` (environment, copy bandwidth, every row) and prints a table last.
 """
@@ -356,6 +358,15 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                                for spec in CHAIN_SPECS + ("1,4,16_128,256,1024",)
                                                for heads in ((32, 8), (32, 32), (64, 8))),
                                          ("default", "finish-all", "finish-all-fork")),
+             # round 23: CTAs capped at 64 rows (64x64 warpgroup blocks for the shared levels,
+             # which leave an SM room for leaf blocks beside them) against the default
+             "rows64-all": _pair_cases(tuple((spec, heads)
+                                             for spec in CHAIN_SPECS + ("1,4,16_128,256,1024",)
+                                             for heads in ((16, 8), (32, 8), (64, 8), (32, 32))),
+                                       ("default", "rows64")),
+             # round 23: the long prefixes with the finisher phase (their leaves fold the parts)
+             "long-finish": _pair_cases(tuple((spec, (32, 8)) for spec, *_ in LONG),
+                                        ("default", "finish-all")),
              "long": LONG, "sharing": SHARING, "layouts": _layout_candidates(),
              "short": tuple((spec, heads, "pat", None, None, label)
                             for spec in SHORT_SPECS for heads in ((32, 8), (32, 32))
