@@ -314,6 +314,13 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[MI][J][4], float 
 // </tutorial:online-softmax>
 }
 
+// PAT_WG_PINGPONG=1 (a build define, for measurements): the two warpgroups of a 128-row tile take
+// turns issuing their Q K^T (FlashAttention-3's ping-pong, within the tile's barriers).
+#ifndef PAT_WG_PINGPONG
+#define PAT_WG_PINGPONG 0
+#endif
+constexpr bool kWgPingPong = PAT_WG_PINGPONG != 0;
+
 // The KV walk of the warpgroup layout (Tr::WG): the warps of token slice wn gather their NW
 // tokens of each tile (slice barriers: with two slices the two warpgroups of a 64-row tile run as
 // independent pipelines), then warpgroup g of the slice computes S = Q[64g .. 64g + 63] K^T with
@@ -351,6 +358,12 @@ __device__ __forceinline__ void pat_wg_loop(typename Tr::T* sQ, typename Tr::T* 
     if (ONE || row0 < valid) {  // uniform over the warpgroup
       // S = Q K^T: D / 16 steps of k16; the first overwrites S
       float s[1][NW / 8][4];
+      if constexpr (kWgPingPong && ONE && M == 128) {
+        // the second warpgroup issues its Q K^T only once the first has issued its own, so
+        // the tensor cores take them in turn and one group's softmax runs under the other's
+        // MMAs (both groups pass this once per tile, between the tile's two block barriers)
+        if (g == 1) asm volatile("bar.sync 2, 256;\n" ::: "memory");
+      }
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
@@ -360,6 +373,9 @@ __device__ __forceinline__ void pat_wg_loop(typename Tr::T* sQ, typename Tr::T* 
         wgmma_ss<T, NW>(s[0], da, db, kk > 0);
       }
       wgmma_commit();
+      if constexpr (kWgPingPong && ONE && M == 128) {
+        if (g == 0) asm volatile("bar.arrive 2, 256;\n" ::: "memory");
+      }
       wgmma_wait<0>();
       wg_fence_regs(s[0]);
 
