@@ -49,7 +49,8 @@ Case sets:
   more of them, chosen after the rule's last bound was set); ``finish-chain``: the multi-launch
   batches and the quick-start batch, default plan against the finisher phase wherever possible,
   behind a chained first phase (``finish-all``) and behind a forked one (``finish-all-fork``);
-  ``rows64-all``: the same batches at four head configurations, default against CTAs of at most
+  ``wg-pp``: the warpgroup-heavy batches, default and with n 128 for the 128-row tiles, and the
+  forced two-stage warpgroup tiles; ``rows64-all``: the same batches at four head configurations, default against CTAs of at most
   64 rows; ``long-finish``: the long prefixes with the finisher phase.
 
 Writes ``DIR/kernel_lab.json`` (environment, copy bandwidth, every row) and prints a table last.
@@ -624,6 +625,18 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                   ("1,8,64,512_128,512,64,32", (32, 8)), ("1,8,64,512_128,512,64,32", (64, 8)),
                   ("1,16_16384,16", (32, 8)), ("1,32_16384,16", (32, 8)),
                   ("1,16_2048,128", (64, 8)), ("1,4,16_128,256,1024", (32, 8))), ("default",))
+             + tuple(c for c in FORCED_WG if c[5] in ("wg-s2",)),
+             # round 23: the same batches with the 128-row tiles' n forced to 128 as well, for
+             # the warpgroup ping-pong (PAT_WG_PINGPONG)
+             "wg-pp": _pair_cases(
+                 (("1,1024_1024,16", (16, 8)), ("1,1024_1024,16", (32, 8)),
+                  ("1,1024_1024,16", (64, 8)), ("1,1024_1024,16", (32, 32)),
+                  ("1,4,16,64,256,1024_1024,256,128,64,32,32", (32, 8)),
+                  ("1,4,16,64,256,1024_1024,256,128,64,32,32", (64, 8)),
+                  ("1,8,16,32,64,128,1024_256,128,64,32,32,32,32", (32, 8)),
+                  ("1,8,64,512_128,512,64,32", (32, 8)), ("1,8,64,512_128,512,64,32", (64, 8)),
+                  ("1,32_16384,16", (32, 8)), ("1,16_2048,128", (64, 8)),
+                  ("1,4,16,64,256_512,256,128,64,32", (64, 8))), ("default", "m128n128"))
              + tuple(c for c in FORCED_WG if c[5] in ("wg-s2",)),
              # round 19: batches of many leaves under shared levels (hundreds of requests,
              # thousands of (request, head) pairs: the merge reads tens of MB of partials),

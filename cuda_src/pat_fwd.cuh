@@ -315,11 +315,13 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[MI][J][4], float 
 }
 
 // PAT_WG_PINGPONG=1 (a build define, for measurements): the two warpgroups of a 128-row tile take
-// turns issuing their Q K^T (FlashAttention-3's ping-pong, within the tile's barriers).
+// turns issuing their Q K^T (FlashAttention-3's ping-pong, within the tile's barriers); 2: their
+// P V as well.
 #ifndef PAT_WG_PINGPONG
 #define PAT_WG_PINGPONG 0
 #endif
 constexpr bool kWgPingPong = PAT_WG_PINGPONG != 0;
+constexpr bool kWgPingPong2 = PAT_WG_PINGPONG >= 2;  // 2: the groups' P V in turn as well
 
 // The KV walk of the warpgroup layout (Tr::WG): the warps of token slice wn gather their NW
 // tokens of each tile (slice barriers: with two slices the two warpgroups of a 64-row tile run as
@@ -384,6 +386,9 @@ __device__ __forceinline__ void pat_wg_loop(typename Tr::T* sQ, typename Tr::T* 
 
       // O += P V: k16 steps over the slice's tokens, P from registers
       wg_fence_regs(acc[0]);
+      if constexpr (kWgPingPong2 && ONE && M == 128) {
+        if (g == 1) asm volatile("bar.sync 3, 256;\n" ::: "memory");  // after the first's P V
+      }
       wgmma_fence();
 #pragma unroll
       for (int kt = 0; kt < NW / 16; ++kt) {
@@ -393,6 +398,9 @@ __device__ __forceinline__ void pat_wg_loop(typename Tr::T* sQ, typename Tr::T* 
         wgmma_rs_n128<T>(acc[0], pa, db);
       }
       wgmma_commit();
+      if constexpr (kWgPingPong2 && ONE && M == 128) {
+        if (g == 0) asm volatile("bar.arrive 3, 256;\n" ::: "memory");
+      }
       wgmma_wait<0>();
       wg_fence_regs(acc[0]);
     }
