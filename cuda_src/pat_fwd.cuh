@@ -314,11 +314,13 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[MI][J][4], float 
 // </tutorial:online-softmax>
 }
 
-// PAT_WG_PINGPONG=1 (a build define, for measurements): the two warpgroups of a 128-row tile take
-// turns issuing their Q K^T (FlashAttention-3's ping-pong, within the tile's barriers); 2: their
-// P V as well.
+// The two warpgroups of a 128-row tile take turns issuing their Q K^T (FlashAttention-3's
+// ping-pong, within the tile's barriers): measured 0.7-0.9% faster in geometric mean on the
+// warpgroup-heavy batches of the development set, up to 2.5%, and 4-6% on forced 128x128 tiles
+// (H100, bench/NOTES.md round 23).  PAT_WG_PINGPONG (a build define): 0 turns it off (the
+// ablation), 2 orders the groups' P V as well (measured level with 1).
 #ifndef PAT_WG_PINGPONG
-#define PAT_WG_PINGPONG 0
+#define PAT_WG_PINGPONG 1
 #endif
 constexpr bool kWgPingPong = PAT_WG_PINGPONG != 0;
 constexpr bool kWgPingPong2 = PAT_WG_PINGPONG >= 2;  // 2: the groups' P V in turn as well
