@@ -19,7 +19,8 @@ streams (``bench/results/trace_replay_h100/``).
 
 A plan with a finisher phase (``plan.finish_from >= 0``, :mod:`pat_core.fold`) is never fused:
 its finishers fold only after every other CTA has finished, so its two phases are two rounds of
-launches, the second a dependent launch where :func:`finisher_launch_dependent` says so.
+launches, the second dependent on the first where :func:`finisher_launch_dependent` says so
+(with several launches, a chain: :func:`finisher_chain`).
 
 One-tile CTAs (:func:`one_tile_split`, ablations, off by default): the one-tile tail of a 16-row
 launch group (tree leaves of a page or two) can run in a launch of its own, with a layout made
