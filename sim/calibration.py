@@ -100,6 +100,9 @@ KERNEL_FIT = ("sm_bandwidth", "block_ns", "tile_ns", "sm_flops", "merge_slot_ns"
 # 1.2 us (H100) / 0.75 us (H200) per tile and met no missed out-of-sample target (bench/NOTES.md,
 # round 14), so the packaged constants keep it at 0 (off).
 CHAIN_FIT = ("tile_lat_ns",)
+# Fitted only on request (``sim fit --wg-flops``): the warpgroup tiles' own tensor-core rate
+# (sim.model); 0 in the packaged constants (bench/NOTES.md, round 23).
+WG_FIT = ("wg_flops",)
 TIMING_FIT = {"eager": ("start_ns", "launch_ns", "gap_ns"),
               "graph": ("graph_start_ns", "graph_launch_ns", "graph_gap_ns")}
 DEFAULT_FIT = KERNEL_FIT + TIMING_FIT["eager"] + TIMING_FIT["graph"]
@@ -427,7 +430,9 @@ def fit(data: dict, split: dict, gpu: str | None = None, start: SimConstants | N
         z = (np.log(np.maximum(p, 1e-9)) - logm) / LOSS_SCALE
         return float(np.mean(2.0 * (np.sqrt(1.0 + z * z) - 1.0))) * LOSS_SCALE ** 2
 
-    x0 = np.log([max(base[n], START_GUESS_NS if n in GUESSED else 1e-6)
+    # wg_flops off (0) starts at the common rate, sm_flops
+    x0 = np.log([max(base[n], START_GUESS_NS if n in GUESSED else
+                     base["sm_flops"] if n == "wg_flops" else 1e-6)
                  for n in names])
     loss0 = loss(x0)
     # Two starts, the better fit-set loss kept: the given constants, and the same with each

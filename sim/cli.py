@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-chain", action="store_true",
                    help="also fit tile_lat_ns, the forward blocks' latency chain (off in the "
                         "packaged constants; see sim.model)")
+    p.add_argument("--wg-flops", action="store_true",
+                   help="also fit wg_flops, the warpgroup (wgmma) tiles' own tensor-core rate "
+                        "(off in the packaged constants; see sim.model)")
     p.add_argument("--measured", action="append", default=[], metavar="KEY=VALUE",
                    help="replace a device measurement of the files (copy_bandwidth_gbps, "
                         "graph_launch_interval_ns, graph_join_ns), e.g. where a run's own copy "
@@ -383,11 +386,11 @@ def _dispatch(args) -> int:
               f"measurements: {', '.join(paths)}\n" + format_report(rep))
         return 0
     if args.cmd == "fit":
-        from .calibration import (CHAIN_FIT, DEFAULT_FIT, KERNEL_FIT, TIMING_FIT, fit_and_save,
+        from .calibration import (CHAIN_FIT, KERNEL_FIT, TIMING_FIT, WG_FIT, fit_and_save,
                                   format_report)
         val = args.validation.split(";") if args.validation else None
-        names = (KERNEL_FIT + CHAIN_FIT + TIMING_FIT["eager"] + TIMING_FIT["graph"]
-                 if args.latency_chain else DEFAULT_FIT)
+        names = (KERNEL_FIT + (CHAIN_FIT if args.latency_chain else ())
+                 + (WG_FIT if args.wg_flops else ()) + TIMING_FIT["eager"] + TIMING_FIT["graph"])
         measured = {}
         for item in args.measured:
             key, sep, value = item.partition("=")

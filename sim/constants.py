@@ -1,6 +1,6 @@
 """Model constants of the simulator, one JSON file per GPU under ``sim/data/``.
 
-The timing model (see :mod:`sim.model`) has fifteen constants.  They are data, not code, so that a
+The timing model (see :mod:`sim.model`) has sixteen constants.  They are data, not code, so that a
 calibration run on a real GPU can replace the estimates without touching the model:
 
 =====================  ==========  ==================================================================
@@ -16,6 +16,8 @@ name                   unit        meaning
                                    in series) run by one warp; a block of ``w`` warps cannot end
                                    before ``block_ns + tiles * tile_lat_ns / w`` (0: off)
 ``sm_flops``           flop/ns     tensor-core throughput of one SM on the ``Q K^T`` / ``P V`` tiles
+``wg_flops``           flop/ns     the same for the Hopper warpgroup (``wgmma``) tiles of 64 and 128
+                                   rows (0: they take ``sm_flops`` too)
 ``merge_slot_ns``      ns          merge kernel: time per partial slot of one (request, head) pair
 ``start_ns``           ns          eager timing: fixed latency before the first launch is issued
 ``launch_ns``          ns          eager timing: host cost per kernel launch (issue interval)
@@ -66,6 +68,7 @@ class SimConstants:
     graph_start_ns: float = 0.0
     graph_join_ns: float = 0.0
     tile_lat_ns: float = 0.0
+    wg_flops: float = 0.0
     source: str = "default estimate"
 
     def as_dict(self) -> dict:

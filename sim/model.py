@@ -5,7 +5,8 @@ its variant's ``warps`` warps (:func:`pat_core.tiles.kernel_resources`)::
 
     latency  = block_ns
     bytes    = KV + Q + partial writes                       (see sim.traffic)
-    compute  = t * (tile_ns + 4 * m * n * head_dim / sm_flops)
+    compute  = t * (tile_ns + 4 * m * n * head_dim / sm_flops)   (wg_flops, when set, for
+               the Hopper warpgroup tiles of 64 and 128 rows)
     chain    = t * tile_lat_ns / warps
     duration = latency + max(bytes / bandwidth share, compute, chain)
 
@@ -73,7 +74,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pat_core.cuda_compile import FwdVariant
 from pat_core.gpus import GPUSpec, get_gpu
+from pat_core.tiles import _arch_of
 
 from pat_core.launch import (chain_order, finisher_chain, finisher_launch_dependent,
                              forward_chained, group_spans, use_fused_launch)
@@ -113,6 +116,7 @@ class Workload:
     l2_window: float = 0.0
     blk_warps: np.ndarray | None = None    # forward: warps of the block's own variant; merge: 0
     blk_stages: np.ndarray | None = None   # forward: its KV pipeline stages; merge: 0
+    blk_wg: np.ndarray | None = None       # forward: a warpgroup (wgmma) tile; merge: False
 
 
 def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float | None = None,
@@ -167,6 +171,10 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
     fin_chain = dependent and finisher_chain(plan, gpu, fwd_chain)
     # each block runs its own variant's code (in a fused launch too): its warps and stages
     cfg_warps = np.array([o.resources.threads // 32 for o in occ], dtype=np.float64)
+    # ... and whether it is a warpgroup (wgmma) tile, which wg_flops prices when set
+    arch = _arch_of(gpu)
+    cfg_wg = np.array([FwdVariant.make(o.m, o.n, plan.head_dim, plan.kv_dtype, arch=arch).warpgroup
+                       for o in occ], dtype=bool)
     pos = 0
     groups = list(plan.groups())
     if chained and fwd_chain == "pdl":            # the backend's order: longest first
@@ -249,13 +257,18 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
                     blk_warps=np.concatenate([cfg_warps[plan.cta_tile[fc].astype(np.int64)],
                                               np.zeros(nm)]),
                     blk_stages=np.concatenate([stages[plan.cta_tile[fc].astype(np.int64)],
-                                               np.zeros(nm)]))
+                                               np.zeros(nm)]),
+                    blk_wg=np.concatenate([cfg_wg[plan.cta_tile[fc].astype(np.int64)],
+                                           np.zeros(nm, dtype=bool)]))
 
 
 def block_costs(wl: Workload, c: SimConstants) -> tuple:
     """``(latency, compute)`` (ns) of every block of ``wl`` under constants ``c``."""
     latency = np.full(wl.blk_cfg.shape[0], float(c.block_ns))
-    compute = wl.blk_tiles * c.tile_ns + wl.blk_flops / c.sm_flops + wl.blk_slots * c.merge_slot_ns
+    flops = np.full(wl.blk_cfg.shape[0], float(c.sm_flops))
+    if c.wg_flops > 0 and wl.blk_wg is not None:   # the warpgroup tiles at their own rate
+        flops[wl.blk_wg] = float(c.wg_flops)
+    compute = wl.blk_tiles * c.tile_ns + wl.blk_flops / flops + wl.blk_slots * c.merge_slot_ns
     if c.tile_lat_ns > 0 and wl.blk_warps is not None:
         # the latency chain: a forward block cannot end before block_ns + t * tile_lat_ns / warps
         # (its warps share each tile's dependent loads, MMAs and softmax; one warp runs them all
