@@ -150,4 +150,59 @@ __device__ __forceinline__ void chain_exit(int* chain) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Per-block clock records, for bench/block_timeline.py only: compiled in with
+// -DPAT_BLOCK_CLOCK=CAP (PAT_NVRTC_DEFINES), a no-op otherwise.  Block b (< CAP) of a module's
+// kernel writes pat_block_clock[slot][b] = {start, ready, end, start cycle, end cycle, SM id}:
+// %globaltimer (ns) when its thread 0 starts, when it is ready to work (the merge: after its
+// pdl_wait; else the start), and the latest end of its warps; the SM's clock64 at the same start
+// and end (globaltimer may tick coarsely; the cycle count does not).  Slot 1 is the finisher
+// kernel, slot 0 every other kernel.  The caller zeroes the array before the run it records.
+// ---------------------------------------------------------------------------------------------
+struct BlockClock {
+#ifdef PAT_BLOCK_CLOCK
+  unsigned long long* rec;
+  __device__ __forceinline__ static unsigned long long now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+  }
+  __device__ __forceinline__ explicit BlockClock(int slot);
+  __device__ __forceinline__ void ready() {
+    if (rec != nullptr && threadIdx.x == 0) rec[1] = now();
+  }
+  __device__ __forceinline__ void end() {
+    if (rec == nullptr || (threadIdx.x & 31) != 0) return;
+    const unsigned long long c = (unsigned long long)clock64();
+    atomicMax(rec + 2, now());
+    atomicMax(rec + 4, c);
+  }
+#else
+  __device__ __forceinline__ explicit BlockClock(int) {}
+  __device__ __forceinline__ void ready() {}
+  __device__ __forceinline__ void end() {}
+#endif
+};
+
 }  // namespace pat
+
+#ifdef PAT_BLOCK_CLOCK
+// global namespace, so that the host finds it by this name (RawModule.get_global)
+__device__ unsigned long long pat_block_clock[2][PAT_BLOCK_CLOCK][6];
+
+__device__ __forceinline__ pat::BlockClock::BlockClock(int slot) : rec(nullptr) {
+  const unsigned b = blockIdx.x;
+  if (b >= (unsigned)PAT_BLOCK_CLOCK) return;
+  rec = pat_block_clock[slot][b];
+  if (threadIdx.x == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    const unsigned long long c = (unsigned long long)clock64();
+    const unsigned long long t = now();
+    rec[0] = t;
+    rec[1] = t;
+    rec[3] = c;
+    rec[5] = sm;
+  }
+}
+#endif

@@ -1256,9 +1256,11 @@ __global__ void __launch_bounds__((WARPS + 1) * 32,
 template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES, int RW, bool PULL>
 __global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, N, WARPS, STAGES>())) pat_fwd_kernel(
     const __grid_constant__ pat::FwdParams p) {
+  pat::BlockClock clock(0);
   // the launch after this one (a finisher phase) may start while these blocks run
   pat::pdl_launch_dependents();
   pat::run_items<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW>, PULL>(p);
+  clock.end();
   pat::chain_exit(p.chain);  // chained launches: the last block waits for the launch before
 }
 
@@ -1280,6 +1282,7 @@ template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES, int RW,
 __global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, N, WARPS, STAGES>())) pat_fwd_finish_kernel(
     const __grid_constant__ pat::FwdParams p) {
   using Tr = pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW>;
+  pat::BlockClock clock(1);
   int cta_local, kv_head;
   if constexpr (!PULL) {
     // a finisher launch behind it (several finisher groups chained) may start its KV walks
@@ -1307,6 +1310,7 @@ __global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, 
       p.work_counter[1] = 0;
     }
   }
+  clock.end();
 }
 
 // One launch for every forward CTA of a plan, whatever its tile.  Template arguments: head_dim,
@@ -1331,11 +1335,13 @@ __global__ void __launch_bounds__(THREADS, 1) pat_fwd_fused_kernel(
     const __grid_constant__ pat::FwdParams p) {
   static_assert(((Trs::THREADS <= THREADS) && ...), "block too small for a variant");
   static_assert(((Trs::D == HEAD_DIM) && ...), "variants of one head_dim");
+  pat::BlockClock clock(0);
   int cta, kv_head;  // the fused launch covers the whole plan (cta_offset 0)
   pat::item_cta_head(p, (int)blockIdx.x, cta, kv_head);
   const int want = p.cta_variant[cta];
   int idx = 0;
   (void)(pat::run_if<Trs>(want, idx, p, cta, kv_head) || ...);
+  clock.end();
 }
 
 // The graph-safe form of the fused launch: one fixed grid for every tile variant of a graph-safe

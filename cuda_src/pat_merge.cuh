@@ -295,6 +295,9 @@ __global__ void __launch_bounds__(WARPS * 32, pat::merge_min_blocks(WARPS, NH)) 
   // launched as a programmatic dependent of the forward launch (CudaBackend.merge_launch "pdl"),
   // the blocks may start before the partials are written: wait for that launch here (at once
   // otherwise)
+  pat::BlockClock clock(0);
   pat::pdl_wait();
+  clock.ready();
   pat::pat_merge_body<HEAD_DIM, TO, WARPS, NH>(p);
+  clock.end();
 }

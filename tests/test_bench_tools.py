@@ -206,3 +206,26 @@ def test_calibration_report_counts_unsteady_records(tmp_path):
     assert rep["in_sample"]["graph"]["all"]["unsteady"] == 1
     assert "spread more than 10%" in format_report(rep)
     assert "in sample graph 1 of 2" in format_report(rep)
+
+
+def test_block_timeline_cases_and_summary():
+    """bench/block_timeline.py's pure parts: a case names its spec, heads and method (a bad one
+    is refused, naming it); the summary's spans, durations and peak concurrency."""
+    from block_timeline import parse_case, summarize
+    assert parse_case("1,4_16,16@32:8@query") == ("1,4_16,16", 32, 8, "query", 16)
+    assert parse_case("1,4_16,16@32:8@pat@32", 16) == ("1,4_16,16", 32, 8, "pat", 32)
+    for bad in ("1,4_16,16@32:8", "1,4_16,16@32-8@pat", "1,4_16,16@32:8@nope",
+                "1,4_16,16@32:8@pat@0", "1,4_16,16@32:8@pat@x"):
+        with pytest.raises(ValueError, match="case"):
+            parse_case(bad)
+    blocks = [{"kind": "forward", "start": 0, "end": 4000},
+              {"kind": "forward", "start": 1000, "end": 3000},
+              {"kind": "forward", "start": 3500, "end": 9000},
+              {"kind": "merge", "start": 2000, "ready": 9500, "end": 11000}]
+    s = summarize(blocks)
+    assert s["forward_blocks"] == 3 and s["merge_blocks"] == 1
+    assert s["forward_span_us"] == 9.0
+    assert s["block_med_us"] == 4.0 and s["block_p90_us"] == 5.5
+    assert s["peak_blocks"] == 2             # [0, 4000] overlaps both others, they do not
+    assert s["merge_span_us"] == 1.5          # from the merge block's ready time
+    assert s["step_span_us"] == 11.0

@@ -901,3 +901,47 @@ def test_nonfinite_input_propagates(backend, packer, merge_mode):
             np.testing.assert_allclose(out[fin], ref[fin], rtol=2e-2, atol=2e-2)
     finally:
         backend.merge_mode, backend.merge_per_pair, backend.merge_heads_per_warp = saved
+
+
+@requires_gpu
+def test_block_clock_records(tmp_path):
+    """``bench/block_timeline.py`` builds the kernels with ``PAT_BLOCK_CLOCK`` (its own process:
+    the define must be set before anything compiles) and records every block of a chained
+    two-group plan and of its merge once: one record per (CTA, KV head), each on a real SM,
+    started no later than it was ready and ended, and its cycle count positive; the result
+    was checked against float64 attention there."""
+    import json
+    import subprocess
+    import sys
+    from pat_core.workloads import build_tree_batch
+    from pat_core.gpus import detect_gpu_name
+    from sim.methods import make_plan
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = "1,4,64_256,1024,64"
+    cases = [f"{spec}@32:8@pat", f"{spec}@8:2@query"]
+    r = subprocess.run([sys.executable, os.path.join(root, "bench", "block_timeline.py"),
+                        "--out", str(tmp_path), "--reps", "2", *cases],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    import torch
+    props = torch.cuda.get_device_properties(0)
+    num_sms, gpu = props.multi_processor_count, detect_gpu_name(props.name)
+    b = build_tree_batch(spec, page_size=16, seed=0)
+    rows = json.load(open(tmp_path / "block_timeline_summary.json"))["rows"]
+    assert [row["case"] for row in rows] == cases
+    for case, row in zip(cases, rows):
+        assert row["unmapped"] == [], row["unmapped"]
+        hq, hk = row["heads"]
+        plan = make_plan(b, row["method"], hq, hk, 128, gpu=gpu)
+        fname = case.replace(",", "-").replace(":", "-").replace("@", "_") + ".json"
+        data = json.load(open(tmp_path / fname))
+        fwd = [(x["cta"], x["head"]) for x in data["blocks"] if x["kind"] == "forward"]
+        assert sorted(fwd) == [(c, h) for c in range(plan.num_ctas) for h in range(hk)]
+        assert row["measured"]["merge_blocks"] >= 1
+        for x in data["blocks"]:
+            assert 0 <= x["sm"] < num_sms
+            assert x["start"] <= x["ready"] <= x["end"], x
+            assert x["cycles"] > 0, x
+        # the simulator's blocks of the same plan, keyed the same way
+        sim_fwd = [(x["cta"], x["head"]) for x in data["sim_blocks"] if x["kind"] == "forward"]
+        assert sorted(sim_fwd) == sorted(fwd)
