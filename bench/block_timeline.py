@@ -90,7 +90,7 @@ def launch_map(plan, arch: str) -> dict:
     from pat_core import cuda_compile as cc
     out, seen = {}, set()
     for g, (m, n), b, e in plan.groups():
-        fin = plan.finish_from > 0 and g >= plan.finish_from
+        fin = plan.finish_from >= 0 and g >= plan.finish_from
         key = cc.FwdVariant.make(m, n, plan.head_dim, plan.kv_dtype, arch=arch, finish=fin).key
         k = (key, 1 if fin else 0)
         out[k] = None if k in seen else (g, b, "forward")

@@ -6,7 +6,9 @@
 # passes, with each arm's ratio to the first and whether every row was correct.
 #   bench/kernel_arms.sh OUT ARM [ARM ...] -- [kernel_lab.py options...]
 # ARM is NAME=DEFINES (defines separated by commas, e.g. "ovl=PAT_WG_OVERLAP=1,PAT_X=0"; empty
-# for the tree as it is) or NAME@DIR (a source tree with its own bench/kernel_lab.py).
+# for the tree as it is; an item "env:VAR=VALUE" sets an environment variable of the arm's run
+# instead, e.g. "smem=env:PAT_SMEM_CARVEOUT=100") or NAME@DIR (a source tree with its own
+# bench/kernel_lab.py).
 # OUT and DIR are taken relative to the folder the script is called from.  Exit status: 2 for
 # bad arguments, 1 when some arm's run failed (the table still prints), else 0.
 set -uo pipefail
@@ -48,9 +50,13 @@ run_arm() {  # run_arm ARM PASS
     else
         name="${arm%%=*}"; dir="$PWD"; defs="${arm#*=}"; defs="${defs//,/ }"
     fi
-    local t0=$SECONDS
-    (cd "$dir" && PAT_NVRTC_DEFINES="$defs" python3 bench/kernel_lab.py --out "$out" \
-        --tag "_${name}_${pass}" "$@") > "$out/${name}_${pass}.log" 2>&1
+    local t0=$SECONDS envs=() d keep=()
+    for d in $defs; do
+        if [[ "$d" == env:* ]]; then envs+=("${d#env:}"); else keep+=("$d"); fi
+    done
+    defs="${keep[*]}"
+    (cd "$dir" && env "${envs[@]}" PAT_NVRTC_DEFINES="$defs" python3 bench/kernel_lab.py \
+        --out "$out" --tag "_${name}_${pass}" "$@") > "$out/${name}_${pass}.log" 2>&1
     local rc=$?
     [ $rc -eq 0 ] || failed=1
     echo "arm $name pass $pass: exit $rc ($((SECONDS - t0)) s)"

@@ -344,7 +344,16 @@ _FINISH_PAIRS = (("1,32,256_64,64,1024", (32, 8)), ("1,32,256_64,64,1024", (64, 
                  ("3,24,96_1024,64,512", (32, 8)),
                  ("1,4,16,64,256,1024_1024,256,128,64,32,32", (32, 8)))
 
+# round 24: plans with several tile kernels (the block timelines showed a one-warp 16x32 block
+# never sharing an SM with a 16x64 or 64x64 one), the shared-memory carveout's A/B
+MIXED_SPECS = SHARING_SPECS + ("1,2,4,8,16,32,64,128_32,32,32,32,32,32,32,32",
+                               "1,4,16,64_32,32,32,32", "2,8,64_256,512,64", "1,16,128_1024,64,32",
+                               "1,4,16_128,256,1024")
+
 CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
+             "mixed": _pair_cases(tuple((spec, heads) for spec in MIXED_SPECS
+                                        for heads in ((16, 8), (32, 8), (64, 8), (32, 32))),
+                                  ("default",)),
              "wg": tuple((spec, heads, "pat", None, None, label)
                          for spec in ("1,16_16384,16", "1,32_16384,16") + SHARING_SPECS
                          for heads in ((32, 8), (32, 32)) for label in ("default", "wg")),

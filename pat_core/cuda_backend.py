@@ -83,6 +83,22 @@ _UPLOAD_FIELDS = ("cta_req_indptr", "cta_req", "cta_slot", "cta_kv_start", "cta_
                   "cta_page_indptr", "cta_pages", "req_slot_indptr")
 
 
+def smem_carveout():
+    """The shared-memory carveout (percent, 0-100) every kernel asks for, from
+    ``PAT_SMEM_CARVEOUT``; ``None`` (unset or empty): the driver's default.  Read when a kernel
+    is first loaded in the process."""
+    text = os.environ.get("PAT_SMEM_CARVEOUT", "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 100:
+        raise ValueError(f"PAT_SMEM_CARVEOUT must be an integer percentage 0-100, got {text!r}")
+    return value
+
+
 def _import_cupy():
     try:
         import cupy
@@ -357,6 +373,10 @@ class CudaBackend:
                     raise ValueError(f"{variant.key} needs {smem} bytes of shared memory; this "
                                      f"device allows {self.max_smem_optin}")
                 fn.max_dynamic_shared_size_bytes = smem
+            carveout = smem_carveout()
+            if carveout is not None:
+                # the share of the SM's L1/shared memory kept as shared memory, in percent
+                fn.preferred_shared_memory_carveout = carveout
             self._modules[key] = mod
             self._functions[key] = fn
             return fn

@@ -88,6 +88,10 @@ from .timeline import Launch, Timeline, run_engine
 from .traffic import bytes_by_kind, forward_work, merge_work, padding_waste
 
 HEAD_MINOR = True       # forward grid: a CTA's KV heads adjacent (pat_fwd.cuh, head_minor = 1)
+# a block's bandwidth weight is its KV bytes in flight over this (a 16x64 tile's two stages of
+# 64 fp16 tokens at head_dim 128, K and V); a merge block weighs 1
+WEIGHT_BYTES = 65536.0
+INFLIGHT_WEIGHTS = True
 
 
 @dataclass
@@ -117,6 +121,7 @@ class Workload:
     blk_warps: np.ndarray | None = None    # forward: warps of the block's own variant; merge: 0
     blk_stages: np.ndarray | None = None   # forward: its KV pipeline stages; merge: 0
     blk_wg: np.ndarray | None = None       # forward: a warpgroup (wgmma) tile; merge: False
+    blk_weight: np.ndarray | None = None   # loads in flight, in WEIGHT_BYTES (merge: 1)
 
 
 def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float | None = None,
@@ -247,6 +252,15 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
     blk_lead = np.zeros(blk_l2.shape[0])
     nf = f_cta.shape[0]
     blk_lead[:nf] = np.maximum(blk_l2[:nf] - inflight, 0.0)
+    # Bandwidth weight: the KV bytes a block keeps in flight, its pipeline's stages of tiles (no
+    # more than it has).  Where the memory system is the bottleneck every request waits about as
+    # long, so blocks move bytes in proportion to what they have in flight (Little's law): a
+    # one-warp, one-stage block of one tile gets a quarter of what a 16x64 block of two stages
+    # gets (measured: bench/block_timeline.py, bench/NOTES.md round 24).
+    fst = stages[plan.cta_tile[fc].astype(np.int64)]
+    weight = np.ones(blk_l2.shape[0])
+    weight[:nf] = (np.minimum(fst, np.maximum(w.tiles[fc], 1)) * w.n[fc] * tok[fc]
+                   / WEIGHT_BYTES)
     return Workload(gpu=gpu, launches=launches, need=need, blk_cfg=np.concatenate(cfg),
                     blk_cta=np.concatenate(cta), blk_head=np.concatenate(head),
                     blk_launch=np.concatenate(lau), blk_bytes=np.concatenate(byt),
@@ -259,7 +273,8 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
                     blk_stages=np.concatenate([stages[plan.cta_tile[fc].astype(np.int64)],
                                                np.zeros(nm)]),
                     blk_wg=np.concatenate([cfg_wg[plan.cta_tile[fc].astype(np.int64)],
-                                           np.zeros(nm, dtype=bool)]))
+                                           np.zeros(nm, dtype=bool)]),
+                    blk_weight=weight)
 
 
 def block_costs(wl: Workload, c: SimConstants) -> tuple:
@@ -298,7 +313,7 @@ def run_timeline(wl: Workload, c: SimConstants, timing: str = "graph") -> Timeli
         wl.gpu.num_sms, sm_capacity(wl.gpu), wl.need, wl.blk_cfg, latency, wl.blk_bytes, compute,
         ptr, issue, phase, wl.num_phases, gaps, c.sm_bandwidth, c.hbm_bandwidth,
         blk_l2=wl.blk_l2, l2_bw=c.l2_bandwidth, blk_lead=wl.blk_lead, stream_gate=gate,
-        stream_hold=hold)
+        stream_hold=hold, blk_weight=wl.blk_weight if INFLIGHT_WEIGHTS else None)
     launches = [Launch(ln.name, ln.kind, ln.config, ln.begin, ln.end, float(issue[i]), ln.phase,
                        ln.gate, ln.hold) for i, ln in enumerate(wl.launches)]
     return Timeline(num_sms=wl.gpu.num_sms, launches=launches, block_launch=wl.blk_launch,

@@ -71,62 +71,66 @@ def _recompute_sm(x, res, state, timer_end, vfin, max_res):
 
 
 @njit(cache=True)
-def _fair_level(ntr, wsum, num_sms, max_res, sm_bw, cap_bw, hist):
-    """Max-min fair share per streaming block under one bandwidth cap.
+def _fair_level(ntr, wsum, dsum, num_sms, sm_bw, umax, cap_bw, cbuf, dbuf):
+    """The level (rate per unit of in-flight weight) at which one capped pool runs out.
 
-    Block rates are ``min(sm_bw / k_x, L)`` for a block on an SM with ``k_x`` streaming blocks.
-    A block draws on the capped resource with a weight: 1 for the L2 while it streams its
-    leading hits; while it streams the rest, its HBM share for DRAM and the remaining hits'
-    share for the L2.  ``wsum[x]`` is the weight summed over SM ``x``'s streaming blocks.
-    ``L`` (returned; ``inf`` when the resource is not the limit) makes the demand
-    ``sum_x wsum_x * min(sm_bw / k_x, L)`` equal ``cap_bw``.  Solved over the histogram of ``k_x``
-    (at most ``max_res + 1`` distinct values), so the cost is one pass over the SMs.  With every
-    weight 1 this is the plain rule ``sum_x min(sm_bw, k_x * L) = cap_bw``.
+    A block of weight ``w`` (its loads in flight, see :func:`run_engine`) on SM ``x`` moves at
+    ``w * min(c_x, L)``, ``c_x = min(umax, sm_bw / wsum_x)`` the most the SM allows per unit
+    (``wsum_x``: the weight of its streaming blocks).  A block draws on the pool with a share of
+    its weight: all of it for the L2 while it streams its leading hits; while it streams the rest,
+    its HBM share for DRAM and the remaining hits' share for the L2; ``dsum[x]`` is that share
+    summed over SM ``x``.  ``L`` (returned; ``inf`` when the pool is not the limit) makes the
+    demand ``sum_x dsum_x * min(c_x, L)`` equal ``cap_bw``: raise ``L`` through the SMs' caps in
+    increasing order, each SM whose cap is passed saturating there.  With every weight 1 and no
+    ``umax`` this is the plain rule ``sum_x min(sm_bw, k_x * L) = cap_bw`` (``k_x`` streaming
+    blocks on SM ``x``).
     """
-    for k in range(max_res + 1):
-        hist[k] = 0.0
+    n = 0
     full = 0.0
+    total = 0.0
     for x in range(num_sms):
-        if ntr[x] > 0:
-            hist[ntr[x]] += wsum[x]
-            full += wsum[x] * sm_bw / ntr[x]
-    if full <= cap_bw * (1.0 + 1e-12):
+        if ntr[x] > 0 and dsum[x] > 0.0:
+            c = sm_bw / wsum[x]
+            if umax < c:
+                c = umax
+            cbuf[n] = c
+            dbuf[n] = dsum[x]
+            full += dsum[x] * c
+            total += dsum[x]
+            n += 1
+    if n == 0 or full <= cap_bw * (1.0 + 1e-12):
         return _INF
-    # raise L through the breakpoints sm_bw / k (k from large to small); SMs with k * L >= sm_bw
-    # are saturated at sm_bw / k per block, the rest take L
-    sat_bw = 0.0          # demand of saturated SMs
-    weight = 0.0          # weight of streaming blocks on unsaturated SMs
-    for k in range(1, max_res + 1):
-        weight += hist[k]
-    for k in range(max_res, 0, -1):
-        if hist[k] <= 0.0:
-            continue
-        # candidate level with SMs of k' > k saturated: L = (cap - sat_bw) / weight
+    order = np.argsort(cbuf[:n])
+    sat_bw = 0.0          # demand of the SMs saturated at their cap
+    weight = total        # pool share of the blocks on unsaturated SMs
+    for i in order:
         L = (cap_bw - sat_bw) / weight
-        if L <= sm_bw / k:
+        if L <= cbuf[i]:
             return L
-        sat_bw += hist[k] * sm_bw / k
-        weight -= hist[k]
+        sat_bw += dbuf[i] * cbuf[i]
+        weight -= dbuf[i]
     return _INF
 
 
 @njit(cache=True)
-def _start_stream(b, x, V, blk_bytes, blk_lead, hshare, seg, vfin, hsum, lsum):
-    """Block ``b`` on SM ``x`` starts streaming: its leading L2 hits, else its mixed rest."""
+def _start_stream(b, x, V, blk_bytes, blk_lead, blk_w, hshare, seg, vfin, hsum, lsum, wsum):
+    """Block ``b`` on SM ``x`` starts streaming: its leading L2 hits, else its mixed rest.
+    ``V[x]`` counts bytes per unit of weight, so block ``b`` is done at ``bytes / w``."""
+    wsum[x] += blk_w[b]
     if blk_lead[b] > 0.0:
         seg[b] = 0
-        vfin[b] = V[x] + blk_lead[b]
-        lsum[x] += 1.0
+        vfin[b] = V[x] + blk_lead[b] / blk_w[b]
+        lsum[x] += blk_w[b]
     else:
-        _start_rest(b, x, V, blk_bytes, blk_lead, hshare, seg, vfin, hsum, lsum)
+        _start_rest(b, x, V, blk_bytes, blk_lead, blk_w, hshare, seg, vfin, hsum, lsum)
 
 
 @njit(cache=True)
-def _start_rest(b, x, V, blk_bytes, blk_lead, hshare, seg, vfin, hsum, lsum):
+def _start_rest(b, x, V, blk_bytes, blk_lead, blk_w, hshare, seg, vfin, hsum, lsum):
     seg[b] = 1
-    vfin[b] = V[x] + (blk_bytes[b] - blk_lead[b])
-    hsum[x] += hshare[b]
-    lsum[x] += 1.0 - hshare[b]
+    vfin[b] = V[x] + (blk_bytes[b] - blk_lead[b]) / blk_w[b]
+    hsum[x] += blk_w[b] * hshare[b]
+    lsum[x] += blk_w[b] * (1.0 - hshare[b])
 
 
 @njit(cache=True)
@@ -176,7 +180,7 @@ def _launch_done(s0, t, stream_left, stream_gate, state, blk_stream, blk_sm, blk
 @njit(cache=True)
 def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_l2, blk_lead, blk_compute,
               stream_ptr, stream_ready, stream_phase, stream_gate, stream_hold, num_phases,
-              phase_gap, sm_bw, hbm_bw, l2_bw):
+              phase_gap, sm_bw, hbm_bw, l2_bw, blk_w, umax):
     N = blk_cfg.shape[0]
     S = stream_ready.shape[0]
     max_res = cap[3]
@@ -208,9 +212,11 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_l2, blk_l
     V = np.zeros(num_sms)
     tmin = np.full(num_sms, _INF)
     vmin = np.full(num_sms, _INF)
-    rate = np.zeros(num_sms)
-    hist = np.zeros(max_res + 1)
-    hsum = np.zeros(num_sms)                # HBM share summed over an SM's streaming blocks
+    rate = np.zeros(num_sms)                # per unit of weight: a block moves w * rate
+    cbuf = np.zeros(num_sms)
+    dbuf = np.zeros(num_sms)
+    wsum = np.zeros(num_sms)                # weight summed over an SM's streaming blocks
+    hsum = np.zeros(num_sms)                # HBM share of that weight
     lsum = np.zeros(num_sms)                # L2 share, likewise
     head = stream_ptr[:-1].copy()
     remaining = np.zeros(num_phases, dtype=np.int64)
@@ -275,14 +281,14 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_l2, blk_l
                         state[b] = 2
                         sstart[b] = t
                         ntr[best] += 1
-                        _start_stream(b, best, V, blk_bytes, blk_lead, hshare, seg, vfin,
-                                      hsum, lsum)
+                        _start_stream(b, best, V, blk_bytes, blk_lead, blk_w, hshare, seg,
+                                      vfin, hsum, lsum, wsum)
                         if vfin[b] < vmin[best]:
                             vmin[best] = vfin[b]
                     head[s] += 1
         # ---- next event
-        Lh = _fair_level(ntr, hsum, num_sms, max_res, sm_bw, hbm_bw, hist)
-        Ll = _fair_level(ntr, lsum, num_sms, max_res, sm_bw, l2_bw, hist)
+        Lh = _fair_level(ntr, wsum, hsum, num_sms, sm_bw, umax, hbm_bw, cbuf, dbuf)
+        Ll = _fair_level(ntr, wsum, lsum, num_sms, sm_bw, umax, l2_bw, cbuf, dbuf)
         tn = _INF
         for x in range(num_sms):
             if tmin[x] < tn:
@@ -290,11 +296,11 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_l2, blk_l
             if ntr[x] > 0:
                 # an SM's blocks share one level: the lowest cap among the pools they draw on
                 L = _INF
-                if hsum[x] > 1e-9:
+                if hsum[x] > 1e-12:
                     L = Lh
-                if lsum[x] > 1e-9 and Ll < L:
+                if lsum[x] > 1e-12 and Ll < L:
                     L = Ll
-                rate[x] = min(sm_bw / ntr[x], L)
+                rate[x] = min(sm_bw / wsum[x], umax, L)
                 te = t + (vmin[x] - V[x]) / rate[x]
                 if te < tn:
                     tn = te
@@ -332,19 +338,23 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_l2, blk_l
                     state[b] = 2
                     sstart[b] = t
                     ntr[x] += 1
-                    _start_stream(b, x, V, blk_bytes, blk_lead, hshare, seg, vfin, hsum, lsum)
+                    _start_stream(b, x, V, blk_bytes, blk_lead, blk_w, hshare, seg, vfin, hsum,
+                                  lsum, wsum)
                 elif state[b] == 2 and seg[b] == 0 and vfin[b] - V[x] <= eps_v and \
                         blk_bytes[b] - blk_lead[b] > 0.0:
-                    lsum[x] -= 1.0              # leading hits done: the rest follows
-                    _start_rest(b, x, V, blk_bytes, blk_lead, hshare, seg, vfin, hsum, lsum)
+                    lsum[x] -= blk_w[b]         # leading hits done: the rest follows
+                    _start_rest(b, x, V, blk_bytes, blk_lead, blk_w, hshare, seg, vfin, hsum,
+                                lsum)
                 elif state[b] == 2 and vfin[b] - V[x] <= eps_v:
                     ntr[x] -= 1
+                    wsum[x] -= blk_w[b]
                     if seg[b] == 0:
-                        lsum[x] -= 1.0
+                        lsum[x] -= blk_w[b]
                     else:
-                        hsum[x] -= hshare[b]
-                        lsum[x] -= 1.0 - hshare[b]
+                        hsum[x] -= blk_w[b] * hshare[b]
+                        lsum[x] -= blk_w[b] * (1.0 - hshare[b])
                     if ntr[x] == 0:
+                        wsum[x] = 0.0
                         hsum[x] = 0.0
                         lsum[x] = 0.0
                     if sstart[b] + blk_compute[b] > t + eps_t:
@@ -460,7 +470,8 @@ class Timeline:
 def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_latency, blk_bytes,
                blk_compute, stream_ptr, stream_ready, stream_phase, num_phases: int,
                gap_ns, sm_bw: float, hbm_bw: float, blk_l2=None,
-               l2_bw: float = np.inf, blk_lead=None, stream_gate=None, stream_hold=None):
+               l2_bw: float = np.inf, blk_lead=None, stream_gate=None, stream_hold=None,
+               blk_weight=None, unit_bw: float = np.inf):
     """Typed front door to the Numba loop; raises ``ValueError`` when a block fits no SM.
 
     ``gap_ns``: the wait (ns) between the end of one phase and the start of the next, one
@@ -476,6 +487,10 @@ def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_lat
     ``stream_hold``: bool [S], for each gated launch whether its blocks wait for the gate's end
     (default: all do); a launch that does not is only placed after its gate (a chained forward
     launch, whose one waiting block is its last).
+    ``blk_weight``: float64 [N] > 0, each block's loads in flight (default 1 each): where the
+    blocks of an SM or of the GPU compete for bandwidth, each gets a share in proportion to its
+    weight.  ``unit_bw``: the most a block moves per unit of weight when nothing competes
+    (bytes/ns; default no limit), so a block's own loads in flight bound its speed.
     """
     blk_bytes = np.ascontiguousarray(blk_bytes, dtype=np.float64)
     blk_l2 = (np.zeros(blk_bytes.shape[0]) if blk_l2 is None
@@ -507,6 +522,12 @@ def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_lat
             else np.ascontiguousarray(stream_hold, dtype=np.int8))
     if hold.shape != (S,):
         raise ValueError("stream_hold must hold one flag per launch")
+    w = (np.ones(blk_bytes.shape[0]) if blk_weight is None
+         else np.ascontiguousarray(blk_weight, dtype=np.float64))
+    if w.shape != blk_bytes.shape or not np.all(w > 0):
+        raise ValueError("blk_weight must hold one positive value per block")
+    if not unit_bw > 0:
+        raise ValueError("unit_bw must be positive")
     gaps = np.ascontiguousarray(np.broadcast_to(np.asarray(gap_ns, dtype=np.float64),
                                                 (max(int(num_phases), 1),)))
     if np.any(gaps < 0):
@@ -519,7 +540,7 @@ def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_lat
                     np.ascontiguousarray(stream_ready, dtype=np.float64),
                     np.ascontiguousarray(stream_phase, dtype=np.int32), gate, hold,
                     int(num_phases),
-                    gaps, float(sm_bw), float(hbm_bw), float(l2_bw))
+                    gaps, float(sm_bw), float(hbm_bw), float(l2_bw), w, float(unit_bw))
     status = out[0]
     if status != 0:
         raise RuntimeError("timeline stalled: a block could not be placed on any SM")
