@@ -368,7 +368,7 @@ class CudaBackend:
             smem = variant.smem_bytes
             # opt in near the 48 KB default too: the limit counts static shared memory as well
             # (the graph-safe kernels have a few bytes), so 48 KB of dynamic alone is too much
-            if smem > 40 * 1024:
+            if smem > cc.SMEM_OPT_IN_BYTES:
                 if self.max_smem_optin and smem > self.max_smem_optin:
                     raise ValueError(f"{variant.key} needs {smem} bytes of shared memory; this "
                                      f"device allows {self.max_smem_optin}")

@@ -11,11 +11,22 @@ its variant's ``warps`` warps (:func:`pat_core.tiles.kernel_resources`)::
     duration = latency + max(bytes / bandwidth share, compute, chain)
 
 where the bandwidth share comes from the event-driven fluid model of :mod:`sim.timeline`: memory
-bandwidth is split max-min fairly between the blocks that are streaming, no SM pulling more than
-``sm_bandwidth``, the HBM bytes of all of them together no more than ``hbm_bandwidth`` and their
-L2 hits (:mod:`sim.l2`: a page re-read while still in L2) no more than ``l2_bandwidth``; a
-block streams its shared prefix's hits before its own pages (all but the hits its KV pipeline
-has in flight with the misses that follow).  (With every SM busy and equal blocks this is the
+bandwidth is split between the blocks that are streaming in proportion to the KV bytes each
+keeps in flight (its weight: ``min(stages, tiles) * n`` tokens of K and V over
+:data:`WEIGHT_BYTES`; where memory is the bottleneck every request waits about as long, so a
+block's rate follows what it has in flight), no SM pulling more than ``sm_bandwidth``, the HBM
+bytes of all of them together no more than ``hbm_bandwidth`` and their L2 hits (:mod:`sim.l2`:
+a page re-read while still in L2) no more than ``l2_bandwidth``; a block streams its shared
+prefix's hits before its own pages (all but the hits its KV pipeline has in flight with the
+misses that follow), and while DRAM is the bottleneck its hits move no faster than the misses
+around them (they queue at the same L2 slices).  Forward blocks of kernels with more than
+``SMEM_OPT_IN_BYTES`` of shared memory and of kernels with less never share an SM
+(:func:`sim.occupancy.smem_class`).  These three rules were measured block by block
+(``bench/block_timeline.py``, bench/NOTES.md round 24: a deep tree's one-warp leaves wait for
+the SMs of its 16x64 root blocks to empty; the root blocks, with four times the loads in flight,
+finish first; the quick-start batch's ``query`` blocks that hit in L2 take 94% as long as those
+that miss); :data:`INFLIGHT_WEIGHTS`, :data:`SMEM_CLASSES` and :data:`HITS_QUEUE` switch each
+off for ablations.  (With every SM busy and equal blocks this is the
 simple rule "an SM's share is ``hbm_bandwidth / num_sms``, split between its resident blocks";
 the fluid form also gets the tail and small batches right.)  A merge block (``MERGE_WARPS``
 (request, head) pairs) costs ``block_ns`` latency, its
@@ -83,7 +94,8 @@ from pat_core.launch import (chain_order, finisher_chain, finisher_launch_depend
 
 from .constants import SimConstants, check_timing, load_constants
 from .l2 import l2_split, l2_window
-from .occupancy import (merge_resources, plan_occupancy, resource_vector, sm_capacity)
+from .occupancy import (merge_resources, plan_occupancy, resource_vector, sm_capacity,
+                        smem_class)
 from .timeline import Launch, Timeline, run_engine
 from .traffic import bytes_by_kind, forward_work, merge_work, padding_waste
 
@@ -91,7 +103,10 @@ HEAD_MINOR = True       # forward grid: a CTA's KV heads adjacent (pat_fwd.cuh, 
 # a block's bandwidth weight is its KV bytes in flight over this (a 16x64 tile's two stages of
 # 64 fp16 tokens at head_dim 128, K and V); a merge block weighs 1
 WEIGHT_BYTES = 65536.0
-INFLIGHT_WEIGHTS = True
+# the timeline's sharing rules (module docstring), each on; False turns one off (ablations)
+INFLIGHT_WEIGHTS = True     # bandwidth in proportion to the loads in flight (else equal shares)
+SMEM_CLASSES = True         # forward blocks of the two sim.occupancy.smem_class classes apart
+HITS_QUEUE = True           # L2 hits no faster than DRAM's level while DRAM is saturated
 
 
 @dataclass
@@ -122,6 +137,7 @@ class Workload:
     blk_stages: np.ndarray | None = None   # forward: its KV pipeline stages; merge: 0
     blk_wg: np.ndarray | None = None       # forward: a warpgroup (wgmma) tile; merge: False
     blk_weight: np.ndarray | None = None   # loads in flight, in WEIGHT_BYTES (merge: 1)
+    cfg_class: np.ndarray | None = None    # int [configs + 2]: sim.occupancy.smem_class (-1: any)
 
 
 def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float | None = None,
@@ -154,6 +170,12 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
         rs = [occ[k].resources for k in sorted(set(int(k) for k in plan.group_tile))]
         need[T + 1] = resource_vector(max(r.threads for r in rs), max(r.registers for r in rs),
                                       max(r.smem for r in rs))
+    # which forward blocks may share an SM (the merge's share with any)
+    cfg_class = np.full(T + 2, -1, dtype=np.int64)
+    for k in range(T):
+        cfg_class[k] = smem_class(int(need[k, 0]))
+    if fused:
+        cfg_class[T + 1] = smem_class(int(need[T + 1, 0]))
     cap = sm_capacity(gpu)
     for k, o in enumerate(occ):
         if np.any(need[k] > cap):
@@ -274,7 +296,7 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
                                                np.zeros(nm)]),
                     blk_wg=np.concatenate([cfg_wg[plan.cta_tile[fc].astype(np.int64)],
                                            np.zeros(nm, dtype=bool)]),
-                    blk_weight=weight)
+                    blk_weight=weight, cfg_class=cfg_class)
 
 
 def block_costs(wl: Workload, c: SimConstants) -> tuple:
@@ -313,7 +335,8 @@ def run_timeline(wl: Workload, c: SimConstants, timing: str = "graph") -> Timeli
         wl.gpu.num_sms, sm_capacity(wl.gpu), wl.need, wl.blk_cfg, latency, wl.blk_bytes, compute,
         ptr, issue, phase, wl.num_phases, gaps, c.sm_bandwidth, c.hbm_bandwidth,
         blk_l2=wl.blk_l2, l2_bw=c.l2_bandwidth, blk_lead=wl.blk_lead, stream_gate=gate,
-        stream_hold=hold, blk_weight=wl.blk_weight if INFLIGHT_WEIGHTS else None)
+        stream_hold=hold, blk_weight=wl.blk_weight if INFLIGHT_WEIGHTS else None,
+        cfg_class=wl.cfg_class if SMEM_CLASSES else None, hits_queue=HITS_QUEUE)
     launches = [Launch(ln.name, ln.kind, ln.config, ln.begin, ln.end, float(issue[i]), ln.phase,
                        ln.gate, ln.hold) for i, ln in enumerate(wl.launches)]
     return Timeline(num_sms=wl.gpu.num_sms, launches=launches, block_launch=wl.blk_launch,

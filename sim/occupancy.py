@@ -25,6 +25,20 @@ try:  # the CUDA launcher is optional on CPU machines
 except Exception:  # noqa: BLE001 - any import problem means "use the documented default"
     MERGE_WARPS = 4
 MERGE_REGISTERS = 40
+try:
+    from pat_core.cuda_compile import SMEM_OPT_IN_BYTES  # type: ignore
+except Exception:  # noqa: BLE001
+    SMEM_OPT_IN_BYTES = 40 * 1024
+
+
+def smem_class(smem: int) -> int:
+    """Which forward blocks may share an SM: ``1`` for a kernel loaded with its shared-memory
+    maximum raised (more than ``SMEM_OPT_IN_BYTES``), ``0`` for one below it.  Measured (H100 and
+    H200, the driver's default carveout; bench/NOTES.md round 24): a block never joins an SM
+    that holds a forward block of the other class, however much room is left (a one-warp 16x32
+    leaf waits for the 16x64 root blocks to leave), while the merge kernel's blocks (no shared
+    memory) join either; the timeline takes the merge as compatible with both (class ``-1``)."""
+    return 1 if smem > SMEM_OPT_IN_BYTES else 0
 
 
 def resource_vector(threads: int, registers: int, smem: int) -> np.ndarray:

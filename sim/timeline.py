@@ -23,10 +23,14 @@ What it models
   flight, partial write), then *streaming*: it moves its ``bytes`` while computing; it ends when
   both the bytes are moved and ``compute`` time has passed since streaming began (the kernel
   double-buffers, so compute and loads overlap).
-* **Bandwidth.** Memory is shared as a fluid, max-min fair between streaming blocks (the memory
-  system serves outstanding requests, and every block keeps a similar number in flight), under
-  three caps: one SM pulls at most ``sm_bw`` (its blocks split it); the blocks streaming from
-  HBM together at most ``hbm_bw``; the blocks streaming L2 hits (see :mod:`sim.l2`) together at
+* **Placement classes.** A block config may carry a class (0 or 1; -1: any): a block is not
+  placed on an SM that holds a block of the other class (measured: forward kernels with and
+  without a raised shared-memory limit never share an SM; :func:`sim.occupancy.smem_class`).
+* **Bandwidth.** Memory is shared as a fluid between streaming blocks in proportion to their
+  weights (the loads each keeps in flight: the memory system serves outstanding requests, and
+  where it is the bottleneck each waits about as long, so a block's rate follows what it has in
+  flight; with equal weights this is max-min fair), under three caps: one SM pulls at most
+  ``sm_bw`` (its blocks split it); the blocks streaming from HBM together at most ``hbm_bw``; the blocks streaming L2 hits (see :mod:`sim.l2`) together at
   most ``l2_bw``.  A block streams its *leading* L2 hits first (a shared prefix precedes a
   request's own pages; :func:`sim.model.prepare` leads with all hits but what the KV pipeline
   keeps in flight), then the rest as a fixed mix of HBM bytes and remaining hits.  So blocks
@@ -34,12 +38,15 @@ What it models
   than spreading the hits over their whole life.  The blocks of one SM move at one common
   level: the lowest that the caps of the pools they draw on allow (each pool's level solved on
   its own, so where the two caps bind on different SMs the split is not exactly max-min fair:
-  bandwidth one pool's SMs leave unused is not handed to the other's).  So a lone block cannot
-  use the whole GPU, a full GPU cannot exceed DRAM bandwidth, and L2 hits cost no DRAM
-  bandwidth.
+  bandwidth one pool's SMs leave unused is not handed to the other's).  With ``hits_queue``, an
+  SM streaming L2 hits moves no faster than DRAM's level while DRAM is the bottleneck (the hits
+  wait in the same L2 queues as the misses), though its hits cost no DRAM bandwidth.  A level is
+  per unit of weight: a block moves ``weight x level``.  So a lone block cannot use the whole
+  GPU, a full GPU cannot exceed DRAM bandwidth, and L2 hits cost no DRAM bandwidth.
 
 The engine is a Numba loop over events (a block starting, finishing its latency, its bytes or its
-compute; a launch arriving; a phase opening).  Per event it touches every SM once, so a plan of
+compute; a launch arriving; a phase opening).  Per event it touches every SM once (and sorts the
+streaming SMs' caps to solve each pool's level), so a plan of
 tens of thousands of blocks simulates in milliseconds.
 """
 from __future__ import annotations
@@ -71,18 +78,18 @@ def _recompute_sm(x, res, state, timer_end, vfin, max_res):
 
 
 @njit(cache=True)
-def _fair_level(ntr, wsum, dsum, num_sms, sm_bw, umax, cap_bw, cbuf, dbuf):
+def _fair_level(ntr, wsum, dsum, num_sms, sm_bw, cap_bw, cbuf, dbuf):
     """The level (rate per unit of in-flight weight) at which one capped pool runs out.
 
     A block of weight ``w`` (its loads in flight, see :func:`run_engine`) on SM ``x`` moves at
-    ``w * min(c_x, L)``, ``c_x = min(umax, sm_bw / wsum_x)`` the most the SM allows per unit
+    ``w * min(c_x, L)``, ``c_x = sm_bw / wsum_x`` the most the SM allows per unit
     (``wsum_x``: the weight of its streaming blocks).  A block draws on the pool with a share of
     its weight: all of it for the L2 while it streams its leading hits; while it streams the rest,
     its HBM share for DRAM and the remaining hits' share for the L2; ``dsum[x]`` is that share
     summed over SM ``x``.  ``L`` (returned; ``inf`` when the pool is not the limit) makes the
     demand ``sum_x dsum_x * min(c_x, L)`` equal ``cap_bw``: raise ``L`` through the SMs' caps in
-    increasing order, each SM whose cap is passed saturating there.  With every weight 1 and no
-    ``umax`` this is the plain rule ``sum_x min(sm_bw, k_x * L) = cap_bw`` (``k_x`` streaming
+    increasing order, each SM whose cap is passed saturating there.  With every weight 1 this is
+    the plain rule ``sum_x min(sm_bw, k_x * L) = cap_bw`` (``k_x`` streaming
     blocks on SM ``x``).
     """
     n = 0
@@ -91,8 +98,6 @@ def _fair_level(ntr, wsum, dsum, num_sms, sm_bw, umax, cap_bw, cbuf, dbuf):
     for x in range(num_sms):
         if ntr[x] > 0 and dsum[x] > 0.0:
             c = sm_bw / wsum[x]
-            if umax < c:
-                c = umax
             cbuf[n] = c
             dbuf[n] = dsum[x]
             full += dsum[x] * c
@@ -135,20 +140,23 @@ def _start_rest(b, x, V, blk_bytes, blk_lead, blk_w, hshare, seg, vfin, hsum, ls
 
 @njit(cache=True)
 def _finish_block(b, x, lane, t, state, blk_end, blk_cfg, need, free, nres, res, remaining,
-                  blk_phase):
+                  blk_phase, cfg_class, ncls):
     state[b] = 4
     blk_end[b] = t
     k = blk_cfg[b]
     for j in range(4):
         free[x, j] += need[k, j]
     nres[x] -= 1
+    if cfg_class[k] >= 0:
+        ncls[x, cfg_class[k]] -= 1
     res[x, lane] = -1
     remaining[blk_phase[b]] -= 1
 
 
 @njit(cache=True)
 def _launch_done(s0, t, stream_left, stream_gate, state, blk_stream, blk_sm, blk_lane, blk_end,
-                 blk_cfg, need, free, nres, res, remaining, blk_phase, stream_ptr):
+                 blk_cfg, need, free, nres, res, remaining, blk_phase, stream_ptr, cfg_class,
+                 ncls):
     """A block of launch ``s0`` finished at ``t``: count it, and when that was the launch's last,
     finish the waiting blocks of the launches gated on it (and so on).  Returns how many
     waiting blocks finished."""
@@ -168,7 +176,7 @@ def _launch_done(s0, t, stream_left, stream_gate, state, blk_stream, blk_sm, blk
             for b in range(stream_ptr[s], stream_ptr[s + 1]):
                 if state[b] == 5:
                     _finish_block(b, blk_sm[b], blk_lane[b], t, state, blk_end, blk_cfg, need,
-                                  free, nres, res, remaining, blk_phase)
+                                  free, nres, res, remaining, blk_phase, cfg_class, ncls)
                     released += 1
                     stream_left[s] -= 1
                     if stream_left[s] == 0:
@@ -180,7 +188,7 @@ def _launch_done(s0, t, stream_left, stream_gate, state, blk_stream, blk_sm, blk
 @njit(cache=True)
 def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_l2, blk_lead, blk_compute,
               stream_ptr, stream_ready, stream_phase, stream_gate, stream_hold, num_phases,
-              phase_gap, sm_bw, hbm_bw, l2_bw, blk_w, umax):
+              phase_gap, sm_bw, hbm_bw, l2_bw, blk_w, cfg_class, hits_queue):
     N = blk_cfg.shape[0]
     S = stream_ready.shape[0]
     max_res = cap[3]
@@ -208,6 +216,7 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_l2, blk_l
             free[x, j] = cap[j]
     res = np.full((num_sms, max_res), -1, dtype=np.int64)
     nres = np.zeros(num_sms, dtype=np.int64)
+    ncls = np.zeros((num_sms, 2), dtype=np.int64)   # resident blocks of each class (0, 1)
     ntr = np.zeros(num_sms, dtype=np.int64)
     V = np.zeros(num_sms)
     tmin = np.full(num_sms, _INF)
@@ -250,12 +259,14 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_l2, blk_l
                 while head[s] < stream_ptr[s + 1]:
                     b = head[s]
                     k = blk_cfg[b]
+                    kc = cfg_class[k]
                     best = -1
                     bestn = max_res + 1
                     for x in range(num_sms):
                         if nres[x] < bestn and free[x, 0] >= need[k, 0] and \
                                 free[x, 1] >= need[k, 1] and free[x, 2] >= need[k, 2] and \
-                                free[x, 3] >= need[k, 3]:
+                                free[x, 3] >= need[k, 3] and \
+                                (kc < 0 or ncls[x, 1 - kc] == 0):
                             best = x
                             bestn = nres[x]
                     if best < 0:
@@ -265,6 +276,8 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_l2, blk_l
                         lane += 1
                     res[best, lane] = b
                     nres[best] += 1
+                    if kc >= 0:
+                        ncls[best, kc] += 1
                     for j in range(4):
                         free[best, j] -= need[k, j]
                     blk_sm[b] = best
@@ -287,8 +300,8 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_l2, blk_l
                             vmin[best] = vfin[b]
                     head[s] += 1
         # ---- next event
-        Lh = _fair_level(ntr, wsum, hsum, num_sms, sm_bw, umax, hbm_bw, cbuf, dbuf)
-        Ll = _fair_level(ntr, wsum, lsum, num_sms, sm_bw, umax, l2_bw, cbuf, dbuf)
+        Lh = _fair_level(ntr, wsum, hsum, num_sms, sm_bw, hbm_bw, cbuf, dbuf)
+        Ll = _fair_level(ntr, wsum, lsum, num_sms, sm_bw, l2_bw, cbuf, dbuf)
         tn = _INF
         for x in range(num_sms):
             if tmin[x] < tn:
@@ -300,7 +313,9 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_l2, blk_l
                     L = Lh
                 if lsum[x] > 1e-12 and Ll < L:
                     L = Ll
-                rate[x] = min(sm_bw / wsum[x], umax, L)
+                if hits_queue and Lh < L:
+                    L = Lh
+                rate[x] = min(sm_bw / wsum[x], L)
                 te = t + (vmin[x] - V[x]) / rate[x]
                 if te < tn:
                     tn = te
@@ -370,11 +385,12 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_l2, blk_l
                         state[b] = 5        # a dependent block waits for its gate launch's end
                         continue
                     _finish_block(b, x, lane, t, state, blk_end, blk_cfg, need, free, nres,
-                                  res, remaining, blk_phase)
+                                  res, remaining, blk_phase, cfg_class, ncls)
                     done += 1
                     done += _launch_done(blk_stream[b], t, stream_left, stream_gate, state,
                                          blk_stream, blk_sm, blk_lane, blk_end, blk_cfg, need,
-                                         free, nres, res, remaining, blk_phase, stream_ptr)
+                                         free, nres, res, remaining, blk_phase, stream_ptr,
+                                         cfg_class, ncls)
             tmin[x], vmin[x] = _recompute_sm(x, res, state, timer_end, vfin, max_res)
         while cur < num_phases and remaining[cur] == 0:
             phase_end[cur] = t
@@ -471,7 +487,7 @@ def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_lat
                blk_compute, stream_ptr, stream_ready, stream_phase, num_phases: int,
                gap_ns, sm_bw: float, hbm_bw: float, blk_l2=None,
                l2_bw: float = np.inf, blk_lead=None, stream_gate=None, stream_hold=None,
-               blk_weight=None, unit_bw: float = np.inf):
+               blk_weight=None, cfg_class=None, hits_queue: bool = False):
     """Typed front door to the Numba loop; raises ``ValueError`` when a block fits no SM.
 
     ``gap_ns``: the wait (ns) between the end of one phase and the start of the next, one
@@ -489,8 +505,9 @@ def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_lat
     launch, whose one waiting block is its last).
     ``blk_weight``: float64 [N] > 0, each block's loads in flight (default 1 each): where the
     blocks of an SM or of the GPU compete for bandwidth, each gets a share in proportion to its
-    weight.  ``unit_bw``: the most a block moves per unit of weight when nothing competes
-    (bytes/ns; default no limit), so a block's own loads in flight bound its speed.
+    weight.
+    ``cfg_class``: int [configs], each config's class (0 or 1; -1: any): a block is not placed
+    on an SM that holds a block of the other class (default: every config -1).
     """
     blk_bytes = np.ascontiguousarray(blk_bytes, dtype=np.float64)
     blk_l2 = (np.zeros(blk_bytes.shape[0]) if blk_l2 is None
@@ -526,8 +543,11 @@ def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_lat
          else np.ascontiguousarray(blk_weight, dtype=np.float64))
     if w.shape != blk_bytes.shape or not np.all(w > 0):
         raise ValueError("blk_weight must hold one positive value per block")
-    if not unit_bw > 0:
-        raise ValueError("unit_bw must be positive")
+    ncfg = need.shape[0]
+    cls = (np.full(ncfg, -1, dtype=np.int64) if cfg_class is None
+           else np.ascontiguousarray(cfg_class, dtype=np.int64))
+    if cls.shape != (ncfg,) or np.any((cls < -1) | (cls > 1)):
+        raise ValueError("cfg_class must hold one class (-1, 0 or 1) per block config")
     gaps = np.ascontiguousarray(np.broadcast_to(np.asarray(gap_ns, dtype=np.float64),
                                                 (max(int(num_phases), 1),)))
     if np.any(gaps < 0):
@@ -540,7 +560,7 @@ def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_lat
                     np.ascontiguousarray(stream_ready, dtype=np.float64),
                     np.ascontiguousarray(stream_phase, dtype=np.int32), gate, hold,
                     int(num_phases),
-                    gaps, float(sm_bw), float(hbm_bw), float(l2_bw), w, float(unit_bw))
+                    gaps, float(sm_bw), float(hbm_bw), float(l2_bw), w, cls, bool(hits_queue))
     status = out[0]
     if status != 0:
         raise RuntimeError("timeline stalled: a block could not be placed on any SM")
