@@ -94,11 +94,18 @@ assert q_res.bytes_level["l2"] + q_res.bytes_level["hbm"] == q_res.bytes["total"
 # comes from HBM once however long it is. And a request's shared prefix comes before its own
 # pages, so a block streams those hits **first**, except the few KV tiles its pipeline has in
 # flight together with the misses behind them (the "lead" below); blocks that start together
-# therefore read the shared part at L2 speed and then meet at the DRAM cap. The cell below
-# counts the leading bytes of each plan: for query, a large share of its hits (its 384-token
-# prefix re-read by every request); pat's few hits (prefix pages two of its CTAs both read, a
-# few per block, and the merge kernel's partial reads) stay within what a block has in
-# flight, so none of them lead.
+# therefore read the shared part from L2 and then meet at the DRAM cap. From L2 is not the same
+# as at L2 speed: while DRAM is the bottleneck, hits wait in the same queues as the misses, so a
+# block streaming hits moves no faster than the blocks streaming from DRAM (they just cost DRAM
+# nothing). Two more rules of the timeline come from clocking every block of a step on a GPU
+# (`bench/block_timeline.py`): blocks share the bandwidth in proportion to the loads each keeps
+# in flight (a 16x32 block with one 32-token tile in flight gets a quarter of what a 16x64 block
+# with two 64-token tiles in flight gets), and a tile whose kernel raises its shared-memory
+# limit (above 40 KB) never shares an SM with one that does not. The cell below counts the
+# leading bytes of each plan: for query, a large share of its hits (its 384-token prefix re-read
+# by every request); pat's few hits (prefix pages two of its CTAs both read, a few per block,
+# and the merge kernel's partial reads) stay within what a block has in flight, so none of them
+# lead; then it shows the weights and classes of a deep tree's blocks.
 
 # %%
 from sim.model import prepare
@@ -113,6 +120,24 @@ for name, p in (("pat", plan), ("query", plan_for(spec, "query"))):
         assert lead > 0.25 * hits
     else:
         assert lead == 0 and hits > 0
+
+# the other two rules, on a deep tree of 32-token nodes at 16:8 (one-warp 16x32 leaves of one
+# tile beside 16x64 blocks): each block's bandwidth weight and each tile's shared-memory class
+deep_plan = plan_for("1,2,4,8,16,32,64,128_32,32,32,32,32,32,32,32", heads=(16, 8))
+deep = prepare(deep_plan)
+fwd = deep.blk_tiles > 0
+tiles = [tuple(t) for t in deep_plan.tile_configs.tolist()]
+for k, (m, n) in enumerate(tiles):
+    sel = fwd & (deep.blk_cfg == k)
+    print(f"{m}x{n}: shared memory {deep.need[k, 0] // 1024} KB, class {deep.cfg_class[k]}, "
+          f"weights {sorted(set(np.round(deep.blk_weight[sel], 2).tolist()))}")
+leaf, root = tiles.index((16, 32)), tiles.index((16, 64))
+# the statements above: a one-tile 16x32 leaf weighs a quarter of a 16x64 block with two
+# 64-token tiles in flight; 16x32 and 16x64 sit on either side of the 40 KB line
+assert np.all(deep.blk_weight[fwd & (deep.blk_cfg == leaf)] == 0.25)
+assert deep.blk_weight[fwd & (deep.blk_cfg == root)].max() == 1.0
+assert deep.need[leaf, 0] <= 40 * 1024 < deep.need[root, 0]
+assert deep.cfg_class[leaf] != deep.cfg_class[root]
 
 # %% [markdown]
 # A few definitions the printout uses (the cell below computes each for this plan):
