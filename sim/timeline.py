@@ -30,8 +30,8 @@ What it models
   weights (the loads each keeps in flight: the memory system serves outstanding requests, and
   where it is the bottleneck each waits about as long, so a block's rate follows what it has in
   flight; with equal weights this is max-min fair), under three caps: one SM pulls at most
-  ``sm_bw`` (its blocks split it); the blocks streaming from HBM together at most ``hbm_bw``; the blocks streaming L2 hits (see :mod:`sim.l2`) together at
-  most ``l2_bw``.  A block streams its *leading* L2 hits first (a shared prefix precedes a
+  ``sm_bw`` (its blocks split it); the blocks streaming from HBM together at most ``hbm_bw``;
+  the blocks streaming L2 hits (see :mod:`sim.l2`) together at most ``l2_bw``.  A block streams its *leading* L2 hits first (a shared prefix precedes a
   request's own pages; :func:`sim.model.prepare` leads with all hits but what the KV pipeline
   keeps in flight), then the rest as a fixed mix of HBM bytes and remaining hits.  So blocks
   that start together read the shared part at L2 speed and then meet at the HBM cap, rather
@@ -46,8 +46,8 @@ What it models
 
 The engine is a Numba loop over events (a block starting, finishing its latency, its bytes or its
 compute; a launch arriving; a phase opening).  Per event it touches every SM once (and sorts the
-streaming SMs' caps to solve each pool's level), so a plan of
-tens of thousands of blocks simulates in milliseconds.
+streaming SMs' caps to solve each pool's level), so a plan of tens of thousands of blocks
+simulates in milliseconds.
 """
 from __future__ import annotations
 
