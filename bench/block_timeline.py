@@ -70,7 +70,8 @@ def with_clock_define(cap: int) -> None:
 
 
 def clock_arrays(cap: int) -> dict:
-    """``{variant key: uint64 CuPy array [2, cap, REC]}``: the clock array of every loaded module."""
+    """``{variant key: uint64 CuPy array [2, cap, REC]}``: the clock array of every loaded
+    module."""
     import cupy as cp
     from pat_core.cuda_backend import CudaBackend
     dev = cp.cuda.runtime.getDevice()
@@ -114,8 +115,8 @@ def read_blocks(arrays: dict, plan, arch: str, hk: int) -> tuple:
             else:
                 where = lm.get((key, slot), "absent")
                 if where == "absent" or where is None:
-                    unmapped.append(f"{key} slot {slot}: {live.size} blocks "
-                                    f"({'two groups share it' if where is None else 'not a group'})")
+                    why = "two groups share it" if where is None else "not a group"
+                    unmapped.append(f"{key} slot {slot}: {live.size} blocks ({why})")
                     continue
             g, first, kind = where
             for bi in live:

@@ -31,9 +31,10 @@ What it models
   where it is the bottleneck each waits about as long, so a block's rate follows what it has in
   flight; with equal weights this is max-min fair), under three caps: one SM pulls at most
   ``sm_bw`` (its blocks split it); the blocks streaming from HBM together at most ``hbm_bw``;
-  the blocks streaming L2 hits (see :mod:`sim.l2`) together at most ``l2_bw``.  A block streams its *leading* L2 hits first (a shared prefix precedes a
-  request's own pages; :func:`sim.model.prepare` leads with all hits but what the KV pipeline
-  keeps in flight), then the rest as a fixed mix of HBM bytes and remaining hits.  So blocks
+  the blocks streaming L2 hits (see :mod:`sim.l2`) together at most ``l2_bw``.  A block
+  streams its *leading* L2 hits first (a shared prefix precedes a request's own pages;
+  :func:`sim.model.prepare` leads with all hits but what the KV pipeline keeps in flight), then
+  the rest as a fixed mix of HBM bytes and remaining hits.  So blocks
   that start together read the shared part at L2 speed and then meet at the HBM cap, rather
   than spreading the hits over their whole life.  The blocks of one SM move at one common
   level: the lowest that the caps of the pools they draw on allow (each pool's level solved on
