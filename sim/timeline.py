@@ -34,9 +34,9 @@ What it models
   the blocks streaming L2 hits (see :mod:`sim.l2`) together at most ``l2_bw``.  A block
   streams its *leading* L2 hits first (a shared prefix precedes a request's own pages;
   :func:`sim.model.prepare` leads with all hits but what the KV pipeline keeps in flight), then
-  the rest as a fixed mix of HBM bytes and remaining hits.  So blocks
-  that start together read the shared part at L2 speed and then meet at the HBM cap, rather
-  than spreading the hits over their whole life.  The blocks of one SM move at one common
+  the rest as a fixed mix of HBM bytes and remaining hits.  So blocks that start together read
+  the shared part from L2 (at L2 speed unless DRAM is already the bottleneck, see below) and
+  then meet at the HBM cap, rather than spreading the hits over their whole life.  The blocks of one SM move at one common
   level: the lowest that the caps of the pools they draw on allow (each pool's level solved on
   its own, so where the two caps bind on different SMs the split is not exactly max-min fair:
   bandwidth one pool's SMs leave unused is not handed to the other's).  With ``hits_queue``, an
