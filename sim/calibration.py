@@ -101,7 +101,8 @@ KERNEL_FIT = ("sm_bandwidth", "block_ns", "tile_ns", "sm_flops", "merge_slot_ns"
 # round 14), so the packaged constants keep it at 0 (off).
 CHAIN_FIT = ("tile_lat_ns",)
 # Fitted only on request (``sim fit --wg-flops``): the warpgroup tiles' own tensor-core rate
-# (sim.model); 0 in the packaged constants (bench/NOTES.md, round 23).
+# (sim.model); fitted in the packaged H200 constants, 0 (off) in the H100 ones (bench/NOTES.md,
+# rounds 23 and 24).
 WG_FIT = ("wg_flops",)
 TIMING_FIT = {"eager": ("start_ns", "launch_ns", "gap_ns"),
               "graph": ("graph_start_ns", "graph_launch_ns", "graph_gap_ns")}

@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "packaged constants; see sim.model)")
     p.add_argument("--wg-flops", action="store_true",
                    help="also fit wg_flops, the warpgroup (wgmma) tiles' own tensor-core rate "
-                        "(off in the packaged constants; see sim.model)")
+                        "(fitted in the packaged H200 constants, off in the H100 ones; see "
+                        "sim.model)")
     p.add_argument("--measured", action="append", default=[], metavar="KEY=VALUE",
                    help="replace a device measurement of the files (copy_bandwidth_gbps, "
                         "graph_launch_interval_ns, graph_join_ns), e.g. where a run's own copy "
