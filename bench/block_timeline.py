@@ -8,10 +8,10 @@ CUDA-graph replay after a clean L2 flush, as ``bench/calibrate.py`` times it; ``
 are recorded and the one whose forward span is the median is kept.
 
 For each case (``SPEC@HEADS@METHOD[@PAGE]``, e.g. ``1,4,16_128,256,1024@32:8@query``; page size
-``--page-size`` unless given) the JSON under
-``--out`` holds every measured block ``(launch, cta, head, sm, start, ready, end, cycles)`` and the
-simulator's block ``(start, end, sm)`` for the same ``(launch, cta, head)`` (packaged constants,
-graph timing); times in ns from the first forward block's start.  The table printed last gives,
+``--page-size`` unless given) the JSON under ``--out`` holds every measured block ``(kind, group,
+cta, head, sm, start, ready, end, cycles)`` and the simulator's block ``(kind, cta, head, sm,
+start, end)`` for the same ``(cta, head)`` (packaged constants, graph timing); times in ns from
+the first forward block's start.  The table printed last gives,
 per case: the replay's CUDA-event time, the forward span (first forward block start to last
 forward block end), the merge span, the median and 90th-percentile forward block duration, the
 most forward blocks running at once, and the same from the simulator.
@@ -19,9 +19,11 @@ most forward blocks running at once, and the same from the simulator.
     python3 bench/block_timeline.py --out OUT 1,4,16_128,256,1024@32:8@pat \\
         1,4,16_128,256,1024@32:8@query
 
-Blocks past ``CAP`` (``--cap``, 32768 per launch) are not recorded; the graph-safe pull
-kernels and the piped kernel record nothing.  A plan whose forward launches reuse one kernel
-variant (two groups of one tile) cannot be told apart by module and is reported as such.
+Blocks past ``CAP`` (``--cap``, 32768 per launch) are not recorded; the graph-safe fused kernel
+and the piped kernel record nothing, and the blocks of the other graph-safe (pull) and fused
+launches, which cannot be mapped to one CTA each, are listed as unmapped.  So is a plan whose
+forward launches reuse one kernel variant (two groups of one tile), which the module does not
+tell apart.
 """
 from __future__ import annotations
 
