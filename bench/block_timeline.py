@@ -87,9 +87,9 @@ def clock_arrays(cap: int) -> dict:
 
 
 def launch_map(plan, arch: str) -> dict:
-    """``{(variant key, slot): (launch index, first CTA, kind)}`` for the plan's forward groups
-    (as the backend launches them without fusing) and the merge; ``None`` for a key two groups
-    share."""
+    """``{(variant key, clock slot): (group, first CTA, "forward")}`` for the plan's forward
+    groups, as the backend launches them without fusing (a finisher group's kernel records in
+    slot 1); ``None`` for a key two groups share.  The merge is told by its key alone."""
     from pat_core import cuda_compile as cc
     out, seen = {}, set()
     for g, (m, n), b, e in plan.groups():
