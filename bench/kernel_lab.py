@@ -50,8 +50,11 @@ Case sets:
   batches and the quick-start batch, default plan against the finisher phase wherever possible,
   behind a chained first phase (``finish-all``) and behind a forked one (``finish-all-fork``);
   ``wg-pp``: the warpgroup-heavy batches, default and with n 128 for the 128-row tiles, and the
-  forced two-stage warpgroup tiles; ``rows64-all``: the same batches at four head configurations, default against CTAs of at most
-  64 rows; ``long-finish``: the long prefixes with the finisher phase.
+  forced two-stage warpgroup tiles; ``rows64-all``: the multi-launch batches at four head
+  configurations, default against CTAs of at most 64 rows; ``long-finish``: the long prefixes
+  with the finisher phase; ``mixed``: 48 plans with several tile kernels (the sharing set and
+  five validation-like batches at four head configurations), for build or environment A/Bs such
+  as the shared-memory carveout.
 
 Writes ``DIR/kernel_lab.json`` (environment, copy bandwidth, every row) and prints a table last.
 """

@@ -269,8 +269,11 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
     # (a short block's hits and misses all move together).  Merge blocks: one mix.
     stages = np.array([o.resources.stages for o in occ], dtype=np.float64)
     fc = f_cta.astype(np.int64)
+    f_tile = plan.cta_tile[fc].astype(np.int64)                 # each forward block's variant
+    f_stages = stages[f_tile]
     tok = w.kv_bytes / np.maximum(w.kv_len, 1)                  # KV bytes per token
-    inflight = stages[plan.cta_tile[fc].astype(np.int64)] * w.n[fc] * tok[fc]
+    tile_bytes = w.n[fc] * tok[fc]                              # KV bytes of one of its tiles
+    inflight = f_stages * tile_bytes
     blk_lead = np.zeros(blk_l2.shape[0])
     nf = f_cta.shape[0]
     blk_lead[:nf] = np.maximum(blk_l2[:nf] - inflight, 0.0)
@@ -279,10 +282,8 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
     # long, so blocks move bytes in proportion to what they have in flight (Little's law): a
     # one-warp, one-stage block of one tile gets a quarter of what a 16x64 block of two stages
     # gets (measured: bench/block_timeline.py, bench/NOTES.md round 24).
-    fst = stages[plan.cta_tile[fc].astype(np.int64)]
     weight = np.ones(blk_l2.shape[0])
-    weight[:nf] = (np.minimum(fst, np.maximum(w.tiles[fc], 1)) * w.n[fc] * tok[fc]
-                   / WEIGHT_BYTES)
+    weight[:nf] = np.minimum(f_stages, np.maximum(w.tiles[fc], 1)) * tile_bytes / WEIGHT_BYTES
     return Workload(gpu=gpu, launches=launches, need=need, blk_cfg=np.concatenate(cfg),
                     blk_cta=np.concatenate(cta), blk_head=np.concatenate(head),
                     blk_launch=np.concatenate(lau), blk_bytes=np.concatenate(byt),
@@ -290,12 +291,9 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
                     blk_flops=np.concatenate(flo), blk_slots=np.concatenate(slo),
                     num_phases=(len(launches)) if serial else (int(after) + (2 if nm else 1)),
                     serial=serial, l2_window=window,
-                    blk_warps=np.concatenate([cfg_warps[plan.cta_tile[fc].astype(np.int64)],
-                                              np.zeros(nm)]),
-                    blk_stages=np.concatenate([stages[plan.cta_tile[fc].astype(np.int64)],
-                                               np.zeros(nm)]),
-                    blk_wg=np.concatenate([cfg_wg[plan.cta_tile[fc].astype(np.int64)],
-                                           np.zeros(nm, dtype=bool)]),
+                    blk_warps=np.concatenate([cfg_warps[f_tile], np.zeros(nm)]),
+                    blk_stages=np.concatenate([f_stages, np.zeros(nm)]),
+                    blk_wg=np.concatenate([cfg_wg[f_tile], np.zeros(nm, dtype=bool)]),
                     blk_weight=weight, cfg_class=cfg_class)
 
 

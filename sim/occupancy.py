@@ -19,16 +19,14 @@ from pat_core.tiles import TileResources, estimate_resources, kernel_resources
 
 # The merge kernel: one warp per (request, query head), MERGE_WARPS warps per block.  It mirrors
 # the CUDA launcher's constant; registers are a small-kernel guess (it holds head_dim / 32 fp32
-# values per lane and a few scalars).
+# values per lane and a few scalars).  The shared-memory opt-in threshold (smem_class below)
+# mirrors the launcher's too.
 try:  # the CUDA launcher is optional on CPU machines
-    from pat_core.cuda_compile import MERGE_WARPS  # type: ignore
-except Exception:  # noqa: BLE001 - any import problem means "use the documented default"
+    from pat_core.cuda_compile import MERGE_WARPS, SMEM_OPT_IN_BYTES  # type: ignore
+except Exception:  # noqa: BLE001 - any import problem means "use the documented defaults"
     MERGE_WARPS = 4
-MERGE_REGISTERS = 40
-try:
-    from pat_core.cuda_compile import SMEM_OPT_IN_BYTES  # type: ignore
-except Exception:  # noqa: BLE001
     SMEM_OPT_IN_BYTES = 40 * 1024
+MERGE_REGISTERS = 40
 
 
 def smem_class(smem: int) -> int:
