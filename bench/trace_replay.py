@@ -57,58 +57,110 @@ GRAPH_SAFE = ("pat-graph", "pat-graph-bucket")
 
 
 def prepare(args) -> int:
-    from pat_core.trace import ReplayConfig, load_trace, snapshot_steps
-    cfg = ReplayConfig(page_size=args.page_size, block_tokens=args.block_tokens,
-                       max_batch=args.max_batch, kv_pages=args.kv_pages)
-    reqs = load_trace(args.trace, start_ms=args.start_ms, end_ms=args.end_ms,
-                      block_tokens=args.block_tokens)
+    """``prepare`` subcommand: :func:`prepare_steps` with the parsed arguments."""
+    prepare_steps(args.trace, args.out, steps=args.steps, page_size=args.page_size,
+                  block_tokens=args.block_tokens, max_batch=args.max_batch,
+                  kv_pages=args.kv_pages, start_ms=args.start_ms, end_ms=args.end_ms,
+                  max_steps=args.max_steps, sample_start_ms=args.sample_start_ms,
+                  sample_end_ms=args.sample_end_ms)
+    return 0
+
+
+def prepare_steps(trace, out, *, steps: int = 20, page_size: int = 16, block_tokens: int = 512,
+                  max_batch: int = 256, kv_pages: int = 32768, start_ms: float = 0.0,
+                  end_ms: float | None = None, max_steps: int | None = None,
+                  sample_start_ms: float = 0.0, sample_end_ms: float | None = None,
+                  verbose: bool = True) -> dict:
+    """Replay ``trace`` (requests arriving in ``[start_ms, end_ms)``) and store ``steps``
+    decode steps spread evenly over it in ``out`` (.npz): ``table_i`` int32
+    ``[batch_i, max_pages_i]`` (``-1`` past a row's pages), ``lens_i`` int32 ``[batch_i]`` and
+    ``meta``, a JSON document as uint8 bytes (its dict is returned).
+
+    Steps are drawn from those whose simulated clock lies in ``[sample_start_ms,
+    sample_end_ms)`` (the replay still starts at the first arrival, so the sampled steps see a
+    warm cache and a filled batch, and it stops at ``sample_end_ms`` or after ``max_steps``
+    steps); with the default window, first and last step included, as
+    :func:`pat_core.trace.snapshot_steps` picks them.  Raises ``SystemExit`` when no step is
+    left to sample.
+    """
+    from pat_core.trace import ReplayConfig, load_trace, replay
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    if sample_end_ms is not None and sample_end_ms <= sample_start_ms:
+        raise ValueError(f"sample_end_ms = {sample_end_ms} must exceed sample_start_ms = "
+                         f"{sample_start_ms}")
+    cfg = ReplayConfig(page_size=page_size, block_tokens=block_tokens, max_batch=max_batch,
+                       kv_pages=kv_pages)
+    reqs = load_trace(trace, start_ms=start_ms, end_ms=end_ms, block_tokens=block_tokens)
     t0 = time.perf_counter()
-    steps = snapshot_steps(reqs, args.steps, cfg, max_steps=args.max_steps)
-    if not steps:
-        raise SystemExit(f"--trace {args.trace}: the replay has no decode step")
+    eligible = []                 # first pass: count, no tables
+    for s in replay(reqs, cfg, max_steps=max_steps, tables=False):
+        if sample_end_ms is not None and s.time_ms >= sample_end_ms:
+            break
+        if s.time_ms >= sample_start_ms:
+            eligible.append(s.step)
+    if not eligible:
+        raise SystemExit(f"--trace {trace}: the replay has no decode step to sample")
+    pick = np.unique(np.linspace(0, len(eligible) - 1, num=min(steps, len(eligible)))
+                     .round().astype(int))
+    want = {eligible[i] for i in pick}
+    taken = [s for s in replay(reqs, cfg, max_steps=max(want) + 1, tables=want)
+             if s.step in want]
     arrays = {}
     meta = []
-    for i, s in enumerate(steps):
+    for i, s in enumerate(taken):
         arrays[f"table_{i}"] = s.block_table.astype(np.int32)
         arrays[f"lens_{i}"] = s.seq_lens.astype(np.int32)
         meta.append(dict(step=int(s.step), time_ms=float(s.time_ms), batch=s.batch_size,
                          unique_tokens=int(s.unique_tokens), read_tokens=int(s.read_tokens)))
-    arrays["meta"] = np.frombuffer(json.dumps(dict(
-        trace=os.path.basename(str(args.trace)), requests=len(reqs), steps=meta,
-        config=dict(page_size=cfg.page_size, block_tokens=cfg.block_tokens,
-                    max_batch=cfg.max_batch, kv_pages=cfg.kv_pages))).encode(), dtype=np.uint8)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(args.out, **arrays)
-    print(f"{len(steps)} steps of {len(reqs)} requests in {time.perf_counter() - t0:.0f} s "
-          f"-> {args.out}")
-    for m in meta:
-        print(f"  step {m['step']:>6}  t {m['time_ms'] / 1e3:7.1f} s  batch {m['batch']:>4}  "
-              f"unique/read KV {m['unique_tokens'] / max(m['read_tokens'], 1):.2f}")
-    return 0
+    doc = dict(trace=os.path.basename(str(trace)), requests=len(reqs), steps=meta,
+               config=dict(page_size=cfg.page_size, block_tokens=cfg.block_tokens,
+                           max_batch=cfg.max_batch, kv_pages=cfg.kv_pages),
+               sample_ms=[float(sample_start_ms),
+                          None if sample_end_ms is None else float(sample_end_ms)])
+    arrays["meta"] = np.frombuffer(json.dumps(doc).encode(), dtype=np.uint8)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(out, **arrays)
+    if verbose:
+        print(f"{len(taken)} steps of {len(reqs)} requests in {time.perf_counter() - t0:.0f} s "
+              f"-> {out}")
+        for m in meta:
+            print(f"  step {m['step']:>6}  t {m['time_ms'] / 1e3:7.1f} s  batch {m['batch']:>4}"
+                  f"  unique/read KV {m['unique_tokens'] / max(m['read_tokens'], 1):.2f}")
+    return doc
 
 
 def prepare_synthetic(args) -> int:
+    """``prepare-synthetic`` subcommand: :func:`prepare_synthetic_steps`."""
+    prepare_synthetic_steps(args.specs, args.out, page_size=args.page_size)
+    return 0
+
+
+def prepare_synthetic_steps(specs, out, *, page_size: int = 16, verbose: bool = True) -> dict:
+    """Store each tree spec of ``specs`` (:func:`pat_core.workloads.build_tree_batch`, seed =
+    its index) as one step in ``out`` (.npz), in :func:`prepare_steps`'s format; ``meta``'s
+    ``kv_pages`` is the largest step's page count.  Returns the ``meta`` dict."""
     from common import unique_kv_tokens
     from pat_core.workloads import build_tree_batch, parse_tree_spec
     arrays, meta, n_pages = {}, [], 1
-    for i, spec in enumerate(args.specs):
+    for i, spec in enumerate(specs):
         parse_tree_spec(spec)
-        b = build_tree_batch(spec, page_size=args.page_size, seed=i)
+        b = build_tree_batch(spec, page_size=page_size, seed=i)
         arrays[f"table_{i}"] = b.block_tables.astype(np.int32)
         arrays[f"lens_{i}"] = b.seq_lens.astype(np.int32)
         n_pages = max(n_pages, int(b.num_pages))
         meta.append(dict(step=i, time_ms=0.0, batch=int(b.batch_size), spec=spec,
                          unique_tokens=int(unique_kv_tokens(b.block_tables, b.seq_lens,
-                                                            args.page_size)),
+                                                            page_size)),
                          read_tokens=int(b.seq_lens.astype(np.int64).sum())))
-    arrays["meta"] = np.frombuffer(json.dumps(dict(
-        trace="synthetic", requests=0, steps=meta,
-        config=dict(page_size=args.page_size, block_tokens=0, max_batch=0,
-                    kv_pages=n_pages))).encode(), dtype=np.uint8)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(args.out, **arrays)
-    print(f"{len(meta)} synthetic steps -> {args.out}")
-    return 0
+    doc = dict(trace="synthetic", requests=0, steps=meta,
+               config=dict(page_size=page_size, block_tokens=0, max_batch=0, kv_pages=n_pages))
+    arrays["meta"] = np.frombuffer(json.dumps(doc).encode(), dtype=np.uint8)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(out, **arrays)
+    if verbose:
+        print(f"{len(meta)} synthetic steps -> {out}")
+    return doc
 
 
 def load_steps(path):
@@ -388,6 +440,11 @@ def main(argv=None) -> int:
     p.add_argument("--start-ms", type=float, default=0.0)
     p.add_argument("--end-ms", type=float, default=None)
     p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--sample-start-ms", type=float, default=0.0,
+                   help="sample only steps whose simulated clock is at least this (the replay "
+                        "still starts at the first arrival: a warm cache and batch)")
+    p.add_argument("--sample-end-ms", type=float, default=None,
+                   help="sample only steps before this clock; the replay stops there")
     y = sub.add_parser("prepare-synthetic", help="store tree specs as steps")
     y.add_argument("--specs", nargs="+", required=True)
     y.add_argument("--out", required=True, help="output .npz")
@@ -407,6 +464,8 @@ def main(argv=None) -> int:
     if args.cmd == "prepare":
         if args.steps < 1:
             ap.error("--steps must be at least 1")
+        if args.sample_end_ms is not None and args.sample_end_ms <= args.sample_start_ms:
+            ap.error("--sample-end-ms must exceed --sample-start-ms")
         return prepare(args)
     if args.cmd == "prepare-synthetic":
         return prepare_synthetic(args)

@@ -697,6 +697,25 @@ __device__ __forceinline__ void for_each_row(const CtaWork& w, int kv_head, int 
   }
 }
 
+// Row (mi, hr) of this lane's accumulators as request r's final output for query head `head`
+// (input dtype, normalised by `inv`) and its natural-log LSE (lse_out may be null): what the
+// merge kernel writes for a request, written by the item that holds all of its KV.
+template <typename Tr>
+__device__ __forceinline__ void store_out_row(const MergeArgs& merge, long long r, int head,
+                                              const float (&acc)[Tr::MI][Tr::D / 8][4], int mi,
+                                              int hr, float inv, float lse, int lane) {
+  using T = typename Tr::T;
+  T* dst = static_cast<T*>(merge.out) + r * merge.out_sb + head * merge.out_sh +
+           ((lane & 3) << 1);
+#pragma unroll
+  for (int dt = 0; dt < Tr::D / 8; ++dt) {
+    dst[dt * 8] = ElemOps<T>::from_float(acc[mi][dt][2 * hr] * inv);
+    dst[dt * 8 + 1] = ElemOps<T>::from_float(acc[mi][dt][2 * hr + 1] * inv);
+  }
+  if (merge.lse_out != nullptr && (lane & 3) == 0)
+    merge.lse_out[r * merge.lse_sb + head * merge.lse_sh] = lse;
+}
+
 // The end of a work item, after its KV walk: full row sums, the token slices' states combined
 // (through `scratch`, shared memory of at least Tr::SMEM_BYTES that the item no longer reads),
 // the normalised partial output o_partial[slot, head, :] and its natural-log LSE written for every
@@ -809,25 +828,27 @@ __device__ __forceinline__ void finish_item(const FwdParams& p, const CtaWork& w
       }
       fold_slots<Tr>(p, w, kv_head, wm, lane, acc, m_run, l_run);
       // ---- Finisher: the request's final output (input dtype) and LSE, as the merge writes them
-      T* __restrict__ out = static_cast<T*>(merge.out);
       for_each_row<Tr>(w, kv_head, group, inv_group, wm, lane, m_run, l_run,
                        [&](int mi, int hr, int ri, int head, float inv, float lse) {
-        const long long r = cta_req[req_begin + ri];
-        T* dst = out + r * merge.out_sb + head * merge.out_sh + ((lane & 3) << 1);
-#pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-          dst[dt * 8] = ElemOps<T>::from_float(acc[mi][dt][2 * hr] * inv);
-          dst[dt * 8 + 1] = ElemOps<T>::from_float(acc[mi][dt][2 * hr + 1] * inv);
-        }
-        if (merge.lse_out != nullptr && (lane & 3) == 0)
-          merge.lse_out[r * merge.lse_sb + head * merge.lse_sh] = lse;
+        store_out_row<Tr>(merge, cta_req[req_begin + ri], head, acc, mi, hr, inv, lse, lane);
       });
       return;
     }
   }
   // ---- Write the normalised partial output and its LSE for every real row -------------------
+  // Direct output (merge.out set, no in-kernel merge): a request whose only partial slot this
+  // is gets its final output here, and the merge kernel (direct_single) leaves it alone, so a
+  // step of private requests moves no partials at all.
+  const bool direct = merge.out != nullptr && merge.counters == nullptr;
   for_each_row<Tr>(w, kv_head, group, inv_group, wm, lane, m_run, l_run,
                    [&](int mi, int hr, int ri, int head, float inv, float lse) {
+    if (direct) {
+      const int r = cta_req[req_begin + ri];
+      if (merge.req_slot_indptr[r + 1] - merge.req_slot_indptr[r] == 1) {
+        store_out_row<Tr>(merge, r, head, acc, mi, hr, inv, lse, lane);
+        return;
+      }
+    }
     const long long slot = cta_slot[req_begin + ri];
     float* dst = o_partial + (slot * num_qo_heads + head) * D + ((lane & 3) << 1);
 #pragma unroll

@@ -245,8 +245,9 @@ __device__ __forceinline__ void merge_warps(const MergeParams& p, long long unit
        u += (long long)gridDim.x * WARPS) {
     const int r = (int)(u / hg);
     const int h = (int)(u - (long long)r * hg) * NH;
-    merge_pair<HEAD_DIM, TO, CH, NH>(p.o_partial, p.lse_partial, p.req_slot_indptr[r],
-                                     p.req_slot_indptr[r + 1], r, h, p.num_qo_heads,
+    const int s0 = p.req_slot_indptr[r], s1 = p.req_slot_indptr[r + 1];
+    if (p.direct_single && s1 - s0 == 1) continue;  // its forward item wrote it (warp-uniform)
+    merge_pair<HEAD_DIM, TO, CH, NH>(p.o_partial, p.lse_partial, s0, s1, r, h, p.num_qo_heads,
                                      static_cast<TO*>(p.out), p.lse_out, p.out_sb, p.out_sh,
                                      p.lse_sb, p.lse_sh, lane);
   }
@@ -265,8 +266,10 @@ __device__ __forceinline__ void pat_merge_body(const MergeParams& p) {
     for (long long pair = blockIdx.x; pair < pairs; pair += gridDim.x) {
       const int r = (int)(pair / p.num_qo_heads);
       const int h = (int)(pair - (long long)r * p.num_qo_heads);
-      merge_pair_block<HEAD_DIM, TO, WARPS>(p.o_partial, p.lse_partial, p.req_slot_indptr[r],
-                                            p.req_slot_indptr[r + 1], r, h, p.num_qo_heads,
+      const int s0 = p.req_slot_indptr[r], s1 = p.req_slot_indptr[r + 1];
+      if (p.direct_single && s1 - s0 == 1) continue;  // block-uniform, as above
+      merge_pair_block<HEAD_DIM, TO, WARPS>(p.o_partial, p.lse_partial, s0, s1, r, h,
+                                            p.num_qo_heads,
                                             static_cast<TO*>(p.out), p.lse_out, p.out_sb,
                                             p.out_sh, p.lse_sb, p.lse_sh);
     }

@@ -73,11 +73,12 @@ struct MergeParams {
   int num_qo_heads;
   int reset_n;
   int block_per_pair;          // 0: one warp per (request, head) pair; 1: one block per pair
+  int direct_single;           // 1: skip requests of one slot (the forward wrote their output)
 };
 
 // The host mirror (pat_core/kernel_params.py) checks its sizes against these.
 static_assert(sizeof(MergeArgs) == 64, "MergeArgs layout changed: update kernel_params.py");
 static_assert(sizeof(FwdParams) == 296, "FwdParams layout changed: update kernel_params.py");
-static_assert(sizeof(MergeParams) == 104, "MergeParams layout changed: update kernel_params.py");
+static_assert(sizeof(MergeParams) == 112, "MergeParams layout changed: update kernel_params.py");
 
 }  // namespace pat

@@ -5,45 +5,34 @@ name expressions), one module per variant; see :mod:`pat_core.cuda_compile` for 
 rules and names.  Inputs may be torch CUDA tensors or CuPy arrays (zero copy: the kernels get
 their device pointers and element strides); outputs are returned as the same kind as ``q``.
 
-Execution of one batch, by default on a Hopper or later GPU (``fwd_chain`` "pdl")::
+One execution path serves plain calls and CUDA graphs.  A plan is written into a device state
+(:class:`StaticState`: every Plan array at a fixed offset of one int32 buffer, by one
+asynchronous copy from pinned memory on the caller's stream) and runs as::
 
-    caller stream ── forward launch (longest CTAs) ─▶ forward launch ─▶ ... ─▶ merge ── out [, lse]
+    caller stream ── pull launch (tile a) ─▶ pull launch (tile b) ─▶ ... ─▶ merge ── out [, lse]
 
-each arrow a programmatic dependent launch: the next launch's blocks are placed as soon as every
-block of the one before it is, and each launch's last block waits for the launch before it
-before it exits, so the merge (which waits for the last) finds every forward launch finished
-(:mod:`pat_core.launch`).  Before sm_90, and with ``fwd_chain`` "fork" (an ablation)::
+one pull-mode forward launch per tile variant over a fixed grid of resident blocks, each block
+taking item b first and drawing further items (CTA x KV head, longest CTAs first within a tile)
+from a work counter until the live count in device memory is reached; each arrow a programmatic
+dependent launch on Hopper and later (the next launch's blocks are placed as soon as every block
+of the one before is, and each launch's last block waits for the launch before it, so the merge
+finds every forward launch finished).  A request whose KV one work item holds (one partial
+slot) gets its output from that item; the merge combines the others' partials and resets the
+work counters.
 
-    caller stream ── fork event ──┬─ (caller stream itself): forward launch of tile group 0 ─┐
-                                  ├─ pool stream 0: forward launch of tile group 1 ──────────┤
-                                  └─ ...                                  join events ───────┘
-    caller stream ── (waits on the joins) ── merge kernel ── out [, lse]
+* **Graph-safe** (:meth:`CudaBackend.run_static`, the wrapper's ``use_cuda_graph=True``): the
+  state's limits and launch set are fixed once (:mod:`pat_core.static_plan`), every launch
+  runs on every call and the merge reads the live batch from device memory, so one captured
+  graph serves every later plan.
+* **Plain** (:meth:`CudaBackend.run`): one state per problem shape, grown when a plan does not
+  fit; a call launches only the tiles the plan uses (in the launch set's order, tallest tiles
+  first) and skips the merge when no request has more than one slot and no block drew a second
+  item.
 
-With ``plan.serial`` (or a single group) every launch goes on the caller's stream in order.
-On a Hopper or later GPU the merge after forward launches on the caller's stream is a
-programmatic dependent launch (``merge_launch`` "pdl"): its blocks start while the forward runs
-and wait for it (``griddepcontrol``).  A plan with a finisher phase (:mod:`pat_core.fold`) has
-no merge: the picture above twice, the first phase's launches, then the finishers'; where each
-phase is one launch, the finishers' launch is a programmatic dependent of the first phase's, so
-its blocks start at once and wait only before they fold the first phase's slots in.  With
-``finish_launch`` "ordered" (an ablation) a plan whose two phases are one tile group each, of
-one tile, is one launch whose blocks pull the first phase's items first, the finishers waiting
-on per-request counts.
-With ``launch_mode`` "fused" (or "auto" on a small multi-group plan) every forward CTA goes into
-one launch of ``pat_fwd_fused_kernel`` on the caller's stream, each block running its CTA's
-tile variant, then the merge.  The
-pool of streams and events is created once per backend.  Everything is enqueued on the caller's
-current stream (``torch.cuda.current_stream()`` for torch inputs, CuPy's current stream for CuPy
-inputs) or ordered after it through events; nothing uses the legacy default stream unless that is
-the caller's current stream.  The sequence is stream-ordered and allocation-free once the
-partial buffers exist, so it can be captured in a CUDA graph (``torch.cuda.graph``) and
-replayed for that plan.
-
-Graph-safe mode (:class:`StaticState`, :meth:`CudaBackend.run_static`; the wrapper's
-``use_cuda_graph=True``) keeps one graph valid across plans: the plan lives in a fixed device
-buffer (:mod:`pat_core.static_plan`) and the launch set is fixed, one pull-mode forward launch
-per reachable tile plus the merge, so every launch argument is the same from step to step.
-Every kernel takes one parameter struct (:mod:`pat_core.kernel_params`).
+Everything is enqueued on the caller's current stream (``torch.cuda.current_stream()`` for
+torch inputs, CuPy's current stream for CuPy inputs); the sequence is allocation-free once the
+state exists, so it can also be captured per plan.  Every kernel takes one parameter struct
+(:mod:`pat_core.kernel_params`).
 
 Example::
 
@@ -63,25 +52,18 @@ import ctypes
 import logging
 import os
 import threading
-import weakref
 
 import numpy as np
 
 from . import cuda_compile as cc
 from . import kernel_params as kp
 from .gpus import detect_gpu_name
-from .launch import (FUSED_MAX_BLOCKS_PER_SM, FUSED_MAX_KV_LEN, FWD_CHAIN_MODES, chain_order,
-                     default_fwd_chain, finisher_chain, merge_block_per_pair,
-                     merge_heads_per_warp, one_tile_split, use_fused_launch)
+from .launch import merge_block_per_pair, merge_heads_per_warp
 from .plan import Plan, dtype_name
 
 log = logging.getLogger("pat_core.cuda")
 
 _LOG2E = 1.4426950408889634
-_NUM_STREAMS = 16   # >= the graph-safe launch set (12 tiles), so its launches never queue
-_UPLOAD_FIELDS = ("cta_req_indptr", "cta_req", "cta_slot", "cta_kv_start", "cta_kv_len",
-                  "cta_page_indptr", "cta_pages", "req_slot_indptr")
-
 
 def smem_carveout():
     """The shared-memory carveout (percent, 0-100) every kernel asks for, from
@@ -263,9 +245,17 @@ def _check_aligned(t: _Dev, name: str, axes):
 class CudaBackend:
     """Launcher of the forward and merge kernels for one process (all devices).
 
-    Not thread-safe across concurrent ``run`` calls of one instance (the partial buffers are
-    reused); use one backend per thread/stream for concurrent batches.  Compiled kernels are
-    shared by every instance of the process.
+    One execution path: a plan lives in a :class:`StaticState` (its arrays at fixed offsets of
+    one device buffer, fixed partial buffers, one work counter per tile) and runs as pull-mode
+    forward launches, one per tile variant, over fixed grids whose blocks draw work items until
+    the live count in device memory, chained on the caller's stream, then the merge.  A
+    graph-safe wrapper fixes the state's limits and launch set once; a plain one
+    (:meth:`upload`, :meth:`run`) keeps one state per problem shape, grown when a plan does not
+    fit, and launches only the tiles the written plan uses.
+
+    Not thread-safe across concurrent ``plan``/``run`` calls of one instance (the state is
+    reused); use one backend per thread.  Compiled kernels are shared by every instance of
+    the process.
     """
 
     _lock = threading.Lock()
@@ -288,68 +278,14 @@ class CudaBackend:
         self.gpu_name = detect_gpu_name(self.device_name)
         self.arch = f"sm_{props['major']}{props['minor']}"
         self.max_smem_optin = int(props.get("sharedMemPerBlockOptin", 0) or 0)
-        self._uploads: dict = {}      # id(plan) -> record
-        self._pools: dict = {}        # device -> (streams, fork event, join events)
         self._sm_counts: dict = {}    # device -> SM count
-        # blocks of one CTA's KV heads adjacent in launch order (see cuda_src/pat_fwd.cuh)
-        self.head_minor = True
+        self._states: dict = {}       # (device, shape key) -> StaticState of plain plans
         # launch through cuLaunchKernel with pre-packed arguments (False: CuPy's generic call)
         self.fast_launch = True
-        # "streams": one launch per tile group, groups on pool streams; "fused": every forward
-        # CTA in one launch (per-CTA variant index); "auto": fused when the plan has several
-        # groups and few blocks (launch latency dominates), else streams.  See _use_fused.
-        self.launch_mode = os.environ.get("PAT_LAUNCH_MODE", "auto")
-        # merge kernel: "block" (one block per (request, head) pair, its warps splitting the
-        # slots), "warp" (one warp per pair) or "auto" (pat_core.launch.merge_block_per_pair)
-        self.merge_per_pair = "auto"
-        # warp mode: heads of a request per merge warp, 1, 2 or 4 (None: by
-        # pat_core.launch.merge_heads_per_warp)
-        self.merge_heads_per_warp = None
-        self.fused_max_blocks_per_sm = FUSED_MAX_BLOCKS_PER_SM
-        # one-tile CTAs of 16-row groups: "off" (the default: in their group's launch),
-        # "split" (a launch of their own in the one-tile layout) or "piped" (the piped kernel),
-        # both measured slower and kept as ablations, "piped-all" (a test mode)
-        # (pat_core.launch.one_tile_split); env PAT_ONE_TILE
-        self.one_tile = os.environ.get("PAT_ONE_TILE", "off")
-        self.fused_max_kv_len = FUSED_MAX_KV_LEN
-        # "kernel" (default): the separate merge kernel; "forward" (measured slower, kept as an
-        # ablation): the forward CTA that writes a request's last partial slot merges it (a
-        # per-(request, KV head) counter) and the merge launch disappears
-        self.merge_mode = os.environ.get("PAT_MERGE_MODE", "kernel")
-        # finisher-phase plans (pat_core.fold): "pdl" (default) launches a one-launch finisher
-        # phase as a programmatic dependent of a one-launch first phase where the GPU has it
-        # (sm_90+), so the finishers' KV walks overlap the first phase; "ordered" (measured
-        # slower, an ablation) runs a plan whose two phases are one tile group each, of one
-        # tile, as one launch in which the finishers' items are drawn after the first phase's
-        # and wait on counters before they fold, else as "pdl"; otherwise, and with "serial",
-        # the finishers start once the first phase has finished; env PAT_FINISH_LAUNCH
-        self.finish_launch = os.environ.get("PAT_FINISH_LAUNCH", "pdl")
-        # the merge kernel after forward launches that all went on the caller's stream: "pdl"
-        # (default) launches it as a programmatic dependent of the last of them (sm_90+; its
-        # blocks start while the forward runs and wait for it), "serial" once it has finished
-        # (bench/NOTES.md, round 15); env PAT_MERGE_LAUNCH
-        self.merge_launch = os.environ.get("PAT_MERGE_LAUNCH", "pdl")
-        # a plan's forward launches (several tile groups, no finisher phase): "pdl" (default)
-        # puts them on the caller's stream, the longest first, each a programmatic dependent of
-        # the one before it (sm_90+; chain_exit in cuda_src/pat_common.cuh), "pdl-plan" the same
-        # in the plan's group order, "fork" (an ablation) concurrently on pool streams forked
-        # from the caller's stream and joined before the merge (pat_core.launch); env
-        # PAT_FWD_CHAIN
-        self.fwd_chain = default_fwd_chain()
-        self._counter_bufs: dict = {}  # device -> int32 counters, zero between runs
-        self._counter_gens: dict = {}  # device -> times its counters were replaced
-        # graph-safe mode: at most this many blocks per SM in each pull launch (None: as many
-        # as can be resident); an ablation knob, env PAT_GRAPH_BLOCKS_PER_SM
-        env_cap = os.environ.get("PAT_GRAPH_BLOCKS_PER_SM", "")
-        self.graph_blocks_per_sm = int(env_cap) if env_cap.strip() else None
-        # graph-safe mode: every launch on the caller's stream in order instead of forked onto
-        # pool streams (an ablation knob for the cost of the fork/join, bench/graph_safe_cost.py)
-        self.static_serial = False
         # graph-safe mode: every tile of the launch set in one fused pull launch ("on"), one
         # launch per tile ("off"), or by the bucket size ("auto", static_plan.graph_safe_fused);
-        # env PAT_GRAPH_FUSED; read when a wrapper makes its graph-safe state
-        self.graph_fused = os.environ.get("PAT_GRAPH_FUSED", "auto")
-        self._buffers: dict = {}      # device -> (num_floats, o_partial memptr, lse memptr)
+        # read when a wrapper makes its graph-safe state
+        self.graph_fused = "auto"
 
     # ------------------------------------------------------------------ compile
     def _function(self, variant):
@@ -382,32 +318,18 @@ class CudaBackend:
             return fn
 
     def variants_for(self, plan: Plan, dtype: str | None = None) -> list:
-        """Forward variants plus the merge variant a Plan needs (for `dtype`, default the plan's)."""
+        """Forward (pull) variants plus the merge variant a Plan needs (for ``dtype``,
+        default the plan's)."""
         dtype = dtype_name(dtype or plan.kv_dtype)
-        fwd = [cc.FwdVariant.make(v.m, v.n, v.head_dim, dtype, arch=self.arch)
+        fwd = [cc.FwdVariant.make(v.m, v.n, v.head_dim, dtype, pull=True, arch=self.arch)
                for v in cc.plan_fwd_variants(plan, self.arch)]
-        num_sms = self._num_sms()
-        for g, (m, n), b, e in plan.groups():
-            if 0 <= plan.finish_from <= g:   # a finisher group: its own kernel, never split
-                v = cc.FwdVariant.make(m, n, plan.head_dim, dtype, arch=self.arch, finish=True)
-                if v not in fwd:
-                    fwd.append(v)
-                continue
-            s, kind, _ = one_tile_split(plan, b, e, num_sms, self.one_tile)
-            if s < e:
-                v = (cc.PipedVariant.make(n, plan.head_dim, dtype) if kind == "piped" else
-                     cc.FwdVariant.make(m, n, plan.head_dim, dtype, arch=self.arch,
-                                        one_tile=True))
-                if v not in fwd:
-                    fwd.append(v)
         nh = self._merge_layout(plan)[1]
         return fwd + [cc.MergeVariant(plan.head_dim, dtype, cc.MERGE_WARPS, nh)]
 
     def warmup(self, plan: Plan | None = None, variants=None, jobs: int | None = None) -> list:
-        """Compile the variants `plan` needs, or those listed (FwdVariant, PipedVariant,
-        MergeVariant or FusedVariant objects, or the keys of the first three), or every
-        one-item-per-block variant and the merges when both are None.  Logs one line per
-        compile (the key).
+        """Compile the variants ``plan`` needs, or those listed (FwdVariant, MergeVariant or
+        FusedVariant objects, or the keys of the first two), or every forward variant and the
+        merges when both are None.  Logs one line per compile (the key).
 
         ``jobs > 1`` first compiles the missing variants in that many worker processes, which
         fill CuPy's on-disk kernel cache; this process then loads the cached binaries.  Fused
@@ -417,9 +339,9 @@ class CudaBackend:
         if variants is None:
             if plan is not None:
                 variants = self.variants_for(plan)
-            else:   # graph-safe (pull) kernels compile when a graph-safe wrapper needs them
-                variants = [v for v in cc.all_fwd_variants(pulls=(False,))
-                            if v == cc.FwdVariant.make(v.m, v.n, v.head_dim, v.dtype,
+            else:
+                variants = [v for v in cc.all_fwd_variants()
+                            if v == cc.FwdVariant.make(v.m, v.n, v.head_dim, v.dtype, pull=True,
                                                        arch=self.arch)]
                 variants += cc.all_merge_variants()
         variants = [_variant_from(v) for v in variants]
@@ -435,88 +357,45 @@ class CudaBackend:
             self._function(v)
         return [v.key for v in variants]
 
-    # ------------------------------------------------------------------ plan upload
-    def upload(self, plan: Plan) -> None:
-        """Copy the Plan's int32 arrays to the current device once (kept per plan and version).
-
-        A plan already on this device at this version is not copied again (the planner hands
-        back the same object for an identical batch).  Otherwise the device is synchronised
-        first, so no kernel of an earlier step still reads memory that the allocator may hand
-        out again, and the copies are complete before this returns, whatever stream the
-        kernels later run on.
-        """
-        cp = self.cp
-        dev = cp.cuda.runtime.getDevice()
-        old = self._uploads.get(id(plan))
-        if old is not None and old["version"] == plan.version and old["device"] == dev:
-            return
+    # ------------------------------------------------------------------ plain plans
+    def state_for(self, plan: Plan) -> "StaticState":
+        """The device state that holds ``plan`` on the current device: the one of its problem
+        shape (heads, head_dim, page size, dtype, ``sm_scale``) when the plan fits its limits
+        and tiles, else a new one sized for it (limits 1.25x the plan's, tiles the union of the
+        old state's and the plan's), which replaces the old one once the device is idle."""
+        from .static_plan import StaticLayout, StaticLimits, order_tiles
         _check_plan_tiles(plan)
-        cp.cuda.Device(dev).synchronize()
-        rec = {"version": plan.version, "device": dev, "prepared": {}, "layouts": {},
-               "max_page": int(plan.cta_pages.max()) if plan.cta_pages.size else -1,
-               "min_page": int(plan.cta_pages.min()) if plan.cta_pages.size else 0}
-        for name in _UPLOAD_FIELDS:
-            arr = np.ascontiguousarray(getattr(plan, name), dtype=np.int32)
-            rec[name] = cp.asarray(arr) if arr.size else cp.zeros(1, dtype=cp.int32)
-        cp.cuda.get_current_stream().synchronize()
-        pid = id(plan)
-        first = pid not in self._uploads
-        self._uploads[pid] = rec
-        if first:
-            weakref.finalize(plan, self._uploads.pop, pid, None)
-
-    def _device_plan(self, plan: Plan) -> dict:
-        rec = self._uploads.get(id(plan))
         dev = self.cp.cuda.runtime.getDevice()
-        if rec is None or rec["version"] != plan.version or rec["device"] != dev:
-            self.upload(plan)
-            rec = self._uploads[id(plan)]
-        return rec
+        shape = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.page_size,
+                 dtype_name(plan.kv_dtype), float(plan.sm_scale))
+        key = (dev, shape)
+        st = self._states.get(key)
+        tiles = {(int(m), int(n)) for m, n in plan.tile_configs.tolist()}
+        need = (plan.batch_size, max(1, int(plan.cta_pages.shape[0]) - plan.num_ctas),
+                max(1, plan.num_ctas), max(1, plan.num_slots))
+        if st is not None:
+            lim = st.layout.limits
+            have = (lim.max_batch_size, lim.max_num_pages, lim.max_ctas, lim.max_partials)
+            if tiles <= set(st.layout.tiles) and all(n <= h for n, h in zip(need, have)):
+                return st
+            tiles |= set(st.layout.tiles)
+            need = tuple(max(n, h) for n, h in zip(need, have))
+            # kernels of the old state's last run may still read its buffers
+            self.cp.cuda.Device(dev).synchronize()
+        grow = [max(1, (n * 5 + 3) // 4) for n in need]
+        layout = StaticLayout(StaticLimits(*grow), order_tiles(tiles))
+        st = StaticState(self, layout, *shape, fixed=False)
+        self._states[key] = st
+        return st
 
-    # ------------------------------------------------------------------ buffers, streams
-    def _partials(self, num_slots: int, num_qo_heads: int, head_dim: int):
-        """fp32 partial buffers (grow-only, per device); returns (o_partial, lse_partial)."""
-        cp = self.cp
-        dev = cp.cuda.runtime.getDevice()
-        need_o = max(1, num_slots * num_qo_heads * head_dim)
-        need_l = max(1, num_slots * num_qo_heads)
-        cur = self._buffers.get(dev)
-        if cur is None or cur[0] < need_o or cur[1] < need_l:
-            if cur is not None:
-                # an earlier batch may still be reading the old buffers on some stream
-                cp.cuda.Device(dev).synchronize()
-            grow_o = max(need_o, int(cur[0] * 1.25) if cur else 0)
-            grow_l = max(need_l, int(cur[1] * 1.25) if cur else 0)
-            gen = (cur[4] + 1) if cur else 0
-            cur = (grow_o, grow_l, cp.empty(grow_o, dtype=cp.float32),
-                   cp.empty(grow_l, dtype=cp.float32), gen)
-            self._buffers[dev] = cur
-        return cur[2], cur[3]
-
-    def _buffer_generation(self, dev) -> tuple:
-        """Generation of the device's shared buffers (partials, merge counters): prepared
-        launches hold their addresses, so they are rebuilt when either grows."""
-        cur = self._buffers.get(dev)
-        return (cur[4] if cur else -1, self._counter_gens.get(dev, 0))
-
-    def _pool(self):
-        cp = self.cp
-        dev = cp.cuda.runtime.getDevice()
-        pool = self._pools.get(dev)
-        if pool is None:
-            streams = [cp.cuda.Stream(non_blocking=True) for _ in range(_NUM_STREAMS)]
-            fork = cp.cuda.Event(disable_timing=True)
-            joins = [cp.cuda.Event(disable_timing=True) for _ in range(_NUM_STREAMS)]
-            pool = (streams, fork, joins)
-            self._pools[dev] = pool
-        return pool
-
-    def _caller_stream(self, q: _Dev) -> int:
-        """The caller's current stream handle: torch's current stream on q's device for torch
-        inputs, CuPy's current stream otherwise."""
-        if q.kind == "torch":
-            return _torch_stream_handle(q.device)
-        return self.cp.cuda.get_current_stream().ptr
+    def upload(self, plan: Plan, stream_ptr: int | None = None) -> None:
+        """Write ``plan`` into its device state (:meth:`state_for`): one asynchronous copy from
+        pinned memory on ``stream_ptr`` (default: CuPy's current stream), ordered after the
+        work already on that stream.  Never waits for the device, except when a state grows."""
+        st = self.state_for(plan)
+        if stream_ptr is None:
+            stream_ptr = self.cp.cuda.get_current_stream().ptr
+        st.write(plan, stream_ptr)
 
     # ------------------------------------------------------------------ run
     def run(self, plan: Plan, q, k_cache, v_cache, kv_layout: str = "NHD",
@@ -525,7 +404,8 @@ class CudaBackend:
 
         Parameters
         ----------
-        plan : the batch's :class:`~pat_core.plan.Plan`.
+        plan : the batch's :class:`~pat_core.plan.Plan` (written into its device state here,
+            on the caller's stream, unless :meth:`upload` already did).
         q : ``[batch, num_qo_heads, head_dim]`` float16/bfloat16, torch CUDA tensor or CuPy
             array (any strides with a contiguous last dimension and 16-byte aligned rows).
         k_cache, v_cache : ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD) or
@@ -533,274 +413,33 @@ class CudaBackend:
             are fine when head_dim is contiguous.
         out : optional output ``[batch, num_qo_heads, head_dim]`` in q's dtype (written in place).
         lse : optional float32 ``[batch, num_qo_heads]`` (implies return_lse).
-
         check : optional callable run (before this method's own checks) whenever the inputs
-            are validated, i.e. not on calls that reuse cached launch arguments: the wrapper's
-            checks against the plan's fixed dtypes, paid once per input set like these.
+            are validated, i.e. not on calls that reuse cached launch arguments.
 
         Returns ``out`` (same kind as q), and ``lse`` fp32 natural log when ``return_lse``.
 
-        The validated launch arguments are cached per (plan, input pointers, shapes, strides and
-        dtypes), so a decode loop that reuses its buffers pays for the checks once.
+        The validated launch arguments are cached per input set (pointers, shapes, strides and
+        dtypes; up to 64, e.g. one per model layer), so a decode loop pays for the checks once.
         """
         qd = _Dev(q, "q")
-        kd = _Dev(k_cache, "k_cache")
-        vd = _Dev(v_cache, "v_cache")
-        want_lse = bool(return_lse or lse is not None)
-        rec = self._uploads.get(id(plan))
-        sig = (kv_layout, qd.sig(), kd.sig(), vd.sig(), self.launch_mode,
-               self.fused_max_blocks_per_sm, self.fused_max_kv_len, self.merge_mode,
-               self.merge_per_pair, self.merge_heads_per_warp, self.finish_launch,
-               self.one_tile, self.head_minor, self.fast_launch)
-        prep = None
-        if rec is not None and rec["version"] == plan.version:
-            prep = rec["prepared"].get(sig)
-            if prep is not None and prep["buf_gen"] != self._buffer_generation(prep["device"]):
-                prep = None
-        if prep is None:
-            if check is not None:
-                check()
-            prep = self._prepare(plan, qd, kd, vd, kv_layout)
-            rec = self._uploads[id(plan)]
-            if len(rec["prepared"]) >= 64:     # e.g. one input set per model layer
-                rec["prepared"].clear()
-            rec["prepared"][sig] = prep
-        cp = self.cp
-        if cp.cuda.runtime.getDevice() != prep["device"]:
-            with cp.cuda.Device(prep["device"]):
-                return self._execute(plan, prep, qd, want_lse, out, lse)
-        return self._execute(plan, prep, qd, want_lse, out, lse)
-
-    def _prepare(self, plan: Plan, qd: _Dev, kd: _Dev, vd: _Dev, kv_layout: str) -> dict:
-        """Validate the inputs against the plan and build every launch's argument tuple."""
-        cp = self.cp
-        if kv_layout not in ("NHD", "HND"):
-            raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
-        B, Hq, Hk, D = plan.batch_size, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim
-        _check_rows(qd, "q", 3)
-        if qd.shape != (B, Hq, D):
-            raise ValueError(f"q has shape {qd.shape}, the plan expects {(B, Hq, D)}")
-        if qd.dtype not in cc.DTYPE_CTYPE:
-            raise TypeError(f"q: the CUDA kernels take float16 or bfloat16, got {qd.dtype}")
-        if not (qd.dtype == kd.dtype == vd.dtype):
-            raise TypeError(f"q ({qd.dtype}) and paged_kv_cache ({kd.dtype}, {vd.dtype}) must "
-                            "share a dtype")
-        num_pages, axes = _check_cache(qd, kd, vd, kv_layout, plan.page_size, Hk, D)
-        devs = {t.device for t in (qd, kd, vd) if t.device is not None}
-        if len(devs) > 1:
-            raise ValueError(f"q and paged_kv_cache live on different devices {sorted(devs)}")
-        dev = devs.pop() if devs else cp.cuda.runtime.getDevice()
-        with cp.cuda.Device(dev):
-            rec = self._device_plan(plan)
-            if rec["max_page"] >= num_pages:
-                raise ValueError(f"paged_kv_cache holds {num_pages} pages but the plan reads "
-                                 f"page {rec['max_page']}")
-            if rec["min_page"] < 0:
-                raise ValueError(f"the plan reads page {rec['min_page']}: page ids must be >= 0")
-            dtype = qd.dtype
-            key = (dtype, self.launch_mode, self.fused_max_blocks_per_sm, self.fused_max_kv_len,
-                   self.merge_mode, self.merge_per_pair, self.merge_heads_per_warp,
-                   self.finish_launch, self.one_tile, self.head_minor, self.fast_launch,
-                   self.fwd_chain)
-            lay = rec["layouts"].get(key)
-            if lay is None or lay["buf_gen"] != self._buffer_generation(dev):
-                if len(rec["layouts"]) >= 8:
-                    rec["layouts"].clear()
-                lay = rec["layouts"][key] = self._launch_set(plan, rec, dtype)
-            # the launch set with this input set's addresses and strides (the only fields of
-            # the forward parameters that depend on q and the caches)
-            fields = _input_fields(qd, kd, vd, axes)
-            launches = [ln.with_inputs(fields) for ln in lay["launches"]]
-            return {"device": dev, "dtype": dtype, "launches": launches, "merge": lay["merge"],
-                    "phase_b": lay["phase_b"], "chain": lay["chain"],
-                    "buf_gen": lay["buf_gen"]}
-
-    def _launch_set(self, plan: Plan, rec: dict, dtype: str) -> dict:
-        """Every launch of ``plan`` in ``dtype`` under the current settings, on the current
-        device, with the forward parameters' input fields (q, caches) left 0: what all input
-        sets of one plan share (kernels, grids, parameter templates, work counters).
-        Returns ``{"launches", "merge" (None when the forward writes the output), "phase_b"
-        (index of the finisher phase's first launch or None), "buf_gen"}``."""
-        cp = self.cp
-        B, Hq, Hk, D = plan.batch_size, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim
-        o_part, l_part = self._partials(plan.num_slots, Hq, D)
-        base = _fwd_params(None, None, None, None, o_part, l_part, rec,
-                           plan.group_size, Hq, Hk, plan.page_size, plan.sm_scale,
-                           self.head_minor)
-        if self.merge_mode not in ("forward", "kernel"):
-            raise ValueError(f"merge_mode must be 'forward' or 'kernel', got "
-                             f"{self.merge_mode!r}")
-        # a plan with a finisher phase has no merge: its finishers write the output
-        fold = plan.finish_from >= 0
-        in_fwd = self.merge_mode == "forward" and not fold
-        if fold:
-            base.merge.req_slot_indptr = _ptr(rec["req_slot_indptr"])
-        if in_fwd:   # out / lse pointers and strides are filled in per call
-            base.merge.counters = _ptr(self._counters(plan.batch_size * Hk))
-            base.merge.req_slot_indptr = _ptr(rec["req_slot_indptr"])
-        launches = []
-        spans = []   # per forward launch: (longest CTA's KV tokens, tile rows), for the chain
-        kv_len = plan.cta_kv_len
-        members = [cc.FwdVariant.make(m, n, D, dtype, arch=self.arch)
-                   for _, (m, n), b, e in plan.groups()
-                   if e > b]
-        if self._use_fused(plan, members):
-            fv = cc.FusedVariant(D, dtype, tuple(dict.fromkeys(members)))
-            pos = {(v.m, v.n): i for i, v in enumerate(fv.members)}
-            idx = np.array([pos[(int(m), int(n))] for m, n in plan.tile_configs],
-                           dtype=np.int32)[plan.cta_tile]
-            cta_variant = cp.asarray(np.ascontiguousarray(idx, dtype=np.int32))
-            prm = _copy_params(base)
-            prm.cta_variant = _ptr(cta_variant)
-            prm.cta_offset, prm.n_ctas = 0, plan.num_ctas
-            launches.append(_Launch(self._function(fv), (plan.num_ctas * Hk, 1, 1),
-                                    (fv.threads, 1, 1), prm, fv.smem_bytes,
-                                    self.fast_launch, keep=cta_variant))
-            spans.append((int(kv_len.max()), 0))
-            members = []
-        num_sms = self._num_sms()
-        if fold and self._finish_ordered(plan, num_sms):
-            # both phases in one ordered launch of the finisher kernel: blocks pull items in
-            # order, the first phase's first; finishers wait on the per-(request, KV head)
-            # counts of the slots written (cuda_src/pat_fwd.cuh)
-            (_, (m, n), b, _), (_, _, _, e) = [x for x in plan.groups() if x[3] > x[2]]
-            v = cc.FwdVariant.make(m, n, D, dtype, pull=True, arch=self.arch, finish=True)
-            # items drawn, blocks finished: zero between runs (the last block resets them)
-            ctr = cp.zeros(2, dtype=cp.int32)
-            prm = _copy_params(base)
-            prm.cta_offset, prm.n_ctas, prm.finish_cta = b, e - b, plan.finish_cta
-            prm.work_counter = _ptr(ctr)
-            prm.merge.counters = _ptr(self._counters(plan.batch_size * Hk))
-            grid = min((e - b) * Hk, self._blocks_per_sm(v) * num_sms)
-            launches.append(_Launch(self._function(v), (grid, 1, 1), (v.threads, 1, 1), prm,
-                                    v.smem_bytes, self.fast_launch, keep=ctr))
-            spans.append((int(kv_len[b:e].max()), m))
-            members = []
-        phase_b = None   # first launch of the finisher phase
-        for g, (m, n), b, e in (plan.groups() if members else ()):
-            if e <= b:
-                continue
-            finish = fold and g >= plan.finish_from
-            if finish and phase_b is None:
-                phase_b = len(launches)
-            # the group's one-tile tail may get a launch of its own (launch.one_tile_split;
-            # not a finisher group: those layouts have no finisher path)
-            s, kind, grid = (e, None, 0) if finish else \
-                one_tile_split(plan, b, e, num_sms, self.one_tile)
-            if s > b:
-                v = cc.FwdVariant.make(m, n, D, dtype, arch=self.arch, finish=finish)
-                prm = _copy_params(base)
-                prm.cta_offset, prm.n_ctas = b, s - b
-                launches.append(_Launch(self._function(v), ((s - b) * Hk, 1, 1),
-                                        (v.threads, 1, 1), prm, v.smem_bytes,
-                                        self.fast_launch))
-                spans.append((int(kv_len[b:s].max()), m))
-            if s < e:
-                prm = _copy_params(base)
-                prm.cta_offset, prm.n_ctas = s, e - s
-                ctr = None
-                if kind == "piped":
-                    v = cc.PipedVariant.make(n, D, dtype)
-                    # two int32 work counters of this launch, zero between runs (the
-                    # kernel's last block resets them)
-                    ctr = cp.zeros(2, dtype=cp.int32)
-                    prm.work_counter = _ptr(ctr)
-                else:
-                    v = cc.FwdVariant.make(m, n, D, dtype, arch=self.arch, one_tile=True)
-                launches.append(_Launch(self._function(v), (grid, 1, 1), (v.threads, 1, 1),
-                                        prm, v.smem_bytes, self.fast_launch, keep=ctr))
-                spans.append((int(kv_len[s:e].max()), m))
-        if phase_b is None:
-            chain = not plan.serial and self._chain_mode(launches)
-            if chain:
-                launches = self._chain(launches, spans, self.fwd_chain == "pdl")
-        else:
-            # a finisher phase behind a chained first phase (launch.finisher_chain): the first
-            # phase's launches chained as above, the finisher launches after them in plan order
-            chain = (self.finish_launch != "serial" and not self._finish_ordered(plan, num_sms)
-                     and finisher_chain(plan, plan.gpu, self.fwd_chain)
-                     and self._pdl_ok(launches))
-            if chain:
-                first = launches[:phase_b]
-                if len(first) > 1:
-                    first = self._chain(first, spans[:phase_b], self.fwd_chain == "pdl")
-                launches = first + launches[phase_b:]
-        B = plan.batch_size
-        per_block, nh = self._merge_layout(plan)
-        mv = cc.MergeVariant(D, dtype, cc.MERGE_WARPS, nh)
-        mp = kp.MergeParams(o_partial=_ptr(o_part), lse_partial=_ptr(l_part),
-                            req_slot_indptr=_ptr(rec["req_slot_indptr"]), batch=B,
-                            num_qo_heads=Hq, block_per_pair=int(per_block))
-        units = B * Hq // nh
-        grid = B * Hq if per_block else (units + mv.warps - 1) // mv.warps
-        merge = _Launch(self._function(mv), (grid, 1, 1), (mv.threads, 1, 1), mp, 0,
-                        self.fast_launch)
-        return {"launches": launches, "merge": None if in_fwd or fold else merge,
-                "phase_b": phase_b, "chain": chain,
-                "buf_gen": self._buffer_generation(cp.cuda.runtime.getDevice())}
-
-    def _chain_mode(self, launches) -> bool:
-        """Whether ``launches`` (a plan's forward launches, no finisher phase) go as one chain
-        of programmatic dependent launches on the caller's stream (``fwd_chain`` "pdl" or
-        "pdl-plan"): two or more of them, on an sm_90 or later device, all on the fast path."""
-        if self.fwd_chain not in FWD_CHAIN_MODES:
-            raise ValueError(f"fwd_chain must be one of {FWD_CHAIN_MODES}, got "
-                             f"{self.fwd_chain!r}")
-        return self.fwd_chain != "fork" and len(launches) > 1 and self._pdl_ok(launches)
-
-    def _chain(self, launches, spans, longest_first: bool) -> list:
-        """``launches`` as a chain: each gets a zeroed block counter (its ``chain`` field; the
-        kernel's last block waits for the launch before it, see ``chain_exit`` in
-        cuda_src/pat_common.cuh), in order of their longest CTA, longest first (ties: larger
-        tiles first; :func:`pat_core.launch.chain_order`) with ``longest_first``, else in the
-        given order."""
-        if longest_first:
-            launches = [launches[i] for i in chain_order(spans)]
-        ctr = self.cp.zeros(len(launches), dtype=self.cp.int32)
-        for i, ln in enumerate(launches):
-            ln.params.chain = _ptr(ctr) + 4 * i
-            ln.keep = (ln.keep, ctr)
-        return launches
+        dev = qd.device if qd.device is not None else self.cp.cuda.runtime.getDevice()
+        with self.cp.cuda.Device(dev):
+            # the usual call: the plan was written by upload() (the wrapper's plan())
+            st = next((s for s in self._states.values() if s.plan is plan
+                       and s.plan_version == plan.version and s.device == dev), None)
+            if st is None:
+                st = self.state_for(plan)
+                st.write(plan, self._caller_stream(qd))
+            return self._run_state(st, qd, k_cache, v_cache, kv_layout, return_lse, out, lse,
+                                   check)
 
     def _merge_layout(self, plan: Plan) -> tuple:
-        """``(block_per_pair, heads_per_warp)`` of the merge launch for ``plan``: the
-        ``merge_per_pair`` and ``merge_heads_per_warp`` settings, or the launch policy's
-        choice (:mod:`pat_core.launch`) where they are automatic."""
-        if self.merge_per_pair not in ("auto", "block", "warp"):
-            raise ValueError(f"merge_per_pair must be 'auto', 'block' or 'warp', got "
-                             f"{self.merge_per_pair!r}")
-        per_block = (merge_block_per_pair(plan, self._num_sms())
-                     if self.merge_per_pair == "auto" else self.merge_per_pair == "block")
-        if per_block:
+        """``(block_per_pair, heads_per_warp)`` of the merge launch for ``plan``
+        (:func:`pat_core.launch.merge_block_per_pair`, :func:`~pat_core.launch.merge_heads_per_warp`)."""
+        n = self._num_sms()
+        if merge_block_per_pair(plan, n):
             return True, 1
-        nh = self.merge_heads_per_warp or merge_heads_per_warp(plan, self._num_sms())
-        if nh not in cc.MERGE_HEADS or plan.num_qo_heads % nh:
-            raise ValueError(f"merge_heads_per_warp must be one of {cc.MERGE_HEADS} and divide "
-                             f"num_qo_heads={plan.num_qo_heads}, got {nh!r}")
-        return False, int(nh)
-
-    def _counters(self, n: int):
-        """int32 counters of the in-kernel merge, ``n`` at least; zero between runs (the CTA
-        that completes a request resets its counter), grow-only per device."""
-        cp = self.cp
-        dev = cp.cuda.runtime.getDevice()
-        cur = self._counter_bufs.get(dev)
-        if cur is None or cur.size < n:
-            if cur is not None:
-                cp.cuda.Device(dev).synchronize()   # a run in flight may still count in it
-                # launches prepared with the old address must be rebuilt (_buffer_generation)
-                self._counter_gens[dev] = self._counter_gens.get(dev, 0) + 1
-            cur = cp.zeros(max(n, int(cur.size * 1.25) if cur is not None else 0), dtype=cp.int32)
-            self._counter_bufs[dev] = cur
-        return cur
-
-    def _use_fused(self, plan: Plan, members) -> bool:
-        """Whether to run every forward CTA in one launch: :func:`pat_core.launch.use_fused_launch`
-        under ``launch_mode``, ``fused_max_blocks_per_sm`` and ``fused_max_kv_len``."""
-        if not members:
-            return False
-        return use_fused_launch(plan, self._num_sms(), self.launch_mode,
-                                self.fused_max_blocks_per_sm, self.fused_max_kv_len)
+        return False, int(merge_heads_per_warp(plan, n))
 
     def _blocks_per_sm(self, v) -> int:
         """Blocks of kernel variant ``v`` an SM holds at once (the driver's occupancy query;
@@ -831,6 +470,13 @@ class CudaBackend:
             n = self._sm_counts[dev] = int(rt.getDeviceProperties(dev)["multiProcessorCount"])
         return n
 
+    def _caller_stream(self, q: _Dev) -> int:
+        """The caller's current stream handle: torch's current stream on q's device for torch
+        inputs, CuPy's current stream otherwise."""
+        if q.kind == "torch":
+            return _torch_stream_handle(q.device)
+        return self.cp.cuda.get_current_stream().ptr
+
     def _alloc_like(self, qd: _Dev, shape, dtype: str):
         """A new C-contiguous ``shape`` array of ``dtype`` on q's device, of q's kind."""
         if qd.kind == "torch":
@@ -843,67 +489,12 @@ class CudaBackend:
             raise TypeError("CuPy has no bfloat16 arrays: pass out= or use torch tensors")
         return self.cp.empty(shape, dtype=dtype)
 
-    def _execute(self, plan, prep, qd, want_lse, out, lse):
-        B = plan.batch_size
-        out, lse, out_args = self._outputs(qd, B, plan.num_qo_heads, plan.head_dim,
-                                           prep["dtype"], want_lse, out, lse)
-        launches = prep["launches"]
-        if B == 0 or not launches:
-            return (out, lse) if want_lse else out
-
-        merge = prep["merge"]
-        if merge is None:   # merged by the forward CTAs: they get the output
-            for ln in launches:
-                _set_out(ln.params.merge, out_args)
-        if merge is not None:
-            _set_out(merge.params, out_args)
-        caller = self._caller_stream(qd)
-        k = prep["phase_b"]
-        if k is None:
-            self._enqueue(launches, merge, caller, plan.serial, prep["chain"])
-        elif prep["chain"]:
-            # the first phase chained, each finisher launch a dependent of the launch before it;
-            # a finisher folds after its pdl_wait, when the whole chain before it has finished
-            self._enqueue(launches, None, caller, False, chain=True)
-        elif self._finish_pdl(launches, k):
-            # the finishers start while the first phase runs; they wait for it (pdl_wait in
-            # cuda_src/pat_fwd.cuh) only before they fold its slots in
-            launches[0](caller)
-            launches[1](caller, dependent=True)
-        else:   # the finishers start once every other forward launch has finished
-            self._enqueue(launches[:k], None, caller, plan.serial)
-            self._enqueue(launches[k:], None, caller, plan.serial)
-        return (out, lse) if want_lse else out
-
-    def _finish_ordered(self, plan: Plan, num_sms: int) -> bool:
-        """Whether a finisher-phase plan runs as one ordered launch (``finish_launch``
-        "ordered"): its first phase and its finishers each one tile group, of the same tile, and
-        the first phase not split by the one-tile rule."""
-        if self.finish_launch not in FINISH_LAUNCH_MODES:
-            raise ValueError(f"finish_launch must be one of {FINISH_LAUNCH_MODES}, got "
-                             f"{self.finish_launch!r}")
-        if self.finish_launch != "ordered" or plan.finish_from < 0:
-            return False
-        live = [(g, mn, b, e) for g, mn, b, e in plan.groups() if e > b]
-        if len(live) != 2 or live[0][0] >= plan.finish_from or live[1][0] < plan.finish_from:
-            return False
-        (_, mn_a, b, e), (_, mn_b, _, _) = live
-        return mn_a == mn_b and one_tile_split(plan, b, e, num_sms, self.one_tile)[0] == e
-
-    def _finish_pdl(self, launches, k: int) -> bool:
-        """Whether the finisher phase starting at ``launches[k]`` goes as a programmatic
-        dependent launch (``finish_launch`` "pdl", or "ordered" where the phases could not share
-        a launch): one launch per phase, both through the driver, on an sm_90 or later
-        device.  ``finish_launch`` was checked by :meth:`_finish_ordered` when the launches
-        were prepared."""
-        return (self.finish_launch != "serial" and k == 1 and len(launches) == 2
-                and self._pdl_ok(launches))
-
     def _pdl_ok(self, launches) -> bool:
         """Programmatic dependent launch is possible after ``launches``: an sm_90 or later
         device, a driver with ``cuLaunchKernelEx``, every launch on the fast path."""
         return (int(self.arch[3:]) >= 90 and all(ln.fast for ln in launches)
                 and _launch_ex() is not None)
+
 
     def _outputs(self, qd: _Dev, rows: int, Hq: int, D: int, dtype: str, want_lse: bool, out,
                  lse, note: str = ""):
@@ -939,39 +530,17 @@ class CudaBackend:
                 l_ptr, l_sb, l_sh = ld.ptr, ld.strides[0], ld.strides[1]
         return out, lse, (o_ptr, l_ptr, o_sb, o_sh, l_sb, l_sh)
 
-    def _enqueue(self, launches, merge, caller: int, serial: bool, chain: bool = False) -> None:
-        """Forward launches (concurrent on pool streams forked from the caller's stream unless
-        ``serial`` or ``chain``), then the merge (if any) on the caller's stream once they have
-        joined.  ``chain`` (launches prepared by :meth:`_chain`): on the caller's stream, each
-        after the first a programmatic dependent of the one before it."""
-        rt = self.cp.cuda.runtime
-        on_caller = serial or chain or len(launches) <= 1
-        if chain:
-            launches[0](caller)
-            for ln in launches[1:]:
-                ln(caller, dependent=True)
-        elif on_caller:
-            for ln in launches:
-                ln(caller)
-        else:
-            # launch 0 on the caller's stream, the others on pool streams forked from it
-            streams, fork, joins = self._pool()
-            used = min(len(streams), len(launches) - 1)
-            rt.eventRecord(fork.ptr, caller)
-            for si in range(used):
-                rt.streamWaitEvent(streams[si].ptr, fork.ptr, 0)
-            launches[0](caller)
-            for i, ln in enumerate(launches[1:]):
-                ln(streams[i % len(streams)].ptr)
-            for si in range(used):
-                rt.eventRecord(joins[si].ptr, streams[si].ptr)
-                rt.streamWaitEvent(caller, joins[si].ptr, 0)
+
+    def _enqueue(self, launches, merge, caller: int) -> None:
+        """Forward ``launches`` on the caller's stream, each after the first a programmatic
+        dependent of the one before it where the GPU has that (their blocks are placed as soon
+        as the previous launch's all are; the chained last block of each waits for the launch
+        before it), then the merge (if any), a dependent of the last of them."""
+        pdl = self._pdl_ok(launches + ([merge] if merge is not None else []))
+        for i, ln in enumerate(launches):
+            ln(caller, dependent=pdl and i > 0)
         if merge is not None:
-            # right after a forward launch on the same stream, the merge may go as its
-            # programmatic dependent (pdl_wait in cuda_src/pat_merge.cuh); a forward launch
-            # that waited on the launch before it finished after it, so the wait covers both
-            merge(caller, dependent=_mode(self.merge_launch, "merge_launch") and on_caller
-                  and len(launches) > 0 and self._pdl_ok(launches + [merge]))
+            merge(caller, dependent=pdl and len(launches) > 0)
 
     # ------------------------------------------------------------------ graph-safe mode
     def static_state(self, layout, num_qo_heads: int, num_kv_heads: int, head_dim: int,
@@ -982,7 +551,7 @@ class CudaBackend:
         set's kernels now (never during a capture).  ``fused``: every tile of the launch set in
         one pull launch (``pat_fwd_fused_pull_kernel``) instead of one launch per tile."""
         return StaticState(self, layout, num_qo_heads, num_kv_heads, head_dim, page_size,
-                           dtype, sm_scale, fused)
+                           dtype, sm_scale, fused=fused, fixed=True)
 
     def run_static(self, state: "StaticState", q, k_cache, v_cache, kv_layout: str = "NHD",
                    return_lse: bool = False, out=None, lse=None):
@@ -992,61 +561,89 @@ class CudaBackend:
         written.  Every launch argument depends only on ``state`` and the buffers passed here,
         so the sequence can be captured once and replayed for later plans."""
         qd = _Dev(q, "q")
+        with self.cp.cuda.Device(state.device):
+            return self._run_state(state, qd, k_cache, v_cache, kv_layout, return_lse, out,
+                                   lse, None)
+
+    def _run_state(self, st: "StaticState", qd: _Dev, k_cache, v_cache, kv_layout, return_lse,
+                   out, lse, check):
+        """The one launch path: the forward launches and merge of ``st`` (current device)."""
         kd = _Dev(k_cache, "k_cache")
         vd = _Dev(v_cache, "v_cache")
         want_lse = bool(return_lse or lse is not None)
-        if state.batch is None:
-            raise RuntimeError("graph-safe mode: write a plan (plan()) before run()")
-        sig = (kv_layout, qd.sig(), kd.sig(), vd.sig(), self.fwd_chain)
-        prep = state.prepared.get(sig)
+        if st.batch is None:
+            raise RuntimeError("write a plan (plan()) before run()")
+        sig = (kv_layout, qd.sig(), kd.sig(), vd.sig())
+        prep = st.prepared.get(sig)
         if prep is None:
-            prep = state.prepare(qd, kd, vd, kv_layout)
-            state.prepared.clear()      # one input set at a time: a graph holds its own copy
-            state.prepared[sig] = prep
-        out, lse, out_args = self._outputs(qd, qd.shape[0], state.num_qo_heads, state.head_dim,
-                                           qd.dtype, want_lse, out, lse, note=" (q's rows)")
-        cp = self.cp
-        with cp.cuda.Device(state.device):
-            _set_out(prep["merge"].params, out_args)
-            self._enqueue(prep["launches"], prep["merge"], self._caller_stream(qd),
-                          self.static_serial, prep["chain"] and not self.static_serial)
+            if check is not None:
+                check()
+            prep = st.prepare(qd, kd, vd, kv_layout)
+            if len(st.prepared) >= (1 if st.fixed else 64):   # e.g. one per model layer
+                st.prepared.clear()
+            st.prepared[sig] = prep
+        # the plan now in the state must fit these inputs (checked per plan, not per call)
+        if prep["checked"] is not st.plan:
+            st.check_inputs(st.plan, prep["rows"], prep["num_pages"])
+            prep["checked"] = st.plan
+        rows = prep["rows"] if st.fixed else st.batch
+        out, lse, out_args = self._outputs(qd, rows, st.num_qo_heads, st.head_dim, st.dtype,
+                                           want_lse, out, lse,
+                                           note=" (q's rows)" if st.fixed else "")
+        if st.fixed:
+            launches, merge = prep["launches"], prep["merge"]
+        else:
+            launches, merge = st.live_launches(prep)
+        for ln in launches:
+            _set_out(ln.params.merge, out_args)
+        if merge is not None:
+            _set_out(merge.params, out_args)
+        self._enqueue(launches, merge, self._caller_stream(qd))
         return (out, lse) if want_lse else out
 
 
 class StaticState:
-    """Graph-safe mode's fixed device state (see :mod:`pat_core.static_plan`).
+    """The device state one plan at a time runs from (see :mod:`pat_core.static_plan`).
 
     Holds one int32 buffer with every Plan array at a fixed offset, fixed fp32 partial buffers,
     a work counter per launch, and the launch set: one pull-mode forward kernel per tile in
     ``layout.tiles`` (grid = SMs x resident blocks, capped by the item limit), or with ``fused``
     one pull kernel for all of them (each block runs the tile of the item it draws, in the
-    largest tile's block), and a merge over a fixed grid.  :meth:`write` puts a new plan into
-    the buffer with an asynchronous copy on a stream; nothing else changes between plans.
+    largest tile's block), and a merge.  :meth:`write` puts a new plan into the buffer with an
+    asynchronous copy on a stream; nothing else changes between plans.
+
+    ``fixed`` (graph-safe mode): every launch of the set runs on every call, over fixed grids,
+    with a merge over a fixed grid, so one captured graph serves every later plan.  Otherwise
+    (plain plans, :meth:`CudaBackend.state_for`) a call launches only the tiles the written
+    plan uses, in the launch set's order, and a merge laid out for the plan, which it skips when every
+    request has one partial slot (its forward item wrote the output) and no block drew a
+    second item (no work counter to reset).
     """
 
     _MERGE_BLOCKS_PER_SM = 12      # the merge kernel's launch bounds: 48 warps of 4-warp blocks
 
     def __init__(self, backend: CudaBackend, layout, num_qo_heads, num_kv_heads, head_dim,
-                 page_size, dtype, sm_scale, fused: bool = False):
+                 page_size, dtype, sm_scale, fused: bool = False, fixed: bool = True):
         cp = backend.cp
         self.backend, self.cp = backend, cp
         self.layout = layout
+        self.fixed = bool(fixed)
         self.num_qo_heads, self.num_kv_heads = int(num_qo_heads), int(num_kv_heads)
         self.head_dim, self.page_size = int(head_dim), int(page_size)
         self.dtype = dtype_name(dtype)
         self.sm_scale = float(sm_scale)
         if self.dtype not in cc.DTYPE_CTYPE:
-            raise ValueError(f"graph-safe mode: the CUDA kernels take float16 or bfloat16, got "
-                             f"{self.dtype}")
+            raise ValueError(f"the CUDA kernels take float16 or bfloat16, got {self.dtype}")
         for m, n in layout.tiles:
             if not cc.fwd_variant_supported(m, n, self.head_dim):
-                raise ValueError(f"graph-safe mode: no CUDA kernel for tile ({m}, {n}) at "
-                                 f"head_dim {self.head_dim}")
+                raise ValueError(f"no CUDA kernel for tile ({m}, {n}) at head_dim "
+                                 f"{self.head_dim}")
         self.device = cp.cuda.runtime.getDevice()
         lim = layout.limits
         V = layout.num_variants
         self.buf = cp.zeros(layout.total, dtype=cp.int32)
         self.counters = cp.zeros(V, dtype=cp.int32)     # zeroed again by every merge
+        self.chain = cp.zeros(V, dtype=cp.int32)        # chained launches' block counts
         self.o_part = cp.empty(lim.max_partials * self.num_qo_heads * self.head_dim,
                                dtype=cp.float32)
         self.l_part = cp.empty(lim.max_partials * self.num_qo_heads, dtype=cp.float32)
@@ -1058,7 +655,7 @@ class StaticState:
                                             arch=backend.arch)
                          for m, n in layout.tiles]
         self.merge_variant = cc.MergeVariant(self.head_dim, self.dtype)
-        self.fused = bool(fused)
+        self.fused = bool(fused) and self.fixed
         if self.fused:
             # one kernel holds every tile (warmup compiles it in this process)
             self.launch_variants = [cc.FusedVariant(self.head_dim, self.dtype,
@@ -1074,22 +671,24 @@ class StaticState:
         self.prepared: dict = {}
         self.batch = None           # live batch of the last plan written
         self.plan = None
-        self.max_rows = None        # q rows and KV pages of the inputs the launches were built
-        self.num_pages = None       # for (a later plan must fit them: a graph keeps them)
+        self.plan_version = None
+        self.live = None            # [V, 2] first CTA and count per variant of that plan
+        self.order = ()             # plain plans: variants with CTAs, in launch-set order
+        self.needs_merge = True
+        self.merge_key = (False, 1)
+        self.max_rows = None        # graph-safe: q rows and KV pages of the inputs the
+        self.num_pages = None       # launches were built for (a later plan must fit them)
 
     def _grid(self, v) -> int:
         """Blocks of a pull launch: every block that can be resident at once, at most one per
         item the limits allow."""
         per_sm = self.backend._blocks_per_sm(v)
-        cap = self.backend.graph_blocks_per_sm
-        if cap:
-            per_sm = min(per_sm, int(cap))
         items = self.layout.limits.max_ctas * self.num_kv_heads
         return max(1, min(items, per_sm * self.num_sms))
 
     def check_plan(self, plan: Plan) -> None:
-        """``ValueError`` unless ``plan`` fits this state: its shape and the inputs the
-        launches were built for.  (The layout's limits are checked by
+        """``ValueError`` unless ``plan`` fits this state: its shape and, in graph-safe mode,
+        the inputs the launches were built for.  (The layout's limits are checked by
         :meth:`~pat_core.static_plan.StaticLayout.pack`, which every written plan goes through.)"""
         want = (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype)
         have = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.page_size,
@@ -1102,22 +701,26 @@ class StaticState:
         if abs(plan.sm_scale - self.sm_scale) > 1e-12 * abs(self.sm_scale):
             raise ValueError(f"graph-safe mode: sm_scale={plan.sm_scale} differs from "
                              f"{self.sm_scale} of the first plan")
-        if self.max_rows is not None and plan.batch_size > self.max_rows:
-            raise ValueError(f"graph-safe mode: the plan has {plan.batch_size} requests but the "
-                             f"q buffer the launches were built for has {self.max_rows} rows")
-        if self.num_pages is not None and plan.cta_pages.size \
-                and int(plan.cta_pages.max()) >= self.num_pages:
-            raise ValueError(f"graph-safe mode: the plan reads page {int(plan.cta_pages.max())}"
-                             f" but the KV cache the launches were built for holds "
-                             f"{self.num_pages} pages")
+        if self.fixed and self.max_rows is not None:
+            self.check_inputs(plan, self.max_rows, self.num_pages)
         if plan.cta_pages.size and int(plan.cta_pages.min()) < 0:
             raise ValueError(f"the plan reads page {int(plan.cta_pages.min())}: page ids must "
                              "be >= 0")
 
+    def check_inputs(self, plan: Plan, rows: int, num_pages: int) -> None:
+        """``ValueError`` unless ``plan`` fits inputs of ``rows`` q rows and ``num_pages`` KV
+        pages (graph-safe: at least the batch's rows; plain: exactly)."""
+        if plan.batch_size > rows or (not self.fixed and plan.batch_size != rows):
+            what = "the q buffer the launches were built for has" if self.fixed else "q has"
+            raise ValueError(f"the plan has {plan.batch_size} requests but {what} {rows} rows")
+        if plan.cta_pages.size and int(plan.cta_pages.max()) >= num_pages:
+            raise ValueError(f"the KV cache (paged_kv_cache) holds {num_pages} pages but the "
+                             f"plan reads page {int(plan.cta_pages.max())}")
+
     def write(self, plan: Plan, stream_ptr: int) -> None:
         """Put ``plan`` into the device buffer: pack into pinned memory, then one asynchronous
         host-to-device copy on ``stream_ptr``, ordered after the work already on that stream
-        (a replay of the previous step reads the old contents until then)."""
+        (a run of the previous plan reads the old contents until then)."""
         self.check_plan(plan)
         packed = self.layout.pack(plan)
         cp = self.cp
@@ -1129,40 +732,56 @@ class StaticState:
                                         stream_ptr)
             self.copied.record(_external_stream(cp, stream_ptr, self.device))
         self.batch = plan.batch_size
-        self.plan = plan
+        self.plan, self.plan_version = plan, plan.version
+        off = self.layout.offset["live"]
+        self.live = packed[off:off + 2 * self.layout.num_variants].reshape(-1, 2).copy()
+        if not self.fixed:
+            self._plain_schedule(plan)
+
+    def _plain_schedule(self, plan: Plan) -> None:
+        """Plain plans: which launches run (the tiles with CTAs, in the launch set's order,
+        tallest tiles first, as graph-safe mode launches them), whether the merge runs and its
+        layout."""
+        Hk = self.num_kv_heads
+        used = [v for v in range(self.layout.num_variants) if self.live[v, 1] > 0]
+        self.order = tuple(used)
+        drew = any(int(self.live[v, 1]) * Hk > self.grids[v] for v in used)
+        self.needs_merge = plan.num_slots > plan.batch_size or drew
+        self.merge_key = self.backend._merge_layout(plan)
 
     def prepare(self, qd: _Dev, kd: _Dev, vd: _Dev, kv_layout: str) -> dict:
-        """Check the inputs and build the fixed launches for them."""
+        """Check the inputs and build the launches for them."""
         Hq, Hk, D = self.num_qo_heads, self.num_kv_heads, self.head_dim
         if kv_layout not in ("NHD", "HND"):
             raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
         _check_rows(qd, "q", 3)
-        if qd.shape[1:] != (Hq, D) or qd.shape[0] < self.batch:
-            raise ValueError(f"q has shape {qd.shape}; graph-safe mode needs [rows, {Hq}, {D}] "
-                             f"with rows >= the plan's batch {self.batch}")
+        if qd.shape[1:] != (Hq, D):
+            raise ValueError(f"q has shape {qd.shape}; the plan needs [batch, {Hq}, {D}]")
+        if qd.dtype not in cc.DTYPE_CTYPE:
+            raise TypeError(f"q: the CUDA kernels take float16 or bfloat16, got {qd.dtype}")
         if not (qd.dtype == kd.dtype == vd.dtype == self.dtype):
             raise TypeError(f"q ({qd.dtype}) and paged_kv_cache ({kd.dtype}, {vd.dtype}) must be "
                             f"{self.dtype}, the plan's dtype")
         num_pages, axes = _check_cache(qd, kd, vd, kv_layout, self.page_size, Hk, D)
         devs = {t.device for t in (qd, kd, vd) if t.device is not None}
         if devs and devs != {self.device}:
-            raise ValueError(f"graph-safe mode: inputs on device(s) {sorted(devs)}, the state "
-                             f"lives on device {self.device}")
-        old = (self.max_rows, self.num_pages)
-        self.max_rows, self.num_pages = int(qd.shape[0]), int(num_pages)
-        try:
-            if self.plan is not None:
-                self.check_plan(self.plan)     # the plan already written must fit these inputs
-        except ValueError:
-            self.max_rows, self.num_pages = old
-            raise
+            raise ValueError(f"q and paged_kv_cache live on device(s) {sorted(devs)}, the plan's "
+                             f"state on device {self.device}")
+        rows = int(qd.shape[0])
+        if self.plan is not None:
+            self.check_inputs(self.plan, rows, int(num_pages))
+        if self.fixed:
+            # a captured graph keeps these inputs: later plans must fit them
+            self.max_rows, self.num_pages = rows, int(num_pages)
         lay = self.layout
         base_ptr = int(self.buf.data.ptr)
         arrays = {name: base_ptr + 4 * lay.offset[name] for name in lay.offset}
         group = Hq // Hk
         base = _fwd_params(qd, kd, vd, axes, self.o_part, self.l_part, arrays, group, Hq, Hk,
-                           self.page_size, self.sm_scale, True)
-        ctr = int(self.counters.data.ptr)
+                           self.page_size, self.sm_scale)
+        # single-slot requests: the forward item writes the output (out set per call)
+        base.merge.req_slot_indptr = arrays["req_slot_indptr"]
+        ctr, chain = int(self.counters.data.ptr), int(self.chain.data.ptr)
         launches = []
         be = self.backend
         with self.cp.cuda.Device(self.device):
@@ -1171,24 +790,48 @@ class StaticState:
                 # the fused kernel reads the whole live table (one {first, count} per tile)
                 prm.live = arrays["live"] + 8 * i
                 prm.work_counter = ctr + 4 * i
-                launches.append(_Launch(be._function(v), (self.grids[i], 1, 1), (v.threads, 1, 1),
-                                        prm, v.smem_bytes, be.fast_launch))
-            mv = self.merge_variant
-            pairs = lay.limits.max_batch_size * Hq
-            grid = max(1, min((pairs + mv.warps - 1) // mv.warps,
-                              self.num_sms * self._MERGE_BLOCKS_PER_SM))
-            mp = kp.MergeParams(o_partial=_ptr(self.o_part), lse_partial=_ptr(self.l_part),
-                                req_slot_indptr=arrays["req_slot_indptr"],
-                                live_batch=arrays["live_batch"], reset=ctr,
-                                reset_n=lay.num_variants, batch=0, num_qo_heads=Hq)
-            merge = _Launch(be._function(mv), (grid, 1, 1), (mv.threads, 1, 1), mp, 0,
-                            be.fast_launch)
-            # several tile launches: chained in the layout's tile order (the plan, and so which
-            # launch is longest, changes between replays)
-            chain = not be.static_serial and be._chain_mode(launches)
-            if chain:
-                launches = be._chain(launches, None, False)
-        return {"launches": launches, "merge": merge, "chain": chain}
+                prm.chain = chain + 4 * i
+                launches.append(_Launch(be._function(v), (self.grids[i], 1, 1),
+                                        (v.threads, 1, 1), prm, v.smem_bytes, be.fast_launch))
+            prep = {"launches": launches, "merges": {}, "rows": rows,
+                    "num_pages": int(num_pages), "checked": self.plan, "arrays": arrays}
+            if self.fixed:
+                mv = self.merge_variant
+                pairs = lay.limits.max_batch_size * Hq
+                grid = max(1, min((pairs + mv.warps - 1) // mv.warps,
+                                  self.num_sms * self._MERGE_BLOCKS_PER_SM))
+                prep["merge"] = self._merge_launch(arrays, mv, grid, False)
+        return prep
+
+    def _merge_launch(self, arrays, mv, grid: int, per_block: bool) -> "_Launch":
+        be = self.backend
+        mp = kp.MergeParams(o_partial=_ptr(self.o_part), lse_partial=_ptr(self.l_part),
+                            req_slot_indptr=arrays["req_slot_indptr"],
+                            live_batch=arrays["live_batch"], reset=int(self.counters.data.ptr),
+                            reset_n=self.layout.num_variants, batch=0,
+                            num_qo_heads=self.num_qo_heads, block_per_pair=int(per_block),
+                            direct_single=1)
+        return _Launch(be._function(mv), (grid, 1, 1), (mv.threads, 1, 1), mp, 0,
+                       be.fast_launch)
+
+    def live_launches(self, prep: dict) -> tuple:
+        """Plain plans: the written plan's forward launches (in :attr:`order`) and its merge
+        (``None`` when it needs none)."""
+        launches = [prep["launches"][v] for v in self.order]
+        if not self.needs_merge:
+            return launches, None
+        per_block, nh = self.merge_key
+        mv = cc.MergeVariant(self.head_dim, self.dtype, cc.MERGE_WARPS, nh)
+        pairs = self.batch * self.num_qo_heads
+        grid = pairs if per_block else (pairs // nh + mv.warps - 1) // mv.warps
+        key = (per_block, nh, grid)
+        merge = prep["merges"].get(key)
+        if merge is None:
+            if len(prep["merges"]) >= 16:
+                prep["merges"].clear()
+            merge = prep["merges"][key] = self._merge_launch(prep["arrays"], mv, max(1, grid),
+                                                             per_block)
+        return launches, merge
 
 
 class _Launch:
@@ -1261,17 +904,6 @@ class _Launch:
                     stream=_external_stream(cupy, stream_ptr, cupy.cuda.runtime.getDevice()))
 
 
-FINISH_LAUNCH_MODES = ("ordered", "pdl", "serial")   # CudaBackend.finish_launch
-
-
-def _mode(value, name: str) -> bool:
-    """A ``"pdl"`` / ``"serial"`` backend setting as a bool (True: programmatic dependent
-    launch); ``ValueError`` naming the setting otherwise."""
-    if value not in ("pdl", "serial"):
-        raise ValueError(f"{name} must be 'pdl' or 'serial', got {value!r}")
-    return value == "pdl"
-
-
 # cuLaunchKernelEx and its structs (cuda.h, CUDA 12+), for programmatic dependent launch, which
 # CuPy's driver binding does not expose.
 class _LaunchAttr(ctypes.Structure):
@@ -1303,7 +935,7 @@ def _launch_ex():
             fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
                            ctypes.c_void_p]
         except (OSError, AttributeError):
-            log.warning("no cuLaunchKernelEx in the CUDA driver: finisher phases run serially")
+            log.warning("no cuLaunchKernelEx in the CUDA driver: launches run serially")
         _LAUNCH_EX.append(fn)
     return _LAUNCH_EX[0]
 
@@ -1323,8 +955,7 @@ def _set_out(p, out_args) -> None:
     p.out, p.lse_out, p.out_sb, p.out_sh, p.lse_sb, p.lse_sh = out_args
 
 
-def _fwd_params(qd, kd, vd, axes, o_part, l_part, arrays, group, Hq, Hk, page_size, sm_scale,
-                head_minor):
+def _fwd_params(qd, kd, vd, axes, o_part, l_part, arrays, group, Hq, Hk, page_size, sm_scale):
     """The forward parameters every launch of a step shares (CTA range and variant left 0).
     ``arrays`` maps each Plan array name to its device address (int) or CuPy array."""
     def addr(name):
@@ -1337,7 +968,7 @@ def _fwd_params(qd, kd, vd, axes, o_part, l_part, arrays, group, Hq, Hk, page_si
         cta_req=addr("cta_req"), cta_slot=addr("cta_slot"), cta_kv_start=addr("cta_kv_start"),
         cta_kv_len=addr("cta_kv_len"), cta_page_indptr=addr("cta_page_indptr"),
         cta_pages=addr("cta_pages"),
-        num_kv_heads=Hk, head_minor=1 if head_minor else 0, group=group, num_qo_heads=Hq,
+        num_kv_heads=Hk, head_minor=1, group=group, num_qo_heads=Hq,
         page_size=page_size, scale_log2=float(sm_scale * _LOG2E))
     if qd is not None:
         _set_inputs(prm, _input_fields(qd, kd, vd, axes))

@@ -32,7 +32,7 @@ FINISH_MAX_ROWS = 32
 # H100 (bench/NOTES.md, rounds 14 and 16): 0.4-0.6% faster on the no-sharing batches, and the
 # per-request plans of the ``pat`` packer's request rule 2-3% faster than with their copy-merge;
 # larger shares lose 16-20% where the first phase has several groups, so they stay opt-in.
-FINISH_SHARE = 0.0
+FINISH_SHARE = None
 # Default smallest number of (request, query head) pairs from which a step folds whatever share
 # of its tokens the first phase reads, provided each phase is one tile group on a GPU with
 # dependent launches (so the finishers are one launch dependent on one first-phase launch,

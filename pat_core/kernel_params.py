@@ -46,7 +46,8 @@ class MergeParams(ctypes.Structure):
     _fields_ = [("o_partial", _P), ("lse_partial", _P), ("req_slot_indptr", _P), ("out", _P),
                 ("lse_out", _P), ("live_batch", _P), ("reset", _P),
                 ("out_sb", _I64), ("out_sh", _I64), ("lse_sb", _I64), ("lse_sh", _I64),
-                ("batch", _I32), ("num_qo_heads", _I32), ("reset_n", _I32), ("block_per_pair", _I32)]
+                ("batch", _I32), ("num_qo_heads", _I32), ("reset_n", _I32), ("block_per_pair", _I32),
+                ("direct_single", _I32)]
 
 
 STRUCTS = {"MergeArgs": MergeArgs, "FwdParams": FwdParams, "MergeParams": MergeParams}

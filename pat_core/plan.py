@@ -166,10 +166,15 @@ class Plan:
 
     @property
     def one_cta_per_request(self) -> bool:
-        """Every request has one CTA of its own, which writes the request's output: a finisher
-        phase from the first group (the request rule's plans), so no partials and no merge."""
-        return (self.finish_from == 0 and self.num_ctas == self.batch_size
+        """Every request has one CTA of its own, which writes the request's output (the
+        request rule's plans): no partials and no merge."""
+        return (self.num_ctas == self.batch_size
                 and bool(np.all(np.diff(self.cta_req_indptr) == 1)))
+
+    def direct_requests(self) -> int:
+        """Requests of one partial slot: the CTA that holds all of such a request's KV writes
+        its output directly (no partial, nothing to merge)."""
+        return int(np.count_nonzero(np.diff(self.req_slot_indptr) == 1))
 
     def finisher_slots(self) -> np.ndarray:
         """int32 ``[B]``: the slot of each request's finisher CTA (``-1`` without a finisher
@@ -193,9 +198,10 @@ class Plan:
         * ``kv_bytes``: K and V tokens read by every CTA (each CTA reads its range once per KV head).
         * ``q_bytes``: query rows read by every CTA.
         * ``partial_bytes``: fp32 partial outputs and LSEs, written by the forward kernels and
-          read back by the merge kernel or the finishers (both directions counted; the
-          finishers' own slots are neither).
-        * ``out_bytes``: the final output written by the merge kernel (or the finishers).
+          read back by the merge kernel (both directions counted), for requests of more than
+          one slot.
+        * ``out_bytes``: the final output, written by the merge kernel or, for a request of one
+          slot, by its CTA.
         """
         kvb = DTYPE_BYTES[dtype_name(kv_dtype or self.kv_dtype)]
         qb = DTYPE_BYTES[dtype_name(q_dtype or self.q_dtype or kv_dtype or self.kv_dtype)]
@@ -203,7 +209,10 @@ class Plan:
         kv_tokens = int(self.cta_kv_len.astype(np.int64).sum())
         kv_bytes = kv_tokens * hk * 2 * d * kvb
         q_bytes = self.num_slots * hq * d * qb
-        written = self.num_slots - (self.batch_size if self.finish_from >= 0 else 0)
+        if self.finish_from >= 0:
+            written = self.num_slots - self.batch_size
+        else:   # a request of one slot gets its output from that CTA (no partial written)
+            written = self.num_slots - self.direct_requests()
         partial_bytes = 2 * written * hq * (d + 1) * PARTIAL_BYTES
         out_bytes = self.batch_size * hq * d * qb
         tiles: dict = {}

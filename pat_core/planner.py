@@ -75,12 +75,11 @@ class Tuning:
     (:func:`pat_core.fold.large_merge_finishers`; ``None``: off).  The per-request rule is
     still tried on such a plan and wins where it applies.
     ``request_share``: the ``pat`` packer's per-request rule
-    (:func:`pat_core.packers.request_packing`): with no ``max_rows`` set, no forced tile, a
-    finisher rule on (``finish_share`` not ``None``) and no serial plan, the step runs one CTA
-    per request when that re-reads at most this share more KV tokens, its re-read pages fit the
-    L2, and it needs no merge where the ``pat`` packing does (``None``:
-    :func:`pat_core.packers.request_share` of the GQA group; ``0``: off; graph-safe mode,
-    which always merges, turns it off).
+    (:func:`pat_core.packers.request_packing`): with no ``max_rows`` set, no forced tile and
+    no serial plan, the step runs one CTA per request when that re-reads at most this share
+    more KV tokens, its re-read pages fit the L2, and it needs no merge where the ``pat``
+    packing does (each CTA then writes its request's output; ``None``:
+    :func:`pat_core.packers.request_share` of the GQA group; ``0``: off).
     ``exclude_tiles``: ``(m, n)`` pairs the tile selector must not pick (``None``: none).
     Graph-safe mode sets it for a fused pull launch set
     (:func:`pat_core.static_plan.fused_pull_exclusions`).
@@ -386,12 +385,10 @@ class Planner:
                   serial=serial, split=split, tuning=self.tuning)
         plan = assemble_plan(bt, packs, **kw)
         request = None
-        # the per-request rule where the plan merges, or folds only by the large-merge rule
-        # (one CTA per request and no first phase at all is what the request rule measured
-        # faster than a merge; a large-merge fold keeps a first phase)
+        # the per-request rule where the plan merges: one CTA per request, each writing its
+        # request's output (no partials, no merge), is what the rule measured faster
         if self.packer == "pat" and self.tuning.max_rows is None and tile is None \
-                and not serial and self.tuning.finish_share is not None \
-                and (plan.finish_from < 0 or plan.extra.get("fold_rule") == "pairs"):
+                and not serial and plan.num_slots > plan.batch_size:
             alt, tokens = request_packing(forest, packs, self._request_share(group), group,
                                           head_dim, num_kv_heads, self.gpu.l2_bytes,
                                           DTYPE_BYTES[kv_dtype])
@@ -399,7 +396,7 @@ class Planner:
                 request = (tokens[0], tokens[1], False)
             if alt is not None:
                 alt_plan = assemble_plan(bt, alt, **kw)
-                if alt_plan.finish_from == 0:      # no merge: every request writes its output
+                if alt_plan.num_slots == alt_plan.batch_size:   # every request one slot
                     packs, plan, request = alt, alt_plan, (tokens[0], tokens[1], True)
         plan.q_dtype = q_dtype
         plan.extra["forest"] = forest

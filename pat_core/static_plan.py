@@ -229,7 +229,12 @@ def reachable_tiles(selector, kv_tile_table=None, max_rows=None) -> tuple:
     for m in ms:
         for max_len, _ in table:
             out.add((m, int(selector.pick_n(m, int(min(max_len, 1 << 30))))))
-    return tuple(sorted(out, key=lambda t: (-t[0], -t[1])))
+    return order_tiles(out)
+
+
+def order_tiles(tiles) -> tuple:
+    """``(m, n)`` tiles in launch-set order: ``m`` descending, then ``n`` descending."""
+    return tuple(sorted({(int(m), int(n)) for m, n in tiles}, key=lambda t: (-t[0], -t[1])))
 
 
 # KV-length table of a graph-safe wrapper whose CTAs all fit one 16-row tile: one n.

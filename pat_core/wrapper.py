@@ -237,7 +237,7 @@ class PrefixAttentionWrapper:
         if self.use_cuda_graph:
             self._write_static(plan, tile)
         elif self._gpu_backend is not None:
-            self._gpu_backend.upload(plan)
+            self._gpu_backend.upload(plan, self._current_stream())
         self._plan = plan
         return plan
 
@@ -247,9 +247,7 @@ class PrefixAttentionWrapper:
         every CTA fits a 16-row tile or the bucket runs as one fused pull launch) and,
         for a fused bucket, the tiles left out and the row cap that keep its block at two per
         SM (:func:`~pat_core.static_plan.fused_pull_exclusions`,
-        :func:`~pat_core.static_plan.fused_pull_max_rows`); and the ``pat`` packer's per-request
-        rule off (``request_share`` 0: its plans win by having no merge, and graph-safe mode
-        always merges)."""
+        :func:`~pat_core.static_plan.fused_pull_max_rows`)."""
         from .static_plan import (fused_pull_exclusions, fused_pull_max_rows, graph_safe_fused,
                                   graph_safe_tile_table, reachable_tiles)
         # undo what an earlier first plan that was refused set, unless changed since
@@ -272,9 +270,6 @@ class PrefixAttentionWrapper:
         def fused_now() -> bool:
             return tile is None and graph_safe_fused(limits, len(tiles_now()), mode)
 
-        if self.planner.tuning.request_share is None:
-            # the per-request rule pays off by dropping the merge, which graph-safe mode keeps
-            set_auto(request_share=0.0)
         if self.planner.tuning.kv_tile_table is None:
             table = graph_safe_tile_table(limits, hq // hk, fused=fused_now())
             if table is not None:

@@ -67,6 +67,13 @@ def forward_work(plan) -> BlockWork:
         fin = np.arange(kv_len.shape[0]) >= plan.finish_cta
         w.out_bytes[fin] = (rows[fin] * d * b).astype(np.float64)
         w.partial_write_bytes[fin] = 0.0
+    elif plan.num_ctas:
+        # a request of one partial slot gets its output from its CTA (no partial written)
+        single = np.diff(plan.req_slot_indptr)[plan.cta_req] == 1
+        cta_of = np.repeat(np.arange(plan.num_ctas), np.diff(plan.cta_req_indptr))
+        direct = np.bincount(cta_of, weights=single, minlength=plan.num_ctas) * plan.group_size
+        w.out_bytes = direct * d * b
+        w.partial_write_bytes = ((rows - direct) * (d + 1) * PARTIAL_BYTES).astype(np.float64)
     return w
 
 
@@ -97,6 +104,8 @@ def merge_work(plan) -> MergeWork:
     if fold:
         slots = slots - 1                        # the finisher's own slot is never written
         slots = slots[slots > 0]
+    else:
+        slots = slots[slots > 1]                 # one slot: its CTA wrote the output
     pair_slots = np.repeat(slots, hq)
     pair_bytes = pair_slots * (d + 1) * PARTIAL_BYTES + (0 if fold else d * b)
     nblk = -(-pair_slots.shape[0] // MERGE_WARPS)
@@ -106,7 +115,7 @@ def merge_work(plan) -> MergeWork:
     pr = np.concatenate([pair_slots * (d + 1) * PARTIAL_BYTES,
                          np.zeros(pad, np.int64)]).reshape(nblk, MERGE_WARPS)
     read = float((pair_slots * (d + 1) * PARTIAL_BYTES).sum())
-    out = 0.0 if fold else float(plan.batch_size * hq * d * b)
+    out = 0.0 if fold else float(slots.shape[0] * hq * d * b)
     return MergeWork(bytes=pb.sum(axis=1).astype(np.float64),
                      read_bytes_per_block=pr.sum(axis=1).astype(np.float64),
                      max_slots=ps.max(axis=1),

@@ -211,7 +211,7 @@ def test_large_merge_finishers_rule():
 def test_large_merge_rule_in_the_planner(spec, heads, folds):
     b = build_tree_batch(spec, page_size=16, seed=3)
     args = (b.block_tables, b.seq_lens, heads[0], heads[1], 128, 16)
-    plan = Planner("pat", "h100").plan(*args)
+    plan = Planner("pat", "h100", Tuning(finish_share=0.0)).plan(*args)
     plan.validate()
     assert (plan.finish_from >= 0) == folds
     if folds:
@@ -220,7 +220,7 @@ def test_large_merge_rule_in_the_planner(spec, heads, folds):
         assert b.batch_size * heads[0] >= FINISH_PAIRS
         assert int(plan.cta_kv_len[:f0].max()) <= FINISH_FIRST_TOKENS
         # the fold removes each request's leaf slot and the merge
-        base = Planner("pat", "h100", Tuning(finish_pairs=None)).plan(*args)
+        base = Planner("pat", "h100", Tuning(finish_share=0.0, finish_pairs=None)).plan(*args)
         assert base.finish_from < 0
         assert base.num_ctas == plan.num_ctas
         assert base.stats()["partial_bytes"] > plan.stats()["partial_bytes"]
@@ -264,12 +264,12 @@ def test_large_merge_rule_leaves_the_request_rule_and_older_gpus_alone():
     keeps its one-CTA-per-request plan; on an A100 (no dependent launch) the rule is off."""
     b = build_tree_batch("1,32,1024_64,64,1024", page_size=16, seed=3)
     args = (b.block_tables, b.seq_lens, 32, 8, 128, 16)
-    plan = Planner("pat", "h100").plan(*args)
+    plan = Planner("pat", "h100", Tuning(finish_share=0.0)).plan(*args)
     assert plan.one_cta_per_request and plan.extra["fold_rule"] == "share"
     b = build_tree_batch("1,1024_1024,16", page_size=16, seed=3)
     args = (b.block_tables, b.seq_lens, 32, 8, 128, 16)
-    assert Planner("pat", "h100").plan(*args).extra["fold_rule"] == "pairs"
-    a100 = Planner("pat", "a100").plan(*args)
+    assert Planner("pat", "h100", Tuning(finish_share=0.0)).plan(*args).extra["fold_rule"] == "pairs"
+    a100 = Planner("pat", "a100", Tuning(finish_share=0.0)).plan(*args)
     assert a100.finish_from < 0 and a100.extra["fold_rule"] is None
 
 

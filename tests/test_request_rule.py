@@ -53,7 +53,7 @@ def test_rule_is_off_where_the_merge_stays():
     b = build_tree_batch("1,32,256_64,64,1024", page_size=16)
     args = (b.block_tables, b.seq_lens, 32, 8, 128, 16)
     assert Planner("pat", "h100").plan(*args).one_cta_per_request
-    for tun, kw in ((Tuning(finish_share=None), {}), (Tuning(), {"serial": True}),
+    for tun, kw in ((Tuning(request_share=0.0), {}), (Tuning(), {"serial": True}),
                     (Tuning(max_rows=32), {}), (Tuning(), {"tile": (16, 64)})):
         assert not Planner("pat", "h100", tun).plan(*args, **kw).one_cta_per_request, (tun, kw)
 

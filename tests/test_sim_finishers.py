@@ -133,7 +133,7 @@ def test_no_dependent_launch_before_sm90():
 
 
 def test_plans_without_a_first_phase_keep_one_phase():
-    plan = _plan("128_2048", 32, 8, tuning=Tuning())
+    plan = _plan("128_2048", 32, 8, tuning=Tuning(finish_share=0.0))
     assert plan.finish_from == 0
     wl = prepare(plan)
     assert all(ln.phase == 0 and ln.gate == -1 for ln in wl.launches)

@@ -181,7 +181,7 @@ def test_param_structs_match_the_header():
     assert any("FwdParams" in x for x in kp.check_against_header(swapped))
     retyped = text.replace("  int page_size;", "  long long page_size;", 1)
     assert any("page_size" in x for x in kp.check_against_header(retyped))
-    resized = text.replace("sizeof(MergeParams) == 104", "sizeof(MergeParams) == 112")
+    resized = text.replace("sizeof(MergeParams) == 112", "sizeof(MergeParams) == 104")
     assert any("MergeParams" in x and "bytes" in x for x in kp.check_against_header(resized))
 
 

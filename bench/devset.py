@@ -1,0 +1,206 @@
+"""The development set: decode-step workloads of a serving engine, in one place.
+
+Three steps files in ``bench/trace_replay.py``'s format (``table_i`` int32 ``[batch_i,
+max_pages_i]``, ``lens_i`` int32 ``[batch_i]``, JSON ``meta``), each timed on the GPU with
+``python bench/trace_replay.py time --steps-file DIR/NAME.npz --out RESULTS``:
+
+* ``conv.npz``: 12 decode steps of the conversation trace (``--trace``; by default the
+  Mooncake chat trace, ``shared/data/traces/conversation_trace.jsonl`` beside the checkout).  Its replay (256 requests, 32,768 pages of 16 tokens) runs the
+  whole hour in ~15 s of CPU; steps are sampled from 300 s (past the first minutes, when the
+  batch is still filling) to the trace's last arrival (3,537 s: the drain after it, down to
+  one request, is an artefact of the trace's end).  Small batches (~20-40) of long prompts
+  (~12k tokens) that share little (unique/read KV ~0.95).
+* ``agent.npz``: 12 decode steps of ``bench/agent_trace.py``'s trace (defaults, seed 0):
+  three long templates, multi-turn sessions that share their own history, short outputs.
+  Replayed with 256 requests and 98,304 pages (its steady state holds 55-70k pages, so
+  admission never waits for KV); steps sampled from 20 s to 250 s: the ramp-up, the steady
+  state (150-200 requests) and the ramp-down as sessions stop starting, unique/read KV
+  ~0.3-0.5.
+* ``synthetic.npz``: the tree specs of :data:`SYNTHETIC` (one step each,
+  :func:`pat_core.workloads.build_tree_batch`): parallel sampling and RL rollouts, multi-level
+  and deep trees, long shared prefixes, nothing shared, small batches; batches 1 to 512.
+
+Commands::
+
+    python bench/devset.py prepare --out DIR [--trace TRACE.jsonl] [--parts conv agent ...]
+    python bench/devset.py list [--dir DIR]
+
+``list`` prints every workload (name, batch, unique and read KV tokens): the synthetic specs
+always, the trace steps of the files found in ``--dir``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for _p in (str(ROOT), str(ROOT / "bench")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from trace_replay import load_steps, prepare_steps, prepare_synthetic_steps  # noqa: E402
+
+STEPS = 12
+PAGE_SIZE = 16
+DEFAULT_TRACE = ROOT.parent / "shared" / "data" / "traces" / "conversation_trace.jsonl"
+DEFAULT_DIR = ROOT / ".trace_steps" / "devset"       # git-ignored
+
+# replay engine and sample window of each trace part (see the module docstring)
+CONV = dict(max_batch=256, kv_pages=32768, sample_start_ms=300_000.0)   # to the last arrival
+AGENT = dict(max_batch=256, kv_pages=98304, sample_start_ms=20_000.0,
+             sample_end_ms=250_000.0)
+
+# (name, tree spec, what it stands for); spec format: pat_core.workloads.parse_tree_spec
+SYNTHETIC = (
+    # parallel sampling / RL rollouts: P prompts, n samples each (batch = P * n)
+    ("sample-32x8", "32,256_1024,128", "RL rollouts: 32 prompts x 8 samples"),
+    ("sample-8x16", "8,128_2048,256", "best-of-16 on 8 long prompts"),
+    ("sample-64x8", "64,512_512,64", "512 short rollouts of 64 prompts"),
+    ("sample-4x16", "4,64_4096,512", "16 long samples of 4 long prompts"),
+    # multi-level trees
+    ("tree-16", "1,4,16_128,256,1024", "the PAT paper's example tree"),
+    ("tree-64", "1,8,64_2048,512,128", "system prompt, 8 documents, 64 questions"),
+    ("tree-256", "1,32,256_64,64,1024", "short shared levels over long private suffixes"),
+    ("agent-48", "1,3,48_1024,6144,4096", "system prompt, 3 tool templates, 48 sessions"),
+    # deep trees of short nodes (tree search, speculative branches)
+    ("deep-64", "1,2,4,8,16,32,64_256,32,32,32,32,32,32", "binary tree, 32-token nodes"),
+    ("deep-256", "1,4,16,64,256_512,256,128,64,32", "4-ary tree, halving node lengths"),
+    # one long shared prefix
+    ("prefix-16k-16", "1,16_16384,16", "16 questions on a 16k-token document"),
+    ("prefix-4k-64", "1,64_4096,64", "64 requests behind a 4k-token system prompt"),
+    # nothing shared
+    ("flat-128x2k", "128_2048", "128 independent 2k-token requests"),
+    ("flat-512x1k", "512_1024", "512 independent 1k-token requests"),
+    ("flat-1x8k", "1_8192", "one 8k-token request"),
+    ("flat-8x4k", "8_4096", "8 independent 4k-token requests"),
+    # small batches
+    ("small-1", "1_512", "one short request"),
+    ("small-2", "1,2_2048,64", "2 samples of a 2k-token prompt"),
+    ("small-4", "1,4_1024,32", "4 samples of a 1k-token prompt"),
+)
+PARTS = ("conv", "agent", "synthetic")
+
+
+def synthetic_specs() -> list:
+    """The tree specs of :data:`SYNTHETIC`, in order (each checked by ``parse_tree_spec``)."""
+    from pat_core.workloads import parse_tree_spec
+    for name, spec, _ in SYNTHETIC:
+        parse_tree_spec(spec)
+    return [spec for _, spec, _ in SYNTHETIC]
+
+
+def spec_counts(spec: str) -> tuple:
+    """``(batch, unique_tokens, read_tokens)`` of a tree spec: the requests, the KV tokens of
+    the tree's nodes (each once), the KV tokens a per-request kernel reads."""
+    from pat_core.workloads import parse_tree_spec
+    counts, lens = parse_tree_spec(spec)
+    unique = sum(c * n for c, n in zip(counts, lens))
+    return counts[-1], unique, counts[-1] * sum(lens)
+
+
+def _last_arrival_ms(trace) -> float:
+    """The largest ``timestamp`` of a trace file (ms)."""
+    last = 0.0
+    with open(trace) as fh:
+        for line in fh:
+            if line.strip():
+                last = max(last, float(json.loads(line)["timestamp"]))
+    return last
+
+
+def prepare_agent(out, *, steps: int = STEPS, verbose: bool = True) -> dict:
+    """Generate the agent trace (:mod:`agent_trace`, defaults) into a temporary file and store
+    ``steps`` of its decode steps in ``out``; returns the steps file's ``meta``."""
+    import agent_trace
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "agent_trace.jsonl"
+        agent_trace.write_jsonl(agent_trace.generate(), path)
+        return prepare_steps(path, out, steps=steps, page_size=PAGE_SIZE, verbose=verbose,
+                             **AGENT)
+
+
+def prepare(out_dir, *, trace=DEFAULT_TRACE, parts=PARTS, steps: int = STEPS,
+            verbose: bool = True) -> dict:
+    """Write ``parts`` of the development set into ``out_dir`` (``conv.npz``, ``agent.npz``,
+    ``synthetic.npz``).  Returns ``{part: {"file", "seconds", "meta"}}``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    done = {}
+    for part in parts:
+        path = out_dir / f"{part}.npz"
+        t0 = time.perf_counter()
+        if part == "conv":
+            end = _last_arrival_ms(trace)
+            start = CONV["sample_start_ms"] if end > CONV["sample_start_ms"] else 0.0
+            meta = prepare_steps(trace, path, steps=steps, page_size=PAGE_SIZE,
+                                 verbose=verbose, **dict(CONV, sample_start_ms=start,
+                                                         sample_end_ms=end or None))
+        elif part == "agent":
+            meta = prepare_agent(path, steps=steps, verbose=verbose)
+        elif part == "synthetic":
+            meta = prepare_synthetic_steps(synthetic_specs(), path, page_size=PAGE_SIZE,
+                                           verbose=verbose)
+        else:
+            raise ValueError(f"unknown part {part!r} (choose from {PARTS})")
+        done[part] = dict(file=str(path), seconds=time.perf_counter() - t0, meta=meta)
+    return done
+
+
+def workloads(steps_dir=None) -> list:
+    """Rows ``(name, batch, unique_tokens, read_tokens)``: every synthetic spec, then every
+    step of ``conv.npz`` / ``agent.npz`` found in ``steps_dir`` (named ``PART/step N``)."""
+    rows = [(name, *spec_counts(spec)) for name, spec, _ in SYNTHETIC]
+    if steps_dir is not None:
+        for part in ("conv", "agent"):
+            path = Path(steps_dir) / f"{part}.npz"
+            if path.exists():
+                meta, _ = load_steps(path)
+                rows += [(f"{part}/step {m['step']}", m["batch"], m["unique_tokens"],
+                          m["read_tokens"]) for m in meta["steps"]]
+    return rows
+
+
+def _print_rows(rows) -> None:
+    print(f"{'workload':<18} {'batch':>5} {'unique KV':>10} {'read KV':>10} {'ratio':>6}")
+    for name, b, u, r in rows:
+        print(f"{name:<18} {b:>5} {u:>10} {r:>10} {u / max(r, 1):>6.2f}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="write conv.npz, agent.npz and synthetic.npz")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--trace", default=str(DEFAULT_TRACE), help="conversation trace (.jsonl)")
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument("--steps", type=int, default=STEPS, help="decode steps per trace part")
+    ls = sub.add_parser("list", help="print the workloads")
+    ls.add_argument("--dir", default=str(DEFAULT_DIR),
+                    help="prepared steps files whose trace steps to list too")
+    args = ap.parse_args(argv)
+    if args.cmd == "list":
+        _print_rows(workloads(args.dir))
+        return 0
+    if args.steps < 1:
+        ap.error("--steps must be at least 1")
+    if "conv" in args.parts and not Path(args.trace).is_file():
+        ap.error(f"--trace {args.trace}: no such file")
+    done = prepare(args.out, trace=args.trace, parts=args.parts, steps=args.steps)
+    print("\n== development set ==")
+    for part, d in done.items():
+        steps = d["meta"]["steps"]
+        kb = Path(d["file"]).stat().st_size / 1024
+        ratios = [m["unique_tokens"] / max(m["read_tokens"], 1) for m in steps]
+        print(f"{part:<10} {kb:8.1f} KB  {d['seconds']:6.1f} s  {len(steps)} steps, batch "
+              f"{min(m['batch'] for m in steps)}-{max(m['batch'] for m in steps)}, "
+              f"unique/read KV {min(ratios):.2f}-{max(ratios):.2f}")
+    print(json.dumps({p: [m["batch"] for m in d["meta"]["steps"]] for p, d in done.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""The development set's pieces on the CPU: the agent trace generator (determinism, format,
+the prefix-sharing model), the windowed step sampling of ``bench/trace_replay.py prepare`` and
+the synthetic tree specs."""
+import json
+import os
+import sys
+from collections import defaultdict
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+
+import agent_trace  # noqa: E402
+import devset  # noqa: E402
+from agent_trace import AgentTraceConfig, generate, generate_labelled  # noqa: E402
+from trace_replay import load_steps, prepare_steps  # noqa: E402
+
+from pat_core.trace import ReplayConfig, load_trace, snapshot_steps  # noqa: E402
+from pat_core.workloads import build_tree_batch, parse_tree_spec  # noqa: E402
+
+BT = 512
+# small: 40 sessions, short templates, every other turn after the first fans out
+SMALL = AgentTraceConfig(sessions=40, seed=3, session_rate=5.0, template_tokens=(1536, 4096),
+                         turns=(3, 8), branch_prob=0.5)
+
+
+def _by_session(labelled):
+    out = defaultdict(list)
+    for s, turn, b, rec in labelled:
+        out[s].append((turn, b, rec))
+    return out
+
+
+def _full(rec):
+    """Ids of a request's full prompt blocks (the ones a replay shares)."""
+    return rec["hash_ids"][:rec["input_length"] // BT]
+
+
+def test_agent_trace_is_deterministic_and_well_formed():
+    a, b = generate(SMALL), generate(SMALL)
+    assert a == b
+    other = generate(AgentTraceConfig(**{**SMALL.__dict__, "seed": 4}))
+    assert other != a
+    ts = [r["timestamp"] for r in a]
+    assert ts == sorted(ts)
+    for r in a:
+        assert set(r) == {"timestamp", "input_length", "output_length", "hash_ids"}
+        assert len(r["hash_ids"]) == -(-r["input_length"] // BT)
+        assert SMALL.output_clip[0] <= r["output_length"] <= SMALL.output_clip[1]
+        assert all(isinstance(h, int) for h in r["hash_ids"])
+    assert len({len(x) for x in _by_session(generate_labelled(SMALL)).values()}) > 1
+
+
+def test_agent_trace_sharing_model():
+    lab = generate_labelled(SMALL)
+    sessions = _by_session(lab)
+    assert len(sessions) == SMALL.sessions
+    n_sys = SMALL.system_tokens // BT
+    tmpl_blocks = SMALL.template_tokens[0] // BT       # full blocks every template has
+    owner = {}                                          # (position, id) -> sessions holding it
+    lead = defaultdict(set)                             # leading template blocks -> sessions
+    branched = 0
+    for s, reqs in sessions.items():
+        main = [(t, r) for t, b, r in reqs if b == 0]
+        assert [t for t, _ in main] == list(range(len(main)))
+        assert SMALL.turns[0] <= len(main) <= SMALL.turns[1]
+        for (t0, r0), (t1, r1) in zip(main, main[1:]):
+            # a later turn starts with the earlier turn's blocks, and its prompt holds the
+            # earlier prompt, the earlier output and a new message
+            assert _full(r1)[:len(_full(r0))] == _full(r0)
+            assert r1["input_length"] >= r0["input_length"] + r0["output_length"] \
+                + SMALL.message_clip[0]
+            # ... and arrives after the earlier turn could have decoded
+            assert r1["timestamp"] >= r0["timestamp"] + r0["output_length"] * SMALL.step_ms
+        for t, b, r in reqs:
+            if b:                               # a branch shares its turn's history
+                branched += 1
+                r0 = next(x for tt, bb, x in reqs if tt == t and bb == 0)
+                assert r["timestamp"] == r0["timestamp"]
+                prev = next(x for tt, bb, x in reqs if tt == t - 1 and bb == 0)
+                hist = (prev["input_length"] + prev["output_length"]) // BT
+                assert _full(r)[:hist] == _full(r0)[:hist]
+            for k, h in enumerate(_full(r)):
+                owner.setdefault((k, h), set()).add(s)
+        lead[tuple(_full(main[0][1])[:tmpl_blocks])].add(s)
+    assert branched > 0
+    # every request starts with the common system blocks; the templates are few and shared
+    # across sessions; blocks past the templates belong to one session each
+    assert len({tuple(r["hash_ids"][:n_sys]) for *_, r in lab}) == 1
+    assert 1 < len(lead) <= SMALL.templates
+    assert max(len(v) for v in lead.values()) >= 2
+    max_tmpl = SMALL.template_tokens[1] // BT
+    assert all(len(v) == 1 for (k, _), v in owner.items() if k >= max_tmpl)
+    # a partly filled last block is the request's own
+    tails = [r["hash_ids"][-1] for *_, r in lab if r["input_length"] % BT]
+    assert len(tails) == len(set(tails))
+
+
+def test_agent_trace_replays_with_sharing(tmp_path):
+    path = tmp_path / "agent.jsonl"
+    assert agent_trace.main(["--out", str(path), "--sessions", "20", "--seed", "1",
+                             "--template-tokens", "1536,3072", "--turns", "3,6"]) == 0
+    reqs = load_trace(path, block_tokens=BT)
+    assert len(reqs) == len(path.read_text().splitlines())
+    steps = snapshot_steps(reqs, 4, ReplayConfig(kv_pages=16384))
+    assert steps and any(s.unique_tokens < s.read_tokens for s in steps)
+    with pytest.raises(SystemExit):
+        agent_trace.main(["--out", str(path), "--turns", "5,2"])
+
+
+def test_prepare_steps_sample_window(tmp_path):
+    path = tmp_path / "agent.jsonl"
+    agent_trace.write_jsonl(generate(SMALL), path)
+    out = tmp_path / "steps.npz"
+    cfg = dict(kv_pages=16384, max_batch=64)
+    meta = prepare_steps(path, out, steps=5, sample_start_ms=4000.0, sample_end_ms=9000.0,
+                         verbose=False, **cfg)
+    got, steps = load_steps(out)
+    assert got == json.loads(json.dumps(meta)) and len(steps) == 5
+    assert all(4000.0 <= m["time_ms"] < 9000.0 for m, _, _ in steps)
+    for m, table, lens in steps:
+        assert table.dtype == np.int32 and lens.dtype == np.int32
+        assert table.shape[0] == lens.shape[0] == m["batch"]
+    # the default window picks what snapshot_steps picks
+    prepare_steps(path, out, steps=3, verbose=False, **cfg)
+    want = snapshot_steps(load_trace(path), 3, ReplayConfig(**cfg))
+    assert [m["step"] for m, _, _ in load_steps(out)[1]] == [s.step for s in want]
+
+
+def test_synthetic_specs_parse_and_span_batches():
+    names = [n for n, _, _ in devset.SYNTHETIC]
+    assert len(names) == len(set(names))
+    specs = devset.synthetic_specs()
+    batches = []
+    for spec in specs:
+        counts, lens = parse_tree_spec(spec)
+        batches.append(counts[-1])
+        b, unique, read = devset.spec_counts(spec)
+        assert b == counts[-1] and 1 <= unique <= read
+        # the steps file's cache stays small enough to time on one GPU
+        assert -(-read // devset.PAGE_SIZE) < 200_000
+    assert min(batches) == 1 and max(batches) == 512
+    assert {1, 2, 4, 8, 16, 64, 128, 256, 512} <= set(batches)
+    # the counts agree with the built batch for a sharing spec
+    tb = build_tree_batch("1,4,16_128,256,1024")
+    assert devset.spec_counts("1,4,16_128,256,1024")[2] == int(tb.seq_lens.sum())
+
+
+def test_devset_prepare_synthetic_matches_list(tmp_path):
+    done = devset.prepare(tmp_path, parts=["synthetic"], verbose=False)
+    meta, steps = load_steps(done["synthetic"]["file"])
+    assert [m["spec"] for m in meta["steps"]] == devset.synthetic_specs()
+    for m, table, lens in steps:
+        assert (m["batch"], m["unique_tokens"], m["read_tokens"]) == devset.spec_counts(m["spec"])
+        assert table.shape[0] == lens.shape[0] == m["batch"]
+    assert meta["config"]["kv_pages"] < 200_000
+    rows = devset.workloads(tmp_path)            # no trace parts there: the specs only
+    assert [r[0] for r in rows] == [n for n, _, _ in devset.SYNTHETIC]
