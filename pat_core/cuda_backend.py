@@ -674,6 +674,7 @@ class StaticState:
         self.plan_version = None
         self.live = None            # [V, 2] first CTA and count per variant of that plan
         self.order = ()             # plain plans: variants with CTAs, in launch-set order
+        self.plan_grids = {}        # plain plans: variant -> blocks of its launch
         self.needs_merge = True
         self.merge_key = (False, 1)
         self.max_rows = None        # graph-safe: q rows and KV pages of the inputs the
@@ -745,6 +746,9 @@ class StaticState:
         Hk = self.num_kv_heads
         used = [v for v in range(self.layout.num_variants) if self.live[v, 1] > 0]
         self.order = tuple(used)
+        # each launch's grid: its resident blocks, at most one per live item (a plain call
+        # need not keep the grid fixed, and blocks that find no item still cost a placement)
+        self.plan_grids = {v: min(self.grids[v], int(self.live[v, 1]) * Hk) for v in used}
         drew = any(int(self.live[v, 1]) * Hk > self.grids[v] for v in used)
         self.needs_merge = plan.num_slots > plan.batch_size or drew
         self.merge_key = self.backend._merge_layout(plan)
@@ -818,6 +822,8 @@ class StaticState:
         """Plain plans: the written plan's forward launches (in :attr:`order`) and its merge
         (``None`` when it needs none)."""
         launches = [prep["launches"][v] for v in self.order]
+        for v, ln in zip(self.order, launches):
+            ln.set_grid(self.plan_grids[v])
         if not self.needs_merge:
             return launches, None
         per_block, nh = self.merge_key
@@ -863,6 +869,13 @@ class _Launch:
             self.launch = driver.launchKernel
             self.ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(params))
             self.fptr = int(func.ptr)
+
+    def set_grid(self, blocks: int) -> None:
+        """Launch ``blocks`` blocks from now on (a 1-D grid)."""
+        if self.grid[0] != blocks:
+            self.grid = (int(blocks), 1, 1)
+            if self.cfg is not None:
+                self.cfg.gridDimX = int(blocks)
 
     def with_inputs(self, fields) -> "_Launch":
         """A copy of this launch whose parameter struct (a FwdParams) carries ``fields``
