@@ -63,15 +63,11 @@ def compile_variant(variant, arch: str, nvcc: str = "nvcc", src_dir=None) -> dic
 
 
 def variant_record(v) -> dict:
-    kind = ("merge" if isinstance(v, cc.MergeVariant) else
-            "piped" if isinstance(v, cc.PipedVariant) else "forward")
+    kind = "merge" if isinstance(v, cc.MergeVariant) else "forward"
     rec = {"kind": kind, "head_dim": v.head_dim, "dtype": v.dtype, "warps": v.warps,
            "threads": v.threads}
-    if isinstance(v, cc.PipedVariant):
-        rec = {"m": v.m, "n": v.n, **rec, "stages": 1, "items": v.items}
     if isinstance(v, cc.FwdVariant):
-        rec = {"m": v.m, "n": v.n, **rec, "stages": v.stages, "rows_per_warp": v.rows_per_warp,
-               "pull": v.pull, "finish": v.finish}
+        rec = {"m": v.m, "n": v.n, **rec, "stages": v.stages, "rows_per_warp": v.rows_per_warp}
     return rec
 
 
@@ -86,16 +82,16 @@ def collect(variants, archs=ARCHS, jobs=None, nvcc="nvcc") -> dict:
     return out
 
 
-# The graph-safe (pull) loop costs the largest tiles a few registers; on sm_80 (not the graph-safe
-# mode's target, Hopper is) ptxas spills up to 8 bytes of the 128x64 tile around the item loop.
-PULL_SM80_SPILL_BYTES = 16
+# The item loop costs the largest tiles a few registers; on sm_80 (not the primary target,
+# Hopper is) ptxas spills up to 8 bytes of the 128x64 tile around it.
+SM80_SPILL_BYTES = 16
 
 
 def spill_allowed(rec: dict, arch: str, r: dict) -> bool:
     """Whether a spill of variant record ``rec`` on ``arch`` (report ``r``) is tolerated: only
-    the graph-safe instantiations on sm_80, up to :data:`PULL_SM80_SPILL_BYTES`."""
-    return bool(rec.get("pull")) and arch == "sm_80" and \
-        max(r["spill_stores"], r["spill_loads"], r.get("stack_frame", 0)) <= PULL_SM80_SPILL_BYTES
+    forward kernels on sm_80, up to :data:`SM80_SPILL_BYTES`."""
+    return rec.get("kind") == "forward" and arch == "sm_80" and \
+        max(r["spill_stores"], r["spill_loads"], r.get("stack_frame", 0)) <= SM80_SPILL_BYTES
 
 
 def problems(data: dict) -> list:
@@ -120,7 +116,7 @@ def problems(data: dict) -> list:
 
 
 def build(jobs=None, nvcc="nvcc") -> dict:
-    variants = cc.all_fwd_variants() + cc.all_piped_variants() + cc.all_merge_variants()
+    variants = cc.all_fwd_variants() + cc.all_merge_variants()
     return {
         "generator": "bench/kernel_resources.py",
         "nvcc": cc.nvcc_version(nvcc),

@@ -1,12 +1,11 @@
 // Multi-tile prefix-aware decode forward kernel.
 //
-// One thread block = one Plan CTA of the launch group for one KV head.  The grid is 1-D with
-// n_ctas * num_kv_heads blocks; by default (head_minor = 1) the KV heads of one CTA are adjacent
-// in launch order, so blocks running at the same time read neighbouring heads of the same tokens
-// (one contiguous row per token in the NHD layout).  The CTA's query rows are its requests x the
-// GQA group: row i * group + j is request i of the CTA, query head kv_head * group + j.  The rows
-// are packed at run time, so one compiled variant serves every group size that fits m.  In
-// graph-safe mode the grid is fixed instead and each block runs items in turn (run_items).
+// One work item = one Plan CTA of one tile variant for one KV head; a launch's blocks run the
+// variant's live items in turn (run_items), the KV heads of a CTA adjacent in item order, so blocks
+// running at the same time read neighbouring heads of the same tokens (one contiguous row per
+// token in the NHD layout).  The CTA's query rows are its requests x the GQA group: row
+// i * group + j is request i of the CTA, query head kv_head * group + j.  The rows are packed at
+// run time, so one compiled variant serves every group size that fits m.
 // Every argument comes in one pat::FwdParams (pat_params.cuh).
 //
 // Per CTA:
@@ -502,78 +501,6 @@ __device__ __forceinline__ void init_state(float (&acc)[Tr::MI][Tr::D / 8][4],
   }
 }
 
-// The finisher launch (pat_fwd_finish_kernel, pat_core/fold.py): this CTA's launch follows every
-// other CTA of its request (the first phase), so once its own KV walk is done and that phase has
-// finished (pdl_wait: launched as a programmatic dependent, the walk overlaps the first phase;
-// launched plainly, the wait returns at once) it merges those slots into its rows' state and
-// writes the request's output (finish_item).  A slot (o, lse) is
-// the state m = lse * log2(e), l = 1, acc = o (o is normalised), joined with the online-softmax
-// rule (raise_max); the merge kernel's rules hold: an empty slot (lse = -inf) weighs 0, a NaN LSE
-// makes the row NaN.  Called after the quad reduction and the token slices' combine (every lane
-// holds its row's full sum), by the warps of slice 0.  At the end rather than at the start: the
-// state is live in registers either way, but at the start the loads spilled the one-warp 16x32
-// block (168 registers, capped for residency); at the end that block needs no more than before.
-// Each slot's LSE and vector are loaded together (one memory latency per slot), through L2:
-// an earlier launch wrote them.  The mma.sync layouts only (pat_core/fold.py never makes a
-// warpgroup tile a finisher).
-template <typename Tr>
-__device__ __forceinline__ void fold_slots(const FwdParams& p, const CtaWork& w, int kv_head,
-                                           int wm, int lane, float (&acc)[Tr::MI][Tr::D / 8][4],
-                                           float (&m_run)[Tr::MI][2], float (&l_run)[Tr::MI][2]) {
-  constexpr int D = Tr::D, MI = Tr::MI;
-  constexpr float kLog2e = 1.4426950408889634f;
-  const int group = p.group, num_qo_heads = p.num_qo_heads;
-  const float inv_group = 1.f / (float)group;
-#pragma unroll
-  for (int mi = 0; mi < MI; ++mi) {
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int row = (wm * MI + mi) * 16 + (lane >> 2) + hr * 8;
-      if (row >= w.n_rows) continue;
-      const int ri = div_rows(row, inv_group);
-      const int head = kv_head * group + (row - ri * group);
-      const int r = p.cta_req[w.req_begin + ri];
-      const int own = p.cta_slot[w.req_begin + ri];
-      const int s1 = p.merge.req_slot_indptr[r + 1];
-      float m = m_run[mi][hr], l = l_run[mi][hr];  // the row's full sum: every lane holds it
-      bool nan = false;
-#pragma unroll 1
-      for (int s = p.merge.req_slot_indptr[r]; s < s1; ++s) {
-        if (s == own) continue;
-        // the LSE and the vector in flight together: one memory latency per slot
-        const float lse = __ldcg(p.lse_partial + (long long)s * num_qo_heads + head);
-        const float* src = p.o_partial + ((long long)s * num_qo_heads + head) * D + ((lane & 3) << 1);
-        float2 v[D / 8];
-#pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) v[dt] = __ldcg(reinterpret_cast<const float2*>(src + dt * 8));
-        if (lse != lse) {
-          nan = true;
-          continue;
-        }
-        if (lse == neg_inf()) continue;
-        const float l2 = lse * kLog2e;
-        float a;
-        const float m_use = raise_max(m, l2, a);
-        const float b = exp2f(l2 - m_use);
-        l = l * a + b;
-#pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-          acc[mi][dt][2 * hr] = acc[mi][dt][2 * hr] * a + v[dt].x * b;
-          acc[mi][dt][2 * hr + 1] = acc[mi][dt][2 * hr + 1] * a + v[dt].y * b;
-        }
-      }
-      if (nan) {
-        const float qnan = __int_as_float(0x7fc00000);
-        l = qnan;
-#pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) acc[mi][dt][2 * hr] = acc[mi][dt][2 * hr + 1] = qnan;
-      }
-      m_run[mi][hr] = m;
-      l_run[mi][hr] = l;
-    }
-  }
-}
-
 // ldmatrix row of this lane for an A operand (16 x 16 fragment).
 __device__ __forceinline__ int a_frag_row(int lane) { return (lane & 7) + ((lane >> 3) & 1) * 8; }
 
@@ -718,23 +645,21 @@ __device__ __forceinline__ void store_out_row(const MergeArgs& merge, long long 
 
 // The end of a work item, after its KV walk: full row sums, the token slices' states combined
 // (through `scratch`, shared memory of at least Tr::SMEM_BYTES that the item no longer reads),
-// the normalised partial output o_partial[slot, head, :] and its natural-log LSE written for every
-// live row, and with merge.counters set the in-kernel merge of the requests this item completes.
-// Warps of token slices other than 0 return after the combine.
-template <typename Tr, int FINISH = 0>
-__device__ __forceinline__ void finish_item(const FwdParams& p, const CtaWork& w, int cta,
+// then for every live row the normalised partial output o_partial[slot, head, :] and its
+// natural-log LSE, or, for a request of one slot, its final output (store_out_row).  Warps of
+// token slices other than 0 return after the combine.
+template <typename Tr>
+__device__ __forceinline__ void finish_item(const FwdParams& p, const CtaWork& w,
                                             int kv_head, float (&acc)[Tr::MI][Tr::D / 8][4],
                                             float (&m_run)[Tr::MI][2], float (&l_run)[Tr::MI][2],
-                                            int wn, int wm, int lane, int stid,
+                                            int wn, int wm, int lane,
                                             unsigned char* scratch) {
-  using T = typename Tr::T;
   constexpr int D = Tr::D, MI = Tr::MI;
   float* __restrict__ o_partial = p.o_partial;
   float* __restrict__ lse_partial = p.lse_partial;
-  const int* __restrict__ cta_req_indptr = p.cta_req_indptr;
   const int* __restrict__ cta_req = p.cta_req;
   const int* __restrict__ cta_slot = p.cta_slot;
-  const int group = p.group, num_qo_heads = p.num_qo_heads, num_kv_heads = p.num_kv_heads;
+  const int group = p.group, num_qo_heads = p.num_qo_heads;
   const float inv_group = 1.f / (float)group;
   const MergeArgs& merge = p.merge;
   const int req_begin = w.req_begin;
@@ -806,48 +731,15 @@ __device__ __forceinline__ void finish_item(const FwdParams& p, const CtaWork& w
   }
 
   if (wn != 0) return;
-  // FINISH 1: a finisher item; 2: the ordered launch, whose first-phase items (CTAs below
-  // p.finish_cta) go on to the partial write below.
-  if constexpr (FINISH != 0) {
-    if (FINISH == 1 || cta >= p.finish_cta) {
-      if constexpr (FINISH == 2) {
-        // Wait until the request's other slots are all counted.  Their items were drawn before
-        // this one and never wait, so they finish.
-        if (stid == 0) {
-          const int r = cta_req[req_begin];
-          int* ctr = merge.counters + (long long)r * num_kv_heads + kv_head;
-          const int want = merge.req_slot_indptr[r + 1] - merge.req_slot_indptr[r] - 1;
-          while (*reinterpret_cast<volatile int*>(ctr) < want) __nanosleep(128);
-          *ctr = 0;  // every slot is counted: nothing touches the counter again this run
-        }
-        slice_sync<Tr>(0);
-        // Acquire: the count observed above orders the slots' writes before the reads below.
-        __threadfence();
-      } else {
-        pdl_wait();  // launched early (after the first phase's launch): its slots are final now
-      }
-      fold_slots<Tr>(p, w, kv_head, wm, lane, acc, m_run, l_run);
-      // ---- Finisher: the request's final output (input dtype) and LSE, as the merge writes them
-      for_each_row<Tr>(w, kv_head, group, inv_group, wm, lane, m_run, l_run,
-                       [&](int mi, int hr, int ri, int head, float inv, float lse) {
-        store_out_row<Tr>(merge, cta_req[req_begin + ri], head, acc, mi, hr, inv, lse, lane);
-      });
-      return;
-    }
-  }
   // ---- Write the normalised partial output and its LSE for every real row -------------------
-  // Direct output (merge.out set, no in-kernel merge): a request whose only partial slot this
-  // is gets its final output here, and the merge kernel (direct_single) leaves it alone, so a
-  // step of private requests moves no partials at all.
-  const bool direct = merge.out != nullptr && merge.counters == nullptr;
+  // A request whose only partial slot this is gets its final output here, and the merge kernel
+  // (direct_single) leaves it alone, so a step of private requests moves no partials at all.
   for_each_row<Tr>(w, kv_head, group, inv_group, wm, lane, m_run, l_run,
                    [&](int mi, int hr, int ri, int head, float inv, float lse) {
-    if (direct) {
-      const int r = cta_req[req_begin + ri];
-      if (merge.req_slot_indptr[r + 1] - merge.req_slot_indptr[r] == 1) {
-        store_out_row<Tr>(merge, r, head, acc, mi, hr, inv, lse, lane);
-        return;
-      }
+    const int r = cta_req[req_begin + ri];
+    if (merge.req_slot_indptr[r + 1] - merge.req_slot_indptr[r] == 1) {
+      store_out_row<Tr>(merge, r, head, acc, mi, hr, inv, lse, lane);
+      return;
     }
     const long long slot = cta_slot[req_begin + ri];
     float* dst = o_partial + (slot * num_qo_heads + head) * D + ((lane & 3) << 1);
@@ -860,44 +752,12 @@ __device__ __forceinline__ void finish_item(const FwdParams& p, const CtaWork& w
     }
     if ((lane & 3) == 0) lse_partial[slot * num_qo_heads + head] = lse;
   });
-  if (merge.counters == nullptr) return;
-
-  // ---- In-kernel merge: the CTA that writes a request's last partial slot merges it -----------
-  // Only the WARPS_M warps of token slice 0 are still running; slice_sync<Tr>(0) is their barrier.
-  // Release: make this CTA's partial writes visible device-wide before they are counted.
-  __threadfence();
-  slice_sync<Tr>(0);
-  int* last = reinterpret_cast<int*>(scratch);  // free: the combine has finished
-  const int n_req = cta_req_indptr[cta + 1] - req_begin;
-  for (int i = stid; i < n_req; i += Tr::SLICE_THREADS) {
-    const int r = cta_req[req_begin + i];
-    const int slots = merge.req_slot_indptr[r + 1] - merge.req_slot_indptr[r];
-    int* ctr = merge.counters + (long long)r * num_kv_heads + kv_head;
-    const int done = atomicAdd(ctr, 1) + 1;
-    const bool is_last = done == slots;
-    if (is_last) *ctr = 0;  // every slot is counted: no other CTA touches it again this run
-    last[i] = is_last ? r : -1;
-  }
-  slice_sync<Tr>(0);
-  // Acquire: the counts observed above order the other CTAs' partial writes before our reads.
-  __threadfence();
-  for (int pr = wm; pr < n_req * group; pr += Tr::WARPS_M) {
-    const int i = div_rows(pr, inv_group);
-    const int r = last[i];
-    if (r < 0) continue;
-    merge_pair<D, T, 1>(o_partial, lse_partial, merge.req_slot_indptr[r],
-                     merge.req_slot_indptr[r + 1], r, kv_head * group + (pr - i * group),
-                     num_qo_heads, static_cast<T*>(merge.out), merge.lse_out, merge.out_sb,
-                     merge.out_sh, merge.lse_sb, merge.lse_sh, lane);
-  }
 }
 
 // One work item: Plan CTA `cta` for KV head `kv_head`.  Returns with every cp.async group drained;
 // a caller that runs another item in the same block puts a cta_sync<Tr>() in between (the last
-// phase reads shared memory that the next item's prologue overwrites).  FINISH 1: a finisher item
-// (its request's other slots folded in at the end, the output written instead of its slot); 2:
-// an item of the ordered finisher launch (a finisher or a first-phase item, by its CTA).
-template <typename Tr, int FINISH = 0>
+// phase reads shared memory that the next item's prologue overwrites).
+template <typename Tr>
 __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
                                              const int kv_head) {
   using T = typename Tr::T;
@@ -951,7 +811,6 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
   float m_run[Tr::MI][2];  // running max of the scaled scores (log2 domain), rows g and g + 8
   float l_run[Tr::MI][2];  // running sum of exponentials
   init_state<Tr>(acc, m_run, l_run);
-  static_assert(!FINISH || !Tr::WG, "finishers use the mma.sync layouts");
 
   // Wait for the Q group only (the PRE tile groups behind it may still be in flight).
   cp_async_wait<Tr::PRE>();
@@ -993,8 +852,7 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
 // </tutorial:loop-end>
   }
 
-  finish_item<Tr, FINISH>(p, w, cta, kv_head, acc, m_run, l_run, wn, wm, lane, stid,
-                          pat_dyn_smem);
+  finish_item<Tr>(p, w, kv_head, acc, m_run, l_run, wn, wm, lane, pat_dyn_smem);
 }
 
 }  // namespace pat
@@ -1043,305 +901,46 @@ constexpr int fwd_min_blocks() {
 }  // namespace pat
 
 namespace pat {
-// Item i of a launch of n_ctas CTAs -> (CTA within the launch, KV head): CTA i / num_kv_heads,
-// KV head i % num_kv_heads with head_minor (adjacent heads of a CTA read the same tokens at about
-// the same time), else CTA i % n_ctas, KV head i / n_ctas.  Shared by the launches that map
-// blocks or drawn items to work (the pull loop below is head-minor only and decodes inline).
-__device__ __forceinline__ void item_cta_head(const FwdParams& p, int item, int& cta_local,
-                                              int& kv_head) {
-  if (p.head_minor) {
-    cta_local = item / p.num_kv_heads;
-    kv_head = item - cta_local * p.num_kv_heads;
-  } else {
-    kv_head = item / p.n_ctas;
-    cta_local = item - kv_head * p.n_ctas;
-  }
-}
-
-// Block -> work items.  The usual launch (PULL = false) has exactly the launch's items in its
-// grid and block b runs item b.  A graph-safe launch (PULL = true, p.live set) has a fixed grid:
-// its blocks pull items until the live count in device memory is reached, so one captured launch
-// serves every later plan.  Block b's first item is item b (no atomic); later items come from
-// p.work_counter, offset by the grid (item gridDim.x + k for the k-th draw), and a launch whose
-// live items fit its grid draws none: a small step's blocks run one item each, as the usual
-// launch's do (H100: the two atomic round trips per block that drawing every item cost showed
-// on 15 us steps; bench/NOTES.md, round 12).  Pulling rather than striding lets a block that
-// drew a short item take the next one (a group's CTAs are ordered longest first).  The two are
-// separate instantiations: in one kernel the loop costs the large tiles registers and spills.
-// Item order of a launch: see item_cta_head.
-template <typename Tr, bool PULL>
+// Block -> work items.  Every forward launch has a grid of at most the blocks that can be
+// resident at once, and its items (CTA x KV head, the KV heads of a CTA adjacent, so blocks
+// running side by side read neighbouring heads of the same tokens) are the launch's live CTAs in
+// device memory: p.live = {first CTA, CTA count}, written by plan() (so one captured launch
+// serves every later plan in graph-safe mode).  Block b's first item is item b (no atomic);
+// later items come from p.work_counter, offset by the grid (item gridDim.x + k for the k-th
+// draw), and a launch whose live items fit its grid draws none: a small step's blocks run one
+// item each (H100: the two atomic round trips per block that drawing every item cost showed on
+// 15 us steps; bench/NOTES.md, round 12).  Pulling rather than striding lets a block that drew a
+// short item take the next one (a tile's CTAs are ordered longest first).  The merge kernel
+// zeroes the counter.
+template <typename Tr>
 __device__ __forceinline__ void run_items(const FwdParams& p) {
-  if constexpr (!PULL) {
-    int cta_local, kv_head;
-    item_cta_head(p, (int)blockIdx.x, cta_local, kv_head);
-    pat_fwd_body<Tr>(p, p.cta_offset + cta_local, kv_head);
-  } else {
-    const int hk = p.num_kv_heads;
-    // Blocks past the live item count never get work (the others take every item): leave
-    // before anything else, so an unused variant's launch costs one load per block.
-    if ((int)blockIdx.x >= p.live[1] * hk) return;
-    // Later items: thread 0 draws one into a double-buffered slot (the block reads slot k & 1
-    // after the barrier that ends item k; the slot is written again two items later, past the
-    // next barrier), so one barrier per item and only k stays live across an item.
-    __shared__ int s_next[2];
-    int item = (int)blockIdx.x;
+  const int hk = p.num_kv_heads;
+  // Blocks past the live item count never get work (the others take every item): leave
+  // before anything else, so an unused variant's launch costs one load per block.
+  if ((int)blockIdx.x >= p.live[1] * hk) return;
+  // Later items: thread 0 draws one into a double-buffered slot (the block reads slot k & 1
+  // after the barrier that ends item k; the slot is written again two items later, past the
+  // next barrier), so one barrier per item and only k stays live across an item.
+  __shared__ int s_next[2];
+  int item = (int)blockIdx.x;
 #pragma unroll 1
-    for (int k = 0;; ++k) {
-      const int c = item / hk;
-      pat_fwd_body<Tr>(p, p.live[0] + c, item - c * hk);
-      if (p.live[1] * hk <= (int)gridDim.x) break;  // every item was some block's first
-      if (threadIdx.x == 0) s_next[k & 1] = (int)gridDim.x + atomicAdd(p.work_counter, 1);
-      cta_sync<Tr>();  // every warp is past item k (its shared memory free) and s_next written
-      item = s_next[k & 1];
-      if (item >= p.live[1] * hk) break;  // block-uniform
-    }
+  for (int k = 0;; ++k) {
+    const int c = item / hk;
+    pat_fwd_body<Tr>(p, p.live[0] + c, item - c * hk);
+    if (p.live[1] * hk <= (int)gridDim.x) break;  // every item was some block's first
+    if (threadIdx.x == 0) s_next[k & 1] = (int)gridDim.x + atomicAdd(p.work_counter, 1);
+    cta_sync<Tr>();  // every warp is past item k (its shared memory free) and s_next written
+    item = s_next[k & 1];
+    if (item >= p.live[1] * hk) break;  // block-uniform
   }
 }
-}  // namespace pat
 
-namespace pat {
-// Named barriers of the piped launch: bar.sync waits for `count` threads, bar.arrive counts
-// this warp in without waiting (a producer / consumer hand-off).
+// bar.sync on a named barrier: waits for `count` threads.
 __device__ __forceinline__ void named_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
-__device__ __forceinline__ void named_arrive(int id, int count) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
 
-// Piped launch (pat_fwd_piped_kernel): streams of short items.  A one-tile item (a tree leaf of
-// a page or two) is three dependent memory round trips (CTA tables, page list, K/V rows) and
-// little arithmetic; one item per block pays them in full every time and leaves its shared
-// memory idle while it waits or computes.  Here a block stays resident and splits the roles:
-// one producer warp draws items (numbered as in run_items) from a counter, reads their CTA
-// tables and page lists, and gathers each item's Q rows and KV tile into the next free buffer
-// of a ring of R; Tr::WARPS consumer warps compute the items in order.  Full / empty
-// buffers are handed over with named barriers (FULL[b] = 1 + b, EMPTY[b] = 1 + R + b; barrier
-// 0 is the consumers' own).  Items are drawn rather than assigned by block index because the
-// launch shares the GPU with the plan's other launches: a block that becomes resident late
-// must not own a fixed share of the work.  Tr is a 16-row, Q-in-registers, single-stage
-// layout; its SMEM_BYTES is one buffer (Q tile + one K and one V tile).  An item longer than one
-// tile stays correct (the consumers load its later tiles themselves, one at a time); the
-// launcher gives this kernel one-tile items only (pat_core/launch.py).
-// p.work_counter: two ints, zero at launch: [0] items drawn, [1] blocks finished; the last block
-// to finish sets both back to zero for the next launch.
-template <typename Tr, int R>
-__device__ __forceinline__ void run_piped(const FwdParams& p) {
-  static_assert(Tr::Q_IN_REGS && Tr::WARPS_M == 1 && Tr::STAGES == 1 && !Tr::WG,
-                "piped items: 16-row warps, Q in registers, one token slice per warp, 1 stage");
-  static_assert(R >= 2 && R <= 4, "2..4 buffers per block");
-  using T = typename Tr::T;
-  // the producer warp's view of a buffer: the same tile, gathered by one warp
-  using Tp = FwdTraits<Tr::D, T, 16, Tr::N, 1, 1, 16>;
-  static_assert(Tp::SMEM_BYTES == Tr::SMEM_BYTES, "one buffer layout");
-  constexpr int N = Tr::N, ALL = Tr::THREADS + 32;
-  constexpr int META = 8;  // per buffer: item, CTA, KV head, the CtaWork fields
-  const int hk = p.num_kv_heads;
-  const int total = p.n_ctas * hk;
-  const int tid = threadIdx.x;
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
-  int* const counter = p.work_counter;
-  __shared__ int s_meta[R][META];
-  auto buffer = [&](int b) { return pat_dyn_smem + b * Tr::SMEM_BYTES; };
-
-  if (warp == Tr::WARPS) {
-    // ---- producer ------------------------------------------------------------------------
-    // lane 0 draws one item ahead, so the atomic's latency hides behind a gather
-    int next = 0;
-    if (lane == 0) next = atomicAdd(counter, 1);
-    int j = 0;
-#pragma unroll 1
-    for (;; ++j) {
-      const int b = j % R;
-      const int item = __shfl_sync(0xffffffffu, next, 0);
-      if (lane == 0 && item < total) next = atomicAdd(counter, 1);
-      if (j >= R) named_sync(1 + R + b, ALL);  // the consumers are done with item j - R
-      if (item < total) {
-        int cta, kv_head;
-        item_cta_head(p, item, cta, kv_head);
-        cta += p.cta_offset;
-        const CtaWork w = cta_work<Tp>(p, cta);
-        if (lane == 0) {
-          s_meta[b][0] = item; s_meta[b][1] = cta; s_meta[b][2] = kv_head;
-          s_meta[b][3] = w.req_begin; s_meta[b][4] = w.n_rows; s_meta[b][5] = w.kv_start;
-          s_meta[b][6] = w.kv_len; s_meta[b][7] = w.page_base;
-        }
-        T* sQ = reinterpret_cast<T*>(buffer(b));
-        T* sK = reinterpret_cast<T*>(buffer(b) + Tr::Q_BYTES);
-        load_q_rows<Tp>(p, w, kv_head, sQ, lane);
-        if (w.kv_len > 0)
-          kv_loader<Tp>(p, w, kv_head).load(sK, sK + Tr::KV_TILE_ELEMS, 0, 0, 0, lane);
-      } else if (lane == 0) {
-        s_meta[b][0] = total;  // sentinel: the consumers stop here
-      }
-      cp_async_commit();
-      // item j - 1 has landed: hand its buffer over (the barrier orders the copies before the
-      // consumers' reads)
-      if (j >= 1) {
-        cp_async_wait<1>();
-        named_arrive(1 + (j - 1) % R, ALL);
-      }
-      if (item >= total) {
-        named_arrive(1 + b, ALL);  // the sentinel
-        break;
-      }
-    }
-    cp_async_wait<0>();
-    // balance the consumers' last EMPTY arrivals (items j - R + 1 .. j - 1)
-#pragma unroll 1
-    for (int j2 = j + 1; j2 < j + R; ++j2)
-      if (j2 >= R) named_sync(1 + R + j2 % R, ALL);
-    // The last block out resets the counters: every other block has drawn its last item.
-    if (lane == 0) {
-      __threadfence();
-      if (atomicAdd(counter + 1, 1) == (int)gridDim.x - 1) {
-        counter[0] = 0;
-        counter[1] = 0;
-      }
-    }
-    return;
-  }
-
-  // ---- consumers ---------------------------------------------------------------------------
-  const int wn = warp;            // token slice (WARPS_M == 1)
-  const int slice_row0 = wn * Tr::NW;
-#pragma unroll 1
-  for (int k = 0;; ++k) {
-    const int b = k % R;
-    named_sync(1 + b, ALL);  // FULL[b]: the item's Q rows, KV tile and metadata are in place
-    if (s_meta[b][0] >= total) break;
-    const int cta = s_meta[b][1], kv_head = s_meta[b][2];
-    CtaWork w;
-    w.req_begin = s_meta[b][3]; w.n_rows = s_meta[b][4]; w.kv_start = s_meta[b][5];
-    w.kv_len = s_meta[b][6]; w.page_base = s_meta[b][7];
-    unsigned char* buf = buffer(b);
-    const T* sQ = reinterpret_cast<const T*>(buf);
-    T* sK = reinterpret_cast<T*>(buf + Tr::Q_BYTES);
-    T* sV = sK + Tr::KV_TILE_ELEMS;
-    unsigned qf[Tr::QF_MI][Tr::QF_K][4];
-    float acc[Tr::MI][Tr::D / 8][4];
-    float m_run[Tr::MI][2], l_run[Tr::MI][2];
-    init_state<Tr>(acc, m_run, l_run);
-    load_q_frags<Tr>(sQ, 0, lane, qf);
-    const int num_tiles = (w.kv_len + N - 1) / N;
-#pragma unroll 1
-    for (int t = 0; t < num_tiles; ++t) {
-      if (t > 0) {  // longer than one tile: this warp's slice of the next tile, at once
-        __syncwarp();  // every lane is done reading the previous tile
-        kv_loader<Tr>(p, w, kv_head).load(sK, sV, t, 0, slice_row0, lane);
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncwarp();
-      }
-      sync_tile<Tr>(sQ, qf, sK, sV, w.kv_len - t * N, wn, 0, lane, p.scale_log2, acc, m_run,
-                    l_run);
-    }
-    __syncwarp();
-    finish_item<Tr>(p, w, cta, kv_head, acc, m_run, l_run, wn, 0, lane, lane, buf);
-    named_arrive(1 + R + b, ALL);  // EMPTY[b]: this warp is done with the buffer
-  }
-}
-
-// Blocks per SM the piped launch asks for: as many as shared memory holds (R buffers of one
-// single-stage 16 x N layout each, 1 KB reserved per block), never below kShortTileRegs
-// registers per thread.
-template <int D, int N, int WARPS, int R>
-constexpr int piped_min_blocks() {
-  constexpr int smem = R * (16 * D * 2 + 2 * N * D * 2) + 1024;
-  constexpr int by_smem = smem_per_sm() / smem;
-  constexpr int by_threads = 2048 / ((WARPS + 1) * 32);
-  constexpr int by_regs = 65536 / ((WARPS + 1) * 32 * kShortTileRegs);
-  constexpr int b0 = by_smem < by_threads ? by_smem : by_threads;
-  constexpr int b = b0 < by_regs ? b0 : by_regs;
-  return b < 1 ? 1 : (b > 32 ? 32 : b);
-}
-}  // namespace pat
-
-// Piped entry point (see run_piped).  Template arguments: head_dim, element type, n, consumer
-// warps, buffers; the block has one more warp (the producer).  The Python side names it
-// pat_fwd_piped_d{D}_{dtype}_m16_n{N}_w{W}_i{R}.
-template <int HEAD_DIM, typename T, int N, int WARPS, int R>
-__global__ void __launch_bounds__((WARPS + 1) * 32,
-                                  (pat::piped_min_blocks<HEAD_DIM, N, WARPS, R>()))
-    pat_fwd_piped_kernel(const __grid_constant__ pat::FwdParams p) {
-  pat::pdl_launch_dependents();
-  pat::run_piped<pat::FwdTraits<HEAD_DIM, T, 16, N, WARPS, 1, 16>, R>(p);
-  pat::chain_exit(p.chain);
-}
-
-// Kernel entry point.  Template arguments: head_dim, element type, m, n, warps, stages, rows per
-// warp, pull (graph-safe fixed grid, see run_items); the Python side names each instantiation
-// pat_fwd_d{D}_{dtype}_m{M}_n{N}_w{W}_s{S}_r{RW}, with a _pull suffix for the graph-safe one.
-// Every argument is in pat::FwdParams (pat_params.cuh).
-template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES, int RW, bool PULL>
-__global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, N, WARPS, STAGES>())) pat_fwd_kernel(
-    const __grid_constant__ pat::FwdParams p) {
-  pat::BlockClock clock(0);
-  // the launch after this one (a finisher phase) may start while these blocks run
-  pat::pdl_launch_dependents();
-  pat::run_items<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW>, PULL>(p);
-  clock.end();
-  pat::chain_exit(p.chain);  // chained launches: the last block waits for the launch before
-}
-
-// Finisher entry point (pat_core/fold.py).  PULL = false: block b runs item b of the launch, as
-// pat_fwd_kernel does, and finishes its request.  A separate kernel so that the other variants do
-// not carry its registers.  The Python side names it like pat_fwd_kernel's variant with a _fin
-// suffix (_pull_fin for PULL = true).
-// PULL = true, the ordered launch: both phases of a plan whose phases share a tile, in one launch
-// of at most as many blocks as can be resident at once.  Block b's first item is item b, later
-// items are drawn from p.work_counter[0] in order (item gridDim.x + k for the k-th draw; each
-// block draws its next item when it starts one, so the atomic's latency hides behind the item).
-// The first phase's items (CTAs below p.finish_cta) come first in item order; they write their
-// slots and count them in p.merge.counters as the in-kernel merge does (a finisher's own slot is
-// never counted, so none of them merges), and each finisher waits for its request's count before
-// it folds the slots in.  No item waits on a later one, every first item's block becomes
-// resident (the grid fits), and a drawn item's block is running, so the launch cannot deadlock.
-// The last block to finish sets both counters back to zero (p.work_counter[1] counts them).
-template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES, int RW, bool PULL>
-__global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, N, WARPS, STAGES>())) pat_fwd_finish_kernel(
-    const __grid_constant__ pat::FwdParams p) {
-  using Tr = pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW>;
-  pat::BlockClock clock(1);
-  int cta_local, kv_head;
-  if constexpr (!PULL) {
-    // a finisher launch behind it (several finisher groups chained) may start its KV walks
-    // while these blocks run; its pdl_wait still waits for this whole grid before it folds
-    pat::pdl_launch_dependents();
-    pat::item_cta_head(p, (int)blockIdx.x, cta_local, kv_head);
-    pat::pat_fwd_body<Tr, 1>(p, p.cta_offset + cta_local, kv_head);
-  } else {
-    const int items = p.n_ctas * p.num_kv_heads;
-    const bool draws = items > (int)gridDim.x;
-    __shared__ int s_next[2];  // double-buffered as in run_items<Tr, true>
-    int item = (int)blockIdx.x;
-#pragma unroll 1
-    for (int k = 0; item < items; ++k) {
-      if (draws && threadIdx.x == 0) s_next[k & 1] = (int)gridDim.x + atomicAdd(p.work_counter, 1);
-      pat::item_cta_head(p, item, cta_local, kv_head);
-      // one body for both phases (the CTA's phase picks the end of finish_item)
-      pat::pat_fwd_body<Tr, 2>(p, p.cta_offset + cta_local, kv_head);
-      if (!draws) break;  // every item was some block's first
-      pat::cta_sync<Tr>();  // every warp is past item k (its shared memory free), s_next written
-      item = s_next[k & 1];
-    }
-    if (draws && threadIdx.x == 0 && atomicAdd(p.work_counter + 1, 1) == (int)gridDim.x - 1) {
-      p.work_counter[0] = 0;  // every block has drawn its last item
-      p.work_counter[1] = 0;
-    }
-  }
-  clock.end();
-}
-
-// One launch for every forward CTA of a plan, whatever its tile.  Template arguments: head_dim,
-// element type, threads per block (the largest variant's), then the variants' traits in the
-// order of the per-CTA variant index p.cta_variant[cta].  Each block runs its CTA's variant; the
-// warps that variant does not use exit at once (its barriers count only its own threads).  The
-// block gets the largest variant's shared memory, so small tiles lose occupancy: the launcher
-// uses this path when launches, not occupancy, dominate (see pat_core/launch.py).  One item per
-// block (p.live is not used).
-namespace pat {
+// Run the fused launch's variant `want` (the idx-th of the pack) on this item.
 template <typename Tr>
 __device__ __forceinline__ bool run_if(int want, int& idx, const FwdParams& p, int cta,
                                        int kv_head) {
@@ -1351,28 +950,29 @@ __device__ __forceinline__ bool run_if(int want, int& idx, const FwdParams& p, i
 }
 }  // namespace pat
 
-template <int HEAD_DIM, typename T, int THREADS, typename... Trs>
-__global__ void __launch_bounds__(THREADS, 1) pat_fwd_fused_kernel(
+// Kernel entry point.  Template arguments: head_dim, element type, m, n, warps, stages, rows per
+// warp; the Python side names each instantiation pat_fwd_d{D}_{dtype}_m{M}_n{N}_w{W}_s{S}_r{RW}.
+// Every argument is in pat::FwdParams (pat_params.cuh).
+template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES, int RW>
+__global__ void __launch_bounds__(WARPS * 32, (pat::fwd_min_blocks<HEAD_DIM, M, N, WARPS, STAGES>())) pat_fwd_kernel(
     const __grid_constant__ pat::FwdParams p) {
-  static_assert(((Trs::THREADS <= THREADS) && ...), "block too small for a variant");
-  static_assert(((Trs::D == HEAD_DIM) && ...), "variants of one head_dim");
   pat::BlockClock clock(0);
-  int cta, kv_head;  // the fused launch covers the whole plan (cta_offset 0)
-  pat::item_cta_head(p, (int)blockIdx.x, cta, kv_head);
-  const int want = p.cta_variant[cta];
-  int idx = 0;
-  (void)(pat::run_if<Trs>(want, idx, p, cta, kv_head) || ...);
+  // the next launch of the chain may place its blocks while these run
+  pat::pdl_launch_dependents();
+  pat::run_items<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW>>(p);
   clock.end();
+  pat::chain_exit(p.chain);  // chained launches: the last block waits for the launch before
 }
 
-// The graph-safe form of the fused launch: one fixed grid for every tile variant of a graph-safe
-// launch set, so a replayed step has one forward launch whatever its plan.  p.live holds
-// {first CTA, CTA count} per variant in the order of Trs (the static buffer's live table; each
-// variant's CTAs contiguous); block b takes item b first and later items from p.work_counter as
-// run_items<Tr, true> does (none when the live items fit the grid), finds the variant whose CTAs
-// hold the item / num_kv_heads-th live CTA, and runs it.  Warps the variant does not use wait at
-// the block barrier (id 15: the variants' own barriers use ids 0 to WARPS_N with their own
-// thread counts).  The merge kernel zeroes the counter.
+// One launch for every tile variant of a graph-safe launch set (small buckets), so a replayed
+// step has one forward launch whatever its plan.  Template arguments: head_dim, element type,
+// threads per block (the largest variant's), then the variants' traits.  p.live holds {first
+// CTA, CTA count} per variant in the order of Trs (each variant's CTAs contiguous); block b takes
+// item b first and later items from p.work_counter as run_items does (none when the live items
+// fit the grid), finds the variant whose CTAs hold the item / num_kv_heads-th live CTA, and runs
+// it.  Warps the variant does not use wait at the block barrier (id 15: the variants' own
+// barriers use ids 0 to WARPS_N with their own thread counts).  The block gets the largest
+// variant's shared memory, so small tiles lose occupancy (see pat_core/static_plan.py).
 
 template <int HEAD_DIM, typename T, int THREADS, typename... Trs>
 __global__ void __launch_bounds__(THREADS, 1) pat_fwd_fused_pull_kernel(

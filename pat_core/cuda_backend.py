@@ -65,22 +65,6 @@ log = logging.getLogger("pat_core.cuda")
 
 _LOG2E = 1.4426950408889634
 
-def smem_carveout():
-    """The shared-memory carveout (percent, 0-100) every kernel asks for, from
-    ``PAT_SMEM_CARVEOUT``; ``None`` (unset or empty): the driver's default.  Read when a kernel
-    is first loaded in the process."""
-    text = os.environ.get("PAT_SMEM_CARVEOUT", "").strip()
-    if not text:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 100:
-        raise ValueError(f"PAT_SMEM_CARVEOUT must be an integer percentage 0-100, got {text!r}")
-    return value
-
-
 def _import_cupy():
     try:
         import cupy
@@ -309,10 +293,6 @@ class CudaBackend:
                     raise ValueError(f"{variant.key} needs {smem} bytes of shared memory; this "
                                      f"device allows {self.max_smem_optin}")
                 fn.max_dynamic_shared_size_bytes = smem
-            carveout = smem_carveout()
-            if carveout is not None:
-                # the share of the SM's L1/shared memory kept as shared memory, in percent
-                fn.preferred_shared_memory_carveout = carveout
             self._modules[key] = mod
             self._functions[key] = fn
             return fn
@@ -321,7 +301,7 @@ class CudaBackend:
         """Forward (pull) variants plus the merge variant a Plan needs (for ``dtype``,
         default the plan's)."""
         dtype = dtype_name(dtype or plan.kv_dtype)
-        fwd = [cc.FwdVariant.make(v.m, v.n, v.head_dim, dtype, pull=True, arch=self.arch)
+        fwd = [cc.FwdVariant.make(v.m, v.n, v.head_dim, dtype, arch=self.arch)
                for v in cc.plan_fwd_variants(plan, self.arch)]
         nh = self._merge_layout(plan)[1]
         return fwd + [cc.MergeVariant(plan.head_dim, dtype, cc.MERGE_WARPS, nh)]
@@ -341,7 +321,7 @@ class CudaBackend:
                 variants = self.variants_for(plan)
             else:
                 variants = [v for v in cc.all_fwd_variants()
-                            if v == cc.FwdVariant.make(v.m, v.n, v.head_dim, v.dtype, pull=True,
+                            if v == cc.FwdVariant.make(v.m, v.n, v.head_dim, v.dtype,
                                                        arch=self.arch)]
                 variants += cc.all_merge_variants()
         variants = [_variant_from(v) for v in variants]
@@ -651,15 +631,14 @@ class StaticState:
         self.staging = np.frombuffer(self._pinned, dtype=np.int32, count=layout.total)
         self.copied = cp.cuda.Event(disable_timing=True)
         self.copied.record()
-        self.variants = [cc.FwdVariant.make(m, n, self.head_dim, self.dtype, pull=True,
-                                            arch=backend.arch)
+        self.variants = [cc.FwdVariant.make(m, n, self.head_dim, self.dtype, arch=backend.arch)
                          for m, n in layout.tiles]
         self.merge_variant = cc.MergeVariant(self.head_dim, self.dtype)
         self.fused = bool(fused) and self.fixed
         if self.fused:
             # one kernel holds every tile (warmup compiles it in this process)
             self.launch_variants = [cc.FusedVariant(self.head_dim, self.dtype,
-                                                    tuple(self.variants), pull=True)]
+                                                    tuple(self.variants))]
             backend.warmup(variants=self.launch_variants + [self.merge_variant], jobs=1)
         else:
             self.launch_variants = list(self.variants)
@@ -1060,14 +1039,14 @@ def _check_plan_tiles(plan: Plan) -> None:
 
 
 def _variant_from(v):
-    if isinstance(v, (cc.FwdVariant, cc.PipedVariant, cc.MergeVariant, cc.FusedVariant)):
+    if isinstance(v, (cc.FwdVariant, cc.MergeVariant, cc.FusedVariant)):
         return v
     if isinstance(v, str):
-        for cand in cc.all_fwd_variants() + cc.all_piped_variants() + cc.all_merge_variants():
+        for cand in cc.all_fwd_variants() + cc.all_merge_variants():
             if cand.key == v:
                 return cand
         raise ValueError(f"variants: unknown kernel variant {v!r}")
-    raise TypeError(f"variants: expected FwdVariant, PipedVariant, MergeVariant, FusedVariant "
+    raise TypeError(f"variants: expected FwdVariant, MergeVariant, FusedVariant "
                     f"or key, got {type(v).__name__}")
 
 
@@ -1130,7 +1109,7 @@ def _compile_one(fields) -> str:
     """Worker-process body: compile one variant into CuPy's on-disk cache."""
     kind, args = fields
     import cupy
-    v = {"fwd": cc.FwdVariant, "piped": cc.PipedVariant, "merge": cc.MergeVariant}[kind](*args)
+    v = {"fwd": cc.FwdVariant, "merge": cc.MergeVariant}[kind](*args)
     mod, name = _raw_module(cupy, v)
     mod.get_function(name)
     return v.key
@@ -1141,10 +1120,7 @@ def _compile_in_workers(variants, jobs: int) -> None:
     from concurrent.futures import ProcessPoolExecutor
     def fields_of(v):
         if isinstance(v, cc.FwdVariant):
-            return "fwd", (v.head_dim, v.dtype, v.m, v.n, v.warps, v.stages, v.rows_per_warp,
-                           v.pull, v.finish)
-        if isinstance(v, cc.PipedVariant):
-            return "piped", (v.head_dim, v.dtype, v.n, v.warps, v.items)
+            return "fwd", (v.head_dim, v.dtype, v.m, v.n, v.warps, v.stages, v.rows_per_warp)
         return "merge", (v.head_dim, v.dtype, v.warps, v.heads)
     fields = [fields_of(v) for v in variants]
     ctx = mp.get_context("spawn")

@@ -145,41 +145,12 @@ def variant_speed() -> dict:
     return {(int(r["m"]), int(r["n"])): r for r in data.get("tiles", {}).values()}
 
 
-# Short-KV tiles.  The selector gives 16x16 tiles only to CTAs of at most 16 tokens (one page:
-# the leaves of a wide tree) and 16x32 tiles to CTAs of 17-96 tokens (the 32-token leaves of deep
-# trees, mostly one KV tile each).  Their blocks are bound by the latency of their few dependent
-# loads, not by bandwidth per block: what counts is how many blocks an SM holds.  One warp and a
-# single-stage ring (tile 0 loads together with Q) make the block 12 KB (16x16) or 20 KB (16x32)
-# of shared memory and 32 threads.  Measured on an H100 (bench/NOTES.md): the 1024-leaf batch
-# 1,1024_1024,16 ran 5-8% faster at every head config (round 6).  For 16x32 the same layout was
-# up to 29% slower in round 6 on batches whose 16x32 CTAs hold two or three tiles (no prefetch
-# between them); since the gather costs fewer instructions per row (round 8) it measures 3-6%
-# faster on the deep trees and within noise on every other development batch, so 16x32 takes it
-# too.
-# Not for the graph-safe pull loop: its blocks stay resident and run item after item.
-SHORT_KV_LAYOUTS = {(16, 16): (1, 1, 16), (16, 32): (1, 1, 16)}
-# Layout of the one-tile CTAs of a 16-row launch group (KV length <= n: tree leaves of a page or
-# two) when they run in a launch of their own (pat_core.launch.one_tile_split, mode "split", an
-# ablation), so that the group's longer CTAs keep their prefetching ring: one warp and one stage
-# is a 20 KB block at n = 32, 11 resident per SM instead of 6.  Measured on an H100 (round 7):
-# 4% faster on the 6-level 1024-leaf tree at 32:32 heads, up to 17% slower elsewhere (the
-# concurrent launches lose the group's longest-first order).  Since round 8 every 16x32 CTA takes
-# this layout (SHORT_KV_LAYOUTS), so "split" only separates the one-tile tail's launch.
-ONE_TILE_LAYOUTS = {(16, 32): (1, 1, 16)}
-
-
-def default_layout(m: int, n: int, head_dim: int = 128, arch: str = "sm_90",
-                   pull: bool = False) -> tuple:
-    """``(warps, stages, rows_per_warp)`` of the (m, n) variant on ``arch``: the short-KV layout
-    (:data:`SHORT_KV_LAYOUTS`) for the 16-row tiles of short CTAs, unless ``pull`` (the
-    graph-safe instantiation); else the fastest measured
+def default_layout(m: int, n: int, head_dim: int = 128, arch: str = "sm_90") -> tuple:
+    """``(warps, stages, rows_per_warp)`` of the (m, n) variant on ``arch``: the fastest measured
     layout (:func:`variant_speed`, head_dim 128, where it fits this head_dim's shared memory;
     where that is the warpgroup layout, which only sm_90 runs, other GPUs take the fastest
     measured mma.sync layout, the record's ``sync``), else the rules (:func:`rule_warps`,
     :func:`rule_stages`, :func:`default_rows_per_warp`)."""
-    short = None if pull else SHORT_KV_LAYOUTS.get((int(m), int(n)))
-    if short is not None:
-        return short
     rec = variant_speed().get((int(m), int(n)))
     if rec is not None and head_dim == 128:
         if int(rec["rows_per_warp"]) == WG_ROWS and arch != "sm_90":
@@ -223,48 +194,29 @@ class FwdVariant:
     warps: int
     stages: int
     rows_per_warp: int = 16
-    pull: bool = False     # graph-safe instantiation: fixed grid, blocks pull work items
-    finish: bool = False   # finisher instantiation (pat_core/fold.py): pat_fwd_finish_kernel
-    #                        (with pull: the ordered launch of both phases)
 
     @classmethod
-    def make(cls, m: int, n: int, head_dim: int, dtype: str, pull: bool = False,
-             arch: str = "sm_90", one_tile: bool = False, finish: bool = False) -> "FwdVariant":
+    def make(cls, m: int, n: int, head_dim: int, dtype: str,
+             arch: str = "sm_90") -> "FwdVariant":
         """The (m, n) variant in its default layout for ``arch`` ("sm_90", "sm_80", ...), or in
-        the layout VARIANT_OVERRIDES names; ``one_tile``: the layout of a launch of one-tile CTAs
-        (:data:`ONE_TILE_LAYOUTS`, or the ``("one-tile", m, n)`` override) where there is one;
-        ``finish``: the finisher kernel in the same layout (not a warpgroup layout; with
-        ``pull``, the ordered launch of both phases of a finisher-phase plan)."""
+        the layout VARIANT_OVERRIDES names."""
         over = VARIANT_OVERRIDES.get((int(m), int(n)))
-        if one_tile and not pull:
-            over = VARIANT_OVERRIDES.get(("one-tile", int(m), int(n)),
-                                         ONE_TILE_LAYOUTS.get((int(m), int(n)), over))
         if over is None:
-            # the ordered finisher launch runs the plan's ordinary layout, not graph-safe's
-            w, st, rw = default_layout(m, n, head_dim, arch, pull and not finish)
+            w, st, rw = default_layout(m, n, head_dim, arch)
         else:
             w, st = over[0], over[1]
             rw = over[2] if len(over) > 2 else default_rows_per_warp(m)
-        if finish and rw == WG_ROWS:
-            raise ValueError(f"no finisher kernel for the {m}x{n} warpgroup variant")
-        return cls(int(head_dim), str(dtype), int(m), int(n), int(w), int(st), int(rw),
-                   bool(pull), bool(finish))
+        return cls(int(head_dim), str(dtype), int(m), int(n), int(w), int(st), int(rw))
 
     @property
     def key(self) -> str:
         return (f"pat_fwd_d{self.head_dim}_{DTYPE_SHORT[self.dtype]}_m{self.m}_n{self.n}"
-                f"_w{self.warps}_s{self.stages}_r{self.rows_per_warp}"
-                + ("_pull" if self.pull else "") + ("_fin" if self.finish else ""))
+                f"_w{self.warps}_s{self.stages}_r{self.rows_per_warp}")
 
     @property
     def name_expression(self) -> str:
-        if self.finish:
-            return (f"pat_fwd_finish_kernel<{self.head_dim}, {DTYPE_CTYPE[self.dtype]}, {self.m}, "
-                    f"{self.n}, {self.warps}, {self.stages}, {self.rows_per_warp}, "
-                    f"{'true' if self.pull else 'false'}>")
         return (f"pat_fwd_kernel<{self.head_dim}, {DTYPE_CTYPE[self.dtype]}, {self.m}, {self.n}, "
-                f"{self.warps}, {self.stages}, {self.rows_per_warp}, "
-                f"{'true' if self.pull else 'false'}>")
+                f"{self.warps}, {self.stages}, {self.rows_per_warp}>")
 
     @property
     def threads(self) -> int:
@@ -283,86 +235,16 @@ class FwdVariant:
         return f"template __global__ void {self.name_expression}(const __grid_constant__ pat::FwdParams);"
 
 
-# Piped launches (pat_fwd_piped_kernel, cuda_src/pat_fwd.cuh run_piped): the one-tile CTAs of a
-# 16-row launch group with n in PIPED_LAYOUTS run in a grid of resident blocks, each drawing items
-# from a counter: a producer warp gathers the next items into a ring of buffers while consumer
-# warps compute.  Per n: (consumer warps, buffers).  An ablation (pat_core.launch.one_tile_split,
-# mode "piped"): measured slower than one item per block on an H100 (bench/NOTES.md, round 7).
-PIPED_LAYOUTS = {16: (1, 2), 32: (2, 2)}
-
-
-@dataclass(frozen=True, order=True)
-class PipedVariant:
-    """``pat_fwd_piped_kernel<HEAD_DIM, T, N, WARPS, ITEMS>``: 16-row tiles of n tokens computed by
-    ``warps`` consumer warps, fed by one producer warp through ``items`` single-stage buffers."""
-
-    head_dim: int
-    dtype: str
-    n: int
-    warps: int
-    items: int
-    m: int = 16
-
-    @classmethod
-    def make(cls, n: int, head_dim: int, dtype: str) -> "PipedVariant":
-        """The piped variant of 16 x n tiles in its layout (:data:`PIPED_LAYOUTS`, or the
-        ``("piped", n)`` entry of VARIANT_OVERRIDES)."""
-        w, r = VARIANT_OVERRIDES.get(("piped", int(n)), PIPED_LAYOUTS[int(n)])
-        return cls(int(head_dim), str(dtype), int(n), int(w), int(r))
-
-    @property
-    def key(self) -> str:
-        return (f"pat_fwd_piped_d{self.head_dim}_{DTYPE_SHORT[self.dtype]}_m16_n{self.n}"
-                f"_w{self.warps}_i{self.items}")
-
-    @property
-    def name_expression(self) -> str:
-        return (f"pat_fwd_piped_kernel<{self.head_dim}, {DTYPE_CTYPE[self.dtype]}, {self.n}, "
-                f"{self.warps}, {self.items}>")
-
-    @property
-    def threads(self) -> int:
-        return 32 * (self.warps + 1)   # the consumer warps and one producer warp
-
-    @property
-    def stages(self) -> int:
-        return 1
-
-    @property
-    def rows_per_warp(self) -> int:
-        return 16
-
-    @property
-    def smem_bytes(self) -> int:
-        return self.items * fwd_smem_bytes(16, self.n, self.head_dim, 1)
-
-    @property
-    def warpgroup(self) -> bool:
-        return False
-
-    def explicit_instantiation(self) -> str:
-        return f"template __global__ void {self.name_expression}(const __grid_constant__ pat::FwdParams);"
-
-
-def all_piped_variants(head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_CTYPE)):
-    """The piped variant of every n in :data:`PIPED_LAYOUTS`, head_dim and dtype."""
-    return [PipedVariant.make(n, d, dt) for d in head_dims for dt in dtypes
-            for n in sorted(PIPED_LAYOUTS)]
-
-
 @dataclass(frozen=True)
 class FusedVariant:
-    """One kernel running several forward variants, chosen per CTA (``pat_fwd_fused_kernel``).
-
-    ``members`` are the variants in the order of the per-CTA variant index; the block has the
-    largest member's threads and shared memory.  ``pull``: the graph-safe form
-    (``pat_fwd_fused_pull_kernel``): a fixed grid whose blocks pull items over the members' live
-    CTA ranges (the static buffer's live table, in member order) instead of one item per block."""
+    """One kernel running several forward variants (``pat_fwd_fused_pull_kernel``, the small
+    graph-safe buckets): a fixed grid whose blocks pull items over the members' live CTA ranges
+    (the state's live table, in member order); the block has the largest member's threads and
+    shared memory."""
 
     head_dim: int
     dtype: str
     members: tuple
-    pull: bool = False
 
     @property
     def threads(self) -> int:
@@ -379,7 +261,7 @@ class FusedVariant:
 
     @property
     def key(self) -> str:
-        return (f"pat_fwd_fused{'_pull' if self.pull else ''}_d{self.head_dim}_"
+        return (f"pat_fwd_fused_d{self.head_dim}_"
                 f"{DTYPE_SHORT[self.dtype]}_" + "_".join(
                     f"m{v.m}n{v.n}w{v.warps}s{v.stages}r{v.rows_per_warp}" for v in self.members))
 
@@ -388,8 +270,7 @@ class FusedVariant:
         ct = DTYPE_CTYPE[self.dtype]
         tr = ", ".join(f"pat::FwdTraits<{v.head_dim}, {ct}, {v.m}, {v.n}, {v.warps}, {v.stages}, "
                        f"{v.rows_per_warp}>" for v in self.members)
-        kernel = "pat_fwd_fused_pull_kernel" if self.pull else "pat_fwd_fused_kernel"
-        return f"{kernel}<{self.head_dim}, {ct}, {self.threads}, {tr}>"
+        return f"pat_fwd_fused_pull_kernel<{self.head_dim}, {ct}, {self.threads}, {tr}>"
 
 
 @dataclass(frozen=True, order=True)
@@ -436,29 +317,18 @@ def fwd_variant_feasible(v: FwdVariant, smem_limit: int = SMEM_LIMIT["sm_90"]) -
     return v.smem_bytes <= smem_limit
 
 
-def all_fwd_variants(head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_CTYPE), ms=TILE_MS, ns=TILE_NS,
-                     pulls=(False, True)):
+def all_fwd_variants(head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_CTYPE), ms=TILE_MS, ns=TILE_NS):
     """Every forward variant that fits the sm_90 shared-memory limit (n = 256 only at d = 64),
-    in both instantiations (one item per block, and the graph-safe pull loop), in the default
-    layouts of sm_90 and of sm_80 and the one-tile layouts (:data:`ONE_TILE_LAYOUTS`), and the
-    finisher kernels (plain and ordered) of the default layouts of tiles up to
-    :data:`pat_core.fold.FINISH_MAX_ROWS` rows."""
-    from .fold import FINISH_MAX_ROWS
+    in the default layouts of sm_90 and of sm_80."""
     out = []
-    for pull in pulls:
-        for d in head_dims:
-            for dt in dtypes:
-                for m in ms:
-                    for n in ns:
-                        for arch in ("sm_90", "sm_80"):   # their default layouts may differ
-                            for one in (False, True):
-                                v = FwdVariant.make(m, n, d, dt, pull, arch, one_tile=one)
-                                if fwd_variant_feasible(v) and v not in out:
-                                    out.append(v)
-                            if m <= FINISH_MAX_ROWS:
-                                v = FwdVariant.make(m, n, d, dt, pull, arch, finish=True)
-                                if fwd_variant_feasible(v) and v not in out:
-                                    out.append(v)
+    for d in head_dims:
+        for dt in dtypes:
+            for m in ms:
+                for n in ns:
+                    for arch in ("sm_90", "sm_80"):   # their default layouts may differ
+                        v = FwdVariant.make(m, n, d, dt, arch)
+                        if fwd_variant_feasible(v) and v not in out:
+                            out.append(v)
     return out
 
 

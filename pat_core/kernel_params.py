@@ -18,9 +18,9 @@ _I64 = ctypes.c_int64
 
 
 class MergeArgs(ctypes.Structure):
-    """``pat::MergeArgs``: the in-kernel merge of the forward kernel (ablation)."""
+    """``pat::MergeArgs``: where a forward item writes a single-slot request's output."""
 
-    _fields_ = [("counters", _P), ("req_slot_indptr", _P), ("out", _P), ("lse_out", _P),
+    _fields_ = [("req_slot_indptr", _P), ("out", _P), ("lse_out", _P),
                 ("out_sb", _I64), ("out_sh", _I64), ("lse_sb", _I64), ("lse_sh", _I64)]
 
 
@@ -30,13 +30,11 @@ class FwdParams(ctypes.Structure):
     _fields_ = [("q", _P), ("k_cache", _P), ("v_cache", _P), ("o_partial", _P),
                 ("lse_partial", _P), ("cta_req_indptr", _P), ("cta_req", _P), ("cta_slot", _P),
                 ("cta_kv_start", _P), ("cta_kv_len", _P), ("cta_page_indptr", _P),
-                ("cta_pages", _P), ("cta_variant", _P), ("live", _P), ("work_counter", _P),
-                ("chain", _P),
+                ("cta_pages", _P), ("live", _P), ("work_counter", _P), ("chain", _P),
                 ("q_sb", _I64), ("q_sh", _I64), ("k_sp", _I64), ("k_st", _I64), ("k_sh", _I64),
                 ("v_sp", _I64), ("v_st", _I64), ("v_sh", _I64),
-                ("cta_offset", _I32), ("n_ctas", _I32), ("num_kv_heads", _I32),
-                ("head_minor", _I32), ("group", _I32), ("num_qo_heads", _I32),
-                ("page_size", _I32), ("scale_log2", ctypes.c_float), ("finish_cta", _I32),
+                ("num_kv_heads", _I32), ("group", _I32), ("num_qo_heads", _I32),
+                ("page_size", _I32), ("scale_log2", ctypes.c_float),
                 ("merge", MergeArgs)]
 
 

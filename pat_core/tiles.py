@@ -123,8 +123,7 @@ _RESOURCE_MEMO: dict = {}   # path -> (the loaded file, {(m, n, head_dim, dtype,
 
 def _kernel_resources(data, m: int, n: int, head_dim: int, dtype: str, gpu: GPUSpec):
     forward = [v for v in (data or {}).get("variants", {}).values()
-               if v.get("kind", "forward") == "forward" and "m" in v and not v.get("pull")
-               and not v.get("finish")]
+               if v.get("kind", "forward") == "forward" and "m" in v]
     family = [v for v in forward if (v["head_dim"], v["dtype"]) == (head_dim, dtype)]
     if not family:
         # no compiled kernels for this head_dim/dtype (no data file yet, or a shape only the
@@ -141,24 +140,6 @@ def _kernel_resources(data, m: int, n: int, head_dim: int, dtype: str, gpu: GPUS
     smem = int(rep.get("smem_static", 0)) + int(rep.get("smem_dynamic", 0))
     return TileResources(m=m, n=n, threads=int(v["threads"]), registers=int(rep["registers"]),
                          smem=smem, source="nvcc", stages=int(v.get("stages", STAGES)))
-
-
-def piped_resources(n: int, head_dim: int, dtype: str, gpu: GPUSpec,
-                    path: str = _DATA) -> TileResources:
-    """Resources of the piped variant of 16 x ``n`` tiles (:class:`pat_core.cuda_compile.
-    PipedVariant`, kind "piped" in the data file) on ``gpu``'s architecture; without a record, an
-    estimate: its layout's threads, ``items`` single-stage buffers, 168 registers (the launch
-    bounds' floor)."""
-    dtype = dtype_name(dtype)
-    v = cc.PipedVariant.make(n, head_dim, dtype)
-    rec = ((_load_resource_file(path) or {}).get("variants", {}).get(v.key) or {}).get(
-        _arch_of(gpu))
-    if rec is None:
-        return TileResources(m=16, n=n, threads=v.threads, registers=168, smem=v.smem_bytes,
-                             source="estimate", stages=1)
-    smem = int(rec.get("smem_static", 0)) + int(rec.get("smem_dynamic", 0))
-    return TileResources(m=16, n=n, threads=v.threads, registers=int(rec["registers"]),
-                         smem=smem, source="nvcc", stages=1)
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,7 @@ def _variant_case(m):
 
 
 @requires_gpu
-@pytest.mark.parametrize("variant", cc.all_fwd_variants(pulls=(False,)), ids=lambda v: v.key)
+@pytest.mark.parametrize("variant", cc.all_fwd_variants(), ids=lambda v: v.key)
 def test_every_variant(backend, variant):
     from pat_core.workloads import build_tree_batch
     ps = 16

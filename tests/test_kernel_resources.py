@@ -34,17 +34,15 @@ def data():
 def test_schema_and_completeness(data):
     assert data["generator"] == "bench/kernel_resources.py"
     assert data["nvcc"] and data["source_hash"]
-    want = {v.key: v for v in cc.all_fwd_variants() + cc.all_piped_variants() +
-            cc.all_merge_variants()}
+    want = {v.key: v for v in cc.all_fwd_variants() + cc.all_merge_variants()}
     assert set(data["variants"]) == set(want), "variant list differs from pat_core.cuda_compile"
     for key, rec in data["variants"].items():
         v = want[key]
         assert rec["head_dim"] == v.head_dim and rec["dtype"] == v.dtype
         assert rec["warps"] == v.warps and rec["threads"] == v.threads
-        if isinstance(v, (cc.FwdVariant, cc.PipedVariant)):
+        if isinstance(v, cc.FwdVariant):
             assert (rec["m"], rec["n"], rec["stages"]) == (v.m, v.n, v.stages)
-        assert rec["kind"] == ("piped" if isinstance(v, cc.PipedVariant) else
-                               "merge" if isinstance(v, cc.MergeVariant) else "forward"), key
+        assert rec["kind"] == ("merge" if isinstance(v, cc.MergeVariant) else "forward"), key
         assert set(a for a in ("sm_80", "sm_90") if a in rec) == set(cc.variant_archs(v)), key
         for arch in cc.variant_archs(v):
             r = rec[arch]
@@ -83,10 +81,8 @@ _SUBSET = ("pat_fwd_d64_f16_m16_n16", "pat_fwd_d128_f16_m16_n64", "pat_fwd_d128_
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_recompile_subset_matches(data):
     allv = cc.all_fwd_variants() + cc.all_merge_variants()
-    subset = [v for v in allv if any(v.key.startswith(p + "_") for p in _SUBSET)
-              and not getattr(v, "pull", False)]
+    subset = [v for v in allv if any(v.key.startswith(p + "_") for p in _SUBSET)]
     assert len(subset) >= len(_SUBSET)   # m >= 64: a warpgroup (sm_90) and an mma.sync layout
-    subset.append(cc.FwdVariant.make(64, 64, 128, "float16", pull=True))   # graph-safe loop
     same_nvcc = cc.nvcc_version() == data["nvcc"]
     tasks = [(v, a) for v in subset for a in cc.variant_archs(v)]
     with ThreadPoolExecutor(max_workers=4) as ex:

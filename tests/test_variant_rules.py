@@ -10,11 +10,6 @@ def test_layouts_come_from_the_measured_table():
     assert table, "pat_core/data/variant_speed_h100.json is missing"
     for (m, n), rec in table.items():
         v = cc.FwdVariant.make(m, n, 128, "float16")
-        if (m, n) in cc.SHORT_KV_LAYOUTS:   # chosen on the short-KV batches instead
-            assert (v.warps, v.stages, v.rows_per_warp) == cc.SHORT_KV_LAYOUTS[(m, n)]
-            pv = cc.FwdVariant.make(m, n, 128, "float16", pull=True)
-            v = cc.FwdVariant(pv.head_dim, pv.dtype, m, n, pv.warps, pv.stages,
-                              pv.rows_per_warp)   # the graph-safe loop keeps the table's
         assert (v.warps, v.stages, v.rows_per_warp) == (rec["warps"], rec["stages"],
                                                         rec["rows_per_warp"])
         assert f"_m{m}_n{n}_w{v.warps}_s{v.stages}_r{v.rows_per_warp}" in v.key
@@ -50,26 +45,6 @@ def test_fused_variant_takes_the_largest_member():
     f = cc.FusedVariant(128, "float16", (a, b))
     assert f.threads == max(a.threads, b.threads)
     assert f.smem_bytes == max(a.smem_bytes, b.smem_bytes)
-    assert f.name_expression.startswith(f"pat_fwd_fused_kernel<128, __half, {f.threads}, ")
+    assert f.name_expression.startswith(f"pat_fwd_fused_pull_kernel<128, __half, {f.threads}, ")
     assert f.name_expression.count("pat::FwdTraits<") == 2
-    assert f.key != cc.FusedVariant(128, "float16", (b, a)).key   # order is the CTA index
-
-
-def test_piped_and_one_tile_variants():
-    """The piped variant's key, threads (consumer warps + the producer warp) and shared memory
-    (one single-stage 16 x n buffer per item in flight) follow its layout; the one-tile layout
-    applies only where the table has one and never to the graph-safe instantiation."""
-    for n, (w, r) in cc.PIPED_LAYOUTS.items():
-        v = cc.PipedVariant.make(n, 128, "float16")
-        assert v.key == f"pat_fwd_piped_d128_f16_m16_n{n}_w{w}_i{r}"
-        assert v.name_expression == f"pat_fwd_piped_kernel<128, __half, {n}, {w}, {r}>"
-        assert v.threads == 32 * (w + 1)
-        assert v.smem_bytes == r * cc.fwd_smem_bytes(16, n, 128, 1)
-        assert v in cc.all_piped_variants()
-    for (m, n), lay in cc.ONE_TILE_LAYOUTS.items():
-        v = cc.FwdVariant.make(m, n, 128, "float16", one_tile=True)
-        assert (v.warps, v.stages, v.rows_per_warp) == lay and v in cc.all_fwd_variants()
-        assert cc.FwdVariant.make(m, n, 128, "float16", pull=True, one_tile=True) == \
-            cc.FwdVariant.make(m, n, 128, "float16", pull=True)
-    assert cc.FwdVariant.make(64, 64, 128, "float16", one_tile=True) == \
-        cc.FwdVariant.make(64, 64, 128, "float16")
+    assert f.key != cc.FusedVariant(128, "float16", (b, a)).key   # order is the live table's
