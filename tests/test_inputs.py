@@ -281,7 +281,7 @@ def test_narrow_numpy_ints_become_python_ints():
 
 def test_head_dim_without_a_tile_names_the_limit():
     with pytest.raises(ValueError, match=r"head_dim=1024: .* the limit there is head_dim "
-                                         r"4\.\.726 .*backend='cpu'"):
+                                         r"4\.\.807 .*backend='cpu'"):
         PrefixAttentionWrapper("cpu").plan(np.array([[0]]), [5], 4, 4, 1024, 16)
 
 

@@ -356,7 +356,8 @@ def _graph_safe_wrapper(max_batch, mode="auto"):
 
 def test_graph_safe_tuning_of_a_fused_bucket():
     """What the wrapper gives its planner before the first graph-safe plan: a fused 16-request
-    bucket at 64:8 gets the one-width table, (32, 64) left out and rows capped at 64, and its
+    bucket at 64:8 gets the one-width table, (128, 64) and (32, 64) left out and rows capped at
+    64, and its
     launch set's fused block fits two per SM; a larger bucket (not fused) and a 4-request
     bucket at 32:8 (one 16-row tile) get none of the fused rules; a refused first plan's
     settings are undone, but a value the user set since is kept."""
@@ -365,7 +366,8 @@ def test_graph_safe_tuning_of_a_fused_bucket():
     w = _graph_safe_wrapper(16)
     w._graph_safe_tuning(64, 8, 128, "float16", None)
     t = w.planner.tuning
-    assert t.kv_tile_table == FUSED_TILE_TABLE and t.exclude_tiles == ((32, 64),)
+    # the tiles whose block fits fewer than two per SM on the H100 (kernel_resources.json)
+    assert t.kv_tile_table == FUSED_TILE_TABLE and t.exclude_tiles == ((128, 64), (32, 64))
     assert t.max_rows == 64 and w._static_max_rows(8) == 64
     tiles = reachable_tiles(w.planner.tile_selector(128, "float16"), max_rows=64)
     assert fused_block_per_sm(tiles, 128, "float16", "h100") >= FUSED_MIN_BLOCKS_PER_SM
