@@ -8,10 +8,9 @@ Same CTAs, same ``(m, n)`` tiles, same page gathering, same arithmetic contract:
 * the probabilities are rounded to the input dtype (fp16 or bf16) before ``P . V``, as the
   tensor-core kernels feed them to ``mma`` (no rounding for fp32 inputs);
 * each CTA writes its fp32 partial ``o / l`` and natural-log ``lse = m + log(l)`` to its slots,
-  then :func:`~pat_core.merge.merge_partials` combines each request's slots;
-* with a finisher phase (``plan.finish_from >= 0``, :mod:`pat_core.fold`) the finisher CTAs run
-  last, merge their request's other slots into their state after their KV walk, and that state
-  is the output (no merge), as the CUDA kernels do.
+  then :func:`~pat_core.merge.merge_partials` combines each request's slots.  (On the GPU a
+  request of one slot gets its output from its CTA directly; merging one slot returns it
+  unchanged, so the results are the same.)
 
 Non-finite input propagates as in dense attention: a NaN in ``q``, or a NaN/infinity in a key
 or value, makes NaN (or infinite) output and LSE for exactly the rows that read it; a key whose
@@ -53,11 +52,9 @@ def _round_mantissa(x, bits, min_exp):
 @njit(cache=True)
 def _run_ctas(q, kc, vc, cta_req_indptr, cta_req, cta_slot, cta_kv_start, cta_kv_len,
               cta_page_indptr, cta_pages, cta_n, page_size, group, sm_scale, round_bits,
-              round_min_exp, o_part, lse_part, fold_from, req_slot_indptr):
+              round_min_exp, o_part, lse_part):
     """Forward pass of every CTA for every KV head.  ``kc``/``vc``: float32 NHD views
-    ``[num_pages, page_size, num_kv_heads, head_dim]``; writes ``o_part``/``lse_part``.
-    CTAs ``fold_from ..`` are finishers: after its KV walk each row merges in its request's other
-    slots (``req_slot_indptr``, int32 ``[B + 1]``), so its own slot receives the final state."""
+    ``[num_pages, page_size, num_kv_heads, head_dim]``; writes ``o_part``/``lse_part``."""
     C = cta_kv_len.shape[0]
     num_kv_heads = kc.shape[2]
     d = kc.shape[3]
@@ -115,13 +112,6 @@ def _run_ctas(q, kc, vc, cta_req_indptr, cta_req, cta_slot, cta_kv_start, cta_kv
                         for x in range(d):
                             acc[i, x] += pr * vc[page, slot, h, x]
                     m_run[i] = mx
-            if c >= fold_from:     # a finisher: its request's other slots join its state
-                for i in range(rows):
-                    r = cta_req[r0 + i // group]
-                    own = cta_slot[r0 + i // group]
-                    hq = h * group + i % group
-                    _fold_row(o_part, lse_part, req_slot_indptr[r], req_slot_indptr[r + 1], own,
-                              hq, i, m_run, l_run, acc)
             for i in range(rows):
                 slot_id = cta_slot[r0 + i // group]
                 hq = h * group + i % group
@@ -137,33 +127,6 @@ def _run_ctas(q, kc, vc, cta_req_indptr, cta_req, cta_slot, cta_kv_start, cta_kv
                     if l_run[i] == l_run[i] else np.float32(np.nan)
 
 
-@njit(cache=True)
-def _fold_row(o_part, lse_part, s0, s1, own, hq, i, m_run, l_run, acc):
-    """Merge slots ``s0 .. s1 - 1`` but ``own`` of head ``hq`` into row ``i``'s state
-    (``m_run``, ``l_run``, ``acc``; natural log), as the finisher kernels do: a slot's state
-    ``(o, lse)`` is ``m = lse, l = 1, acc = o``; empty slots (``lse = -inf``) weigh 0, a NaN
-    LSE makes the row NaN."""
-    d = acc.shape[1]
-    for s in range(s0, s1):
-        if s == own:
-            continue
-        lse = lse_part[s, hq]
-        if lse != lse:
-            l_run[i] = np.nan
-            for x in range(d):
-                acc[i, x] = np.nan
-            continue
-        if lse == -np.inf:
-            continue
-        mx = max(m_run[i], lse)
-        alpha = np.float32(math.exp(m_run[i] - mx)) if m_run[i] > -np.inf else np.float32(0.0)
-        b = np.float32(math.exp(lse - mx))
-        l_run[i] = l_run[i] * alpha + b
-        for x in range(d):
-            acc[i, x] = acc[i, x] * alpha + o_part[s, hq, x] * b
-        m_run[i] = mx
-
-
 def _as_f32(x, name):
     from .reference import to_numpy_f32
     return to_numpy_f32(x, name)
@@ -175,14 +138,12 @@ def nhd_view(cache: np.ndarray, kv_layout: str) -> np.ndarray:
 
 
 def execute_partials(plan: Plan, q, k_cache, v_cache, kv_layout: str = "NHD",
-                     input_dtype: str | None = None, fold: bool = False):
+                     input_dtype: str | None = None):
     """Run every CTA of ``plan``; return fp32 ``(o_partial [S, Hq, d], lse_partial [S, Hq])``.
 
     ``q``: ``[batch, num_qo_heads, head_dim]``; caches 4-D in ``kv_layout``.  ``input_dtype``
-    selects the rounding of P before P.V (default: the plan's ``kv_dtype``).  With ``fold`` and
-    a finisher phase, each finisher's slot holds its request's final state
-    (:meth:`~pat_core.plan.Plan.finisher_slots`); otherwise every slot holds its CTA's own
-    partial, ready for :func:`~pat_core.merge.merge_partials`.
+    selects the rounding of P before P.V (default: the plan's ``kv_dtype``).  Every slot holds
+    its CTA's own partial, ready for :func:`~pat_core.merge.merge_partials`.
     """
     plan.check_inputs(q, k_cache, v_cache, kv_layout)
     q32 = np.ascontiguousarray(_as_f32(q, "q"))
@@ -195,8 +156,7 @@ def execute_partials(plan: Plan, q, k_cache, v_cache, kv_layout: str = "NHD",
     cta_n = plan.cta_mn()[:, 1].astype(np.int32)
     _run_ctas(q32, kc, vc, plan.cta_req_indptr, plan.cta_req, plan.cta_slot, plan.cta_kv_start,
               plan.cta_kv_len, plan.cta_page_indptr, plan.cta_pages, cta_n, plan.page_size,
-              plan.group_size, np.float32(plan.sm_scale), bits, min_exp, o_part, lse_part,
-              plan.finish_cta if fold else plan.num_ctas, plan.req_slot_indptr)
+              plan.group_size, np.float32(plan.sm_scale), bits, min_exp, o_part, lse_part)
     return o_part, lse_part
 
 
@@ -204,12 +164,7 @@ def execute(plan: Plan, q, k_cache, v_cache, kv_layout: str = "NHD", return_lse:
             input_dtype: str | None = None, out_dtype=np.float32):
     """Forward + merge on the CPU.  Returns ``out [batch, Hq, d]`` (``out_dtype``) and, with
     ``return_lse``, float32 ``lse [batch, Hq]`` (natural log)."""
-    fold = plan.finish_from >= 0
-    o_part, lse_part = execute_partials(plan, q, k_cache, v_cache, kv_layout, input_dtype, fold)
-    if fold:   # the finishers' slots are the output
-        fs = plan.finisher_slots()
-        out, lse = o_part[fs].astype(out_dtype), lse_part[fs].copy()
-        return (out, lse) if return_lse else out
+    o_part, lse_part = execute_partials(plan, q, k_cache, v_cache, kv_layout, input_dtype)
     out, lse = merge_partials(o_part, lse_part, plan.req_slot_indptr, out_dtype=out_dtype)
     return (out, lse) if return_lse else out
 

@@ -300,8 +300,8 @@ def request_packing(forest: PrefixForest, packs: Packs, share: float, group: int
     A candidate: some pack of ``packs`` holds several requests; the per-request packing reads
     at most ``share`` more tokens (:func:`request_wins`); and the pages it reads more than once
     (every KV head) fill at most ``REQUEST_L2_SHARE`` of ``l2_bytes``.  The planner takes it
-    only where, split and tiled, it needs no merge (every request one CTA that writes its own
-    output, :mod:`pat_core.fold`), while ``packs`` does.
+    only where, split and tiled, it needs no merge (every request one CTA, which writes its
+    request's output directly), while ``packs`` does.
 
     ``share``: see :func:`request_share`.
 

@@ -20,15 +20,17 @@ Terminology
   ``lse_partial[slot, h]`` (``[num_slots, num_qo_heads]``, natural-log LSE of the scaled scores,
   ``-inf`` when the CTA saw no key).  Slots are numbered request by request, so request ``r``
   owns slots ``req_slot_indptr[r] : req_slot_indptr[r + 1]``; each is written by exactly one CTA.
-* **launch group**: CTAs that share a tile config ``(m, n)`` and go to the GPU in one launch.
-  CTAs are stored sorted by group; group ``g`` is ``group_indptr[g] : group_indptr[g + 1]``
-  and uses ``tile_configs[group_tile[g]]``.  Groups run on separate streams unless
-  ``serial`` is set (cascade-style level-by-level execution, or the serial ablation).
-* **finisher phase** (``finish_from >= 0``, :mod:`pat_core.fold`): groups ``finish_from ..
-  G - 1`` hold exactly one CTA of every request, a CTA of that request alone.  They run after
-  every earlier group has finished; each merges its request's other slots into its state after
-  its KV walk and writes the final output itself, so the step has no merge launch and the finisher's own slot is never
-  written.  ``finish_from == -1``: no finisher phase (every slot written, then the merge).
+* **launch group**: CTAs that share a tile config ``(m, n)``.  CTAs are stored sorted by group;
+  group ``g`` is ``group_indptr[g] : group_indptr[g + 1]`` and uses
+  ``tile_configs[group_tile[g]]``.  The CUDA backend runs a plan as one pull-mode forward launch
+  per tile config the plan uses (tallest tiles first, :func:`pat_core.static_plan.order_tiles`;
+  a tile's CTAs in plan order), chained on the caller's stream, then the merge
+  (:mod:`pat_core.launch`).  ``serial`` marks a level-by-level plan (the ``cascade`` packer, or
+  the ``serial`` ablation): the simulator prices its groups one after another.
+* **direct output**: a request of exactly one partial slot (``np.diff(req_slot_indptr) == 1``)
+  gets its output from the CTA that holds all of its KV (no partial written, nothing to merge);
+  the merge combines the other requests' slots and is skipped when every request has one slot
+  (``num_slots == batch_size``).
 
 Arrays (``C`` CTAs, ``B`` requests, ``T`` tile configs, ``G`` groups, all ``np.int32``)
 --------------------------------------------------------------------------------------
@@ -125,7 +127,6 @@ class Plan:
     version: int = 0
     extra: dict = field(default_factory=dict)
     q_dtype: str | None = None      # query/output dtype when it differs from kv_dtype
-    finish_from: int = -1           # first group of the finisher phase (-1: none)
 
     ARRAY_FIELDS = ("tile_configs", "group_indptr", "group_tile", "cta_tile", "cta_req_indptr",
                     "cta_req", "cta_slot", "cta_kv_start", "cta_kv_len", "cta_page_indptr",
@@ -158,13 +159,6 @@ class Plan:
         return self.tile_configs[self.cta_tile]
 
     @property
-    def finish_cta(self) -> int:
-        """First CTA of the finisher phase (``num_ctas`` when there is none)."""
-        if self.finish_from < 0:
-            return self.num_ctas
-        return int(self.group_indptr[self.finish_from])
-
-    @property
     def one_cta_per_request(self) -> bool:
         """Every request has one CTA of its own, which writes the request's output (the
         request rule's plans): no partials and no merge."""
@@ -175,15 +169,6 @@ class Plan:
         """Requests of one partial slot: the CTA that holds all of such a request's KV writes
         its output directly (no partial, nothing to merge)."""
         return int(np.count_nonzero(np.diff(self.req_slot_indptr) == 1))
-
-    def finisher_slots(self) -> np.ndarray:
-        """int32 ``[B]``: the slot of each request's finisher CTA (``-1`` without a finisher
-        phase).  The finisher computes the request's output; that slot is never written."""
-        fs = np.full(self.batch_size, -1, dtype=np.int32)
-        if self.finish_from >= 0:
-            j = int(self.cta_req_indptr[self.finish_cta])
-            fs[self.cta_req[j:]] = self.cta_slot[j:]
-        return fs
 
     def groups(self):
         """Yield ``(group_index, (m, n), cta_begin, cta_end)`` for each launch group."""
@@ -209,10 +194,8 @@ class Plan:
         kv_tokens = int(self.cta_kv_len.astype(np.int64).sum())
         kv_bytes = kv_tokens * hk * 2 * d * kvb
         q_bytes = self.num_slots * hq * d * qb
-        if self.finish_from >= 0:
-            written = self.num_slots - self.batch_size
-        else:   # a request of one slot gets its output from that CTA (no partial written)
-            written = self.num_slots - self.direct_requests()
+        # a request of one slot gets its output from that CTA (no partial written)
+        written = self.num_slots - self.direct_requests()
         partial_bytes = 2 * written * hq * (d + 1) * PARTIAL_BYTES
         out_bytes = self.batch_size * hq * d * qb
         tiles: dict = {}
@@ -265,16 +248,6 @@ class Plan:
         assert self.group_indptr[0] == 0 and self.group_indptr[-1] == C
         for g, _, b, e in self.groups():
             assert np.all(self.cta_tile[b:e] == self.group_tile[g])
-        # finisher phase: one single-request CTA per request, in the last groups
-        assert -1 <= self.finish_from < max(self.num_groups, 1), "finish_from out of range"
-        if self.finish_from >= 0:
-            assert not self.serial, "a serial plan has no finisher phase"
-            f0 = self.finish_cta
-            assert np.all(np.diff(self.cta_req_indptr[f0:]) == 1), "a finisher holds one request"
-            from .fold import FINISH_MAX_ROWS
-            assert np.all(self.cta_mn()[f0:, 0] <= FINISH_MAX_ROWS), "finisher tile too tall"
-            assert np.array_equal(np.sort(self.cta_req[self.cta_req_indptr[f0]:]),
-                                  np.arange(B)), "every request has exactly one finisher"
         # every request's tokens inside its length
         req_of = self.cta_req
         cta_of = np.repeat(np.arange(C), np.diff(self.cta_req_indptr))

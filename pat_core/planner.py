@@ -22,9 +22,6 @@ from numba import njit
 from .forest import PrefixForest
 from .gpus import get_gpu
 from .inputs import BlockTable, _check_seq_lens, as_block_table, check_heads, check_size
-from .fold import (FINISH_PAIRS, FINISH_SHARE, finisher_ctas, large_merge_finishers,
-                   pick_finishers)
-from .launch import dependent_launch_ok
 from .packers import (NARROW_SHARE, PACKERS, PARTIAL_WEIGHT, Packs, narrow_packing,
                       narrow_wins, pack, request_packing, request_share, request_wins)
 from .plan import DTYPE_BYTES, Plan, dtype_name
@@ -52,28 +49,18 @@ class Tuning:
     ``split_by``: what the ``"sm"`` long-KV split shares out: ``"tokens"``, or ``"work"``
     (tokens times the measured time per token of the CTA's tile rows,
     :meth:`pat_core.tiles.TileSelector.row_time_weight`: 128-row tiles run slower per token).
-    ``order``: launch order of the tile groups: ``"tile"`` (ascending ``(m, n)``) or
-    ``"work"`` (largest per-CTA work first, and longest KV first inside a group, so that the
-    CTAs that take longest start first) or ``"shared"`` (groups ranked by the most requests
-    one of their CTAs holds, and inside a group the most requests first, then the longest KV:
-    shared-prefix CTAs tend to run before the leaves, as the merge by the last CTA of a
-    request, ``CudaBackend.merge_mode = "forward"``, wants; not guaranteed when one tile group
-    holds both a request's leaf and a later group holds its shared CTA).
+    ``order``: order of the plan's tile groups and of the CTAs inside each: ``"tile"``
+    (ascending ``(m, n)``, pack order inside) or ``"work"`` (groups by their largest per-CTA
+    work, and longest KV first inside a group) or ``"shared"`` (groups ranked by the most
+    requests one of their CTAs holds, and inside a group the most requests first, then the
+    longest KV).  The CUDA backend launches the tiles in its own order (tallest first,
+    :func:`pat_core.static_plan.order_tiles`) and each launch's blocks draw its CTAs in plan
+    order, so inside a group ``"work"`` starts the CTAs that take longest first; the group
+    order is the launch order of serial plans only.
     ``narrow_share``: the ``pat`` packer's narrow-packing rule
     (:func:`pat_core.packers.narrow_packing`): with no ``max_rows`` set and no forced tile,
     every CTA is packed into the narrowest tile's rows when that re-reads at most this share
     more KV tokens (``0``: off).
-    ``finish_share``: the finisher phase (:mod:`pat_core.fold`): when every request has a CTA
-    of its own, that CTA runs last, folds in the request's other partials and writes the output
-    (no merge launch), provided the other CTAs read at most this share of the step's KV tokens
-    (``0``: only steps whose requests each have one CTA; ``None``: never).  Not for serial or
-    cascade plans.
-    ``finish_pairs``: with ``finish_share`` not ``None``, on GPUs with dependent launches
-    (sm_90 and later), a step of at least this many (request, query head) pairs also folds,
-    whatever share the other CTAs read, when both phases are one tile group each and no
-    first-phase CTA reads more than :data:`pat_core.fold.FINISH_FIRST_TOKENS` tokens
-    (:func:`pat_core.fold.large_merge_finishers`; ``None``: off).  The per-request rule is
-    still tried on such a plan and wins where it applies.
     ``request_share``: the ``pat`` packer's per-request rule
     (:func:`pat_core.packers.request_packing`): with no ``max_rows`` set, no forced tile and
     no serial plan, the step runs one CTA per request when that re-reads at most this share
@@ -94,8 +81,6 @@ class Tuning:
     split_by: str = "tokens"
     exclude_tiles: tuple | None = None
     narrow_share: float = NARROW_SHARE
-    finish_share: float | None = FINISH_SHARE
-    finish_pairs: int | None = FINISH_PAIRS
     request_share: float | None = None
 
     def __post_init__(self):
@@ -116,16 +101,6 @@ class Tuning:
                 or not math.isfinite(self.request_share) or self.request_share < 0):
             raise ValueError(f"request_share must be None or a number >= 0, got "
                              f"{self.request_share!r}")
-        if self.finish_share is not None and (
-                not isinstance(self.finish_share, (int, float, np.number))
-                or not math.isfinite(self.finish_share) or self.finish_share < 0):
-            raise ValueError(f"finish_share must be None or a number >= 0, got "
-                             f"{self.finish_share!r}")
-        if self.finish_pairs is not None and (
-                not isinstance(self.finish_pairs, (int, np.integer))
-                or isinstance(self.finish_pairs, bool) or self.finish_pairs < 1):
-            raise ValueError(f"finish_pairs must be None or a positive int, got "
-                             f"{self.finish_pairs!r}")
         if not isinstance(self.min_part, (int, np.integer)) or self.min_part < 1:
             raise ValueError(f"min_part must be a positive int, got {self.min_part!r}")
         if self.split_by not in ("tokens", "work"):
@@ -242,36 +217,12 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
     else:
         gkey = tile_idx.astype(np.int64)
         order = np.argsort(gkey, kind="stable")
-    fin = None
-    fold_rule = None       # which rule made the finisher phase: "share" or "pairs"
-    if not serial and tuning.finish_share is not None:
-        first_req = packs.reqs[packs.req_indptr[src]]
-        # the candidates once, for both rules
-        picked = pick_finishers(first_req, nreq, kv_len, mn[:, 0], bt.batch_size)
-        if picked is not None:
-            fin = finisher_ctas(first_req, nreq, kv_len, mn[:, 0], bt.batch_size,
-                                tuning.finish_share, picked=picked)
-            if fin is not None:
-                fold_rule = "share"
-            elif dependent_launch_ok(gpu):
-                # only where the finishers can be a dependent launch (sm_90 and later)
-                fin = large_merge_finishers(first_req, nreq, kv_len, mn[:, 0], tile_idx,
-                                            bt.batch_size, num_qo_heads, tuning.finish_pairs,
-                                            picked=picked)
-                fold_rule = "pairs" if fin is not None else None
-    finish_from = -1
-    if fin is not None:
-        # the finishers after every other CTA, each phase keeping its own group order
-        gkey = gkey + fin.astype(np.int64) * (int(gkey.max()) + 1)
-        order = order[np.argsort(fin[order], kind="stable")]
     order = order.astype(np.int32)
     gkey = gkey[order]
     bounds = np.flatnonzero(np.diff(gkey)) + 1
     group_indptr = np.concatenate(([0], bounds, [gkey.shape[0]])).astype(np.int32)
     tile_idx = tile_idx[order]
     group_tile = tile_idx[group_indptr[:-1]].astype(np.int32)
-    if fin is not None:
-        finish_from = int(np.searchsorted(group_indptr, int((~fin).sum())))
     B = bt.batch_size
     # the Plan's arrays are int32: refuse a batch whose lists would not fit rather than wrap
     n_pages = int(((kv_start.astype(np.int64) + kv_len - 1) // bt.page_size
@@ -290,9 +241,8 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
         cta_tile=tile_idx, cta_req_indptr=req_ptr, cta_req=cta_req, cta_slot=cta_slot,
         cta_kv_start=kv_start[order], cta_kv_len=kv_len[order],
         cta_page_indptr=page_ptr, cta_pages=pages, req_slot_indptr=req_slot_indptr,
-        seq_lens=bt.seq_lens.astype(np.int32), finish_from=finish_from,
+        seq_lens=bt.seq_lens.astype(np.int32),
     )
-    plan.extra["fold_rule"] = fold_rule
     return plan
 
 
@@ -470,7 +420,7 @@ class Planner:
                              sm_scale=p.sm_scale, packer=self.packer, selector=c["selector"],
                              kv_dtype=p.kv_dtype, serial=c["serial"], split=c["split"],
                              tuning=self.tuning)
-        if request is not None and request[2] and plan.finish_from != 0:
+        if request is not None and request[2] and plan.num_slots != plan.batch_size:
             return None                       # grown leaves now split: the choice is re-made
         plan.version = p.version + 1
         plan.q_dtype = p.q_dtype

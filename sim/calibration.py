@@ -23,7 +23,10 @@ sub-folders, that has one of these layouts):
   beyond its kernels' span, measured on fit-set workloads.  It fixes ``graph_start_ns``.
 
 Every measurement becomes one record per timing mode (``"eager"``: ``run()`` from Python;
-``"graph"``: a CUDA-graph replay of it).
+``"graph"``: a CUDA-graph replay of it).  Every record is priced as the CUDA backend's one
+launch path runs its plan (:mod:`sim.model`), whatever path the run that measured it took:
+the files measured before it (all of ``bench/results/`` up to round 24, before commit
+34cb8de) ran forked or longest-first chained forward launches of one block per item.
 
 Split by workload
 -----------------
@@ -83,7 +86,6 @@ import os
 import numpy as np
 from scipy import optimize, stats
 
-from pat_core.launch import FWD_CHAIN_BEFORE
 
 from .constants import TIMINGS, SimConstants, load_constants, save_constants
 from .methods import METHODS, load_batch, make_plan
@@ -163,7 +165,6 @@ def _records_calibrate(data: dict, src: str) -> list:
                         "num_kv_heads": int(r["num_kv_heads"]), "head_dim": int(r["head_dim"]),
                         "page_size": int(r.get("page_size", 16)),
                         "dtype": r.get("dtype", "float16"), "timing": t, "measured_us": us,
-                        "fwd_chain": data.get("fwd_chain", FWD_CHAIN_BEFORE),
                         "spread": run_spread(r.get(f"runs_{t}_us") or ()),
                         "file": os.path.basename(src)})
     return out
@@ -185,7 +186,6 @@ def _records_compare(data: dict, src: str) -> list:
                         "page_size": int(r.get("page_size", 16)),
                         "dtype": data.get("dtype", "float16"), "timing": t,
                         "measured_us": float(us),
-                        "fwd_chain": data.get("fwd_chain", FWD_CHAIN_BEFORE),
                         "file": os.path.basename(src)})
     return out
 
@@ -329,7 +329,7 @@ ORDER_TIE = 0.005    # pat and query measured within 0.5%: a tie (below a run's 
 
 def _plan_key(r) -> tuple:
     return (r["workload"], r["page_size"], r["method"], r["num_qo_heads"], r["num_kv_heads"],
-            r["head_dim"], r["dtype"], r.get("fwd_chain", FWD_CHAIN_BEFORE))
+            r["head_dim"], r["dtype"])
 
 
 class Prepared:
@@ -349,8 +349,7 @@ class Prepared:
                 batches[bkey] = load_batch(r["workload"], r["page_size"])
             plan = make_plan(batches[bkey], r["method"], r["num_qo_heads"], r["num_kv_heads"],
                              r["head_dim"], gpu=gpu, kv_data_type=r["dtype"])
-            # launched as the measured run launched it (forked or chained forward launches)
-            self.wl[key] = prepare(plan, gpu, fwd_chain=key[-1])
+            self.wl[key] = prepare(plan, gpu)
         self._sharing = {}
         for (wl, ps) in batches:
             b = batches[(wl, ps)]

@@ -66,7 +66,7 @@ def choose_packer(block_tables, seq_lens, num_qo_heads: int, num_kv_heads: int, 
                   page_size: int, *, gpu: str = "h100", candidates=("pat", "query"),
                   default: str = "pat", margin: float = DEFAULT_MARGIN,
                   constants: SimConstants | str | None = None, timing: str = "graph",
-                  kv_data_type: str = "float16", fwd_chain: str = "pdl") -> PackerChoice:
+                  kv_data_type: str = "float16") -> PackerChoice:
     """Plan the batch with each packer of ``candidates``, simulate each plan, and return the
     ``default`` packer unless a candidate is predicted faster than it by more than ``margin``
     (then the fastest predicted).
@@ -74,8 +74,7 @@ def choose_packer(block_tables, seq_lens, num_qo_heads: int, num_kv_heads: int, 
     ``block_tables``/``seq_lens``/heads/``head_dim``/``page_size``: as for
     :meth:`pat_core.Planner.plan`.  ``gpu``: the GPU to plan and simulate for (its constants,
     ``sim/data/<gpu>.json``, unless ``constants`` names a file or gives them).  ``timing``:
-    ``"graph"`` (default) or ``"eager"``, as :func:`sim.simulate`.  ``fwd_chain``: the CUDA
-    backend's launch path to model (:func:`sim.simulate`).
+    ``"graph"`` (default) or ``"eager"``, as :func:`sim.simulate`.
     """
     cands = tuple(candidates)
     if not cands or any(c not in PACKERS for c in cands):
@@ -93,8 +92,7 @@ def choose_packer(block_tables, seq_lens, num_qo_heads: int, num_kv_heads: int, 
     for c in dict.fromkeys(cands):
         plans[c] = Planner(c, gpu).plan(block_tables, seq_lens, num_qo_heads, num_kv_heads,
                                         head_dim, page_size, kv_data_type=kv_data_type)
-        pred[c] = simulate(plans[c], gpu, constants, timing=timing,
-                           fwd_chain=fwd_chain).latency_us
+        pred[c] = simulate(plans[c], gpu, constants, timing=timing).latency_us
     return PackerChoice(packer=pick(pred, default, margin), predicted_us=pred, plans=plans,
                         default=default, margin=float(margin))
 

@@ -186,7 +186,7 @@ def compare(batch, methods, heads, head_dim, gpu, dtype="float16", constants=Non
             "heads": [hq, hk], "head_dim": head_dim, "page_size": batch.page_size,
             "dtype": dtype, "constants_source": consts.source, "timing": timing,
             "launch_ns": launch_ns, "gap_ns": gap_ns, "start_ns": consts.start_cost(timing),
-            "join_ns": consts.join_cost(timing), "rows": rows,
+            "rows": rows,
             # sim.choose's rule on these rows: which packer the simulator would run
             "pick": pick(pred, "pat", DEFAULT_MARGIN) if len(pred) == 2 else None}
 
@@ -201,8 +201,7 @@ def timing_line(res: dict) -> str:
     return (f"timing: graph (CUDA-graph replay): {res.get('start_ns', 0.0) / 1e3:.2f} us once, "
             f"in-graph launch gap "
             f"{res['launch_ns'] / 1e3:.2f} us, {res['gap_ns'] / 1e3:.2f} us between dependent "
-            f"kernels (+{res.get('join_ns', 0.0) / 1e3:.2f} us after concurrent launches); "
-            f"--timing eager adds the host's launch cost")
+            f"kernels; --timing eager adds the host's launch cost")
 
 
 def format_compare(res: dict) -> str:

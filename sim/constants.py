@@ -27,7 +27,9 @@ name                   unit        meaning
 ``graph_launch_ns``    ns          graph timing: issue interval of the launches of a replayed graph
 ``graph_gap_ns``       ns          graph timing: gap between a kernel node and one that depends on it
 ``graph_join_ns``      ns          graph timing: extra wait of a kernel node that depends on two or
-                                   more concurrent launches (the merge after forked tile groups)
+                                   more concurrent launches (measured by ``bench/calibrate.py``;
+                                   the one launch path forks none, so the model prices nothing
+                                   with it)
 =====================  ==========  ==================================================================
 
 Two timing modes (:data:`TIMINGS`) share the kernel constants and differ in the launch costs:
@@ -94,13 +96,6 @@ class SimConstants:
         """Fixed latency (ns) before the first launch of timing mode ``timing`` is issued."""
         check_timing(timing)
         return float(self.start_ns if timing == "eager" else self.graph_start_ns)
-
-    def join_cost(self, timing: str = "graph") -> float:
-        """Extra wait (ns) of a phase that follows two or more concurrent launches: the join of
-        a forked graph (``graph_join_ns``); 0 when eager, where the host's event calls are
-        inside ``launch_ns``."""
-        check_timing(timing)
-        return 0.0 if timing == "eager" else float(self.graph_join_ns)
 
 
 TIMINGS = ("graph", "eager")

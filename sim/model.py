@@ -34,7 +34,7 @@ partial reads and output writes, and ``merge_slot_ns`` per slot of its longest p
 
 ``chain`` is the block's latency chain: each KV tile is a run of dependent steps (page ids, then
 the K and V loads, then the MMAs and the softmax) that the block's warps share, so a one-warp
-block (the short-KV ``16x32`` layout) runs them in series and cannot finish in less than
+block (such as the former short-KV ``16x32`` layout) runs them in series and cannot finish in less than
 ``block_ns + t * tile_lat_ns`` however little it moves (ncu, bench/NOTES.md round 13: such a
 block takes ~9 us from start to end on an H100 at 3.9% warp occupancy).  It binds only on short
 steps of few, narrow blocks; ``tile_lat_ns = 0`` (files without it) turns it off, and the
@@ -44,40 +44,40 @@ the larger values that do (2.6-3.4 us, in graph-only refits) put more held-out p
 in the wrong order (bench/NOTES.md, round 14).  The time such steps miss stays in the fitted
 ``graph_start_ns``.
 
-Launch ``k`` (forward groups in plan order, then the merge) reaches the GPU at
-``start + (k + 1) * launch``; a launch that waits for another starts ``gap`` after it finishes,
-and ``join`` later still when it waits for two or more concurrent launches (graph timing: in a
-graph of empty kernels, a second concurrent branch costs ~3 us more than one more launch does;
-``bench/calibrate.py`` measures both).
+The launches are the CUDA backend's one launch path (:mod:`pat_core.launch`): one forward
+launch per tile config the plan uses, tallest tiles first
+(:func:`pat_core.launch.forward_launches`, the order of
+:func:`pat_core.static_plan.order_tiles`), each launch's work items (CTA x KV head, a CTA's KV
+heads adjacent) in plan order; then the merge, whose blocks take only the requests of more
+than one partial slot (a request of one slot gets its output from its forward block; see
+:mod:`sim.traffic`).  The merge launch is absent when every request has one slot and no
+forward launch has more items than resident blocks (:func:`pat_core.launch.merge_needed`;
+with more items a block draws a second one and the merge resets the work counters, a launch
+of blocks that move nothing).  On a GPU with programmatic dependent launch
+(:func:`pat_core.launch.dependent_launch_ok`, sm_90 and later) the forward launches are one
+phase, each gated on the one before it (its blocks placed once every block of that one has
+been); elsewhere they run one after another in stream order, a phase each.  A serial plan
+(``plan.serial``: the ``cascade`` packer's levels, or the ``serial`` ablation) is laid out
+in its group order, a phase per group, as that level-by-level execution would run; the CUDA
+backend itself runs every plan through the one path.
+
+Launch ``k`` (forward launches in order, then the merge) reaches the GPU at
+``start + (k + 1) * launch``; a launch that waits for another starts ``gap`` after it
+finishes.  Every launch is on the caller's stream, so no launch waits for a join of
+concurrent branches (``graph_join_ns``, which ``bench/calibrate.py`` measures, stays in the
+constants files but prices nothing here).
 ``start`` is paid once per step, ``launch`` once per launch: a graph replay has a fixed latency
 before its first kernel whatever the number of kernels, and each launch adds ~1-2 us (H100:
 a graph of one trivial kernel replays in 3-4 us with the L2 flush the calibration timings use,
 a pat step of two to three launches in 17-20 us; bench/NOTES.md, rounds 9 and 10), so folding
-the fixed part into ``launch`` would charge a plan of several small launch groups that latency
-once per group.  The
+the fixed part into ``launch`` would charge a plan of several small launches that latency
+once per launch.  The
 timing mode picks ``(start, launch, gap, join)``: ``graph`` (default) uses ``graph_start_ns``/
 ``graph_launch_ns``/``graph_gap_ns``/``graph_join_ns`` (a CUDA-graph replay: what a serving loop that captures
 decode sees), ``eager`` uses ``start_ns``/``launch_ns``/``gap_ns`` and no join (``run()``
 called from Python: each launch pays the host's cost, event calls included).
-The predicted latency is the end of the merge kernel: what CUDA events around ``run()`` (or
+The predicted latency is the end of the last kernel: what CUDA events around ``run()`` (or
 around the graph's replay) measure.
-
-Forward thread blocks are dispatched CTA by CTA with a CTA's KV heads adjacent (the kernels'
-default ``head_minor`` grid; :data:`HEAD_MINOR`).  When the backend would fuse the forward
-launches (:func:`pat_core.launch.use_fused_launch`, ``launch_mode="auto"`` by default) the model
-does too: one forward launch whose blocks each take the largest variant's resources.
-
-A plan with a finisher phase behind a first phase (:mod:`pat_core.fold`) is launched as the
-backend launches it: where :func:`pat_core.launch.finisher_launch_dependent` holds (each phase
-one tile group, an sm_90 GPU) the finishers are one launch gated on the first phase's (placed
-once every first-phase block has been, as a programmatic dependent launch starts, and each
-ending no earlier than the first phase, holding its SM slot while it waits to fold); with more
-launches than that (:func:`pat_core.launch.finisher_chain`) the first phase's launches are
-chained as above and each finisher launch is gated on the launch before it, holding; otherwise
-they are a phase of their own after the first phase.  The reads of their fold are priced as a
-merge pass at the end (:func:`sim.traffic.merge_work`).  Against 32 measured fold / no-fold
-pairs (H100, bench/NOTES.md round 19) this gets the faster plan right on 25, where running
-every finisher beside the first phase got 21.
 """
 from __future__ import annotations
 
@@ -89,17 +89,16 @@ from pat_core.cuda_compile import FwdVariant
 from pat_core.gpus import GPUSpec, get_gpu
 from pat_core.tiles import _arch_of
 
-from pat_core.launch import (chain_order, finisher_chain, finisher_launch_dependent,
-                             forward_chained, group_spans, use_fused_launch)
+from pat_core.launch import (dependent_launch_ok, forward_launches, merge_heads_per_warp,
+                             merge_needed)
 
 from .constants import SimConstants, check_timing, load_constants
 from .l2 import l2_split, l2_window
-from .occupancy import (merge_resources, plan_occupancy, resource_vector, sm_capacity,
-                        smem_class)
+from .occupancy import (MERGE_WARPS, merge_resources, plan_occupancy, resource_vector,
+                        sm_capacity, smem_class)
 from .timeline import Launch, Timeline, run_engine
 from .traffic import bytes_by_kind, forward_work, merge_work, padding_waste
 
-HEAD_MINOR = True       # forward grid: a CTA's KV heads adjacent (pat_fwd.cuh, head_minor = 1)
 # a block's bandwidth weight is its KV bytes in flight over this (a 16x64 tile's two stages of
 # 64 fp16 tokens at head_dim 128, K and V); a merge block weighs 1
 WEIGHT_BYTES = 65536.0
@@ -140,42 +139,29 @@ class Workload:
     cfg_class: np.ndarray | None = None    # int [configs + 2]: sim.occupancy.smem_class (-1: any)
 
 
-def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float | None = None,
-            launch_mode: str = "auto", fwd_chain: str = "pdl") -> Workload:
+def prepare(plan, gpu=None, serial: bool | None = None,
+            l2_window_bytes: float | None = None) -> Workload:
     """Lay out ``plan``'s thread blocks as launches (see module docstring).
 
     ``gpu``: spec or name to simulate (default: the GPU the plan was made for).  ``serial``:
-    override ``plan.serial`` (launch groups one after another).  ``l2_window_bytes``: L2 reuse
-    window (default :func:`sim.l2.l2_window` of the GPU; ``0`` turns L2 hits off).
-    ``launch_mode``: the CUDA backend's (``"auto"``, ``"fused"``, ``"streams"``); when
-    :func:`pat_core.launch.use_fused_launch` says the backend fuses, every forward block is one
-    launch and takes the largest variant's threads, registers and shared memory.
-    ``fwd_chain``: the CUDA backend's (``"pdl"``, ``"pdl-plan"``, ``"fork"``); where
-    :func:`pat_core.launch.forward_chained` says the backend chains the forward launches, they
-    are laid out in its order, each gated (without holding) on the one before it.
+    override ``plan.serial`` (the plan's groups one after another, a phase each, instead of
+    the one launch path).  ``l2_window_bytes``: L2 reuse window (default
+    :func:`sim.l2.l2_window` of the GPU; ``0`` turns L2 hits off).
     """
     gpu = get_gpu(gpu if gpu is not None else plan.gpu)
     serial = bool(plan.serial if serial is None else serial)
-    fused = not serial and use_fused_launch(plan, gpu.num_sms, launch_mode)
-    chained = forward_chained(plan, gpu, fwd_chain, fused, serial)
     occ = plan_occupancy(plan, gpu)
     T = plan.tile_configs.shape[0]
-    need = np.zeros((T + 2, 4), dtype=np.int64)   # tile configs, the merge, the fused block
+    need = np.zeros((T + 1, 4), dtype=np.int64)   # tile configs, then the merge
     for k, o in enumerate(occ):
         r = o.resources
         need[k] = resource_vector(r.threads, r.registers, r.smem)
     mr = merge_resources()
     need[T] = resource_vector(mr.threads, mr.registers, mr.smem)
-    if fused:                                     # the fused block: the largest of each
-        rs = [occ[k].resources for k in sorted(set(int(k) for k in plan.group_tile))]
-        need[T + 1] = resource_vector(max(r.threads for r in rs), max(r.registers for r in rs),
-                                      max(r.smem for r in rs))
     # which forward blocks may share an SM (the merge's share with any)
-    cfg_class = np.full(T + 2, -1, dtype=np.int64)
+    cfg_class = np.full(T + 1, -1, dtype=np.int64)
     for k in range(T):
         cfg_class[k] = smem_class(int(need[k, 0]))
-    if fused:
-        cfg_class[T + 1] = smem_class(int(need[T + 1, 0]))
     cap = sm_capacity(gpu)
     for k, o in enumerate(occ):
         if np.any(need[k] > cap):
@@ -183,76 +169,62 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
                              f"threads, slots) but a {gpu.name} SM offers {cap.tolist()}")
 
     w = forward_work(plan)
-    mw = merge_work(plan)
     hk = plan.num_kv_heads
+    # the forward launches: the one launch path, or a serial plan's groups in plan order
+    if serial:
+        fwd = [(int(plan.group_tile[g]), mn, np.arange(b, e, dtype=np.int64))
+               for g, mn, b, e in plan.groups() if e > b]
+    else:
+        fwd = forward_launches(plan)
+    chained = not serial and len(fwd) >= 2 and dependent_launch_ok(gpu)
     launches, cfg, cta, head, lau, byt, til, flo, slo = [], [], [], [], [], [], [], [], []
-    # A finisher phase behind a first phase starts after it, unless the finishers are one
-    # launch dependent on the first phase's one launch (pat_core.launch): then they are placed
-    # once every first-phase block has been, and the reads of their fold are priced as a merge
-    # pass after both (see merge_work).
-    dependent = (not serial and not fused and plan.finish_from > 0
-                 and finisher_launch_dependent(plan, gpu, fwd_chain))
-    after = not serial and not fused and plan.finish_from > 0 and not dependent
-    # several launches before or in the finisher phase: the first phase chained, then the
-    # finisher launches, each gated on the launch before it (pat_core.launch.finisher_chain)
-    fin_chain = dependent and finisher_chain(plan, gpu, fwd_chain)
-    # each block runs its own variant's code (in a fused launch too): its warps and stages
+    # each block runs its own variant's code: its warps and stages
     cfg_warps = np.array([o.resources.threads // 32 for o in occ], dtype=np.float64)
     # ... and whether it is a warpgroup (wgmma) tile, which wg_flops prices when set
     arch = _arch_of(gpu)
     cfg_wg = np.array([FwdVariant.make(o.m, o.n, plan.head_dim, plan.kv_dtype, arch=arch).warpgroup
                        for o in occ], dtype=bool)
     pos = 0
-    groups = list(plan.groups())
-    if chained and fwd_chain == "pdl":            # the backend's order: longest first
-        groups = [groups[i] for i in chain_order(group_spans(plan))]
-    elif fin_chain and fwd_chain == "pdl":        # the first phase longest first, then finishers
-        ff = plan.finish_from
-        groups = ([groups[i] for i in chain_order(group_spans(plan)[:ff])] + groups[ff:])
-    for g, (m, n), b, e in groups:
-        if HEAD_MINOR:                                  # a CTA's KV heads adjacent
-            idx = np.repeat(np.arange(b, e, dtype=np.int64), hk)
-            hh = np.tile(np.arange(hk, dtype=np.int32), e - b)
-        else:                                           # CTA index fastest
-            idx = np.tile(np.arange(b, e, dtype=np.int64), hk)
-            hh = np.repeat(np.arange(hk, dtype=np.int32), e - b)
-        k = int(plan.group_tile[g])
-        fin_phase = after and g >= plan.finish_from
-        if fin_chain:     # a chained first-phase launch does not hold; a finisher waits to fold
-            gate, hold = (len(launches) - 1 if launches else -1), g >= plan.finish_from
-        else:
-            gate = (0 if dependent and g >= plan.finish_from else
-                    len(launches) - 1 if chained and launches else -1)
-            hold = not chained
+    for i, (k, (m, n), ctas) in enumerate(fwd):
+        idx = np.repeat(ctas, hk)                            # a CTA's KV heads adjacent
+        hh = np.tile(np.arange(hk, dtype=np.int32), ctas.shape[0])
         launches.append(Launch(name=f"forward {m}x{n}", kind="forward", config=k, begin=pos,
                                end=pos + idx.shape[0], issue_ns=0.0,
-                               phase=g if serial else int(fin_phase), gate=gate, hold=hold))
-        cfg.append(np.full(idx.shape[0], T + 1 if fused else k, np.int32))
+                               phase=0 if chained else i,
+                               gate=i - 1 if chained and i > 0 else -1))
+        cfg.append(np.full(idx.shape[0], k, np.int32))
         cta.append(idx.astype(np.int32))
         head.append(hh)
-        lau.append(np.full(idx.shape[0], 0 if fused else len(launches) - 1, np.int32))
+        lau.append(np.full(idx.shape[0], len(launches) - 1, np.int32))
         byt.append(w.bytes[idx])
         til.append(w.tiles[idx].astype(np.float64))
         flo.append(w.flops[idx])
         slo.append(np.zeros(idx.shape[0]))
         pos += idx.shape[0]
-    if fused and launches:                        # every group in one forward launch
-        launches = [Launch(name="forward fused", kind="forward", config=T + 1, begin=0,
-                           end=pos, issue_ns=0.0, phase=0)]
-    nf_launch = len(cta)                          # forward groups' arrays come first
-    nm = mw.bytes.shape[0]
-    if nm:      # no merge blocks: a finisher plan with no first phase writes its own output
+    nf_launch = len(cta)                          # forward launches' arrays come first
+    fwd_phases = 1 if chained else len(fwd)
+    # the merge: blocks for the requests of more than one slot; where there are none but a
+    # forward block drew a second item, a launch of blocks that only reset the work counters
+    mw = merge_work(plan)
+    m_bytes, m_read, m_slots = mw.bytes, mw.read_bytes_per_block, mw.max_slots
+    if m_bytes.shape[0] == 0 and merge_needed(plan, [o.ctas_per_sm for o in occ],
+                                              gpu.num_sms):
+        pairs = plan.batch_size * plan.num_qo_heads // merge_heads_per_warp(plan, gpu.num_sms)
+        nreset = max(1, -(-pairs // MERGE_WARPS))
+        m_bytes = m_read = np.zeros(nreset)
+        m_slots = np.zeros(nreset, np.int64)
+    nm = m_bytes.shape[0]
+    if nm:
         launches.append(Launch(name="merge", kind="merge", config=-1, begin=pos, end=pos + nm,
-                               issue_ns=0.0,
-                               phase=len(launches) if serial else (2 if after else 1)))
+                               issue_ns=0.0, phase=fwd_phases))
         cfg.append(np.full(nm, T, np.int32))
         cta.append(np.arange(nm, dtype=np.int32))
         head.append(np.full(nm, -1, np.int32))
         lau.append(np.full(nm, len(launches) - 1, np.int32))
-        byt.append(mw.bytes)
+        byt.append(m_bytes)
         til.append(np.zeros(nm))
         flo.append(np.zeros(nm))
-        slo.append(mw.max_slots.astype(np.float64))
+        slo.append(m_slots.astype(np.float64))
     window = l2_window(gpu) if l2_window_bytes is None else float(l2_window_bytes)
     f_cta = np.concatenate(cta[:nf_launch]) if nf_launch else np.zeros(0, np.int32)
     f_head = np.concatenate(head[:nf_launch]) if nf_launch else np.zeros(0, np.int32)
@@ -261,7 +233,7 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
     per_sm = (cap[None, :] // np.maximum(need, 1)).min(axis=1)
     f_cfg = np.concatenate(cfg[:nf_launch]) if nf_launch else np.zeros(0, np.int32)
     f_weight = 1.0 / np.maximum(per_sm[f_cfg], 1)
-    blk_l2 = l2_split(plan, f_cta, f_head, f_other, mw.read_bytes_per_block, window,
+    blk_l2 = l2_split(plan, f_cta, f_head, f_other, m_read, window,
                       blk_weight=f_weight, capacity=float(gpu.num_sms))
     # A block's hits come first (a shared prefix precedes a request's own pages) and stream
     # before its misses, except the last `stages` KV tiles' worth (the `stages - 1` tiles its
@@ -289,7 +261,7 @@ def prepare(plan, gpu=None, serial: bool | None = None, l2_window_bytes: float |
                     blk_launch=np.concatenate(lau), blk_bytes=np.concatenate(byt),
                     blk_l2=blk_l2, blk_lead=blk_lead, blk_tiles=np.concatenate(til),
                     blk_flops=np.concatenate(flo), blk_slots=np.concatenate(slo),
-                    num_phases=(len(launches)) if serial else (int(after) + (2 if nm else 1)),
+                    num_phases=fwd_phases + (1 if nm else 0),
                     serial=serial, l2_window=window,
                     blk_warps=np.concatenate([cfg_warps[f_tile], np.zeros(nm)]),
                     blk_stages=np.concatenate([f_stages, np.zeros(nm)]),
@@ -323,20 +295,17 @@ def run_timeline(wl: Workload, c: SimConstants, timing: str = "graph") -> Timeli
     issue = start_ns + (np.arange(len(wl.launches), dtype=np.float64) + 1.0) * launch_ns
     phase = np.array([ln.phase for ln in wl.launches], dtype=np.int32)
     gate = np.array([ln.gate for ln in wl.launches], dtype=np.int32)
-    hold = np.array([ln.hold for ln in wl.launches], dtype=bool)
-    # a phase after two or more concurrent launches also waits for their join (a gated launch
-    # follows its gate on the same stream: no fork, no join)
-    per_phase = np.bincount(phase[gate < 0], minlength=wl.num_phases)
+    # every launch is on the caller's stream (no fork, so no join): a phase opens gap_ns after
+    # the one before it ends
     gaps = np.full(wl.num_phases, gap_ns)
-    gaps[1:] += np.where(per_phase[:-1] >= 2, c.join_cost(timing), 0.0)
     sm, lane, start, end, ps, pe = run_engine(
         wl.gpu.num_sms, sm_capacity(wl.gpu), wl.need, wl.blk_cfg, latency, wl.blk_bytes, compute,
         ptr, issue, phase, wl.num_phases, gaps, c.sm_bandwidth, c.hbm_bandwidth,
         blk_l2=wl.blk_l2, l2_bw=c.l2_bandwidth, blk_lead=wl.blk_lead, stream_gate=gate,
-        stream_hold=hold, blk_weight=wl.blk_weight if INFLIGHT_WEIGHTS else None,
+        blk_weight=wl.blk_weight if INFLIGHT_WEIGHTS else None,
         cfg_class=wl.cfg_class if SMEM_CLASSES else None, hits_queue=HITS_QUEUE)
     launches = [Launch(ln.name, ln.kind, ln.config, ln.begin, ln.end, float(issue[i]), ln.phase,
-                       ln.gate, ln.hold) for i, ln in enumerate(wl.launches)]
+                       ln.gate) for i, ln in enumerate(wl.launches)]
     return Timeline(num_sms=wl.gpu.num_sms, launches=launches, block_launch=wl.blk_launch,
                     block_cta=wl.blk_cta, block_head=wl.blk_head, block_sm=sm, block_lane=lane,
                     block_start=start, block_end=end, phase_start=ps, phase_end=pe)
@@ -427,8 +396,7 @@ def _idle_share(tl: Timeline, mask, t0: float, t1: float) -> float:
 
 
 def simulate(plan, gpu=None, constants: SimConstants | str | None = None,
-             serial: bool | None = None, timing: str = "graph",
-             launch_mode: str = "auto", fwd_chain: str = "pdl") -> SimResult:
+             serial: bool | None = None, timing: str = "graph") -> SimResult:
     """Simulate one decode step of ``plan``.
 
     Parameters
@@ -441,11 +409,9 @@ def simulate(plan, gpu=None, constants: SimConstants | str | None = None,
     serial : override ``plan.serial``.
     timing : ``"graph"`` (default: CUDA-graph replay, in-graph launch gaps) or ``"eager"``
         (``run()`` from Python: the host's cost per launch).
-    launch_mode : the CUDA backend's launch mode to model (see :func:`prepare`).
-    fwd_chain : the CUDA backend's forward-launch chaining to model (see :func:`prepare`).
     """
     check_timing(timing)
-    wl = prepare(plan, gpu, serial, launch_mode=launch_mode, fwd_chain=fwd_chain)
+    wl = prepare(plan, gpu, serial)
     if constants is None or isinstance(constants, str):
         constants = load_constants(wl.gpu, constants)
     tl = run_timeline(wl, constants, timing)

@@ -3,22 +3,20 @@
 What it models
 --------------
 * **Dispatch.** Each launch is a stream of thread blocks in launch order (for a forward launch:
-  ``blockIdx.x`` fastest, then ``blockIdx.y`` = KV head).  A launch becomes visible to the GPU at
-  its host issue time.  Like the hardware block scheduler, blocks of one launch are placed in
-  order (a block that does not fit holds back the rest of its launch), while a later launch on
-  another stream may fill the SMs the earlier one cannot use.  A block goes to the SM with the
+  its work items in the order its blocks draw them, a CTA's KV heads adjacent).  A launch
+  becomes visible to the GPU at its host issue time.  Like the hardware block scheduler, blocks
+  of one launch are placed in order (a block that does not fit holds back the rest of its
+  launch), while a later launch of the same phase may fill the SMs the earlier one cannot use.  A block goes to the SM with the
   fewest resident blocks among those with enough free shared memory, registers, threads and CTA
   slots (breadth-first, as the hardware spreads a grid).
 * **Phases.** Launches carry a phase number.  A phase starts ``gap_ns`` after every block of the
   previous phase has finished (a kernel waiting on another, through stream order or an event).
-  Concurrent launch groups share phase 0 and the merge kernel is phase 1; in serial mode each
-  group is its own phase.  A launch may also be *gated* on an earlier launch of its phase: none
-  of its blocks is placed before all of the gate's are, and (unless the launch does not *hold*)
-  none ends before all of the gate's have ended (a block done earlier waits, holding its SM
-  slot): a programmatic dependent launch, which starts once every block of the launch it
-  depends on has started and waits for that launch's end where it needs its results (the
-  finishers' fold).  Chained forward launches (:func:`pat_core.launch.forward_chained`) are
-  gated without holding: only their last block waits, and the phase ends after every block.
+  The chained forward launches share phase 0 and the merge kernel is phase 1; forward launches
+  that run one after another in stream order (no programmatic dependent launch, or a serial
+  plan) are a phase each.  A launch may also be *gated* on an earlier launch of its phase: none
+  of its blocks is placed before all of the gate's are (a programmatic dependent launch, whose
+  blocks are placed once every block of the launch it depends on has been: the chained forward
+  launches of :mod:`pat_core.launch`); the phase ends after every block of its launches.
 * **A block's life.** ``latency`` (time the KV pipeline cannot hide: query load, first tile in
   flight, partial write), then *streaming*: it moves its ``bytes`` while computing; it ends when
   both the bytes are moved and ``compute`` time has passed since streaming began (the kernel
@@ -155,40 +153,8 @@ def _finish_block(b, x, lane, t, state, blk_end, blk_cfg, need, free, nres, res,
 
 
 @njit(cache=True)
-def _launch_done(s0, t, stream_left, stream_gate, state, blk_stream, blk_sm, blk_lane, blk_end,
-                 blk_cfg, need, free, nres, res, remaining, blk_phase, stream_ptr, cfg_class,
-                 ncls):
-    """A block of launch ``s0`` finished at ``t``: count it, and when that was the launch's last,
-    finish the waiting blocks of the launches gated on it (and so on).  Returns how many
-    waiting blocks finished."""
-    released = 0
-    stack = np.empty(stream_left.shape[0], dtype=np.int64)
-    top = 0
-    stream_left[s0] -= 1
-    if stream_left[s0] == 0:
-        stack[top] = s0
-        top += 1
-    while top > 0:
-        top -= 1
-        g = stack[top]
-        for s in range(stream_left.shape[0]):
-            if stream_gate[s] != g:
-                continue
-            for b in range(stream_ptr[s], stream_ptr[s + 1]):
-                if state[b] == 5:
-                    _finish_block(b, blk_sm[b], blk_lane[b], t, state, blk_end, blk_cfg, need,
-                                  free, nres, res, remaining, blk_phase, cfg_class, ncls)
-                    released += 1
-                    stream_left[s] -= 1
-                    if stream_left[s] == 0:
-                        stack[top] = s
-                        top += 1
-    return released
-
-
-@njit(cache=True)
 def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_l2, blk_lead, blk_compute,
-              stream_ptr, stream_ready, stream_phase, stream_gate, stream_hold, num_phases,
+              stream_ptr, stream_ready, stream_phase, stream_gate, num_phases,
               phase_gap, sm_bw, hbm_bw, l2_bw, blk_w, cfg_class, hits_queue):
     N = blk_cfg.shape[0]
     S = stream_ready.shape[0]
@@ -199,8 +165,7 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_l2, blk_l
     blk_end = np.full(N, np.nan)
     phase_start = np.full(num_phases, np.nan)
     phase_end = np.full(num_phases, np.nan)
-    # 0 pending, 1 latency, 2 streaming, 3 compute, 4 done, 5 done but waiting (its SM slot
-    # held) for every block of its launch's gate launch to finish
+    # 0 pending, 1 latency, 2 streaming, 3 compute, 4 done
     state = np.zeros(N, dtype=np.int8)
     seg = np.zeros(N, dtype=np.int8)        # while streaming: 0 its leading hits, 1 the rest
     hshare = np.ones(N)                     # HBM share of the rest of each block's bytes
@@ -231,14 +196,10 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_l2, blk_l
     head = stream_ptr[:-1].copy()
     remaining = np.zeros(num_phases, dtype=np.int64)
     blk_phase = np.empty(N, dtype=np.int32)
-    blk_stream = np.empty(N, dtype=np.int32)
-    stream_left = np.zeros(S, dtype=np.int64)   # blocks of each launch not yet finished
     for s in range(S):
         remaining[stream_phase[s]] += stream_ptr[s + 1] - stream_ptr[s]
-        stream_left[s] = stream_ptr[s + 1] - stream_ptr[s]
         for b in range(stream_ptr[s], stream_ptr[s + 1]):
             blk_phase[b] = stream_phase[s]
-            blk_stream[b] = s
     cur = 0
     release = 0.0
     while cur < num_phases and remaining[cur] == 0:
@@ -381,17 +342,9 @@ def _simulate(num_sms, cap, need, blk_cfg, blk_latency, blk_bytes, blk_l2, blk_l
                 elif state[b] == 3 and timer_end[b] <= t + eps_t:
                     finish = True
                 if finish:
-                    g = stream_gate[blk_stream[b]]
-                    if g >= 0 and stream_hold[blk_stream[b]] != 0 and stream_left[g] > 0:
-                        state[b] = 5        # a dependent block waits for its gate launch's end
-                        continue
                     _finish_block(b, x, lane, t, state, blk_end, blk_cfg, need, free, nres,
                                   res, remaining, blk_phase, cfg_class, ncls)
                     done += 1
-                    done += _launch_done(blk_stream[b], t, stream_left, stream_gate, state,
-                                         blk_stream, blk_sm, blk_lane, blk_end, blk_cfg, need,
-                                         free, nres, res, remaining, blk_phase, stream_ptr,
-                                         cfg_class, ncls)
             tmin[x], vmin[x] = _recompute_sm(x, res, state, timer_end, vfin, max_res)
         while cur < num_phases and remaining[cur] == 0:
             phase_end[cur] = t
@@ -412,8 +365,8 @@ class Launch:
     end: int
     issue_ns: float
     phase: int
-    gate: int = -1            # a launch placed, and ended, before any of this one (-1: none)
-    hold: bool = True         # gated: its blocks wait for the gate's end (False: placement only)
+    gate: int = -1            # a launch whose blocks are all placed before any of this one's
+    #                           (-1: none)
 
 
 @dataclass
@@ -487,7 +440,7 @@ class Timeline:
 def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_latency, blk_bytes,
                blk_compute, stream_ptr, stream_ready, stream_phase, num_phases: int,
                gap_ns, sm_bw: float, hbm_bw: float, blk_l2=None,
-               l2_bw: float = np.inf, blk_lead=None, stream_gate=None, stream_hold=None,
+               l2_bw: float = np.inf, blk_lead=None, stream_gate=None,
                blk_weight=None, cfg_class=None, hits_queue: bool = False):
     """Typed front door to the Numba loop; raises ``ValueError`` when a block fits no SM.
 
@@ -499,11 +452,8 @@ def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_lat
     rest (``0 <= blk_lead <= blk_l2``; default 0); the rest streams as a fixed mix of HBM bytes
     and the remaining hits.  ``l2_bw``: bytes/ns the L2 serves to all SMs together.
     ``stream_gate``: int [S], for each launch an earlier launch of the same phase whose blocks
-    must all have been placed before any of its own is, and must all have finished before any
-    of its own finishes (a block done earlier waits on its SM), or -1 (default: none).
-    ``stream_hold``: bool [S], for each gated launch whether its blocks wait for the gate's end
-    (default: all do); a launch that does not is only placed after its gate (a chained forward
-    launch, whose one waiting block is its last).
+    must all have been placed before any of its own is (a programmatic dependent launch), or
+    -1 (default: none).
     ``blk_weight``: float64 [N] > 0, each block's loads in flight (default 1 each): where the
     blocks of an SM or of the GPU compete for bandwidth, each gets a share in proportion to its
     weight.
@@ -536,10 +486,6 @@ def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_lat
     if gate.shape != (S,) or np.any(gate >= np.arange(S)) or np.any(gate < -1) or \
             np.any((gate >= 0) & (ph[np.maximum(gate, 0)] != ph)):
         raise ValueError("stream_gate must name, per launch, -1 or an earlier launch of its phase")
-    hold = (np.ones(S, dtype=np.int8) if stream_hold is None
-            else np.ascontiguousarray(stream_hold, dtype=np.int8))
-    if hold.shape != (S,):
-        raise ValueError("stream_hold must hold one flag per launch")
     w = (np.ones(blk_bytes.shape[0]) if blk_weight is None
          else np.ascontiguousarray(blk_weight, dtype=np.float64))
     if w.shape != blk_bytes.shape or not np.all(w > 0):
@@ -559,7 +505,7 @@ def run_engine(num_sms: int, cap: np.ndarray, need: np.ndarray, blk_cfg, blk_lat
                     np.ascontiguousarray(blk_compute, dtype=np.float64),
                     np.ascontiguousarray(stream_ptr, dtype=np.int64),
                     np.ascontiguousarray(stream_ready, dtype=np.float64),
-                    np.ascontiguousarray(stream_phase, dtype=np.int32), gate, hold,
+                    np.ascontiguousarray(stream_phase, dtype=np.int32), gate,
                     int(num_phases),
                     gaps, float(sm_bw), float(hbm_bw), float(l2_bw), w, cls, bool(hits_queue))
     status = out[0]

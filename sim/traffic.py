@@ -5,10 +5,13 @@ block of CTA ``c`` for one KV head moves:
 
 * KV: ``kv_len[c]`` tokens of K and V, ``2 * head_dim * b`` bytes each;
 * Q: its ``rows = requests x group`` query rows, ``head_dim * b`` bytes each;
-* partial writes: per row an fp32 output and an fp32 LSE, ``4 * (head_dim + 1)`` bytes.
+* partial writes: per row an fp32 output and an fp32 LSE, ``4 * (head_dim + 1)`` bytes; or, for
+  the rows of a request of one partial slot (the CTA holds all of its KV), the output itself,
+  ``head_dim * b`` bytes.
 
-The merge kernel then reads every partial slot back (one warp per (request, query head)) and
-writes the output (``head_dim * b`` per pair).  The totals equal :meth:`pat_core.Plan.stats`.
+The merge kernel then reads the partial slots of every request of more than one slot back (one
+warp per (request, query head)) and writes its output (``head_dim * b`` per pair).  The totals
+equal :meth:`pat_core.Plan.stats`.
 
 Padding waste is the share of tile area (query rows x KV columns the tensor cores process) that
 carries no data: rows ``rows < m`` of a tile, and the empty columns of a CTA's last KV tile.
@@ -37,7 +40,7 @@ class BlockWork:
     kv_bytes: np.ndarray
     q_bytes: np.ndarray
     partial_write_bytes: np.ndarray
-    out_bytes: np.ndarray     # a finisher CTA's output rows (0 for the others)
+    out_bytes: np.ndarray     # output rows of the requests of one slot (0 for the others)
 
     @property
     def bytes(self) -> np.ndarray:
@@ -62,12 +65,7 @@ def forward_work(plan) -> BlockWork:
                   q_bytes=(rows * d * b).astype(np.float64),
                   partial_write_bytes=(rows * (d + 1) * PARTIAL_BYTES).astype(np.float64),
                   out_bytes=np.zeros(kv_len.shape[0]))
-    if plan.finish_from >= 0:
-        # finisher CTAs (one request each) write the output, not a partial slot
-        fin = np.arange(kv_len.shape[0]) >= plan.finish_cta
-        w.out_bytes[fin] = (rows[fin] * d * b).astype(np.float64)
-        w.partial_write_bytes[fin] = 0.0
-    elif plan.num_ctas:
+    if plan.num_ctas:
         # a request of one partial slot gets its output from its CTA (no partial written)
         single = np.diff(plan.req_slot_indptr)[plan.cta_req] == 1
         cta_of = np.repeat(np.arange(plan.num_ctas), np.diff(plan.cta_req_indptr))
@@ -89,25 +87,15 @@ class MergeWork:
 
 
 def merge_work(plan) -> MergeWork:
-    """Blocks of the merge kernel: pair ``p = r * num_qo_heads + h`` goes to block
-    ``p // MERGE_WARPS`` (the kernel's indexing).
-
-    A plan with a finisher phase (``plan.finish_from >= 0``) has no merge kernel: each
-    request's finisher reads its other slots and writes the output.  Where there are other
-    slots (a first phase) their reads are priced here as a merge after the forward, an
-    approximation (the finishers fold at the end of their own KV walk); with no first phase
-    (``finish_from == 0``) there are no blocks."""
+    """Blocks of the merge kernel over the requests of more than one slot (a request of one
+    slot got its output from its CTA): their pairs ``(r, h)`` in order, ``MERGE_WARPS`` to a
+    block.  No blocks when every request has one slot."""
     b = DTYPE_BYTES[dtype_name(plan.kv_dtype)]
     d, hq = plan.head_dim, plan.num_qo_heads
     slots = np.diff(plan.req_slot_indptr).astype(np.int64)
-    fold = plan.finish_from >= 0
-    if fold:
-        slots = slots - 1                        # the finisher's own slot is never written
-        slots = slots[slots > 0]
-    else:
-        slots = slots[slots > 1]                 # one slot: its CTA wrote the output
+    slots = slots[slots > 1]                     # one slot: its CTA wrote the output
     pair_slots = np.repeat(slots, hq)
-    pair_bytes = pair_slots * (d + 1) * PARTIAL_BYTES + (0 if fold else d * b)
+    pair_bytes = pair_slots * (d + 1) * PARTIAL_BYTES + d * b
     nblk = -(-pair_slots.shape[0] // MERGE_WARPS)
     pad = nblk * MERGE_WARPS - pair_slots.shape[0]
     ps = np.concatenate([pair_slots, np.zeros(pad, np.int64)]).reshape(nblk, MERGE_WARPS)
@@ -115,7 +103,7 @@ def merge_work(plan) -> MergeWork:
     pr = np.concatenate([pair_slots * (d + 1) * PARTIAL_BYTES,
                          np.zeros(pad, np.int64)]).reshape(nblk, MERGE_WARPS)
     read = float((pair_slots * (d + 1) * PARTIAL_BYTES).sum())
-    out = 0.0 if fold else float(slots.shape[0] * hq * d * b)
+    out = float(slots.shape[0] * hq * d * b)
     return MergeWork(bytes=pb.sum(axis=1).astype(np.float64),
                      read_bytes_per_block=pr.sum(axis=1).astype(np.float64),
                      max_slots=ps.max(axis=1),

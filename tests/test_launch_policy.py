@@ -1,11 +1,13 @@
-"""The launch policy (pat_core.launch) that the CUDA backend and the simulator share."""
+"""The one launch path (pat_core.launch) that the CUDA backend runs and the simulator lays out."""
 import numpy as np
-import pytest
 
-from pat_core import Planner, Tuning
-from pat_core.launch import fused_ctas_per_sm, merge_block_per_pair, use_fused_launch
+from pat_core import Planner, get_gpu
+from pat_core.launch import (dependent_launch_ok, forward_launches, launch_grid,
+                             merge_block_per_pair, merge_heads_per_warp, merge_needed)
+from pat_core.static_plan import order_tiles
 from pat_core.workloads import build_tree_batch
 from sim.model import prepare
+from sim.occupancy import plan_occupancy
 
 
 def _plan(spec, packer="pat", heads=(32, 8), tuning=None):
@@ -14,32 +16,49 @@ def _plan(spec, packer="pat", heads=(32, 8), tuning=None):
                                                 128, 16)
 
 
-def test_auto_fuses_small_short_multi_variant_plans_only():
-    small = _plan("1,16_2048,128")                 # 2 variants, 192 blocks, CTAs <= 256 tokens
-    assert len(set(small.group_tile.tolist())) >= 2
-    assert use_fused_launch(small, 132)
-    assert not use_fused_launch(small, 132, "streams") and use_fused_launch(small, 132, "fused")
-    assert not use_fused_launch(small, 132, max_kv_len=int(small.cta_kv_len.max()) - 1)
-    assert not use_fused_launch(small, 132, max_blocks_per_sm=1)     # 192 blocks > 132
-    assert not use_fused_launch(_plan("1,16_2048,128", "cascade"), 132)   # serial: in order
-    assert not use_fused_launch(_plan("16_512"), 132)                 # one variant
-    with pytest.raises(ValueError, match="launch_mode"):
-        use_fused_launch(small, 132, "fast")
+def test_forward_launches_tallest_tile_first_each_ctas_in_plan_order():
+    """One launch per tile with CTAs, in launch-set order (order_tiles: m, then n, descending),
+    whatever the plan's group order; a launch's CTAs are the tile's, in plan order; every CTA
+    in exactly one launch."""
+    for spec, packer, heads in (("1,4,64_256,1024,64", "pat", (32, 8)),
+                                ("1,2,8,128_512,128,256,32", "pat", (32, 32)),
+                                ("1,2,8,128_512,128,256,32", "cascade", (32, 32)),
+                                ("1,16_2048,128", "node", (32, 8))):
+        plan = _plan(spec, packer, heads)
+        fl = forward_launches(plan)
+        tiles = [mn for _, mn, _ in fl]
+        assert tiles == list(order_tiles(tiles)) and len(set(tiles)) == len(tiles)
+        assert tiles == sorted(tiles, key=lambda t: (-t[0], -t[1]))
+        seen = np.concatenate([ctas for _, _, ctas in fl])
+        assert np.array_equal(np.sort(seen), np.arange(plan.num_ctas))
+        for k, (m, n), ctas in fl:
+            assert tuple(plan.tile_configs[k]) == (m, n)
+            assert np.all(plan.cta_tile[ctas] == k) and np.all(np.diff(ctas) > 0)
+    # a plan whose groups the planner ordered shortest tile first still launches tallest first
+    plan = _plan("1,4,64_256,1024,64")
+    assert len(forward_launches(plan)) >= 2
+    assert forward_launches(plan)[0][1][0] == int(plan.tile_configs[:, 0].max())
 
 
-def test_auto_never_fuses_past_one_resident_wave():
-    """1,16_16384,16 at 32:8 split at share 2 (the default before round 17's one-wave share
-    for many-row packs): 384 blocks (256 of 64x64, 128 of 16x16) fit 4 per SM, but the fused
-    block is the 64x64 block, two resident per SM: fusing would run two waves."""
-    plan = _plan("1,16_16384,16", tuning=Tuning(split_share=2.0))
-    blocks = plan.num_ctas * plan.num_kv_heads
-    assert blocks <= 4 * 132 and int(plan.cta_kv_len.max()) <= 2048
-    per_sm = fused_ctas_per_sm(plan)
-    assert 1 <= per_sm < 4 and blocks > per_sm * 132
-    assert not use_fused_launch(plan, 132)
-    assert use_fused_launch(plan, 132, max_blocks_per_sm=4) is False
-    assert use_fused_launch(plan, -(-blocks // per_sm))      # enough SMs for one wave: fused
-    assert fused_ctas_per_sm(_plan("1,16_2048,128")) >= 1
+def test_dependent_launch_from_sm_90():
+    assert dependent_launch_ok("h100") and dependent_launch_ok("h200")
+    assert not dependent_launch_ok("a100")
+
+
+def test_grid_and_merge_rule():
+    """A launch's grid: its resident blocks, capped at its items.  The merge runs where some
+    request has several slots, or a block draws a second item (it resets the counters)."""
+    assert launch_grid(10, 3, 132) == 10 and launch_grid(1000, 3, 132) == 396
+    assert launch_grid(0, 3, 132) == 1 and launch_grid(5, 0, 2) == 2
+    shared = _plan("1,16_2048,128")
+    assert shared.num_slots > shared.batch_size
+    assert merge_needed(shared, [1 << 20] * shared.tile_configs.shape[0], 132)
+    small = _plan("16_100")                       # one slot each, 128 items
+    assert small.num_slots == small.batch_size
+    per_sm = [o.ctas_per_sm for o in plan_occupancy(small, get_gpu("h100"))]
+    items = small.num_ctas * small.num_kv_heads
+    assert items <= per_sm[0] * 132 and not merge_needed(small, per_sm, 132)
+    assert merge_needed(small, [1], items // 2)          # too few resident blocks: draws
 
 
 def test_merge_block_per_pair_only_for_few_pairs_with_many_slots():
@@ -49,104 +68,56 @@ def test_merge_block_per_pair_only_for_few_pairs_with_many_slots():
     assert not merge_block_per_pair(few_many, 16 * 32 // 8 - 1)   # too many pairs per SM
     one_slot = _plan("64_512")                  # no sharing: one slot per request
     assert not merge_block_per_pair(one_slot, 132)
+    big = _plan("1,1024_1024,16")               # 32768 pairs: several warp waves
+    assert merge_heads_per_warp(big, 132) == 4 and merge_heads_per_warp(few_many, 132) == 1
 
 
-def test_simulator_models_the_fused_launch():
-    plan = _plan("1,16_2048,128")
-    fused, streams = prepare(plan), prepare(plan, launch_mode="streams")
-    assert [ln.kind for ln in fused.launches] == ["forward", "merge"]
-    assert len(streams.launches) == plan.num_groups + 1
-    T = plan.tile_configs.shape[0]
-    fwd = fused.blk_cfg[fused.blk_launch == 0]
-    assert np.all(fwd == T + 1)                     # every forward block: the fused config
-    # the fused block takes the largest variant's shared memory (and threads, registers)
-    assert fused.need[T + 1, 0] == max(streams.need[k, 0] for k in set(plan.group_tile.tolist()))
-    assert np.array_equal(np.sort(fused.blk_bytes), np.sort(streams.blk_bytes))
-
-
-def test_one_tile_split_takes_the_one_tile_tail_of_16_row_groups():
-    """one_tile_split: "off" never splits; "split" and "piped" split off exactly the CTAs after
-    a 16-row group's last CTA longer than n (a group is ordered longest first), only for the
-    n with a one-tile or piped layout; "piped-all" takes whole eligible groups; the piped grid
-    never exceeds the items or the resident blocks; an unknown mode names the setting."""
-    from pat_core import cuda_compile as cc
-    from pat_core.launch import one_tile_split, piped_blocks_per_sm
-    plan = _plan("1,8,64,512_128,512,64,32", heads=(32, 32))
-    hk = plan.num_kv_heads
-    checked = 0
-    for _, (m, n), b, e in plan.groups():
-        assert one_tile_split(plan, b, e, 132, "off") == (e, None, 0)
-        lens = plan.cta_kv_len[b:e]
-        assert (np.diff(lens) <= 0).all(), "a launch group is ordered longest first"
-        s, kind, grid = one_tile_split(plan, b, e, 132, "split")
-        if m == 16 and (m, n) in cc.ONE_TILE_LAYOUTS and (lens <= n).any():
-            assert kind == "one-tile" and (lens[s - b:] <= n).all() and (lens[:s - b] > n).all()
-            assert grid == (e - s) * hk
-            checked += 1
-        else:
-            assert (s, kind) == (e, None)
-        s, kind, grid = one_tile_split(plan, b, e, 132, "piped")
-        if m == 16 and n in cc.PIPED_LAYOUTS and (lens <= n).any():
-            assert kind == "piped" and (lens[s - b:] <= n).all() and (lens[:s - b] > n).all()
-            assert grid == min((e - s) * hk, piped_blocks_per_sm(plan, n) * 132)
-            s_all, _, _ = one_tile_split(plan, b, e, 132, "piped-all")
-            assert s_all == b
-        else:
-            assert (s, kind) == (e, None)
-    assert checked == 1     # the 16x32 group: 512 leaves of 32 tokens after 64 nodes of 64
-    with pytest.raises(ValueError, match="one_tile"):
-        one_tile_split(plan, 0, plan.num_ctas, 132, "sometimes")
-
-
-def test_forward_chain_rule_and_order():
-    """Chained forward launches (pat_core.launch.forward_chained): two or more live groups, not
-    serial, not fused, no finisher phase, sm_90+; longest CTA first, then more rows."""
-    from pat_core.launch import chain_order, forward_chained, group_spans
-    plan = _plan("1,4,64_256,1024,64")              # 64x64 shared levels, 16x32 leaves
-    assert sum(1 for _, _, b, e in plan.groups() if e > b) >= 2 and plan.finish_from < 0
-    assert forward_chained(plan, "h100") and forward_chained(plan, "h100", "pdl-plan")
-    assert not forward_chained(plan, "h100", "fork")
-    assert not forward_chained(plan, "h100", fused=True)
-    assert not forward_chained(plan, "h100", serial=True)
-    assert not forward_chained(plan, "a100")         # no programmatic dependent launch
-    assert not forward_chained(_plan("16_512"), "h100")   # one group
-    with pytest.raises(ValueError, match="fwd_chain"):
-        forward_chained(plan, "h100", "streams")
-    spans = group_spans(plan)
-    order = chain_order(spans)
-    assert sorted(order) == list(range(len(spans)))
-    got = [spans[i] for i in order]
-    assert got == sorted(spans, key=lambda s: (-s[0], -s[1]))
-    assert chain_order([(64, 16), (1024, 64), (1024, 128), (64, 16)]) == [2, 1, 0, 3]
-
-
-def test_simulator_models_the_chain():
-    """The simulator lays chained launches out in the backend's order, each gated on the one
-    before it without holding: no block of a launch starts before every block of the one
-    before it has, blocks of a later launch may end first, and the merge follows them all."""
-    from pat_core.launch import chain_order, group_spans
+def test_simulator_lays_out_the_launch_path():
+    """The simulator's launches are forward_launches' in order, each after the first gated on
+    the one before it (sm_90), then the merge: no block of a launch starts before every block
+    of the one before it has, blocks of a later launch may end first, and the merge follows
+    them all."""
     from sim.constants import load_constants
     from sim.model import run_timeline
     plan = _plan("1,2,8,128_512,128,256,32", heads=(32, 32))
     wl = prepare(plan, "h100")
     fwd = [ln for ln in wl.launches if ln.kind == "forward"]
-    live = [g for g in plan.groups() if g[3] > g[2]]
-    assert len(fwd) == len(list(plan.groups())) and len(live) >= 3
-    groups = list(plan.groups())
-    want = [groups[i][1] for i in chain_order(group_spans(plan))]
-    assert [tuple(int(x) for x in ln.name.split()[1].split("x")) for ln in fwd] == want
-    assert fwd[0].gate == -1 and all(ln.gate == i and not ln.hold
-                                     for i, ln in enumerate(fwd[1:]))
+    want = forward_launches(plan)
+    assert len(fwd) == len(want) >= 3
+    assert [ln.config for ln in fwd] == [k for k, _, _ in want]
+    assert [ln.name for ln in fwd] == [f"forward {m}x{n}" for _, (m, n), _ in want]
+    for ln, (_, _, ctas) in zip(fwd, want):     # items in plan order, a CTA's heads adjacent
+        assert np.array_equal(wl.blk_cta[ln.begin:ln.end], np.repeat(ctas, plan.num_kv_heads))
+        assert np.array_equal(wl.blk_head[ln.begin:ln.end],
+                              np.tile(np.arange(plan.num_kv_heads), ctas.shape[0]))
+    assert fwd[0].gate == -1 and all(ln.gate == i for i, ln in enumerate(fwd[1:]))
+    assert {ln.phase for ln in fwd} == {0}
     tl = run_timeline(wl, load_constants("h100"))
     first_end = None
-    for i in range(1, len(fwd)):
-        a, b = fwd[i - 1], fwd[i]
-        if a.end > a.begin and b.end > b.begin:
-            assert tl.block_start[b.begin:b.end].min() >= tl.block_start[a.begin:a.end].max()
-            first_end = first_end or (tl.block_end[b.begin:b.end].min()
-                                      < tl.block_end[a.begin:a.end].max())
-    assert first_end, "no chained block ended before the launch before it (held?)"
+    for a, b in zip(fwd, fwd[1:]):
+        assert tl.block_start[b.begin:b.end].min() >= tl.block_start[a.begin:a.end].max()
+        first_end = first_end or (tl.block_end[b.begin:b.end].min()
+                                  < tl.block_end[a.begin:a.end].max())
+    assert first_end, "no chained block ended before the launch before it"
     mrg = tl.blocks_of("merge")
     assert tl.block_start[mrg].min() >= tl.block_end[~mrg].max()
-    forked = prepare(plan, "h100", fwd_chain="fork")
-    assert all(ln.gate == -1 for ln in forked.launches)
+
+
+def test_simulator_merge_launch_only_where_the_backend_runs_it():
+    """No merge launch where every request has one slot and no block draws a second item; a
+    merge that only resets the counters (blocks moving nothing) where blocks draw; merge blocks
+    only for the requests of several slots otherwise."""
+    small = _plan("16_100")
+    assert [ln.kind for ln in prepare(small, "h100").launches] == ["forward"]
+    many = _plan("512_100")                          # one slot each, more items than blocks
+    assert many.num_slots == many.batch_size
+    wl = prepare(many, "h100")
+    assert [ln.kind for ln in wl.launches] == ["forward", "merge"]
+    mrg = wl.blk_launch == 1
+    assert wl.blk_bytes[mrg].sum() == 0 and wl.blk_slots[mrg].sum() == 0
+    shared = _plan("1,16_2048,128")
+    wl = prepare(shared, "h100")
+    mrg = wl.blk_launch == len(wl.launches) - 1
+    multi = int(np.count_nonzero(np.diff(shared.req_slot_indptr) > 1))
+    assert wl.launches[-1].kind == "merge"
+    assert int(mrg.sum()) == -(-multi * shared.num_qo_heads // 4)

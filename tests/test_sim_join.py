@@ -1,7 +1,7 @@
-"""The join of concurrent launches (``graph_join_ns``): the kernel that waits for two or more
-forked launch groups (the merge) starts that much later in graph timing; a plan of one forward
-launch, chained forward launches (one stream, no fork), and eager timing, do not pay it (CPU
-only)."""
+"""Phases and their gaps on the one launch path: the forward launches of an sm_90 GPU are one
+chained phase, the merge opens one gap after it; on a GPU without programmatic dependent launch
+each forward launch waits for the one before it.  No launch forks, so the measured join cost
+(``graph_join_ns``) prices nothing (CPU only)."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,28 +12,35 @@ from sim.methods import load_batch, make_plan
 from sim.model import predict, prepare, run_timeline
 from sim.timeline import run_engine
 
-DEEP = "1,2,4,8,16,32_32,32,32,32,32,32"     # node: several forward groups; query: one
+DEEP = "1,2,4,8,16,32_32,32,32,32,32,32"     # node: several forward launches; query: one
 
 
-def _wl(method, fwd_chain="fork"):
-    return prepare(make_plan(load_batch(DEEP, 16), method, 32, 8, 128), fwd_chain=fwd_chain)
+def _plan(method, gpu="h100"):
+    return make_plan(load_batch(DEEP, 16), method, 32, 8, 128, gpu=gpu)
 
 
-def test_merge_after_forked_groups_waits_for_the_join():
-    many, one, chained = _wl("node"), _wl("query"), _wl("node", "pdl")
-    assert sum(ln.kind == "forward" for ln in many.launches) >= 3
+def test_chained_forward_then_one_gap_before_the_merge():
+    many, one = prepare(_plan("node")), prepare(_plan("query"))
+    fwd = [ln for ln in many.launches if ln.kind == "forward"]
+    assert len(fwd) >= 2 and {ln.phase for ln in fwd} == {0}
     assert sum(ln.kind == "forward" for ln in one.launches) == 1
     c = load_constants("h100").with_values(graph_join_ns=0.0)
-    j = 3000.0
-    cj = c.with_values(graph_join_ns=j)
-    assert predict(many, cj) == pytest.approx(predict(many, c) + j)
-    tl0, tl1 = run_timeline(many, c), run_timeline(many, cj)
-    assert tl1.phase_start[1] - tl1.phase_end[0] == pytest.approx(
-        tl0.phase_start[1] - tl0.phase_end[0] + j)
-    assert predict(one, cj) == predict(one, c)
-    assert predict(chained, cj) == predict(chained, c)
-    assert predict(many, cj, "eager") == predict(many, c, "eager")
-    assert cj.join_cost("eager") == 0.0 and cj.join_cost("graph") == j
+    cj = c.with_values(graph_join_ns=3000.0)
+    for wl in (many, one):
+        assert predict(wl, cj) == predict(wl, c)
+        assert predict(wl, cj, "eager") == predict(wl, c, "eager")
+    tl = run_timeline(many, c)
+    assert tl.phase_start[1] - tl.phase_end[0] == pytest.approx(c.graph_gap_ns)
+
+
+def test_without_dependent_launch_the_forward_launches_run_one_after_another():
+    wl = prepare(_plan("node", "a100"))
+    fwd = [ln for ln in wl.launches if ln.kind == "forward"]
+    assert len(fwd) >= 2
+    assert [ln.phase for ln in fwd] == list(range(len(fwd))) and all(ln.gate == -1 for ln in fwd)
+    tl = run_timeline(wl, load_constants("a100"))
+    for a, b in zip(fwd, fwd[1:]):
+        assert tl.block_start[b.begin:b.end].min() >= tl.block_end[a.begin:a.end].max()
 
 
 def test_files_without_a_join_predict_as_before():

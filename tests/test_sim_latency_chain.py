@@ -9,8 +9,8 @@ from sim.constants import load_constants
 from sim.methods import load_batch, make_plan
 from sim.model import block_costs, predict, prepare, run_timeline
 
-# 32-token nodes at heads 16:8: pat packs one wave of short CTAs into one-warp 16x32 blocks
-# (the short-KV layout, one stage), query into four-warp 16x64 blocks of three tiles.
+# 32-token nodes at heads 16:8: pat packs one wave of short CTAs into 16x32 blocks (two warps,
+# two stages), query into four-warp 16x64 blocks of three tiles.
 TINY = "1,2,4,8,16,32_32,32,32,32,32,32"
 
 
@@ -19,12 +19,18 @@ def _wl(method, spec=TINY, hq=16, hk=8):
 
 
 def test_workload_knows_each_blocks_warps_and_stages():
+    """Each forward block carries its own variant's warps and stages (the layout the CUDA
+    backend compiles, pat_core.cuda_compile.FwdVariant.make); merge blocks carry none."""
+    from pat_core.cuda_compile import FwdVariant
     pat, query = _wl("pat"), _wl("query")
-    fwd = pat.blk_tiles > 0
-    assert np.all(pat.blk_warps[fwd] == 1) and np.all(pat.blk_stages[fwd] == 1)
-    fq = query.blk_tiles > 0
-    assert np.all(query.blk_warps[fq] == 4) and np.all(query.blk_stages[fq] == 2)
-    assert np.all(pat.blk_warps[~fwd] == 0)                   # merge blocks: no chain
+    for wl, (m, n) in ((pat, (16, 32)), (query, (16, 64))):
+        fwd = wl.blk_tiles > 0
+        v = FwdVariant.make(m, n, 128, "float16", arch="sm_90")
+        assert fwd.any() and {tuple(ln.name.split()[1].split("x")) for ln in wl.launches
+                              if ln.kind == "forward"} == {(str(m), str(n))}
+        assert np.all(wl.blk_warps[fwd] == v.warps) and np.all(wl.blk_stages[fwd] == v.stages)
+        assert np.all(wl.blk_warps[~fwd] == 0)                # merge blocks: no chain
+    assert pat.blk_warps[pat.blk_tiles > 0][0] < query.blk_warps[query.blk_tiles > 0][0]
 
 
 def test_one_wave_of_one_warp_blocks_is_no_faster_than_its_chain():

@@ -19,8 +19,8 @@ SETTINGS = [
     Tuning(split_share=2.0),
     Tuning(order="shared", narrow_share=0.0),
     Tuning(narrow_share=0.5),
-    Tuning(finish_share=1.0),
-    Tuning(finish_share=0.0, order="tile"),
+    Tuning(request_share=0.0, order="tile"),
+    Tuning(request_share=1.0),
 ]
 
 
@@ -120,7 +120,7 @@ def test_partial_weight_changes_the_packing():
     (dict(partial_weight=float("nan")), "partial_weight"), (dict(min_part=0), "min_part"),
     (dict(order="fast"), "order"), (dict(narrow_share=-0.1), "narrow_share"),
     (dict(narrow_share=float("inf")), "narrow_share"), (dict(split_by="rows"), "split_by"),
-    (dict(finish_share=-1.0), "finish_share"), (dict(request_share=-0.5), "request_share"),
+    (dict(request_share=-0.5), "request_share"),
     (dict(request_share=float("nan")), "request_share"),
     (dict(kv_tile_table=((64, 32), (32, 16))), "kv_tile_table"),
 ])
