@@ -4,8 +4,8 @@ Three steps files in ``bench/trace_replay.py``'s format (``table_i`` int32 ``[ba
 max_pages_i]``, ``lens_i`` int32 ``[batch_i]``, JSON ``meta``), each timed on the GPU with
 ``python bench/trace_replay.py time --steps-file DIR/NAME.npz --out RESULTS``:
 
-* ``conv.npz``: 12 decode steps of the conversation trace (``--trace``; by default the
-  Mooncake chat trace, ``shared/data/traces/conversation_trace.jsonl`` beside the checkout).  Its replay (256 requests, 32,768 pages of 16 tokens) runs the
+* ``conv.npz``: 12 decode steps of the conversation trace given as ``--trace`` (the Mooncake
+  chat trace's conversation part, one JSON request per line).  Its replay (256 requests, 32,768 pages of 16 tokens) runs the
   whole hour in ~15 s of CPU; steps are sampled from 300 s (past the first minutes, when the
   batch is still filling) to the trace's last arrival (3,537 s: the drain after it, down to
   one request, is an artefact of the trace's end).  Small batches (~20-40) of long prompts
@@ -24,6 +24,12 @@ Commands::
 
     python bench/devset.py prepare --out DIR [--trace TRACE.jsonl] [--parts conv agent ...]
     python bench/devset.py list [--dir DIR]
+    python bench/devset.py time --dir DIR --out RESULTS [--heads 32:8 64:8] [--methods ...]
+
+``time`` (GPU) runs ``bench/trace_replay.py time`` on every part and writes one
+``RESULTS/devset.json`` with each step's bandwidth floor (unique KV + q + out at the copy
+bandwidth measured in the same run) and a summary per part: time / floor per method and pat's
+speed-up over FlashInfer decode, graph replay and eager.
 
 ``list`` prints every workload (name, batch, unique and read KV tokens): the synthetic specs
 always, the trace steps of the files found in ``--dir``.
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 import time
@@ -46,7 +53,6 @@ from trace_replay import load_steps, prepare_steps, prepare_synthetic_steps  # n
 
 STEPS = 12
 PAGE_SIZE = 16
-DEFAULT_TRACE = ROOT.parent / "shared" / "data" / "traces" / "conversation_trace.jsonl"
 DEFAULT_DIR = ROOT / ".trace_steps" / "devset"       # git-ignored
 
 # replay engine and sample window of each trace part (see the module docstring)
@@ -123,7 +129,7 @@ def prepare_agent(out, *, steps: int = STEPS, verbose: bool = True) -> dict:
                              **AGENT)
 
 
-def prepare(out_dir, *, trace=DEFAULT_TRACE, parts=PARTS, steps: int = STEPS,
+def prepare(out_dir, *, trace=None, parts=PARTS, steps: int = STEPS,
             verbose: bool = True) -> dict:
     """Write ``parts`` of the development set into ``out_dir`` (``conv.npz``, ``agent.npz``,
     ``synthetic.npz``).  Returns ``{part: {"file", "seconds", "meta"}}``."""
@@ -170,25 +176,116 @@ def _print_rows(rows) -> None:
         print(f"{name:<18} {b:>5} {u:>10} {r:>10} {u / max(r, 1):>6.2f}")
 
 
+def _geo(xs) -> float:
+    xs = [x for x in xs if x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def step_floor_us(meta_step: dict, hq: int, hk: int, d: int, bw: float, dtype_bytes: int = 2):
+    """Bandwidth floor of one step in us: its unique KV tokens once (K and V, every KV head),
+    the queries read and the outputs written once, at the copy bandwidth ``bw`` (bytes/s)."""
+    kv = meta_step["unique_tokens"] * hk * 2 * d * dtype_bytes
+    qo = 2 * meta_step["batch"] * hq * d * dtype_bytes
+    return (kv + qo) / bw * 1e6
+
+
+def time_all(steps_dir, out_dir, *, heads=("32:8",), methods=("pat", "pat-graph-bucket",
+                                                             "fi-decode"),
+             reps: int = 10, parts=PARTS) -> dict:
+    """Time every part of the development set (``bench/trace_replay.py time`` on each steps
+    file, into ``out_dir/PART/``), then write ``out_dir/devset.json``: the copy bandwidth, one
+    row per (part, step, heads, method) with its bandwidth floor, and per part and heads the
+    geometric mean of time / floor per method and pat's speed-up over FlashInfer decode (graph
+    replay; eager alongside).  Returns the summary."""
+    import platform
+    import torch
+    import trace_replay
+    from common import copy_bandwidth, git_sha
+    import pat_core
+    out_dir = Path(out_dir)
+    bw = copy_bandwidth()
+    rows, summary = [], {}
+    for part in parts:
+        f = Path(steps_dir) / f"{part}.npz"
+        if not f.is_file():
+            raise SystemExit(f"{f}: missing (python bench/devset.py prepare --out {steps_dir})")
+        trace_replay.main(["time", "--steps-file", str(f), "--out", str(out_dir / part),
+                           "--heads", *heads, "--methods", *methods, "--reps", str(reps)])
+        res = json.loads((out_dir / part / "trace_replay.json").read_text())
+        meta = {m["step"]: m for m in load_steps(f)[0]["steps"]}
+        for r in res["rows"]:
+            hq, hk = (int(x) for x in r["heads"].split(":"))
+            fl = step_floor_us(meta[r["step"]], hq, hk, res["head_dim"], bw)
+            rows.append(dict(part=part, step=r["step"], heads=r["heads"], method=r["method"],
+                             batch=meta[r["step"]]["batch"], spec=meta[r["step"]].get("spec"),
+                             floor_us=fl, graph_us=r.get("graph_us"),
+                             eager_us=r.get("eager_us"), error=r.get("error"),
+                             correct=r.get("correct")))
+    for part in parts:
+        for h in heads:
+            sel = [r for r in rows if r["part"] == part and r["heads"] == h]
+            by = {}
+            for r in sel:
+                by.setdefault(r["step"], {})[r["method"]] = r
+            s = {}
+            for m in methods:
+                for kind in ("graph_us", "eager_us"):
+                    xs = [v[m][kind] / v[m]["floor_us"] for v in by.values()
+                          if m in v and v[m].get(kind)]
+                    if xs:
+                        s[f"{m}_{kind[:-3]}_over_floor_geo"] = round(_geo(xs), 3)
+            for kind in ("graph_us", "eager_us"):
+                sp = [v["fi-decode"][kind] / v["pat"][kind] for v in by.values()
+                      if "pat" in v and "fi-decode" in v and v["pat"].get(kind)
+                      and v["fi-decode"].get(kind)]
+                if sp:
+                    s[f"fi_over_pat_{kind[:-3]}_geo"] = round(_geo(sp), 3)
+                    s[f"fi_over_pat_{kind[:-3]}_min"] = round(min(sp), 3)
+            summary[f"{part} {h}"] = s
+    res = dict(benchmark="devset", device=torch.cuda.get_device_name(), git_sha=git_sha(),
+               versions=dict(python=platform.python_version(), torch=torch.__version__,
+                             pat=pat_core.__version__),
+               copy_bandwidth_Bps=bw, heads=list(heads), methods=list(methods), reps=reps,
+               method_note="bench/trace_replay.py time per part; floor = unique KV + q + out "
+                           "at the copy bandwidth", rows=rows, summary=summary)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "devset.json").write_text(json.dumps(res, indent=1) + "\n")
+    print(f"\n== development set ({res['device']}, copy {bw / 1e12:.2f} TB/s) ==")
+    for key, s in summary.items():
+        print(f"{key:<16} " + "  ".join(f"{k} {v}" for k, v in s.items()))
+    return summary
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="write conv.npz, agent.npz and synthetic.npz")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--trace", default=str(DEFAULT_TRACE), help="conversation trace (.jsonl)")
+    p.add_argument("--trace", help="the conversation trace (.jsonl; needed for the conv part)")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     p.add_argument("--steps", type=int, default=STEPS, help="decode steps per trace part")
     ls = sub.add_parser("list", help="print the workloads")
     ls.add_argument("--dir", default=str(DEFAULT_DIR),
                     help="prepared steps files whose trace steps to list too")
+    tm = sub.add_parser("time", help="time every part on the GPU into one results file")
+    tm.add_argument("--dir", default=str(DEFAULT_DIR), help="the prepared steps files")
+    tm.add_argument("--out", required=True, help="output directory")
+    tm.add_argument("--heads", nargs="+", default=["32:8"])
+    tm.add_argument("--methods", nargs="+", default=["pat", "pat-graph-bucket", "fi-decode"])
+    tm.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    tm.add_argument("--reps", type=int, default=10)
     args = ap.parse_args(argv)
+    if args.cmd == "time":
+        time_all(args.dir, args.out, heads=args.heads, methods=args.methods, reps=args.reps,
+                 parts=args.parts)
+        return 0
     if args.cmd == "list":
         _print_rows(workloads(args.dir))
         return 0
     if args.steps < 1:
         ap.error("--steps must be at least 1")
-    if "conv" in args.parts and not Path(args.trace).is_file():
-        ap.error(f"--trace {args.trace}: no such file")
+    if "conv" in args.parts and (args.trace is None or not Path(args.trace).is_file()):
+        ap.error(f"--trace {args.trace}: no such file (the conv part replays it)")
     done = prepare(args.out, trace=args.trace, parts=args.parts, steps=args.steps)
     print("\n== development set ==")
     for part, d in done.items():
