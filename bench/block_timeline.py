@@ -1,7 +1,7 @@
 """Per-block timelines of a decode step on the GPU, next to the simulator's, block by block.
 
 The kernels are built with ``-DPAT_BLOCK_CLOCK=CAP`` (``cuda_src/pat_common.cuh``): every block
-of a forward, finisher or merge launch records, in a device array of its module, its SM and the
+of a forward or merge launch records, in a device array of its module, its SM and the
 ``%globaltimer`` time at which it started, was ready to work (a merge block: after waiting for
 the forward launch) and ended, plus its SM's cycle counter at start and end.  The step runs as a
 CUDA-graph replay after a clean L2 flush, as ``bench/calibrate.py`` times it; ``--reps`` replays
@@ -20,10 +20,10 @@ most forward blocks running at once, and the same from the simulator.
         1,4,16_128,256,1024@32:8@query
 
 Blocks past ``CAP`` (``--cap``, 32768 per launch) are not recorded; the graph-safe fused kernel
-and the piped kernel record nothing, and the blocks of the other graph-safe (pull) and fused
-launches, which cannot be mapped to one CTA each, are listed as unmapped.  So is a plan whose
-forward launches reuse one kernel variant (two groups of one tile), which the module does not
-tell apart.
+records nothing.  A forward launch's block ``b`` runs work item ``b`` first (a CTA's KV heads
+adjacent, the tile's CTAs in plan order: :func:`pat_core.launch.forward_launches`) and draws
+further items when the launch has more items than blocks: only a launch whose blocks each ran
+one item maps block to ``(cta, head)``; the blocks of the others are listed as unmapped.
 """
 from __future__ import annotations
 
@@ -87,17 +87,15 @@ def clock_arrays(cap: int) -> dict:
 
 
 def launch_map(plan, arch: str) -> dict:
-    """``{(variant key, clock slot): (group, first CTA, "forward")}`` for the plan's forward
-    groups, as the backend launches them without fusing (a finisher group's kernel records in
-    slot 1); ``None`` for a key two groups share.  The merge is told by its key alone."""
+    """``{(variant key, clock slot): (tile index, the tile's CTAs, "forward")}`` for the plan's
+    forward launches (one per tile, :func:`pat_core.launch.forward_launches`).  The merge is
+    told by its key alone."""
     from pat_core import cuda_compile as cc
-    out, seen = {}, set()
-    for g, (m, n), b, e in plan.groups():
-        fin = plan.finish_from >= 0 and g >= plan.finish_from
-        key = cc.FwdVariant.make(m, n, plan.head_dim, plan.kv_dtype, arch=arch, finish=fin).key
-        k = (key, 1 if fin else 0)
-        out[k] = None if k in seen else (g, b, "forward")
-        seen.add(k)
+    from pat_core.launch import forward_launches
+    out = {}
+    for k, (m, n), ctas in forward_launches(plan):
+        key = cc.FwdVariant.make(m, n, plan.head_dim, plan.kv_dtype, arch=arch).key
+        out[(key, 0)] = (k, ctas, "forward")
     return out
 
 
@@ -113,17 +111,20 @@ def read_blocks(arrays: dict, plan, arch: str, hk: int) -> tuple:
             if live.size == 0:
                 continue
             if key.startswith("pat_merge"):
-                where = (-1, 0, "merge")
+                where = (-1, None, "merge")
             else:
-                where = lm.get((key, slot), "absent")
-                if where == "absent" or where is None:
-                    why = "two groups share it" if where is None else "not a group"
-                    unmapped.append(f"{key} slot {slot}: {live.size} blocks ({why})")
+                where = lm.get((key, slot))
+                if where is None:
+                    unmapped.append(f"{key} slot {slot}: {live.size} blocks (not a launch)")
                     continue
-            g, first, kind = where
+                if live.size < where[1].shape[0] * hk:
+                    unmapped.append(f"{key} slot {slot}: {live.size} blocks for "
+                                    f"{where[1].shape[0] * hk} items (blocks drew several)")
+                    continue
+            g, ctas, kind = where
             for bi in live:
                 r = a[slot, bi]
-                cta, head = (int(bi), -1) if kind == "merge" else (first + int(bi) // hk,
+                cta, head = (int(bi), -1) if kind == "merge" else (int(ctas[int(bi) // hk]),
                                                                     int(bi) % hk)
                 rows.append((kind, g, cta, head, int(r[5]), int(r[0]), int(r[1]), int(r[2]),
                              int(r[4]) - int(r[3])))
@@ -182,7 +183,6 @@ def main(argv=None) -> int:
     from common import capture_graph, git_sha, l2_flusher, time_events
     from compare import reference_fp64, rel_err
     from pat_core.gpus import detect_gpu_name
-    from pat_core.launch import default_fwd_chain
     from pat_core.workloads import build_tree_batch
     from sim import simulate
     from sim.constants import load_constants
@@ -196,7 +196,6 @@ def main(argv=None) -> int:
     gpu = detect_gpu_name(props.name)
     arch = f"sm_{props.major}{props.minor}"
     consts = load_constants(gpu)
-    chain = default_fwd_chain()
     l2 = int(getattr(props, "L2_cache_size", 50 << 20) or (50 << 20))
     flush = l2_flusher(2 * l2)
     d = args.head_dim
@@ -244,7 +243,7 @@ def main(argv=None) -> int:
                 b[f] -= t0
         ticks = np.unique(np.diff(np.unique([b["start"] for b in blocks])))
         # the simulator's blocks, keyed as the measured ones
-        res = simulate(plan, gpu, consts, timing="graph", fwd_chain=chain)
+        res = simulate(plan, gpu, consts, timing="graph")
         tl = res.timeline
         fwd_mask = tl.blocks_of("forward")
         s0 = float(np.nanmin(tl.block_start[fwd_mask])) if fwd_mask.any() else 0.0

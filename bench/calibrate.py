@@ -30,8 +30,8 @@ L2 read bandwidth of a buffer that stays in L2 (``l2_bandwidth_gbps``, for refer
 
 ``--workloads`` takes tree specs, ``SPEC@PAGE`` for another page size than ``--page-size``.
 
-Methods: the packers ``pat``, ``node``, ``compute``, ``query``, ``cascade`` and the ablations
-``pat-fixed`` (one 64x128 tile) and ``pat-serial`` (tile groups one after another).
+Methods: the packers ``pat``, ``node``, ``compute``, ``query``, ``cascade`` and the ablation
+``pat-fixed`` (one 64x128 tile).
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ from common import (copy_bandwidth, flush_mode, git_sha, graph_launch_costs,  # 
                     time_events)
 from sim.calibration import UNSTEADY  # noqa: E402
 
-METHODS = ("pat", "node", "compute", "query", "cascade", "pat-fixed", "pat-serial")
+METHODS = ("pat", "node", "compute", "query", "cascade", "pat-fixed")
 
 # workloads unlike the design set, measured for out-of-sample validation: (tree spec, page size)
 VALIDATION_WORKLOADS = (
@@ -146,9 +146,7 @@ def main(argv=None) -> int:
 
     import pat_core
     from pat_core.gpus import detect_gpu_name
-    from pat_core.launch import default_fwd_chain
     from pat_core.workloads import build_tree_batch
-    chain = default_fwd_chain()     # the backend's forward launches, as the model lays them out
     from sim import simulate
     from sim.constants import load_constants
 
@@ -221,8 +219,8 @@ def main(argv=None) -> int:
                     rec["measured_eager_us"] = statistics.median(runs)
                     rec["runs_eager_us"] = [round(x, 3) for x in runs]
                     rec["tries_eager"], rec["spread_eager"] = tries, round(spread(runs), 4)
-                    rec["predicted_eager_us"] = simulate(plan, gpu, consts, timing="eager",
-                                                         fwd_chain=chain).latency_us
+                    rec["predicted_eager_us"] = simulate(plan, gpu, consts,
+                                                         timing="eager").latency_us
                     if not args.no_graph:
                         try:
                             g, tries = stable_runs(
@@ -233,7 +231,7 @@ def main(argv=None) -> int:
                             rec["runs_graph_us"] = [round(x, 3) for x in g]
                             rec["tries_graph"], rec["spread_graph"] = tries, round(spread(g), 4)
                             rec["predicted_graph_us"] = simulate(
-                                plan, gpu, consts, timing="graph", fwd_chain=chain).latency_us
+                                plan, gpu, consts, timing="graph").latency_us
                         except Exception as exc:  # noqa: BLE001 - eager timing stands
                             rec["graph_error"] = f"{type(exc).__name__}: {exc}"[:200]
                     rec["stats"] = {kk: vv for kk, vv in plan.stats().items() if kk != "tiles"}
@@ -264,7 +262,6 @@ def main(argv=None) -> int:
         "timing": "CUDA events around run() (eager) and around a CUDA-graph replay of it "
                   "(graph), L2 flushed before each run, median",
         "l2_flush": flush_mode(),
-        "fwd_chain": default_fwd_chain(),
         "split": {"unit": "tree spec", "fit": fit_names,
                   "validation": sorted({w for w, _ in val_set} - set(fit_names))},
         "constants_used": {"source": consts.source, **consts.as_dict()},

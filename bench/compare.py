@@ -4,7 +4,6 @@ Methods
 -------
 ``pat``, ``query``, ``node``, ``compute``      our kernels with that packer
 ``pat-fixed``                                  pat packing, one 64x128 tile for every CTA
-``pat-serial``                                 pat packing, tile groups launched one by one
 ``fi-decode``                                  FlashInfer BatchDecodeWithPagedKVCacheWrapper
                                                (tensor cores when the GQA group >= 4)
 ``fi-cascade``                                 FlashInfer MultiLevelCascadeAttentionWrapper,
@@ -62,7 +61,7 @@ from fasttree_map import (FASTTREE_COST, FASTTREE_KV_SPLITS, FASTTREE_KV_TILES, 
                           Unsupported, batch_token_tree, fasttree_nodes, fasttree_reason,
                           same_shape)
 
-OUR_METHODS = ("pat", "query", "node", "compute", "pat-fixed", "pat-serial")
+OUR_METHODS = ("pat", "query", "node", "compute", "pat-fixed")
 FI_METHODS = ("fi-decode", "fi-cascade")
 FT_METHODS = ("fasttree",)
 ALL_METHODS = OUR_METHODS + FI_METHODS + FT_METHODS
@@ -413,7 +412,6 @@ def main(argv=None):
     import torch
 
     import pat_core
-    from pat_core.launch import default_fwd_chain
     from pat_core.workloads import build_tree_batch
 
     os.makedirs(args.out, exist_ok=True)
@@ -562,7 +560,7 @@ def main(argv=None):
     result = dict(
         benchmark="compare", device=dev.name, sm_count=dev.multi_processor_count,
         copy_bandwidth=bw, git_sha=git_sha(), l2_flush=flush_mode(),
-        fwd_chain=default_fwd_chain(), dtype=args.dtype,
+        dtype=args.dtype,
         head_dim=d, reps=args.reps,
         versions=dict(python=platform.python_version(), torch=torch.__version__,
                       cuda=torch.version.cuda, flashinfer=fi_version,

@@ -101,43 +101,28 @@ def sanitize_case(warpgroup_only: bool = False):
     from pat_core import cuda_compile as cc
     from pat_core.cuda_backend import CudaBackend
     backend = CudaBackend()
-    cases = [("1,4,16_100,37,61", 16, 32, 8, 128, "NHD", None, "off"),
-             ("1,3,9_70,20,33", 1, 12, 4, 64, "HND", None, "off")]
-    # the short-KV tiles (default layouts: a single-stage ring) forced onto CTAs of many tiles
-    cases += [("1,4,16_100,37,61", 16, 32, 8, 128, "NHD", t, "off") for t in ((16, 16), (16, 32))]
-    # the one-tile CTAs in a launch of their own, and in the piped kernel (producer and consumer
-    # warps; "piped-all": its multi-tile fallback too)
-    cases += [("1,8,64_128,64,32", 16, 32, 8, 128, "NHD", None, "split"),
-              ("1,8,64_128,64,32", 16, 32, 8, 128, "NHD", None, "piped"),
-              ("1,6,30_70,45,29", 7, 16, 4, 64, "HND", None, "piped-all")]
+    cases = [("1,4,16_100,37,61", 16, 32, 8, 128, "NHD", None),
+             ("1,3,9_70,20,33", 1, 12, 4, 64, "HND", None)]
+    # the short-KV tiles forced onto CTAs of many tiles
+    cases += [("1,4,16_100,37,61", 16, 32, 8, 128, "NHD", t) for t in ((16, 16), (16, 32))]
     arch = f"sm_{cupy.cuda.Device().compute_capability}"
     if cc.FwdVariant.make(64, 64, 128, "float16", arch=arch).warpgroup:   # every warpgroup tile
-        cases += [("1,32_300,20", 16, 32, 8, 128, "NHD", t, "off")
+        cases += [("1,32_300,20", 16, 32, 8, 128, "NHD", t)
                   for t in ((64, 16), (64, 32), (64, 64), (64, 128), (128, 16), (128, 32),
                             (128, 64), (128, 128))]
         # the 64-row tiles on two token slices (two warpgroups, 8 warps; (m, n, warps))
-        cases += [("1,32_300,20", 16, 32, 8, 128, "NHD", t, "off")
+        cases += [("1,32_300,20", 16, 32, 8, 128, "NHD", t)
                   for t in ((64, 32, 8), (64, 64, 8), (64, 128, 8))]
     if warpgroup_only:
         cases = [c for c in cases if c[6] is not None and c[6][0] >= 64]
-    # finisher phases (pat_core.fold): 16- and 32-row finisher tiles, one and several slots,
-    # the finishers launched as programmatic dependents of the first phase (the default)
-    from pat_core import Tuning
-    cases = [c + (None, "pdl") for c in cases]
-    cases += [] if warpgroup_only else [(spec, ps, hq, hk, d, layout, None, "off", 1.0, "pdl")
-              for spec, ps, hq, hk, d, layout in (("1,4,16_100,37,61", 16, 32, 8, 128, "NHD"),
-                                                  ("1,3,9_70,20,33", 1, 12, 4, 64, "HND"),
-                                                  ("1,6_64,500", 16, 32, 1, 128, "NHD"),
-                                                  ("1,8,32_40,64,700", 16, 64, 8, 128, "NHD"))]
-    # both phases in one ordered launch (finishers spin on their request's counter), and the
-    # pat packer's per-request plans (default tuning: one CTA per request, no first phase)
-    cases += [] if warpgroup_only else [
-              ("1,4,16_100,37,61", 16, 32, 8, 128, "NHD", None, "off", 1.0, "ordered"),
-              ("1,8_16,240", 16, 8, 2, 64, "NHD", None, "off", "default", "pdl")]
-    for spec, ps, hq, hk, d, layout, tile, one_tile, finish, finish_launch in cases:
+    else:
+        # the pat packer's per-request plans (every request one slot: each forward item writes
+        # its request's output, no merge), and one slot per request with more items than
+        # resident blocks (blocks draw items; the merge runs only to reset the counters)
+        cases += [("1,8_16,240", 16, 8, 2, 64, "NHD", None),
+                  ("512_40", 16, 32, 8, 128, "NHD", None)]
+    for spec, ps, hq, hk, d, layout, tile in cases:
         cc.VARIANT_OVERRIDES.clear()
-        backend.one_tile = one_tile
-        backend.finish_launch = finish_launch
         if tile is not None and tile[0] >= 64:   # the warpgroup layout, two stages
             warps = tile[2] if len(tile) > 2 else tile[0] // 16
             tile = tile[:2]
@@ -145,12 +130,9 @@ def sanitize_case(warpgroup_only: bool = False):
         b = build_tree_batch(spec, page_size=ps, seed=2)
         w = PrefixAttentionWrapper(backend="cuda", packer="pat", kv_layout=layout)
         w._gpu_backend = backend
-        if finish not in (None, "default"):
-            w.planner.tuning = Tuning(finish_share=finish)
         plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16",
                       tile=tile)
-        assert finish is None or plan.finish_from >= 0, spec
-        assert finish != "default" or plan.one_cta_per_request
+        assert spec != "1,8_16,240" or plan.one_cta_per_request
         rng = np.random.default_rng(0)
         shape = (b.num_pages, ps, hk, d) if layout == "NHD" else (b.num_pages, hk, ps, d)
         k = cupy.asarray(rng.standard_normal(shape).astype(np.float16))
@@ -158,14 +140,11 @@ def sanitize_case(warpgroup_only: bool = False):
         q = cupy.asarray(rng.standard_normal((b.batch_size, hq, d)).astype(np.float16))
         out, lse = w.run(q, (k, v), return_lse=True)
         cupy.cuda.Device().synchronize()
-        print(f"{spec} {layout} one_tile={one_tile} finish={finish} ({finish_launch}): "
-              f"groups={plan.num_groups} finish_from={plan.finish_from} "
-              f"tiles={plan.stats()['tiles']} "
+        print(f"{spec} {layout}: groups={plan.num_groups} slots={plan.num_slots} "
+              f"batch={plan.batch_size} tiles={plan.stats()['tiles']} "
               f"variants={[v.key for v in backend.variants_for(plan)][:-1]} "
               f"finite={bool(cupy.isfinite(out).all())}")
     cc.VARIANT_OVERRIDES.clear()
-    backend.one_tile = "off"
-    backend.finish_launch = "pdl"
     if warpgroup_only:
         return
     # graph-safe launch sets (pull kernels: a block's first item is its own, later ones drawn

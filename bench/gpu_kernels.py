@@ -112,7 +112,7 @@ def bench_workload(backend, spec, hq, hk, packers=PACKERS, head_dim=128, page_si
                "moved_bytes": st["total_bytes"],
                "moved_bw_gbs": st["total_bytes"] / (ms * 1e-3) / 1e9,
                "num_ctas": st["num_ctas"], "tiles": st["tiles"],
-               "groups": plan.num_groups, "serial": bool(plan.serial)}
+               "groups": plan.num_groups}
         if copy_bw:
             row["floor_us"] = must_bytes / (copy_bw * 1e9) * 1e6
             row["time_over_floor"] = row["time_us"] / row["floor_us"]
@@ -207,29 +207,29 @@ def run(workloads=WORKLOADS, heads=HEADS, packers=PACKERS, iters=20, out=None, b
 
 # n for m = 16 (query-centric CTAs) by KV length: the data behind the selector's KV-length table
 SWEEP_N = tuple(
-    (spec, (32, 8), "query", (16, n), {}, True)
+    (spec, (32, 8), "query", (16, n), {})
     for spec in ("512_256", "256_1024", "256_4096") for n in (16, 32, 64, 128))
 
 # 128-row tiles are compute bound with mma.sync: the same pat plans with the tile capped at
 # 64 or 32 rows (every CTA forced to that tile; the packer re-packs under the cap)
 SWEEP = (
-    # (workload, heads, packer, tile or None, {(m, n): (warps, stages)}, head_minor)
-    ("1,1024_1024,16", (32, 8), "pat", None, {}, True),
-    ("1,1024_1024,16", (32, 8), "pat", (64, 128), {}, True),
-    ("1,1024_1024,16", (32, 8), "pat", (64, 64), {}, True),
-    ("1,1024_1024,16", (32, 8), "pat", (32, 64), {}, True),
-    ("1,8,64,512_128,512,64,32", (32, 8), "pat", None, {}, True),
-    ("1,8,64,512_128,512,64,32", (32, 8), "pat", (64, 128), {}, True),
-    ("1,8,64,512_128,512,64,32", (32, 8), "pat", (64, 64), {}, True),
-    ("1,8,64,512_128,512,64,32", (32, 8), "pat", (32, 64), {}, True),
-    ("1,16_2048,128", (32, 8), "pat", None, {}, True),
-    ("1,16_2048,128", (32, 8), "pat", (64, 128), {}, True),
-    ("1,16_2048,128", (32, 8), "pat", (64, 64), {}, True),
-    ("1,16_2048,128", (32, 8), "pat", (32, 64), {}, True),
-    ("1,4,64_256,1024,64", (32, 8), "pat", None, {}, True),
-    ("1,4,64_256,1024,64", (32, 8), "pat", (64, 128), {}, True),
-    ("1,4,64_256,1024,64", (32, 8), "pat", (64, 64), {}, True),
-    ("1,4,64_256,1024,64", (32, 8), "pat", (32, 64), {}, True),
+    # (workload, heads, packer, tile or None, {(m, n): (warps, stages)})
+    ("1,1024_1024,16", (32, 8), "pat", None, {}),
+    ("1,1024_1024,16", (32, 8), "pat", (64, 128), {}),
+    ("1,1024_1024,16", (32, 8), "pat", (64, 64), {}),
+    ("1,1024_1024,16", (32, 8), "pat", (32, 64), {}),
+    ("1,8,64,512_128,512,64,32", (32, 8), "pat", None, {}),
+    ("1,8,64,512_128,512,64,32", (32, 8), "pat", (64, 128), {}),
+    ("1,8,64,512_128,512,64,32", (32, 8), "pat", (64, 64), {}),
+    ("1,8,64,512_128,512,64,32", (32, 8), "pat", (32, 64), {}),
+    ("1,16_2048,128", (32, 8), "pat", None, {}),
+    ("1,16_2048,128", (32, 8), "pat", (64, 128), {}),
+    ("1,16_2048,128", (32, 8), "pat", (64, 64), {}),
+    ("1,16_2048,128", (32, 8), "pat", (32, 64), {}),
+    ("1,4,64_256,1024,64", (32, 8), "pat", None, {}),
+    ("1,4,64_256,1024,64", (32, 8), "pat", (64, 128), {}),
+    ("1,4,64_256,1024,64", (32, 8), "pat", (64, 64), {}),
+    ("1,4,64_256,1024,64", (32, 8), "pat", (32, 64), {}),
 )
 
 
@@ -241,11 +241,9 @@ def sweep(backend=None, cases=SWEEP, iters=20, copy_bw=None):
     copy_bw = copy_bw or copy_bandwidth()
     flush = l2_flusher()
     rows = []
-    saved = backend.head_minor
-    for spec, (hq, hk), packer, tile, over, head_minor in cases:
+    for spec, (hq, hk), packer, tile, over in cases:
         cc.VARIANT_OVERRIDES.clear()
         cc.VARIANT_OVERRIDES.update(over)
-        backend.head_minor = head_minor
         try:
             r = bench_workload(backend, spec, hq, hk, (packer,), iters=iters, copy_bw=copy_bw,
                                flush=flush, tile=tile, check=False)[0]
@@ -256,10 +254,8 @@ def sweep(backend=None, cases=SWEEP, iters=20, copy_bw=None):
                  "error": f"{type(e).__name__}: {e}"[:400]}
         finally:
             cc.VARIANT_OVERRIDES.clear()
-            backend.head_minor = saved
-        r["head_minor"] = head_minor
         rows.append(r)
-        print(f"  sweep {spec} {packer} {r.get('variant', tile)} head_minor={int(head_minor)}: "
+        print(f"  sweep {spec} {packer} {r.get('variant', tile)}: "
               f"{r.get('time_us', float('nan')):.1f} us (graph {r.get('graph_us', float('nan')):.1f}) "
               f"{100 * r.get('eff_bw_frac_copy', float('nan')):.0f}% of copy "
               f"host {r.get('host_us', float('nan')):.0f} us {r.get('tiles', '')}", flush=True)
@@ -297,9 +293,9 @@ def host_overhead(backend=None, spec="1,4,64_256,1024,64", heads=(32, 8), calls=
     run_us, prof_backend = _host_cost(lambda: backend.run(plan, q, k, v, out=out), calls)
     # bare launches of the prepared forward kernel: packed cuLaunchKernel vs CuPy's generic call
     from pat_core.cuda_backend import _Launch
-    rec = backend._uploads[id(plan)]
-    prep = next(iter(rec["prepared"].values()))
-    ln = prep["launches"][0]
+    st = backend.state_for(plan)               # the plan's device state (run() wrote it)
+    prep = next(iter(st.prepared.values()))
+    ln = st.live_launches(prep)[0][0]          # the plan's first forward launch
     sp = torch.cuda.current_stream().cuda_stream
     t0 = time.perf_counter()
     for _ in range(calls):

@@ -1,16 +1,15 @@
 """Where graph-safe mode's fixed cost goes: launches in a CUDA graph, measured by leaving parts out.
 
 Graph-safe mode (``use_cuda_graph=True``) replays a fixed launch set: one pull-mode forward
-launch per reachable tile plus the merge, forked onto pool streams.  On small steps its replay
+launch per reachable tile plus the merge, chained on the caller's stream.  On small steps its replay
 is ~20 us slower than a graph captured for the step's own plan (bench/NOTES.md).  This script
 times, on the same step and in one process (CUDA events, L2 flushed, median):
 
 * ``exact``: a graph captured for the step's own plan (the usual path);
 * ``gs-all``: graph-safe mode with every reachable tile (what a wrapper whose
   ``max_batch_size`` allows 128-row CTAs gets);
-* ``gs-all-serial``: the same launch set on one stream, no fork/join;
-* ``gs-used`` / ``gs-used-serial``: graph-safe mode whose launch set is only the tiles this
-  plan uses (what fewer launches would buy);
+* ``gs-used``: graph-safe mode whose launch set is only the tiles this plan uses (what fewer
+  launches would buy);
 * ``gs-bucket``: the launch set a wrapper with ``max_batch_size`` = this batch gets (tiles up
   to the rows such a batch can put in one CTA);
 * ``exact-compact`` / ``gs-bucket-compact``: the same with the KV-length table
@@ -303,27 +302,23 @@ def main(argv=None) -> int:
                                      pl.sm_scale, fused=fused)
                 st.write(pl, torch.cuda.current_stream().cuda_stream)
                 row[f"{name}-launches"] = (1 if fused else len(tiles)) + 1
-                for serial in ((False, True) if name in ("gs-all", "gs-used") else (False,)):
-                    be.static_serial = serial
-                    key = name + ("-serial" if serial else "")
-                    gfn = lambda: be.run_static(st, q, k, v, out=out)  # noqa: E731
-                    gfn()
-                    torch.cuda.synchronize()
-                    err = rel_err(torch, out, ref)
-                    if err > tol:
-                        row[key] = None
-                        row[key + "-error"] = err
-                        print(f"{spec} {heads} {key}: WRONG ({err:.2e})")
-                        continue
-                    row[key] = time_graph(torch, gfn, args.reps, flush)
-                    if args.timeline:
-                        row[key + "-timeline"] = graph_timeline(gfn, flush)
-                be.static_serial = False
+                key = name
+                gfn = lambda: be.run_static(st, q, k, v, out=out)  # noqa: E731
+                gfn()
+                torch.cuda.synchronize()
+                err = rel_err(torch, out, ref)
+                if err > tol:
+                    row[key] = None
+                    row[key + "-error"] = err
+                    print(f"{spec} {heads} {key}: WRONG ({err:.2e})")
+                    continue
+                row[key] = time_graph(torch, gfn, args.reps, flush)
+                if args.timeline:
+                    row[key + "-timeline"] = graph_timeline(gfn, flush)
             rows.append(row)
             print(f"{spec:40s} {heads:5s} exact {_f(row['exact'])} compact "
-                  f"{_f(row['exact-compact'])} | all {_g(row, 'gs-all')} serial "
-                  f"{_g(row, 'gs-all-serial')} | used({row.get('gs-used-launches', '-')}) "
-                  f"{_g(row, 'gs-used')} serial {_g(row, 'gs-used-serial')} | "
+                  f"{_f(row['exact-compact'])} | all {_g(row, 'gs-all')} | "
+                  f"used({row.get('gs-used-launches', '-')}) {_g(row, 'gs-used')} | "
                   f"bucket({row.get('gs-bucket-launches', '-')}) {_g(row, 'gs-bucket')} | "
                   f"bucket-compact({row.get('gs-bucket-compact-launches', '-')}) "
                   f"{_g(row, 'gs-bucket-compact')} | fused {_g(row, 'gs-bucket-fused')} "

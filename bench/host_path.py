@@ -137,8 +137,8 @@ def _layers(w, b, q, k, v, hq: int, hk: int, num_layers: int = 32, steps: int = 
 def breakdown(spec: str = "1,4,64_256,1024,64", heads=(32, 8), calls: int = 300,
               profile: bool = False) -> dict:
     """Host microseconds per call of each piece of ``CudaBackend.run`` on one plan: the input
-    descriptors, the output allocation, the stream lookup, each launch on its own, the fork /
-    join events, the whole call, and a cache miss (``_prepare``)."""
+    descriptors, the output allocation, the stream lookup, one launch on its own, the enqueue
+    of the plan's launches, the whole call, and a cache miss (``StaticState.prepare``)."""
     import torch
     from pat_core import PrefixAttentionWrapper
     from pat_core import cuda_backend as cb
@@ -154,31 +154,27 @@ def breakdown(spec: str = "1,4,64_256,1024,64", heads=(32, 8), calls: int = 300,
     be = w._gpu_backend
     be.run(plan, q, k, v, out=out)
     qd, kd, vd = cb._Dev(q, "q"), cb._Dev(k, "k"), cb._Dev(v, "v")
-    prep = next(iter(be._uploads[id(plan)]["prepared"].values()))
+    st = be.state_for(plan)                     # the plan's device state (run() wrote it)
+    prep = next(iter(st.prepared.values()))
+    launches, merge = st.live_launches(prep)
     caller = be._caller_stream(qd)
     rt = be.cp.cuda.runtime
-    streams, fork, joins = be._pool()
-    res = {"spec": spec, "heads": f"{hq}:{hk}", "launches": len(prep["launches"]),
-           "merge": prep["merge"] is not None}
+    res = {"spec": spec, "heads": f"{hq}:{hk}", "launches": len(launches),
+           "merge": merge is not None}
     pieces = {
         "three _Dev": lambda: (cb._Dev(q, "q"), cb._Dev(k, "k"), cb._Dev(v, "v")),
-        "sig tuple": lambda: ("NHD", qd.sig(), kd.sig(), vd.sig(), be.launch_mode,
-                              be.fused_max_blocks_per_sm, be.fused_max_kv_len, be.merge_mode,
-                              be.merge_per_pair, be.merge_heads_per_warp, be.finish_launch,
-                              be.one_tile),
+        "sig tuple": lambda: ("NHD", qd.sig(), kd.sig(), vd.sig()),
         "torch.empty out": lambda: be._alloc_like(qd, (b.batch_size, hq, 128), "float16"),
         "torch.empty_like(q)": lambda: torch.empty_like(q),
         "stream handle": lambda: be._caller_stream(qd),
         "getDevice": lambda: rt.getDevice(),
-        "event record + wait": lambda: (rt.eventRecord(fork.ptr, caller),
-                                        rt.streamWaitEvent(streams[0].ptr, fork.ptr, 0)),
-        "one launch (first)": lambda: prep["launches"][0](caller),
-        "_execute": lambda: be._execute(plan, prep, qd, False, out, None),
+        "one launch (first)": lambda: launches[0](caller),
+        "_enqueue": lambda: be._enqueue(launches, merge, caller),
         "backend.run(out=)": lambda: be.run(plan, q, k, v, out=out),
         "wrapper.run": lambda: w.run(q, (k, v)),
     }
-    if prep["merge"] is not None:
-        pieces["merge launch"] = lambda: prep["merge"](caller)
+    if merge is not None:
+        pieces["merge launch"] = lambda: merge(caller)
     for name, fn in pieces.items():
         for _ in range(5):
             fn()
@@ -186,11 +182,11 @@ def breakdown(spec: str = "1,4,64_256,1024,64", heads=(32, 8), calls: int = 300,
     t0 = time.perf_counter()
     n = 20
     for _ in range(n):
-        be._prepare(plan, qd, kd, vd, "NHD")
+        st.prepare(qd, kd, vd, "NHD")
     torch.cuda.synchronize()
-    res["_prepare (cache miss)"] = (time.perf_counter() - t0) / n * 1e6
+    res["prepare (cache miss)"] = (time.perf_counter() - t0) / n * 1e6
     if profile:
-        print(profile_calls(lambda: be._prepare(plan, qd, kd, vd, "NHD"), n, "cumulative", 30))
+        print(profile_calls(lambda: st.prepare(qd, kd, vd, "NHD"), n, "cumulative", 30))
     return res
 
 

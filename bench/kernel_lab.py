@@ -24,37 +24,30 @@ Case sets:
 * ``layouts``: every tile with its candidate layouts (the data of ``--write-table``);
   ``short``: deep trees whose leaves are 16- and 32-token CTAs, under the short-KV layouts
   (single-stage ring, one warp); ``m128``: the batches with 128-row CTAs over a shared prefix,
-  with their ``n`` forced to 64 or 128; ``merge-heads``: the same trees and a small batch with
-  the merge warps taking 1, 2 or 4 heads of a request; ``short-check``: the batches that moved
-  between full comparisons, default vs the one-head merge vs the single-stage 16x32 layout;
-  ``one-tile``: the deep trees and leaf batches with the one-tile CTAs of 16-row groups in
-  their group's launch, in a launch of their own (several layouts), and in the piped kernel;
-  ``long-tune``: the long-prefix batches under planner settings; ``planner``: the sharing
-  batches under every planner setting of ``TUNINGS``; ``quickstart``, ``nosharing``,
-  ``nosharing-n``: the quick-start batch per packer, the no-sharing batches;
-  ``nosharing-finish``: the no-sharing batches at 16:8, 32:8 and 64:8 with the finisher on
-  (default) and off; ``long-stages``: the long-prefix batches with deeper warpgroup rings and
-  fewer, longer parts; ``share-low``: every batch whose plan moves with a split share below 2,
-  at shares 2 (default then), 0.95 and 1; ``one-wave``: the default split (one block per SM for
-  many-row CTAs) against share 2 where they differ; ``one-wave-layouts``: the long-prefix
-  batches' one-wave CTAs on mma.sync layouts of several token-slice pipelines per block;
-  ``hnd``: the long prefixes and a few sharing batches with the cache in the HND layout
-  against NHD; ``wg-slices``: the batches whose plans have 64-row tiles, default layouts against the
-  64-row warpgroup tiles on two token slices (8 warps), and those tiles forced on the no-sharing
-  batch; ``wg-gather``: every development batch whose plan has warpgroup tiles, and the forced
-  warpgroup tiles of two stages on the no-sharing batch; ``wg-overlap``: the batches whose plans
-  put many rows on warpgroup tiles, and the same forced tiles; ``finish-many``: batches of
-  many leaves, default plan against the finisher phase (``finish-all``); ``finish-pairs``:
-  batches the large-merge finisher rule changes, with and without it (``finish-pairs-2``:
-  more of them, chosen after the rule's last bound was set); ``finish-chain``: the multi-launch
-  batches and the quick-start batch, default plan against the finisher phase wherever possible,
-  behind a chained first phase (``finish-all``) and behind a forked one (``finish-all-fork``);
-  ``wg-pp``: the warpgroup-heavy batches, default and with n 128 for the 128-row tiles, and the
-  forced two-stage warpgroup tiles; ``rows64-all``: the multi-launch batches at four head
-  configurations, default against CTAs of at most 64 rows; ``long-finish``: the long prefixes
-  with the finisher phase; ``mixed``: 48 plans with several tile kernels (the sharing set and
-  five validation-like batches at four head configurations), for build or environment A/Bs such
-  as the shared-memory carveout.
+  with their ``n`` forced to 64 or 128; ``short-check``: the batches that moved between full
+  comparisons, default vs the single-stage 16x32 layout; ``long-tune``: the long-prefix
+  batches under planner settings; ``planner``: the sharing batches under every planner setting
+  of ``TUNINGS``; ``quickstart``, ``nosharing``, ``nosharing-n``: the quick-start batch per
+  packer, the no-sharing batches; ``long-stages``: the long-prefix batches with deeper
+  warpgroup rings and fewer, longer parts; ``share-low``: every batch whose plan moves with a
+  split share below 2, at shares 2 (default then), 0.95 and 1; ``one-wave``: the default split
+  (one block per SM for many-row CTAs) against share 2 where they differ;
+  ``one-wave-layouts``: the long-prefix batches' one-wave CTAs on mma.sync layouts of several
+  token-slice pipelines per block; ``hnd``: the long prefixes and a few sharing batches with the
+  cache in the HND layout against NHD; ``wg-slices``: the batches whose plans have 64-row
+  tiles, default layouts against the 64-row warpgroup tiles on two token slices (8 warps), and
+  those tiles forced on the no-sharing batch; ``wg-gather``: every development batch whose plan
+  has warpgroup tiles, and the forced warpgroup tiles of two stages on the no-sharing batch;
+  ``wg-overlap``: the batches whose plans put many rows on warpgroup tiles, and the same forced
+  tiles; ``wg-pp``: the warpgroup-heavy batches, default and with n 128 for the 128-row tiles,
+  and the forced two-stage warpgroup tiles; ``rows64-all``: the multi-launch batches at four
+  head configurations, default against CTAs of at most 64 rows; ``reread``,
+  ``request-check``, ``leaf-query``: the ``pat`` plan against one CTA per request (the
+  ``query`` packer) and the request rule; ``mixed``: 48 plans with several tile kernels (the
+  sharing set and five validation-like batches at four head configurations), for build or
+  environment A/Bs.  (The case sets of the deleted launch modes, such as ``finish-*``,
+  ``chain``, ``one-tile``, ``merge-fwd`` and ``merge-heads``, are in git history with
+  bench/NOTES.md's rounds that measured them.)
 
 Writes ``DIR/kernel_lab.json`` (environment, copy bandwidth, every row) and prints a table last.
 """
@@ -107,9 +100,9 @@ SHARING = tuple(
     for spec in SHARING_SPECS for heads in ((32, 8), (32, 32)) for packer in ("pat", "query"))
 
 
-# planner knobs (pat_core.Tuning fields), plus backend settings: "launch" (CudaBackend's
-# launch_mode), "merge" (its merge_mode), "merge_heads", "one_tile", "finish_launch",
-# "merge_launch" and "fwd_chain".  Labels name what differs from the defaults.
+# planner knobs (pat_core.Tuning fields), plus "layouts" (kernel layouts forced through
+# cuda_compile.VARIANT_OVERRIDES), "n_by_m" (n forced per m) and "kv_layout" (the cache's
+# layout).  Labels name what differs from the defaults.
 _N16_32 = ((32, 16), (96, 32), (1 << 62, 64))
 TUNINGS = {
     "default": {},
@@ -122,8 +115,6 @@ TUNINGS = {
     "mp128": {"min_part": 128},
     "tile-order": {"order": "tile"},
     "pw1": {"partial_weight": 1.0},
-    "fused": {"launch": "fused"},
-    "streams": {"launch": "streams"},
     "share1": {"split_share": 1.0},
     "share2": {"split_share": 2.0},
     "share4": {"split_share": 4.0},
@@ -185,83 +176,33 @@ TUNINGS = {
     # 16x32 on one warp and one stage, and n = 32 only up to 32 tokens (one tile per CTA)
     "short32-w1s1": {"kv_tile_table": ((16, 16), (32, 32), (1 << 62, 64)),
                      "layouts": {(16, 16): (1, 1, 16), (16, 32): (1, 1, 16)}},
-    # heads of a request per merge warp forced (default: pat_core.launch.merge_heads_per_warp)
-    # the merge by the last CTA of each request, in the forward kernels (CudaBackend.merge_mode)
-    "merge-fwd": {"merge": "forward"},
-    # shared-prefix CTAs launched first, so that a request's leaf is its last CTA
+    # shared-prefix CTAs first in their tile's launch
     "shared-first": {"order": "shared"},
-    "merge-fwd-shared": {"merge": "forward", "order": "shared"},
-    "merge-fwd-shared-serial": {"merge": "forward", "order": "shared", "serial": True},
-    # the finisher phase (pat_core.fold): off, only where every request has one CTA, where the
-    # other CTAs read at most 5% of the KV tokens, wherever possible
     # the pat packer's per-request rule off (pat_core.packers.request_packing)
     "request-off": {"request_share": 0.0},
-    "finish-off": {"finish_share": None}, "finish-0": {"finish_share": 0.0},
-    "finish": {"finish_share": 0.05}, "finish-all": {"finish_share": 1.0},
-    # the same with the finishers started only once the first phase has finished (round 14's
-    # launch), or both phases in one ordered launch where they share a tile
-    # (CudaBackend.finish_launch; the default "pdl" launches the finishers as programmatic
-    # dependents of the first phase)
-    "finish-serial": {"finish_share": 0.05, "finish_launch": "serial"},
-    "finish-all-serial": {"finish_share": 1.0, "finish_launch": "serial"},
-    "finish-all-ordered": {"finish_share": 1.0, "finish_launch": "ordered"},
-    "finish-pairs-off": {"finish_pairs": None},
-    # the merge launched once the forward has finished (CudaBackend.merge_launch; the default
-    # "pdl" launches it as a programmatic dependent of the forward)
-    "merge-serial": {"merge_launch": "serial"},
-    # a plan's forward launches chained on one stream, each a programmatic dependent of the one
-    # before it, longest first ("chain") or in plan order ("chain-plan"), and forked onto pool
-    # streams ("fork") (CudaBackend.fwd_chain)
-    "chain": {"fwd_chain": "pdl"}, "chain-plan": {"fwd_chain": "pdl-plan"},
-    "fork": {"fwd_chain": "fork"},
-    # the finisher phase wherever possible with its first phase forked and the finishers
-    # started after it (the path before round 23; "finish-all" chains them, launch.finisher_chain)
-    "finish-all-fork": {"finish_share": 1.0, "fwd_chain": "fork"},
-    "mh1": {"merge_heads": 1}, "mh2": {"merge_heads": 2}, "mh4": {"merge_heads": 4},
     # n of the 128-row tiles forced (their KV is mostly shared, read from L2: compute bound)
     "m128n64": {"n_by_m": {128: 64}},
     # n of the 64-row tiles forced to 32 (a smaller warpgroup block: 4 per SM instead of 2)
     "m64n32": {"n_by_m": {64: 32}},
     "m128n128": {"n_by_m": {128: 128}},
     "m128n64-s3": {"n_by_m": {128: 64}, "layouts": {(128, 64): (8, 3, 64)}},
-    # the one-tile CTAs of 16-row groups (pat_core.launch.one_tile_split): in the group's own
-    # launch, in the piped kernel, and in other one-tile layouts
-    "one-tile-off": {"one_tile": "off"},
-    "piped": {"one_tile": "piped"},
-    "piped-w1i3": {"one_tile": "piped", "layouts": {("piped", 16): (1, 3), ("piped", 32): (1, 3)}},
-    "split": {"one_tile": "split"},
-    "one-tile-w2s1": {"one_tile": "split", "layouts": {("one-tile", 16, 32): (2, 1, 16)}},
-    "one-tile-w1s2": {"one_tile": "split", "layouts": {("one-tile", 16, 32): (1, 2, 16)}},
 }
 
 
-def apply_tuning(label: str, planner, backend, serial_ok: bool = False):
-    """Set ``planner.tuning`` and ``backend``'s launch and merge modes from ``TUNINGS[label]``
-    (``KeyError`` for an unknown label); returns a function that puts the backend's modes back
-    (the backend may be shared between cases)."""
+def apply_tuning(label: str, planner):
+    """Set ``planner.tuning`` from ``TUNINGS[label]`` (``KeyError`` for an unknown label; the
+    kernel layouts, forced n and cache layout are run_case's); returns a function that puts
+    the planner's earlier tuning back."""
     from pat_core.planner import Tuning
     tun = dict(TUNINGS[label])
     tun.pop("layouts", None)   # kernel layouts: set by run_case (cuda_compile.VARIANT_OVERRIDES)
     tun.pop("n_by_m", None)    # forced n per m: set by run_case (forced_n)
     tun.pop("kv_layout", None)  # the cache's layout: set by run_case
-    if tun.pop("serial", False) and not serial_ok:   # a plan() argument: run_case passes it
-        raise ValueError(f"tuning {label!r} needs serial plans, which only kernel_lab.py's "
-                         "run_case makes")
-    saved = (backend.launch_mode, backend.merge_mode, backend.merge_heads_per_warp,
-             backend.one_tile, backend.finish_launch, backend.merge_launch, backend.fwd_chain)
-    backend.launch_mode = tun.pop("launch", backend.launch_mode)
-    backend.one_tile = tun.pop("one_tile", backend.one_tile)
-    backend.merge_mode = tun.pop("merge", backend.merge_mode)
-    backend.merge_heads_per_warp = tun.pop("merge_heads", backend.merge_heads_per_warp)
-    backend.finish_launch = tun.pop("finish_launch", backend.finish_launch)
-    backend.merge_launch = tun.pop("merge_launch", backend.merge_launch)
-    backend.fwd_chain = tun.pop("fwd_chain", backend.fwd_chain)
+    saved = planner.tuning
     planner.tuning = Tuning(**tun)
 
     def restore():
-        (backend.launch_mode, backend.merge_mode, backend.merge_heads_per_warp,
-         backend.one_tile, backend.finish_launch, backend.merge_launch,
-         backend.fwd_chain) = saved
+        planner.tuning = saved
     return restore
 
 
@@ -338,15 +279,6 @@ CHAIN_SPECS = ("1,4,64_256,1024,64", "1,2,8,128_512,128,256,32", "3,24,96_1024,6
 # the three head configurations of 8 KV heads the round-16 case sets sweep
 _HEADS_X8 = ((16, 8), (32, 8), (64, 8))
 
-# (spec, heads) pairs of the finisher-phase case sets (round 14)
-_FINISH_PAIRS = (("1,32,256_64,64,1024", (32, 8)), ("1,32,256_64,64,1024", (64, 8)),
-                 ("1,32,256_64,64,1024", (16, 8)), ("1,32,256_64,64,1024", (32, 32)),
-                 ("128_2048", (32, 8)), ("256_4096", (32, 8)), ("128_2048", (32, 32)),
-                 ("1,16_2048,128", (32, 8)), ("1,4,16_128,256,1024", (32, 8)),
-                 ("1,4,16_128,256,1024", (16, 8)), ("1,4,64_256,1024,64", (32, 8)),
-                 ("3,24,96_1024,64,512", (32, 8)),
-                 ("1,4,16,64,256,1024_1024,256,128,64,32,32", (32, 8)))
-
 # round 24: plans with several tile kernels (the block timelines showed a one-warp 16x32 block
 # never sharing an SM with a 16x64 or 64x64 one), the shared-memory carveout's A/B
 MIXED_SPECS = SHARING_SPECS + ("1,2,4,8,16,32,64,128_32,32,32,32,32,32,32,32",
@@ -360,34 +292,16 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
              "wg": tuple((spec, heads, "pat", None, None, label)
                          for spec in ("1,16_16384,16", "1,32_16384,16") + SHARING_SPECS
                          for heads in ((32, 8), (32, 32)) for label in ("default", "wg")),
-             # forward launches forked onto streams or chained on one (round 21): the
-             # multi-launch sharing plans of the development set
-             "chain": _pair_cases(tuple((spec, heads) for spec in CHAIN_SPECS
-                                        for heads in ((32, 8), (32, 32))),
-                                  ("fork", "chain", "chain-plan")),
-             # round 23: the finisher phase behind a chained first phase, against the default
-             # plan and the forked first phase it replaces
-             "finish-chain": _pair_cases(tuple((spec, heads)
-                                               for spec in CHAIN_SPECS + ("1,4,16_128,256,1024",)
-                                               for heads in ((32, 8), (32, 32), (64, 8))),
-                                         ("default", "finish-all", "finish-all-fork")),
              # round 23: CTAs capped at 64 rows (64x64 warpgroup blocks for the shared levels,
              # which leave an SM room for leaf blocks beside them) against the default
              "rows64-all": _pair_cases(tuple((spec, heads)
                                              for spec in CHAIN_SPECS + ("1,4,16_128,256,1024",)
                                              for heads in ((16, 8), (32, 8), (64, 8), (32, 32))),
                                        ("default", "rows64")),
-             # round 23: the long prefixes with the finisher phase (their leaves fold the parts)
-             "long-finish": _pair_cases(tuple((spec, (32, 8)) for spec, *_ in LONG),
-                                        ("default", "finish-all")),
              "long": LONG, "sharing": SHARING, "layouts": _layout_candidates(),
              "short": tuple((spec, heads, "pat", None, None, label)
                             for spec in SHORT_SPECS for heads in ((32, 8), (32, 32))
                             for label in ("default", "short-s1", "short-w1s1", "short-w1s2")),
-             "merge-heads": tuple((spec, heads, "pat", None, None, label)
-                                  for spec in SHORT_SPECS + ("1,16_2048,128",)
-                                  for heads in ((32, 8), (32, 32))
-                                  for label in ("default", "mh1", "mh2", "mh4")),
              "short-check": _pair_cases((("1,8,64,512_128,512,64,32", (32, 32)),
                                          ("1,8,64,512_128,512,64,32", (32, 8)),
                                          ("1,4,16,64,256_512,256,128,64,32", (32, 32)),
@@ -395,13 +309,7 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                          ("3,24,96_1024,64,512", (32, 8)),
                                          ("1,4,64_256,1024,64", (32, 8)),
                                          ("1,4,16,64,256,1024_1024,256,128,64,32,32", (32, 32))),
-                                        ("default", "mh1", "short-w1s1")),
-             "one-tile": tuple((spec, heads, "pat", None, None, label)
-                            for spec in SHORT_SPECS + ("1,4,64_256,1024,64", "3,24,96_1024,64,512",
-                                                       "1,2,4,8,16,32,64_256,128,64,64,32,32,32")
-                            for heads in ((32, 8), (32, 32))
-                            for label in ("default", "split", "one-tile-w2s1",
-                                          "one-tile-w1s2", "piped")),
+                                        ("default", "short-w1s1")),
              "leaf-check": tuple((spec, heads, packer, None, None, label)
                                  for spec in tuple(dict.fromkeys(SHARING_SPECS + PLANNER_SPECS))
                                  + ("128_2048",)
@@ -421,23 +329,8 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
              "long-tune": tuple((spec, (32, 8), "pat", None, None, label)
                                 for spec in ("1,16_16384,16", "1,32_16384,16", "1,16_2048,128")
                                 for label in ("default", "share1", "share3", "share4", "rows32",
-                                              "rows64", "streams", "fused", "n32",
+                                              "rows64", "n32",
                                               "n32-share3")),
-             "merge-fwd": tuple((spec, heads, packer, None, None, label)
-                                for spec in ("1,32,256_64,64,1024", "128_2048", "256_4096",
-                                             "1,16_2048,128", "1,4,64_256,1024,64")
-                                for heads in ((32, 8), (64, 8), (16, 8), (32, 32))
-                                for packer in ("pat", "query")
-                                for label in ("default", "merge-fwd")),
-             # the merge by the last CTA with the shared-prefix CTAs first (round 13)
-             "merge-order": _pair_cases((("1,32,256_64,64,1024", (32, 8)),
-                                         ("1,32,256_64,64,1024", (64, 8)),
-                                         ("1,32,256_64,64,1024", (16, 8)),
-                                         ("1,32,256_64,64,1024", (32, 32)),
-                                         ("1,16_2048,128", (32, 8)),
-                                         ("1,4,16_128,256,1024", (32, 8))),
-                                        ("default", "merge-fwd", "shared-first",
-                                         "merge-fwd-shared", "merge-fwd-shared-serial")),
              # a batch of long private leaves under short shared levels: the shared CTAs in the
              # leaves' own 16-row variant (one launch) or their own larger tile (round 13)
              "leaf-last": _pair_cases((("1,32,256_64,64,1024", (32, 8)),
@@ -446,21 +339,11 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                        ("1,16_2048,128", (32, 8)),
                                        ("1,4,16_128,256,1024", (64, 8)),
                                        ("1,2,8,128_512,128,256,32", (32, 8))),
-                                      ("default", "rows16", "fused")),
+                                      ("default", "rows16")),
              # the configurations whose plans the narrow packing rule changes (round 13)
              "narrow": _pair_cases((("1,32,256_64,64,1024", (32, 8)),
                                     ("1,4,16_128,256,1024", (16, 8))),
                                    ("default", "narrow-off")),
-             # the finisher phase against the merge launch (round 14)
-             "finish": _pair_cases(_FINISH_PAIRS,
-                                   ("finish-off", "finish-0", "finish", "finish-all")),
-             # the finisher phase in one ordered launch or launched as a programmatic dependent
-             # (round 15), against the merge launch and round 14's serial phases; round 14's
-             # pairs and one more deep tree, before the three-root batch
-             "finish-pdl": _pair_cases(_FINISH_PAIRS[:-2] + (("1,2,8,128_512,128,256,32", (32, 8)),)
-                                       + _FINISH_PAIRS[-2:],
-                                       ("finish-off", "merge-serial", "finish-all",
-                                        "finish-all-ordered", "finish-all-serial")),
              # the configurations whose plans the automatic split share changes (round 10)
              "auto-share": tuple((spec, heads, packer, None, None, label)
                                  for spec, heads, packer in (
@@ -518,22 +401,17 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                        (("pat", "default"), ("query", "default")))
              + _pair_cases((("1,4,16_128,256,1024", h) for h in ((16, 8), (32, 8))),
                            (("pat", "n32-s6-mp64"), ("query", "n32-s6-mp64"))),
-             # the query plan with no merge launch (every request one CTA: finish_share 0)
-             "leaf-query-fin": _pair_cases((("1,32,256_64,64,1024", h) for h in _HEADS_X8),
-                                           ("default", ("query", "default"),
-                                            ("query", "finish-0")))
-             + _pair_cases((("128_2048", (32, 8)), ("256_4096", (32, 8))),
-                           ("default", "finish-0")),
-             # the pat plan against one CTA per request with no merge, as the share of KV tokens
-             # the per-request plan re-reads grows (0.11 .. 0.58)
+             # the pat plan against one CTA per request with no merge (the query packer: each
+             # request one slot, written by its CTA), as the share of KV tokens the per-request
+             # plan re-reads grows (0.11 .. 0.58)
              "reread": _pair_cases(((spec, h) for spec in ("1,256_128,1024",
                                                            "1,8,256_128,128,1024",
                                                            "1,256_256,1024", "1,256_512,1024",
                                                            "1,256_1024,1024", "1,128_512,512",
                                                            "1,4,64_512,256,512")
-                                    for h in _HEADS_X8), ("default", ("query", "finish-0")))
+                                    for h in _HEADS_X8), ("default", ("query", "default")))
              + _pair_cases((("1,32,256_64,64,1024", (32, 32)),),
-                           ("default", ("query", "finish-0"))),
+                           ("default", ("query", "default"))),
              # the request rule on batches not used to set it (round 16): its plan, the shared
              # plan with the rule off, and one CTA per request with no merge
              "request-check": _pair_cases((("1,256_384,1024", (32, 8)),
@@ -550,7 +428,7 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                                            ("1,256_256,1024", (32, 32)),
                                            ("1,16,256_256,128,1024", (32, 8)),
                                            ("1,128_128,3072", (32, 8))),
-                                          ("default", "request-off", ("query", "finish-0"))),
+                                          ("default", "request-off", ("query", "default"))),
              "quickstart": tuple(("1,4,16_128,256,1024", (32, 8), p, None, None, "default")
                                  for p in ("pat", "query", "node", "cascade")),
              "nosharing": tuple(("256_4096", (32, 8), p, None, None, "default")
@@ -649,45 +527,7 @@ CASE_SETS = {"forced": FORCED, "forced-wg": FORCED_WG,
                   ("1,8,64,512_128,512,64,32", (32, 8)), ("1,8,64,512_128,512,64,32", (64, 8)),
                   ("1,32_16384,16", (32, 8)), ("1,16_2048,128", (64, 8)),
                   ("1,4,16,64,256_512,256,128,64,32", (64, 8))), ("default", "m128n128"))
-             + tuple(c for c in FORCED_WG if c[5] in ("wg-s2",)),
-             # round 19: batches of many leaves under shared levels (hundreds of requests,
-             # thousands of (request, head) pairs: the merge reads tens of MB of partials),
-             # default plan against the finisher phase wherever every request has a leaf CTA
-             "finish-many": _pair_cases(
-                 (("1,1024_1024,16", (16, 8)), ("1,1024_1024,16", (32, 8)),
-                  ("1,1024_1024,16", (64, 8)), ("1,1024_1024,16", (32, 32)),
-                  ("1,8,64,512_128,512,64,32", (32, 8)), ("1,8,64,512_128,512,64,32", (64, 8)),
-                  ("1,8,64,512_128,512,64,32", (32, 32)),
-                  ("1,8,16,32,64,128,1024_256,128,64,32,32,32,32", (32, 8)),
-                  ("1,4,16,64,256_512,256,128,64,32", (32, 8)),
-                  ("1,2,4,8,16,32,64_256,128,64,64,32,32,32", (32, 8)),
-                  ("1,4,16,64,256,1024_1024,256,128,64,32,32", (32, 8)),
-                  ("1,16_2048,128", (64, 8)), ("1,2,8,128_512,128,256,32", (64, 8))),
-                 ("default", "finish-all")),
-             # round 19: batches the large-merge finisher rule's first form (Tuning.finish_pairs,
-             # before its first-phase bound) changed, none of them among those its threshold
-             # was set on: the rule against no rule (four of them no longer fold today)
-             "finish-pairs": _pair_cases(
-                 (("1,2048_512,16", (16, 8)), ("2,1024_512,16", (32, 8)),
-                  ("1,512_4096,64", (64, 8)), ("1,1024_256,32", (32, 8)),
-                  ("1,4,1024_256,512,16", (32, 8)), ("1,16,1024_2048,256,32", (32, 8)),
-                  ("1,1024_2048,16", (32, 32)), ("1,32,1024_512,128,32", (64, 8)),
-                  ("4,1024_4096,16", (32, 8)), ("1,4096_512,16", (16, 8))),
-                 ("default", "finish-pairs-off")),
-             # round 19: the same, on batches chosen after the longest-first-CTA bound
-             # (fold.FINISH_FIRST_TOKENS) was set on the two sets above
-             "finish-pairs-2": _pair_cases(
-                 (("1,2048_256,16", (32, 8)), ("2,512_1024,32", (64, 8)),
-                  ("1,8,1024_128,256,16", (32, 8)), ("1,1024_768,64", (32, 8)),
-                  ("1,64,1024_512,512,32", (64, 8)), ("1,1024_1024,16", (64, 16)),
-                  ("1,3000_300,20", (16, 8)), ("1,2,2048_256,512,16", (32, 8)),
-                  ("1,1536_640,24", (32, 8))),
-                 ("default", "finish-pairs-off")),
-             # round 17: the no-sharing batches with and without the finisher (one CTA per
-             # request writing its output) at the three group sizes of 8 KV heads
-             "nosharing-finish": _pair_cases(tuple((spec, h) for spec in ("128_2048", "256_4096")
-                                                   for h in _HEADS_X8),
-                                             ("default", "finish-off"))}
+             + tuple(c for c in FORCED_WG if c[5] in ("wg-s2",))}
 
 
 _REFS: dict = {}
@@ -726,9 +566,9 @@ def run_case(backend, case, iters, copy_bw, flush, seed=0) -> dict:
         w = PrefixAttentionWrapper(backend="cuda", packer=packer)
         w._gpu_backend = backend
         if label in TUNINGS:
-            restore = apply_tuning(label, w.planner, backend, serial_ok=True)
+            restore = apply_tuning(label, w.planner)
         plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16",
-                      tile=tile, serial=bool(TUNINGS.get(label, {}).get("serial", False)))
+                      tile=tile)
         row["variants"] = [v_.key for v_ in backend.variants_for(plan)]
         backend.warmup(plan)
         out = torch.full((b.batch_size, hq, d), float("nan"), dtype=torch.float16, device="cuda")
@@ -846,10 +686,8 @@ def environment() -> dict:
     import cupy
     import torch
     from common import flush_mode, git_sha
-    from pat_core.launch import default_fwd_chain
     return {"device": torch.cuda.get_device_name(), "git_sha": git_sha(),
             "l2_flush": flush_mode(),
-            "fwd_chain": default_fwd_chain(),
             "torch": torch.__version__, "cupy": cupy.__version__,
             "python": platform.python_version(), "cuda_runtime": torch.version.cuda,
             "nvrtc_defines": __import__("os").environ.get("PAT_NVRTC_DEFINES", "")}
@@ -877,9 +715,6 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="forced,long,sharing",
                     help=f"comma-separated case sets of {sorted(CASE_SETS)}")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--launch-mode", default="auto", choices=("auto", "fused", "streams"),
-                    help="CudaBackend.launch_mode: one launch per tile group on pool streams, "
-                         "every forward CTA in one launch, or chosen per plan")
     ap.add_argument("--tag", default="", help="suffix of the output file name")
     ap.add_argument("--write-table", default=None, metavar="PATH",
                     help="with the 'layouts' set: write the measured speed of every (m, n) and "
@@ -899,7 +734,6 @@ def main(argv=None) -> int:
     from common import copy_bandwidth, l2_flusher
     from pat_core.cuda_backend import CudaBackend
     backend = CudaBackend()
-    backend.launch_mode = args.launch_mode
     t0 = time.perf_counter()
     backend.warmup(jobs=16)
     print(f"compiled all variants in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -923,7 +757,6 @@ def main(argv=None) -> int:
                      "replayed", "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    res["launch_mode"] = args.launch_mode
     (out / f"kernel_lab{args.tag}.json").write_text(json.dumps(res, indent=1) + "\n")
     if args.write_table:
         from pat_core import cuda_compile as cc

@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         fn = lambda: fw.run(q, (k, v))  # noqa: E731
     else:
         w = PrefixAttentionWrapper(backend="cuda", packer=args.method)
-        apply_tuning(args.tuning, w.planner, w._gpu_backend)
+        apply_tuning(args.tuning, w.planner)
         plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16")
         st = plan.stats()
         print(f"{st['num_ctas']} CTAs, tiles {st['tiles']}, {st['total_bytes'] / 1e6:.1f} MB")

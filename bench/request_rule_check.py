@@ -4,20 +4,22 @@
         [--trace RESULT.json STEPS.npz [--trace ...]] [--gpu h100] [--out FILE.json]
 
 For every measured pair of plans of one step, the ``pat`` packer's plan with the rule off and
-the per-request plan (one CTA per request writing its output, no merge: ``query`` packing with
-``finish_share`` 0, which is what :func:`pat_core.packers.request_packing` builds), this prints
+the per-request plan (one CTA per request writing its output, no merge: the ``query`` packing,
+which is what :func:`pat_core.packers.request_packing` builds), this prints
 which one measured faster, whether the default planner (:class:`pat_core.Planner`, the rule as
 it is now) picks that one, and whether :func:`sim.simulate` (graph timing, the packaged
 constants) predicts it.  Differences under ``--tie`` (default 0.5%) count as ties, right either
-way.  Pairs whose per-request plan needs a split (``finish_from != 0``) are left out: the rule
-cannot take them.
+way.  Pairs whose per-request plan needs a split (a request of several slots) are left out:
+the rule cannot take them.
 
 Measurements:
 
 * ``--kernel-lab``: ``bench/kernel_lab.py`` JSON files; a pair is the rows of one
-  ``(workload, heads)`` with packer ``query`` / label ``finish-0`` (per request) and packer
-  ``pat`` / label ``request-off`` (or ``default`` in files that have no ``request-off`` row for
-  it, measured before the rule existed).
+  ``(workload, heads)`` with packer ``query`` (per request: label ``finish-0`` in files
+  measured before the one launch path, where the ``query`` plan's ``default`` row still ran a
+  merge; label ``default`` in later files) and packer ``pat`` / label ``request-off`` (or
+  ``default`` in files that have no ``request-off`` row for it, measured before the rule
+  existed).
 * ``--trace``: a ``bench/trace_replay.py time`` result run with ``--methods pat
   pat@request-off`` and the steps file it timed; a pair is one step and head configuration
   where the two methods planned differently (``num_ctas`` or ``total_bytes``).
@@ -49,7 +51,7 @@ def kernel_lab_pairs(path) -> list:
             by.setdefault((r["workload"], r["heads"]), {})[(r["packer"], r["label"])] = r
     out = []
     for (spec, heads), m in by.items():
-        req = m.get(("query", "finish-0"))
+        req = m.get(("query", "finish-0")) or m.get(("query", "default"))
         pat = m.get(("pat", "request-off")) or m.get(("pat", "default"))
         if req is None or pat is None:
             continue
@@ -86,8 +88,8 @@ def judge(pairs, gpu="h100", tie=0.005) -> list:
     rows = []
     for name, table, lens, ps, (hq, hk), req_us, pat_us in pairs:
         args = (table, lens, hq, hk, 128, ps)
-        req = Planner("query", gpu, Tuning(finish_share=0.0)).plan(*args)
-        if req.finish_from != 0:
+        req = Planner("query", gpu).plan(*args)
+        if req.num_slots != req.batch_size:
             continue
         pat = Planner("pat", gpu, Tuning(request_share=0.0)).plan(*args)
         chosen = Planner("pat", gpu).plan(*args)

@@ -251,7 +251,7 @@ def time_steps(args) -> int:
                         packer, _, label = method.partition("@")
                         w = pat_core.PrefixAttentionWrapper(backend="cuda", packer=packer)
                         if label:
-                            apply_tuning(label, w.planner, w._gpu_backend)
+                            apply_tuning(label, w.planner)
                         t0 = time.perf_counter()
                         plan = w.plan(table, lens, hq, hk, d, ps, kv_data_type="float16")
                         row["plan_ms"] = (time.perf_counter() - t0) * 1e3

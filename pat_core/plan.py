@@ -25,12 +25,14 @@ Terminology
   ``tile_configs[group_tile[g]]``.  The CUDA backend runs a plan as one pull-mode forward launch
   per tile config the plan uses (tallest tiles first, :func:`pat_core.static_plan.order_tiles`;
   a tile's CTAs in plan order), chained on the caller's stream, then the merge
-  (:mod:`pat_core.launch`).  ``serial`` marks a level-by-level plan (the ``cascade`` packer, or
-  the ``serial`` ablation): the simulator prices its groups one after another.
+  (:mod:`pat_core.launch`); the simulator lays out the same launches.  ``serial`` marks a
+  level-by-level plan (the ``cascade`` packer's groups, one per level and tile); the launches
+  are the same.
 * **direct output**: a request of exactly one partial slot (``np.diff(req_slot_indptr) == 1``)
   gets its output from the CTA that holds all of its KV (no partial written, nothing to merge);
   the merge combines the other requests' slots and is skipped when every request has one slot
-  (``num_slots == batch_size``).
+  (``num_slots == batch_size``) and no forward block drew a second work item
+  (:func:`pat_core.launch.merge_needed`).
 
 Arrays (``C`` CTAs, ``B`` requests, ``T`` tile configs, ``G`` groups, all ``np.int32``)
 --------------------------------------------------------------------------------------

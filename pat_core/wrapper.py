@@ -184,7 +184,9 @@ class PrefixAttentionWrapper:
             executors need it equal to ``kv_data_type`` (mixed precision is refused; the
             :class:`~pat_core.planner.Planner` alone accepts it, for byte accounting).
         tile : force one ``(m, n)`` for every CTA (the fixed-tile ablation).
-        serial : launch tile groups one after another on one stream (ablation).
+        serial : mark the plan level by level (``Plan.serial``, as the ``cascade`` packer
+            does; the ``pat`` packer's per-request rule is then off).  No executor launches it
+            differently: the CUDA backend runs every plan as the same chained launches.
         split : long-KV split: ``True``/``"sm"`` (default: split CTAs longer than an SM's
             share of the work), ``"mean"`` (the PAT paper's mean rule) or ``False``.
         disable_split_kv : FlashInfer's switch; ``True`` means ``split=False``.

@@ -14,7 +14,8 @@ sub-folders, that has one of these layouts):
                   "num_kv_heads": 8, "head_dim": 128, "page_size": 16, "dtype": "float16",
                   "measured_eager_us": 21.4, "measured_graph_us": 15.0}, ...]}
 
-  (older files hold one ``measured_us`` per record, timed eagerly);
+  (older files hold one ``measured_us`` per record, timed eagerly; records of a method
+  :data:`sim.methods.METHODS` no longer has, ``pat-serial``, are skipped);
 * ``bench/compare.py``'s ``results.json``: ``{"benchmark": "compare", "rows": [{"workload",
   "heads": [32, 8], "page_size", "method", "latency_eager_us", "latency_graph_us"}, ...]}``
   (FlashInfer rows and rows that failed their check are skipped);
@@ -149,6 +150,8 @@ def _records_calibrate(data: dict, src: str) -> list:
         missing = need - set(r)
         if missing:
             raise ValueError(f"{src}: record {i} lacks {sorted(missing)}")
+        if r["method"] not in METHODS:
+            continue        # a method no longer modelled (pat-serial of older files)
         times = {}
         if "measured_eager_us" in r or "measured_graph_us" in r:
             for t in TIMINGS:

@@ -31,7 +31,7 @@ from .constants import TIMINGS, load_constants
 from .methods import METHODS, load_batch, make_plan
 from .model import simulate
 
-ALL_METHODS = ("pat", "node", "compute", "query", "cascade", "pat-fixed", "pat-serial")
+ALL_METHODS = ("pat", "node", "compute", "query", "cascade", "pat-fixed")
 SWEEP_DEFAULTS = {
     "batch": [8, 16, 32, 64, 128, 256],
     "prefix": [128, 256, 512, 1024, 2048, 4096],

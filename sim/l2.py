@@ -4,9 +4,9 @@ A KV page (one KV head's slice of it) read by several thread blocks is fetched f
 first of them; blocks that read it again while it is still in L2 are served by L2.
 
 Blocks run side by side, and each reads its pages in order over its whole life, so the model
-replays the reads *interleaved*: forward thread blocks enter in dispatch order (launch groups in
-plan order, then ``blockIdx.x``, whose KV heads are adjacent: the kernels' default
-``head_minor`` grid) while the GPU has room for them (each block takes ``1 / ctas_per_sm`` of an
+replays the reads *interleaved*: forward thread blocks enter in dispatch order (the forward
+launches in launch order, each launch's work items in plan order, a CTA's KV heads adjacent)
+while the GPU has room for them (each block takes ``1 / ctas_per_sm`` of an
 SM, ``num_sms`` SMs in all), and every resident block reads its next page in turn.  A block
 leaves after its last page and the next one enters.  For every (page, KV head) the model keeps
 the *insertion clock* of its last read: the number of bytes that had entered L2 (HBM reads and

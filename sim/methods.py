@@ -7,8 +7,9 @@ can be simulated::
     {"block_tables": [[0, 1, 2], [0, 1, 3, 4]], "seq_lens": [40, 61], "page_size": 16}
 
 A *method* is a packer plus planner options: the five packers of :data:`pat_core.PACKERS` and
-two ablations of ``pat``: ``pat-fixed`` (one tile config, 64 x 128, for every CTA) and
-``pat-serial`` (launch groups one after another on one stream).
+one ablation of ``pat``: ``pat-fixed`` (one tile config, 64 x 128, for every CTA).  (Files
+measured before the one launch path also hold ``pat-serial``, tile groups launched one after
+another, which no executor runs any more: :mod:`sim.calibration` skips those records.)
 """
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ METHODS = {
     "query": ("query", {}),
     "cascade": ("cascade", {}),
     "pat-fixed": ("pat", {"tile": FIXED_TILE}),
-    "pat-serial": ("pat", {"serial": True}),
 }
 
 

@@ -56,10 +56,9 @@ with more items a block draws a second one and the merge resets the work counter
 of blocks that move nothing).  On a GPU with programmatic dependent launch
 (:func:`pat_core.launch.dependent_launch_ok`, sm_90 and later) the forward launches are one
 phase, each gated on the one before it (its blocks placed once every block of that one has
-been); elsewhere they run one after another in stream order, a phase each.  A serial plan
-(``plan.serial``: the ``cascade`` packer's levels, or the ``serial`` ablation) is laid out
-in its group order, a phase per group, as that level-by-level execution would run; the CUDA
-backend itself runs every plan through the one path.
+been); elsewhere they run one after another in stream order, a phase each.  Every plan is laid
+out so, as the backend runs it: a plan marked ``serial`` (the ``cascade`` packer's levels)
+too, and its group order does not matter.
 
 Launch ``k`` (forward launches in order, then the merge) reaches the GPU at
 ``start + (k + 1) * launch``; a launch that waits for another starts ``gap`` after it
@@ -112,7 +111,7 @@ HITS_QUEUE = True           # L2 hits no faster than DRAM's level while DRAM is 
 class Workload:
     """Everything about a plan's thread blocks that does not depend on the constants.
 
-    Made once per (plan, GPU, serial); :func:`predict` then prices it under any constants
+    Made once per (plan, GPU); :func:`predict` then prices it under any constants
     (the calibration fit does that hundreds of times).
     """
 
@@ -130,7 +129,6 @@ class Workload:
     blk_flops: np.ndarray     # forward: padded tile flops; merge: 0
     blk_slots: np.ndarray     # merge: slots of the longest pair; forward: 0
     num_phases: int
-    serial: bool
     l2_window: float = 0.0
     blk_warps: np.ndarray | None = None    # forward: warps of the block's own variant; merge: 0
     blk_stages: np.ndarray | None = None   # forward: its KV pipeline stages; merge: 0
@@ -139,17 +137,14 @@ class Workload:
     cfg_class: np.ndarray | None = None    # int [configs + 2]: sim.occupancy.smem_class (-1: any)
 
 
-def prepare(plan, gpu=None, serial: bool | None = None,
-            l2_window_bytes: float | None = None) -> Workload:
+def prepare(plan, gpu=None, l2_window_bytes: float | None = None) -> Workload:
     """Lay out ``plan``'s thread blocks as launches (see module docstring).
 
-    ``gpu``: spec or name to simulate (default: the GPU the plan was made for).  ``serial``:
-    override ``plan.serial`` (the plan's groups one after another, a phase each, instead of
-    the one launch path).  ``l2_window_bytes``: L2 reuse window (default
-    :func:`sim.l2.l2_window` of the GPU; ``0`` turns L2 hits off).
+    ``gpu``: spec or name to simulate (default: the GPU the plan was made for).
+    ``l2_window_bytes``: L2 reuse window (default :func:`sim.l2.l2_window` of the GPU; ``0``
+    turns L2 hits off).
     """
     gpu = get_gpu(gpu if gpu is not None else plan.gpu)
-    serial = bool(plan.serial if serial is None else serial)
     occ = plan_occupancy(plan, gpu)
     T = plan.tile_configs.shape[0]
     need = np.zeros((T + 1, 4), dtype=np.int64)   # tile configs, then the merge
@@ -170,13 +165,8 @@ def prepare(plan, gpu=None, serial: bool | None = None,
 
     w = forward_work(plan)
     hk = plan.num_kv_heads
-    # the forward launches: the one launch path, or a serial plan's groups in plan order
-    if serial:
-        fwd = [(int(plan.group_tile[g]), mn, np.arange(b, e, dtype=np.int64))
-               for g, mn, b, e in plan.groups() if e > b]
-    else:
-        fwd = forward_launches(plan)
-    chained = not serial and len(fwd) >= 2 and dependent_launch_ok(gpu)
+    fwd = forward_launches(plan)
+    chained = len(fwd) >= 2 and dependent_launch_ok(gpu)
     launches, cfg, cta, head, lau, byt, til, flo, slo = [], [], [], [], [], [], [], [], []
     # each block runs its own variant's code: its warps and stages
     cfg_warps = np.array([o.resources.threads // 32 for o in occ], dtype=np.float64)
@@ -261,8 +251,7 @@ def prepare(plan, gpu=None, serial: bool | None = None,
                     blk_launch=np.concatenate(lau), blk_bytes=np.concatenate(byt),
                     blk_l2=blk_l2, blk_lead=blk_lead, blk_tiles=np.concatenate(til),
                     blk_flops=np.concatenate(flo), blk_slots=np.concatenate(slo),
-                    num_phases=fwd_phases + (1 if nm else 0),
-                    serial=serial, l2_window=window,
+                    num_phases=fwd_phases + (1 if nm else 0), l2_window=window,
                     blk_warps=np.concatenate([cfg_warps[f_tile], np.zeros(nm)]),
                     blk_stages=np.concatenate([f_stages, np.zeros(nm)]),
                     blk_wg=np.concatenate([cfg_wg[f_tile], np.zeros(nm, dtype=bool)]),
@@ -331,7 +320,6 @@ class SimResult:
     plan: object
     gpu: GPUSpec
     constants: SimConstants
-    serial: bool
     timeline: Timeline
     bytes: dict               # by kind: kv, q, partial_write, partial_read, out, total
     bytes_level: dict         # by where served: hbm, l2, total (== bytes["total"])
@@ -376,7 +364,7 @@ class SimResult:
 
     def as_dict(self) -> dict:
         return {
-            "packer": self.plan.packer, "gpu": self.gpu.name, "serial": self.serial,
+            "packer": self.plan.packer, "gpu": self.gpu.name,
             "num_sms": self.gpu.num_sms, "constants": self.constants.as_dict(),
             "constants_source": self.constants.source,
             "latency_us": self.latency_us, "forward_us": self.forward_ns / 1e3,
@@ -396,7 +384,7 @@ def _idle_share(tl: Timeline, mask, t0: float, t1: float) -> float:
 
 
 def simulate(plan, gpu=None, constants: SimConstants | str | None = None,
-             serial: bool | None = None, timing: str = "graph") -> SimResult:
+             timing: str = "graph") -> SimResult:
     """Simulate one decode step of ``plan``.
 
     Parameters
@@ -406,12 +394,11 @@ def simulate(plan, gpu=None, constants: SimConstants | str | None = None,
         variant of a known GPU uses that GPU's constants.
     constants : :class:`SimConstants`, a path to a constants JSON file, or ``None`` for
         ``sim/data/<gpu>.json`` (the default estimate when absent).
-    serial : override ``plan.serial``.
     timing : ``"graph"`` (default: CUDA-graph replay, in-graph launch gaps) or ``"eager"``
         (``run()`` from Python: the host's cost per launch).
     """
     check_timing(timing)
-    wl = prepare(plan, gpu, serial)
+    wl = prepare(plan, gpu)
     if constants is None or isinstance(constants, str):
         constants = load_constants(wl.gpu, constants)
     tl = run_timeline(wl, constants, timing)
@@ -423,7 +410,7 @@ def simulate(plan, gpu=None, constants: SimConstants | str | None = None,
     fwd_start = float(np.nanmin(tl.block_start[fwd])) if fwd.any() else start
     merge_span = (end - float(np.nanmin(tl.block_start[mrg]))) if mrg.any() else 0.0
     return SimResult(
-        plan=plan, gpu=wl.gpu, constants=constants, serial=wl.serial, timeline=tl,
+        plan=plan, gpu=wl.gpu, constants=constants, timeline=tl,
         bytes=bytes_by_kind(plan), bytes_level=bytes_by_level(wl),
         occupancy=plan_occupancy(plan, wl.gpu), timing=timing,
         waste=padding_waste(plan), latency_ns=end, forward_ns=fwd_end, merge_ns=merge_span,

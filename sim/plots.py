@@ -49,8 +49,8 @@ def gantt(result, path: str, title: str | None = None, max_sms: int | None = Non
     """Per-SM Gantt chart of ``result`` (a :class:`sim.model.SimResult`).
 
     One row per SM; a row is split into lanes, one per resident block, so blocks that share the
-    SM are drawn one above the other.  Forward blocks are coloured by launch (one stream per
-    launch group, labelled with its tile config); merge blocks are grey.  Dashed lines mark each
+    SM are drawn one above the other.  Forward blocks are coloured by launch (one launch per
+    tile config, labelled with it); merge blocks are grey.  Dashed lines mark each
     launch's host issue time; shaded spans are times when no block runs on any SM (waiting for
     a launch to be issued or for the previous kernel to finish).  The legend sits outside the
     axes.
@@ -67,9 +67,7 @@ def gantt(result, path: str, title: str | None = None, max_sms: int | None = Non
         sel[ln.begin:ln.end] = True
         sel &= tl.block_sm < nsm
         colour = _MERGE_COLOUR if ln.kind == "merge" else cmap(i % cmap.N)
-        label = "merge" if ln.kind == "merge" else f"stream {i}: {ln.name.split()[-1]}"
-        if result.serial and ln.kind == "forward":
-            label += " (serial)"
+        label = "merge" if ln.kind == "merge" else f"launch {i}: {ln.name.split()[-1]}"
         handles.append(Patch(facecolor=colour, edgecolor="none", label=label))
         if not sel.any():
             continue
@@ -93,7 +91,7 @@ def gantt(result, path: str, title: str | None = None, max_sms: int | None = Non
     for i, ln in enumerate(tl.launches):
         x = ln.issue_ns / 1e3
         ax.axvline(x, color="black", lw=0.7, ls="--", alpha=0.6)
-        ax.text(x, 0.99, f"issue {'merge' if ln.kind == 'merge' else f'stream {i}'} ",
+        ax.text(x, 0.99, f"issue {'merge' if ln.kind == 'merge' else f'launch {i}'} ",
                 rotation=90, va="top", ha="right", fontsize=6.5, color="black",
                 transform=ax.get_xaxis_transform())
     handles.append(Line2D([0], [0], color="black", lw=0.7, ls="--",

@@ -12,8 +12,8 @@ What it models
 * **Phases.** Launches carry a phase number.  A phase starts ``gap_ns`` after every block of the
   previous phase has finished (a kernel waiting on another, through stream order or an event).
   The chained forward launches share phase 0 and the merge kernel is phase 1; forward launches
-  that run one after another in stream order (no programmatic dependent launch, or a serial
-  plan) are a phase each.  A launch may also be *gated* on an earlier launch of its phase: none
+  that run one after another in stream order (no programmatic dependent launch) are a phase
+  each.  A launch may also be *gated* on an earlier launch of its phase: none
   of its blocks is placed before all of the gate's are (a programmatic dependent launch, whose
   blocks are placed once every block of the launch it depends on has been: the chained forward
   launches of :mod:`pat_core.launch`); the phase ends after every block of its launches.

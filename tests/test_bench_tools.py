@@ -67,30 +67,28 @@ def test_report_renders(tmp_path):
     assert any("wrote" in x for x in lines)
 
 
-def test_kernel_lab_tunings_apply_and_serial_labels_need_run_case():
-    """Every kernel_lab label builds a valid planner Tuning; a label that needs serial plans is
-    refused where nothing passes serial= to plan() (profile_case, trace_replay)."""
-    from types import SimpleNamespace
+def test_kernel_lab_tunings_apply_and_restore():
+    """Every kernel_lab label builds a valid planner Tuning (its kernel layouts, forced n and
+    cache layout left to run_case), and the restore puts the planner's tuning back; every case
+    names a label of TUNINGS or forces a tile."""
+    from kernel_lab import CASE_SETS, TUNINGS, apply_tuning
 
-    from kernel_lab import TUNINGS, apply_tuning
-
-    from pat_core import Planner
+    from pat_core import Planner, Tuning
+    planner = Planner("pat", "h100")
+    before = planner.tuning
     for label, tun in TUNINGS.items():
-        be = SimpleNamespace(launch_mode="auto", merge_mode="kernel", merge_heads_per_warp=None,
-                             one_tile="auto", finish_launch="pdl", merge_launch="pdl",
-                             fwd_chain="fork")
-        planner = Planner("pat", "h100")
-        if tun.get("serial"):
-            with pytest.raises(ValueError, match="serial"):
-                apply_tuning(label, planner, be)
-        restore = apply_tuning(label, planner, be, serial_ok=True)
-        assert be.merge_mode == tun.get("merge", "kernel")
-        assert be.finish_launch == tun.get("finish_launch", "pdl")
-        assert be.merge_launch == tun.get("merge_launch", "pdl")
-        assert be.fwd_chain == tun.get("fwd_chain", "fork")
+        restore = apply_tuning(label, planner)
+        assert isinstance(planner.tuning, Tuning)
+        for key, val in tun.items():
+            if key not in ("layouts", "n_by_m", "kv_layout"):
+                assert getattr(planner.tuning, key) == val, (label, key)
         restore()
-        assert (be.merge_mode, be.finish_launch, be.merge_launch, be.fwd_chain) == \
-            ("kernel", "pdl", "pdl", "fork")
+        assert planner.tuning is before
+    with pytest.raises(KeyError):
+        apply_tuning("finish-all", planner)
+    for name, cases in CASE_SETS.items():
+        for spec, heads, packer, tile, over, label in cases:
+            assert label in TUNINGS or tile is not None, (name, label)
 
 
 def test_request_rule_check_scores_the_rule_and_the_simulator(tmp_path):
@@ -99,8 +97,9 @@ def test_request_rule_check_scores_the_rule_and_the_simulator(tmp_path):
     rows = []
     for heads, req_us, pat_us in (("32:8", 375.0, 384.0),      # per request faster: rule right
                                   ("64:8", 400.0, 380.0)):     # per request slower: rule wrong
+        # the per-request row: "finish-0" in files from before the one launch path
         rows.append(dict(workload="1,32,256_64,64,1024", heads=heads, packer="query",
-                         label="finish-0", graph_us=req_us))
+                         label="finish-0" if heads == "32:8" else "default", graph_us=req_us))
         rows.append(dict(workload="1,32,256_64,64,1024", heads=heads, packer="pat",
                          label="request-off", graph_us=pat_us))
     path = tmp_path / "kl.json"
@@ -110,26 +109,6 @@ def test_request_rule_check_scores_the_rule_and_the_simulator(tmp_path):
     assert by["32:8"]["rule_takes"] and by["32:8"]["rule_right"]
     assert by["64:8"]["rule_takes"] and not by["64:8"]["rule_right"]
     assert all(r["sim_per_request_us"] > 0 and r["sim_pat_us"] > 0 for r in out)
-
-
-def test_fold_sim_check_pairs_fold_and_merge_plans(tmp_path):
-    """bench/fold_sim_check.py re-plans a kernel_lab pair as measured (fold / no fold) and
-    scores the simulator's choice against the measured one."""
-    import fold_sim_check as fsc
-    rows = [dict(workload="1,64_256,16", heads=[32, 8], packer="pat", label=lab, graph_us=us,
-                 set="finish-many") for lab, us in (("default", 30.0), ("finish-all", 20.0))]
-    path = tmp_path / "kl.json"
-    path.write_text(json.dumps({"rows": rows}))
-    out = tmp_path / "check.json"
-    assert fsc.main([str(path), "--out", str(out)]) == 0
-    res = json.loads(out.read_text())
-    assert res["score"]["pairs"] == 1
-    (row,) = res["rows"]
-    assert row["fold"]["fold"] and not row["merge"]["fold"]
-    assert row["measured_fold_over_merge"] == pytest.approx(20.0 / 30.0)
-    assert row["right"] == (row["predicted_fold_over_merge"] < 1)
-    with pytest.raises(ValueError, match="label"):
-        fsc.tuning_for("finish-0", "finish-many")
 
 
 def test_host_path_compare_and_cli(tmp_path, capsys):

@@ -18,7 +18,7 @@ from sim.cli import main
 from sim.constants import default_constants, load_constants
 
 SPECS = ("1,8_512,64", "1,4,16_128,256,512", "32_300", "2,16_1024,32")
-METHODS = ("pat", "query", "pat-serial")
+METHODS = ("pat", "query", "cascade")
 HEADS = ((32, 8), (8, 8))
 TRUE = dict(sm_bandwidth=80.0, block_ns=2500.0, launch_ns=9000.0, tile_ns=220.0,
             graph_launch_ns=1200.0)

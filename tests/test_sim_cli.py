@@ -92,10 +92,10 @@ def test_tree_spec():
 def test_plots_render_with_agg(tmp_path):
     assert matplotlib.get_backend().lower() == "agg"
     batch = load_batch("1,2,8_64,100,37", 16)
-    res = [simulate(make_plan(batch, m, 32, 8, 128)) for m in ("pat", "pat-serial")]
+    res = [simulate(make_plan(batch, m, 32, 8, 128)) for m in ("pat", "cascade")]
     for i, r in enumerate(res):
         assert open(gantt(r, str(tmp_path / f"g{i}.png")), "rb").read(8) == PNG
-    rows = [dict(method=m, bytes=r.bytes) for m, r in zip(("pat", "pat-serial"), res)]
+    rows = [dict(method=m, bytes=r.bytes) for m, r in zip(("pat", "cascade"), res)]
     assert open(bytes_plot(rows, str(tmp_path / "b.png")), "rb").read(8) == PNG
     sw = {"knob": "batch", "values": [1, 2], "methods": {"pat": [1.0, 2.0]}}
     assert open(sweep_plot(sw, str(tmp_path / "s.png")), "rb").read(8) == PNG

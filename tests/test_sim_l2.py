@@ -61,7 +61,7 @@ def test_hits_grow_with_the_window():
 
 
 @pytest.mark.parametrize("spec", ["1,4,16_128,256,1024", "3,12_100,37", "8_300", "1,1,4_16,40,9"])
-@pytest.mark.parametrize("method", ["pat", "query", "node", "cascade", "pat-serial"])
+@pytest.mark.parametrize("method", ["pat", "query", "node", "cascade", "pat-fixed"])
 def test_bytes_conserved(spec, method):
     plan = _plan(spec, method, (32, 8))
     wl = prepare(plan)
