@@ -78,16 +78,19 @@ print(f"Q tile {m * d * b:,} B + {stages} stages x (K + V) {2 * stages * n * d *
 report = resources["variants"][variant.key]["sm_90"]
 reported = report["smem_static"] + report["smem_dynamic"]
 chk = check_tile(m, n, d, "float16", "h100")
-print(f"the compiler's report: {reported:,} B; the tile solver uses {chk.resources.smem:,} B "
+print(f"the compiler's report: {report['smem_dynamic']:,} B dynamic + {report['smem_static']} B "
+      f"static = {reported:,} B; the tile solver uses {chk.resources.smem:,} B "
       f"(source: {chk.resources.source})")
-assert smem == reported == chk.resources.smem and chk.resources.source == "nvcc"
-assert smem <= h100.smem_per_block
+assert smem == report["smem_dynamic"] and 0 < report["smem_static"] <= 256
+assert reported == chk.resources.smem and chk.resources.source == "nvcc"
+assert reported <= h100.smem_per_block
 
 # %% [markdown]
-# The formula, the compiler's report and the number the solver uses agree (the cell asserts
-# it). The solver still reads the report rather than the formula: a kernel may reserve extra
-# shared memory (for example a buffer where warps combine results), and the report would show
-# it.
+# The formula gives the dynamic shared memory, the ring and the query tile, to the byte (the
+# cell asserts it). The compiler reports a few bytes more, static shared memory the kernel
+# declares itself (the indices of the next work items its block draws, shared by its threads),
+# and the number the solver uses is the report's total. That is why the solver reads the report
+# rather than the formula: a kernel may reserve shared memory the formula does not know about.
 #
 # **2. Registers.** Each thread holds its share of the fp32 output accumulator and of the score
 # tile in registers. The numbers come from the compiler's resource report, stored with the
@@ -265,8 +268,9 @@ assert plan.num_groups == len(tiles_used)      # pat: one group per tile shape
 
 # %% [markdown]
 # A launch group is the set of CTAs that run the same compiled variant (for `pat`, one group
-# per tile shape; `cascade` also separates tree levels). How the CUDA backend issues the groups
-# (launches, streams) is its own business; tutorial 4 shows the simulator's picture of it.
+# per tile shape; `cascade` also separates tree levels). The CUDA backend runs one forward
+# launch per tile shape, tallest tile first, whatever the groups (tutorial 4 shows the
+# simulator's picture of it, tutorial 5 the backend).
 #
 # ## One CTA, tile by tile
 #

@@ -9,8 +9,9 @@
 #   order of seven partials;
 # * how a plan's partial slots become the final output (`pat_core.merge_partials`), and how much
 #   each CTA contributed to each request;
-# * where the merge runs: a merge pass, or each request's own CTA folding its other partials in
-#   (the *finisher phase*), and when the planner chooses which;
+# * where the merge runs: a request whose KV one CTA holds gets its output from that CTA, the
+#   merge combines the other requests' partials, and a step where every request has one CTA
+#   needs no merge at all;
 # * that the whole pipeline equals plain dense attention (`pat_core.dense_attention`) for every
 #   packer.
 #
@@ -260,74 +261,70 @@ print(f"plain fp16 attention: {fp16_plain:.2e}")
 # %% [markdown]
 # ## Where the merge runs
 #
-# So far the merge was a separate pass over every partial slot: on a GPU, a merge kernel that
-# starts once every forward CTA has finished. When every request has a CTA of its own (its
-# private leaf), that CTA can do the merge instead. It runs after the others, and when its own
-# KV walk ends it folds the request's other slots into its running state with the same
-# log-sum-exp rule and writes the final output. Its own partial is then never written, and the
-# merge pass disappears. The plan marks this as a *finisher phase*: the groups from
-# `plan.finish_from` on are the finishers (`pat_core.fold`; the CPU executor folds in the same
-# way).
+# On a GPU the merge is a kernel of its own, launched after the forward launches. It only has
+# work for requests of more than one slot. A request whose KV one CTA holds entirely has exactly
+# one slot, and merging one state with nothing changes nothing: so that CTA writes the request's
+# final output itself (`o` in the output dtype, and its LSE), no partial is written for it, and
+# the merge kernel skips it (`Plan.direct_requests()` counts such requests). When every request
+# of a step has one slot (`plan.num_slots == plan.batch_size`) the merge is not launched at
+# all. (`pat_core.launch.merge_needed` states the backend's rule; it also launches the merge when
+# a forward block had to draw a second work item, only to reset the work counters.)
+#
+# A batch with both kinds: three requests under a 128-token shared prompt, and two requests that
+# share nothing.
 
 # %%
-no_fold = pat_core.Planner("pat", "h100", pat_core.Tuning(finish_pairs=None)).plan(
-    batch.block_tables, batch.seq_lens, hq, hk, d, 16, kv_data_type="float32")
-fold = pat_core.Planner("pat", "h100", pat_core.Tuning(finish_share=1.0)).plan(
-    batch.block_tables, batch.seq_lens, hq, hk, d, 16, kv_data_type="float32")
-print(f"{spec}: finish_from {no_fold.finish_from} -> {fold.finish_from}, partial bytes "
-      f"{no_fold.stats()['partial_bytes']:,} -> {fold.stats()['partial_bytes']:,}")
-out_fold = pat_core.executor.execute(fold, qs, k_cache, v_cache)
-ref = dense_attention(qs, (k_cache, v_cache), batch.block_tables, batch.seq_lens, 16)
-print(f"folded plan vs dense: relative error {relative_error(out_fold, ref):.1e}")
-assert no_fold.finish_from == -1 and fold.finish_from > 0
-assert fold.num_ctas == no_fold.num_ctas                       # the same CTAs, run in two phases
-# each finisher's slot is neither written nor read: 8 requests x 8 heads x (d + 1) fp32, twice
-assert no_fold.stats()["partial_bytes"] - fold.stats()["partial_bytes"] == 8 * hq * (d + 1) * 4 * 2
-assert relative_error(out_fold, ref) < 1e-5
+tables = [[0, 1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 2, 3, 4, 5, 6, 7, 9], [0, 1, 2, 3, 4, 5, 6, 7, 10],
+          [11, 12, 13], [14, 15, 16, 17]]
+lens = [140, 140, 140, 48, 64]
+mixed = pat_core.Planner("pat", "h100").plan(tables, lens, hq, hk, d, 16,
+                                             kv_data_type="float32")
+slots = np.diff(mixed.req_slot_indptr)
+print(f"slots per request: {slots.tolist()}; requests written by their own CTA: "
+      f"{mixed.direct_requests()}")
+print(f"partial bytes: {mixed.stats()['partial_bytes']:,} (written and read back, for the "
+      f"{int((slots > 1).sum())} requests the merge combines)")
+assert slots.tolist() == [2, 2, 2, 1, 1] and mixed.direct_requests() == 2
+# fp32 partials (d values and an LSE per query head), written once and read once
+assert mixed.stats()["partial_bytes"] == 2 * (mixed.num_slots - 2) * hq * (d + 1) * 4
 
 # %% [markdown]
-# The price is order: the finishers can only fold once the first phase has ended, so on a GPU
-# the first phase no longer overlaps the leaves. Where that pays was measured, not guessed. By
-# default the planner folds in two cases: every request has exactly one CTA (no first phase at
-# all), and steps whose merge would be large: at least 32,768 (request, query head) pairs, each
-# phase a single tile group (so the finishers go out as one launch that depends on the first
-# phase's launch; this needs an sm_90 GPU such as the H100), and no first-phase CTA longer than
-# 1,024 tokens. A thousand requests under one shared 1,024-token prompt, at 32 query heads,
-# qualify:
+# The CPU executor runs every CTA into its slots and merges every request, one slot or several:
+# merging a single slot returns it unchanged (weight `exp(lse - lse) = 1`), so its output is
+# bit for bit what the GPU's CTA writes directly.
 
 # %%
-import json
-from pathlib import Path
-
-big = build_tree_batch("1,1024_1024,16", page_size=16)
-plans = {name: pat_core.Planner("pat", "h100", tun).plan(big.block_tables, big.seq_lens,
-                                                           32, 8, 128, 16)
-         for name, tun in (("merge", pat_core.Tuning(finish_pairs=None)),
-                           ("default", pat_core.Tuning()))}
-for name, p in plans.items():
-    print(f"{name:>8}: finish_from {p.finish_from:2d}, partial bytes "
-          f"{p.stats()['partial_bytes'] / 1e6:5.1f} MB, folded by {p.extra['fold_rule']}")
-assert plans["default"].extra["fold_rule"] == "pairs"
-assert big.batch_size * 32 == 32768
-assert plans["default"].stats()["partial_bytes"] * 2 == plans["merge"].stats()["partial_bytes"]
-
-# the H100 measurements behind the rule (bench/NOTES.md, round 19), best of two runs, graph replay
-results = Path(pat_core.__file__).resolve().parent.parent / "bench" / "results" / "round19"
-if results.is_dir():
-    best = {}
-    for f in sorted(results.glob("kernel_lab_finish_many_*.json")):
-        for r in json.loads(f.read_text())["rows"]:
-            if r["workload"] == "1,1024_1024,16" and r["heads"] in ("32:8", [32, 8]):
-                best[r["label"]] = min(best.get(r["label"], np.inf), r["graph_us"])
-    print(f"measured: merge {best['default']:.1f} us, folded {best['finish-all']:.1f} us "
-          f"({best['finish-all'] / best['default']:.2f}x)")
-    assert best["finish-all"] < 0.95 * best["default"]
+kc2, vc2 = random_kv_cache(18, 16, hk, d, dtype=np.float32, seed=5)
+q2 = rng.standard_normal((len(lens), hq, d)).astype(np.float32)
+o2, l2 = execute_partials(mixed, q2, kc2, vc2)
+out2, lse2 = merge_partials(o2, l2, mixed.req_slot_indptr)
+for r in np.flatnonzero(slots == 1):
+    s0 = mixed.req_slot_indptr[r]
+    assert np.array_equal(out2[r], o2[s0]) and np.array_equal(lse2[r], l2[s0])
+ref2 = dense_attention(q2, (kc2, vc2), tables, lens, 16)
+print(f"merged output vs dense attention: relative error {relative_error(out2, ref2):.1e}")
+assert relative_error(out2, ref2) < 1e-5
 
 # %% [markdown]
-# Half the partial bytes go (every request's leaf slot, written and read back), and with them
-# the merge launch: on an H100 the step took about 0.91x as long. The same measurements showed
-# where folding loses (a first phase of several launch groups, fewer pairs, long first-phase
-# CTAs), which is why the rule has its conditions.
+# The `pat` packer uses this on purpose. On a batch of long private leaves under short shared
+# levels, sharing the levels costs a partial per request and level, the merge launch and the
+# shared CTAs' own blocks, while one CTA per request re-reads the short shared pages (mostly from
+# L2) and needs no merge. Its *per-request rule* (`pat_core.packers.request_packing`) takes the
+# per-request plan where it re-reads few tokens and needs no merge: then no partial is written.
+
+# %%
+# 256 requests, each with a 1,024-token leaf under two 64-token levels (one shared by all 256,
+# the other by groups of 8);
+# 32 query heads over 8 KV heads, head_dim 128 (planned only)
+leafy = build_tree_batch("1,32,256_64,64,1024", page_size=16)
+per_req = pat_core.Planner("pat", "h100").plan(leafy.block_tables, leafy.seq_lens, 32, 8, 128, 16)
+shared = pat_core.Planner("pat", "h100", pat_core.Tuning(request_share=0.0)).plan(
+    leafy.block_tables, leafy.seq_lens, 32, 8, 128, 16)
+for name, p in (("rule off", shared), ("default", per_req)):
+    print(f"{name:>8}: {p.num_ctas} CTAs, {p.num_slots} slots for {p.batch_size} requests, "
+          f"partial bytes {p.stats()['partial_bytes']:,}")
+assert per_req.one_cta_per_request and per_req.num_slots == per_req.batch_size
+assert per_req.stats()["partial_bytes"] == 0 < shared.stats()["partial_bytes"]
 
 # %% [markdown]
 # **Try it yourself:** merge only *some* of a request's slots (drop one from `o_part`'s range)

@@ -5,8 +5,8 @@
 #
 # * how the simulator (`sim`) turns a `Plan` into bytes, SM occupancy, a per-SM timeline and a
 #   predicted latency, on a laptop;
-# * how to read a per-SM timeline: waves, launch groups (chained on one stream), the merge
-#   kernel, and idle "bubbles";
+# * how to read a per-SM timeline: waves, the forward launches (one per tile shape, chained on
+#   one stream), the merge kernel, and idle "bubbles";
 # * how the packers compare on several batch shapes;
 # * sweeps over shared-prefix length, batch size, tree depth and GQA ratio, and where prefix-aware
 #   packing stops paying off.
@@ -121,8 +121,8 @@ for name, p in (("pat", plan), ("query", plan_for(spec, "query"))):
     else:
         assert lead == 0 and hits > 0
 
-# the other two rules, on a deep tree of 32-token nodes at 16:8 (one-warp 16x32 leaves of one
-# tile beside 16x64 blocks): each block's bandwidth weight and each tile's shared-memory class
+# the other two rules, on a deep tree of 32-token nodes at 16:8 (16x32 leaves of one tile beside
+# 16x64 blocks): each block's bandwidth weight and each tile's shared-memory class
 deep_plan = plan_for("1,2,4,8,16,32,64,128_32,32,32,32,32,32,32,32", heads=(16, 8))
 deep = prepare(deep_plan)
 fwd = deep.blk_tiles > 0
@@ -134,7 +134,8 @@ for k, (m, n) in enumerate(tiles):
 leaf, root = tiles.index((16, 32)), tiles.index((16, 64))
 # the statements above: a one-tile 16x32 leaf weighs a quarter of a 16x64 block with two
 # 64-token tiles in flight; 16x32 and 16x64 sit on either side of the 40 KB line
-assert np.all(deep.blk_weight[fwd & (deep.blk_cfg == leaf)] == 0.25)
+one_tile = fwd & (deep.blk_cfg == leaf) & (deep.blk_tiles == 1)
+assert one_tile.any() and np.all(deep.blk_weight[one_tile] == 0.25)
 assert deep.blk_weight[fwd & (deep.blk_cfg == root)].max() == 1.0
 assert deep.need[leaf, 0] <= 40 * 1024 < deep.need[root, 0]
 assert deep.cfg_class[leaf] != deep.cfg_class[root]
@@ -158,19 +159,19 @@ for o in res.occupancy:
     print(f"tile {o.m}x{o.n}: {o.blocks} blocks / ({res.gpu.num_sms} SMs x {o.ctas_per_sm} "
           f"per SM) = {waves:.2f} waves")
     assert abs(waves - o.waves) < 1e-9
-#
+
+# %% [markdown]
 # ## The per-SM timeline
 #
-# `sim.plots.gantt` draws every block as a bar on the SM it ran on, coloured by launch: each tile
-# group is its own kernel launch, the grey bars are the merge kernel. On Hopper the CUDA backend
-# chains a plan's launches on one stream, longest CTAs first, each a programmatic dependent of
-# the one before (`fwd_chain="pdl"`, the simulator's default too): a launch's blocks are placed
-# as soon as the previous launch's blocks all are, with no fork and no join. We compare pat with
-# the query-centric baseline, with pat's own plan launched one group at a time (`serial=True`,
-# the way a cascade runs its levels), and with its groups forked onto one stream each and joined
-# before the merge (`fwd_chain="fork"`, the backend's older launch path). The running example
-# plans a single tile shape, so this section takes a batch whose pat plan has three: 4 documents
-# of 256 tokens under a 1,024-token prompt, 64 requests with 64 tokens each of their own.
+# `sim.plots.gantt` draws every block as a bar on the SM it ran on, coloured by launch; the grey
+# bars are the merge kernel. The simulator lays a plan out as the CUDA backend runs every plan
+# (tutorial 5): one forward launch per tile shape the plan uses, tallest tile first, all on the
+# caller's stream, then the merge for the requests of several partials. On Hopper each forward
+# launch is a programmatic dependent of the one before it: its blocks are placed as soon as the
+# previous launch's blocks all are, so the launches overlap as SMs free up. We compare pat with
+# the query-centric baseline. The running example plans a single tile shape, so this section
+# takes a batch whose pat plan has three: 4 documents of 256 tokens under a 1,024-token prompt,
+# 64 requests with 64 tokens each of their own.
 
 # %%
 outdir = tempfile.mkdtemp(prefix="pat_tutorial_")
@@ -178,8 +179,6 @@ spec2 = "1,4,64_1024,256,64"
 plan2 = plan_for(spec2)
 runs = {
     "pat": sim.simulate(plan2),
-    "pat, groups launched serially": sim.simulate(plan2, serial=True),
-    "pat, groups forked onto streams": sim.simulate(plan2, fwd_chain="fork"),
     "query": sim.simulate(plan_for(spec2, "query")),
 }
 for name, r in runs.items():
@@ -192,24 +191,29 @@ for name, r in runs.items():
 # What to look for (the cell below prints the numbers behind each point and checks them):
 #
 # * **query** reads the 1,280 shared tokens (prompt and document) once per request, so its
-#   blocks are longer; it has one launch group and no partial results beyond one per request.
-# * **pat** has one launch group per tile shape, chained: the launches are issued one after
-#   another (dashed lines), a group starts only once it is issued and the group before it is
-#   placed, and the groups overlap as soon as SMs free up. The merge kernel at the end is the
-#   price of splitting requests over several CTAs.
-# * launching the same groups **serially** makes each group wait for the one before it to
-#   finish: never faster than the chain.
-# * **forking** the groups onto streams lets them start in any order but pays a join before the
-#   merge: not faster than the chain either (measured on an H100, the chain was 0-15% faster:
-#   `bench/NOTES.md`, round 21).
+#   blocks are longer; it has one tile shape, so one forward launch, and every request has one
+#   CTA that writes its output itself: nothing to merge. Its merge kernel still runs, briefly,
+#   and moves nothing: the launch's 512 work items (64 CTAs x 8 KV heads) are more than the
+#   blocks an H100 holds at once, so blocks draw a second item, and the merge resets the work
+#   counters (`pat_core.launch.merge_needed`).
+# * **pat** has one launch per tile shape, tallest first: the launches are issued one after
+#   another (dashed lines), a launch's blocks start only once it is issued and the launch before
+#   it is placed, and the launches overlap as soon as SMs free up. The merge kernel at the end is
+#   the price of splitting requests over several CTAs.
+# * on a GPU without programmatic dependent launch (an A100) the same launches run one after
+#   another in stream order: each waits for the one before it to finish.
 
 # %%
-r_pat, r_ser, r_fork, r_q = (runs[k] for k in ("pat", "pat, groups launched serially",
-                                                 "pat, groups forked onto streams", "query"))
+r_pat, r_q = runs["pat"], runs["query"]
 q_plan = plan_for(spec2, "query")
-print(f"query: {q_plan.num_groups} launch group; pat: {plan2.num_groups} launch groups "
-      f"(tiles {plan2.stats()['tiles']})")
-assert q_plan.num_groups == 1 and plan2.num_groups == len(plan2.stats()["tiles"]) == 3
+print(f"query: {len(q_plan.stats()['tiles'])} tile shape; pat: tiles {plan2.stats()['tiles']}")
+assert len(q_plan.stats()["tiles"]) == 1 and len(plan2.stats()["tiles"]) == 3
+assert [ln.kind for ln in r_q.timeline.launches] == ["forward", "merge"]
+assert q_plan.num_slots == q_plan.batch_size and r_q.bytes["partial_read"] == 0
+items = q_plan.num_ctas * HK
+print(f"query: {items} work items for {r_q.occupancy[0].ctas_per_sm * r_q.gpu.num_sms} "
+      f"resident blocks; its merge only resets the counters")
+assert items > r_q.occupancy[0].ctas_per_sm * r_q.gpu.num_sms
 tl = r_pat.timeline
 spans = []
 for ln in tl.launches:
@@ -220,22 +224,29 @@ for ln in tl.launches:
           f"{spans[-1][2]:6.1f} - {spans[-1][3]:6.1f} us")
     assert spans[-1][2] >= spans[-1][1]                 # nothing runs before it is issued
 fwd = [s for s in spans if not s[0].startswith("merge")]
+rows = [int(name.split()[1].split("x")[0]) for name, *_ in fwd]
+assert rows == sorted(rows, reverse=True)               # the tallest tile first
 overlap = any(a[2] < b[3] and b[2] < a[3] for i, a in enumerate(fwd) for b in fwd[i + 1:])
-print(f"forward groups overlap in time: {overlap}; chained {r_pat.latency_us:.1f} us, serial "
-      f"{r_ser.latency_us:.1f} us, forked {r_fork.latency_us:.1f} us")
-assert overlap and r_ser.latency_us >= r_pat.latency_us - 1e-6
-assert r_fork.latency_us > r_pat.latency_us            # the join before the merge
+print(f"forward launches overlap in time: {overlap}; predicted {r_pat.latency_us:.1f} us")
+assert overlap and spans[-1][0] == "merge" and spans[-1][2] >= max(s[3] for s in fwd)
 assert r_q.bytes["kv"] > r_pat.bytes["kv"]
+# the same batch planned for an A100: its forward launches one after another
+a100 = sim.simulate(plan_for(spec2, gpu="a100"))
+fa = [ln for ln in a100.timeline.launches if ln.kind == "forward"]
+ta = a100.timeline
+assert len(fa) >= 2 and all(ta.block_start[b.begin:b.end].min() >= ta.block_end[a.begin:a.end].max()
+                            for a, b in zip(fa, fa[1:]))
+print(f"A100: {len(fa)} forward launches, none overlapping the one before it")
 b2 = build_tree_batch(spec2, page_size=16)          # 64 requests, 1,280 shared tokens each
 assert b2.batch_size == 64 and set(np.asarray(b2.seq_lens).tolist()) == {1024 + 256 + 64}
-#
+
+# %% [markdown]
 # ## Several trees, every packer
 #
 # The shapes from the PAT paper's evaluation cover one big shared document, a deep
-# few-shot/tool tree, and a batch with no sharing at all (the last one: every packer but
-# `cascade` ties with `query` there, one CTA per request that writes its own output; `cascade`'s
-# level-by-level plans are serial, which keep their merge launch, so it is a little slower; the
-# cell checks both).
+# few-shot/tool tree, and a batch with no sharing at all (the last one: every packer makes the
+# same plan there, one CTA per request that writes its own output, so they tie; the cell checks
+# it).
 
 # %%
 trees = ["1,16_2048,128", "1,4,64_256,1024,64", "1,2,8,128_512,128,256,32", "128_2048"]
@@ -257,9 +268,7 @@ fig.tight_layout()
 plt.show()
 for t in trees:
     print(f"{t:<28}" + "  ".join(f"{p} {lat[t][p]:7.1f} us" for p in packers))
-assert all(abs(lat["128_2048"][p] - lat["128_2048"]["query"]) < 1e-6
-           for p in packers if p != "cascade")
-assert lat["128_2048"]["cascade"] > lat["128_2048"]["query"]
+assert all(abs(lat["128_2048"][p] - lat["128_2048"]["query"]) < 1e-6 for p in packers)
 
 # %% [markdown]
 # ## Sweeps: when does sharing pay?
@@ -384,20 +393,20 @@ for name, pl in [("query", plan_for(worst, "query")), ("pat", plan_for(worst, "p
     r = sim.simulate(pl)
     st = pl.stats()
     cell[name] = (pl, st, r)
-    print(f"{name:<22} {st['num_ctas']:>4} CTAs  {pl.num_groups} launch groups  "
+    print(f"{name:<22} {st['num_ctas']:>4} CTAs  {len(st['tiles'])} forward launches  "
           f"KV {st['kv_bytes'] / 1e6:5.2f} MB  partials {st['partial_bytes'] / 1e6:5.2f} MB  "
           f"total {st['total_bytes'] / 1e6:5.2f} MB  -> {r.latency_us:6.2f} us")
 (qp, qs, qr), (pp, ps_, pr), (np_, ns, nr) = cell.values()
 split_changes = not np.array_equal(pp.cta_kv_len, np_.cta_kv_len)
 print("the default long-KV split changes this plan:", split_changes)
 # the statements below
-assert pr.latency_us > qr.latency_us and pp.num_groups > qp.num_groups
+assert pr.latency_us > qr.latency_us and len(ps_["tiles"]) > len(qs["tiles"])
 assert ps_["partial_bytes"] > qs["partial_bytes"]
 
 # %% [markdown]
 # The profit model (tutorial 1) decides to share a node by comparing bytes, one edge at a time.
 # Here pat's plan is predicted slower than query's, and the printout shows what the byte count
-# leaves out: pat's plan has more launch groups than query's, each one more kernel launch with a
+# leaves out: pat's plan has more tile shapes than query's, each one more forward launch with a
 # fixed cost (large next to a step this short), and it writes and reads back more partial
 # results. The last line says whether the long-KV split (tutorial 1's last step, default rule)
 # had any part in it. For such batches the simple rule "use the query plan when the shared bytes

@@ -48,9 +48,10 @@ print("GPU available:", HAVE_GPU)
 # ## Running the kernels
 #
 # On a GPU the wrapper takes CuPy arrays (or torch CUDA tensors) and launches on the caller's
-# current stream: one forward kernel per tile group (on Hopper chained on that stream, each a
-# programmatic dependent of the one before; on older GPUs each on a stream of its own), then the
-# merge kernel. The first `run` of each tile shape compiles it (NVRTC, cached afterwards), so we warm
+# current stream: one forward kernel per tile shape, tallest first (on Hopper chained on that
+# stream, each a programmatic dependent of the one before; on older GPUs one after another), then
+# the merge kernel for the requests of several partials (none when every request has one CTA
+# and no block drew a second work item). The first `run` of each tile shape compiles it (NVRTC, cached afterwards), so we warm
 # up before timing. Each timing is the median of 20 runs between CUDA events.
 #
 # The batch is the README's: one 128-token prompt, four 256-token documents, 16 requests with
