@@ -199,8 +199,8 @@ def _one_batch(inp: _Inputs, args, runner: _Runner) -> bool:
               f"{err:>9.2e}  {'yes' if ok else 'NO '} {tiles}")
     same = [names for names in packings.values() if len(names) > 1]
     if same:
-        note = (" (cascade packs as node does; it differs in its launch groups, one per tree "
-                "level)" if any("cascade" in n and "node" in n for n in same) else "")
+        note = (" (cascade packs as node does; it differs in its groups, one per tree level and "
+                "tile)" if any("cascade" in n and "node" in n for n in same) else "")
         print("same CTAs and tiles: " + "; ".join(", ".join(n) for n in same) + note)
     else:
         print("every packer chose different CTAs or tiles")

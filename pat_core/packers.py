@@ -17,8 +17,8 @@ keeps ``c``'s requests; each of them gets one more partial result to merge).
              ignoring bytes; merges a child when taking its rows out of the parent's CTA drops
              that CTA to a smaller tile by more than the child's own padded tile costs.
 ``node``     never merge: one CTA per tree node holding every request below it.
-``cascade``  ``node`` packing, one launch group per tree level, levels run one after another
-             (multi-level cascade inference).
+``cascade``  ``node`` packing, its groups one per tree level and tile (multi-level cascade
+             inference; a ``serial`` plan, launched as any other).
 ``query``    always merge, one request per CTA: the query-centric baseline.
 
 A CTA never holds more requests than ``max_rows // group`` (the largest tile's rows): larger

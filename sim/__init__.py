@@ -1,5 +1,6 @@
-"""Simulator of PAT decode attention: memory traffic, SM occupancy, a multi-stream timeline and
-predicted latency for any :class:`pat_core.Plan`, on a machine without a GPU.
+"""Simulator of PAT decode attention: memory traffic, SM occupancy, a timeline of the CUDA
+backend's launches and predicted latency for any :class:`pat_core.Plan`, on a machine without a
+GPU.
 
 >>> import pat_core, sim
 >>> from pat_core.workloads import build_tree_batch

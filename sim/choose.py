@@ -1,7 +1,7 @@
 """Pick a packer for one batch by the simulator's predicted latency.
 
 The ``pat`` packer's plans read each shared page once but pay for partial results, a merge and
-more launch groups; the ``query`` packer's plans re-read shared pages (mostly from L2) and need
+more forward launches (one per tile shape); the ``query`` packer's plans re-read shared pages (mostly from L2) and need
 none of that.  The planner chooses between its rules by bytes; on small steps of deep trees
 (many 32-token nodes) bytes are the wrong measure, and ``query`` measures up to 1.5x faster.
 The simulator ranks the two correctly on every sharing configuration of the H100 calibration

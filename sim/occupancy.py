@@ -3,9 +3,9 @@
 Resources come from :func:`pat_core.tiles.kernel_resources` (the compiler's report when the CUDA
 build has written ``pat_core/data/kernel_resources.json``, else the documented estimate), and the
 per-config limit from :meth:`pat_core.tiles.TileResources.ctas_per_sm`.  The timeline also needs
-the four resources as a vector, so that blocks of *different* configs can share an SM (several
-launch groups run at once on separate streams): shared memory, registers (allocated per warp in
-units of 256), threads and one hardware CTA slot.
+the four resources as a vector, so that blocks of *different* configs can share an SM (the
+chained forward launches of several tiles run at once): shared memory, registers (allocated per
+warp in units of 256), threads and one hardware CTA slot.
 """
 from __future__ import annotations
 

@@ -78,7 +78,7 @@ def _calibration_file(tmp_path, rows):
     recs = [dict(workload=w, method=m, num_qo_heads=32, num_kv_heads=8, head_dim=128,
                  page_size=16, measured_graph_us=us) for w, m, us in rows]
     path = tmp_path / "cal.json"
-    path.write_text(json.dumps({"gpu": "h100", "fwd_chain": "pdl", "records": recs,
+    path.write_text(json.dumps({"gpu": "h100", "records": recs,
                                 "split": {"fit": [SHARED], "validation": [DEEP]}}))
     return str(path)
 

@@ -9,7 +9,7 @@ from sim.constants import default_constants, load_constants
 from sim.methods import load_batch, make_plan
 from sim.model import predict, prepare
 
-# A deep tree of 32-token nodes: the node packer gives it four forward launch groups (128, 64,
+# A deep tree of 32-token nodes: the node packer gives it four forward launches (128, 64,
 # 32 and 16 rows at heads 32:8), the query packer one.
 DEEP = "1,2,4,8,16,32_32,32,32,32,32,32"
 
@@ -39,7 +39,7 @@ def test_start_latency_shifts_every_plan_by_itself_once():
 
 def test_start_latency_is_not_a_per_launch_cost():
     """Folding the start latency into the launch interval (the model before the start constants)
-    charges it once per launch group: a plan of four small groups then pays three more times
+    charges it once per launch: a plan of four small launches then pays three more times
     than a plan of one."""
     one, many = _wl("query"), _wl("node")
     s, step = 9000.0, 1500.0
