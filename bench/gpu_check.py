@@ -120,7 +120,7 @@ def sanitize_case(warpgroup_only: bool = False):
         # its request's output, no merge), and one slot per request with more items than
         # resident blocks (blocks draw items; the merge runs only to reset the counters)
         cases += [("1,8_16,240", 16, 8, 2, 64, "NHD", None),
-                  ("512_40", 16, 32, 8, 128, "NHD", None)]
+                  ("128_40", 16, 32, 8, 128, "NHD", None)]
     for spec, ps, hq, hk, d, layout, tile in cases:
         cc.VARIANT_OVERRIDES.clear()
         if tile is not None and tile[0] >= 64:   # the warpgroup layout, two stages
