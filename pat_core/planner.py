@@ -55,8 +55,8 @@ class Tuning:
     requests one of their CTAs holds, and inside a group the most requests first, then the
     longest KV).  The CUDA backend launches the tiles in its own order (tallest first,
     :func:`pat_core.static_plan.order_tiles`) and each launch's blocks draw its CTAs in plan
-    order, so inside a group ``"work"`` starts the CTAs that take longest first; the group
-    order is the launch order of serial plans only.
+    order, so inside a group ``"work"`` starts the CTAs that take longest first; the order of
+    the groups themselves orders no launch.
     ``narrow_share``: the ``pat`` packer's narrow-packing rule
     (:func:`pat_core.packers.narrow_packing`): with no ``max_rows`` set and no forced tile,
     every CTA is packed into the narrowest tile's rows when that re-reads at most this share
