@@ -6,7 +6,8 @@
 #
 # Carried (ignored by git): .whl/flashinfer_python-*.whl (bench/build_flashinfer_wheel.sh) and
 # the prepared steps (python bench/devset.py prepare --out STEPS_DIR, default .trace_steps/devset).
-# Environment: DEVSET_HEADS (default "32:8"), TEST_TIMEOUT (seconds, default 300).
+# Environment: DEVSET_HEADS (default "32:8"), TEST_TIMEOUT (seconds, default 300), PAT_GIT_SHA
+# (the measured commit, for a copy whose git state is not the tree's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="$1"; steps="${2:-.trace_steps/devset}"
