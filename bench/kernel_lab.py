@@ -116,6 +116,10 @@ TUNINGS = {
     "tile-order": {"order": "tile"},
     "pw1": {"partial_weight": 1.0},
     "share1": {"split_share": 1.0},
+    # the long-KV split's shortest part (pull launches: each part is an item a block runs in
+    # turn, with its own Q load, prologue and partial write)
+    "mp1024": {"min_part": 1024},
+    "mp2048": {"min_part": 2048},
     "share2": {"split_share": 2.0},
     "share4": {"split_share": 4.0},
     "share6": {"split_share": 6.0},
