@@ -182,6 +182,29 @@ def check_tile(m: int, n: int, head_dim: int, dtype: str, gpu) -> TileCheck:
     return TileCheck(m, n, not violated, C, n_min, tuple(violated), res)
 
 
+def check_fixed_tile(tile, head_dim: int, dtype: str) -> tuple:
+    """``(m, n)`` of a forced ``tile=`` argument, or ``ValueError``/``TypeError`` naming it:
+    two ints (not bools), ``m`` one of the kernels' tile heights (:data:`pat_core.cuda_compile.
+    TILE_MS`) and ``n`` one of their widths (``TILE_NS``), and, for the CUDA kernels' head_dims
+    and dtypes, a variant that exists there (the CPU executor runs exactly the GPU's tiles)."""
+    try:
+        pair = tuple(tile)
+    except TypeError:
+        raise TypeError(f"tile must be an (m, n) pair of ints, got {tile!r}") from None
+    if len(pair) != 2 or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+                                 for x in pair):
+        raise TypeError(f"tile must be an (m, n) pair of ints, got {tile!r}")
+    m, n = int(pair[0]), int(pair[1])
+    if m not in cc.TILE_MS or n not in cc.TILE_NS:
+        raise ValueError(f"tile={tile!r}: m must be one of {cc.TILE_MS} and n one of "
+                         f"{cc.TILE_NS} (the kernels' tile shapes)")
+    if head_dim in cc.HEAD_DIMS and dtype_name(dtype) in cc.DTYPE_CTYPE \
+            and not cc.fwd_variant_supported(m, n, head_dim):
+        raise ValueError(f"tile={tile!r}: no kernel for ({m}, {n}) at head_dim {head_dim} "
+                         "(its shared memory does not fit)")
+    return m, n
+
+
 @functools.lru_cache(maxsize=256)
 def feasible_tiles(head_dim: int, dtype: str, gpu,
                    m_candidates=M_CANDIDATES, n_candidates=N_CANDIDATES) -> tuple:
@@ -238,7 +261,7 @@ class TileSelector:
         self.head_dim = head_dim
         self.dtype = dtype_name(dtype)
         if fixed is not None:
-            m, n = (int(x) for x in fixed)
+            m, n = check_fixed_tile(fixed, head_dim, self.dtype)
             chk = check_tile(m, n, head_dim, self.dtype, self.gpu)
             if chk.resources is None or "smem" in chk.violated or "registers" in chk.violated:
                 raise ValueError(f"tile={fixed}: config is not available ({chk.violated})")

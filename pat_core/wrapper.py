@@ -137,6 +137,7 @@ class PrefixAttentionWrapper:
                 gpu = getattr(self._gpu_backend, "gpu_name", None) or "h100"
         self.planner = Planner(packer, gpu or "h100")
         self._plan: Plan | None = None
+        self._failed: str | None = None    # the error of a failed plan() call
         if not isinstance(use_cuda_graph, (bool, np.bool_)):
             raise TypeError(f"use_cuda_graph must be a bool, got {use_cuda_graph!r}")
         self.use_cuda_graph = bool(use_cuda_graph)
@@ -190,8 +191,9 @@ class PrefixAttentionWrapper:
         split : long-KV split: ``True``/``"sm"`` (default: split CTAs longer than an SM's
             share of the work), ``"mean"`` (the PAT paper's mean rule) or ``False``.
         disable_split_kv : FlashInfer's switch; ``True`` means ``split=False``.
-        non_blocking : accepted and ignored (planning is synchronous host work; the CUDA
-            backend's upload completes before ``plan`` returns).
+        non_blocking : accepted and ignored (planning is host work; the CUDA backend's copy
+            of the plan is always an asynchronous copy on the current stream, ordered before
+            the work enqueued after it).
 
         FlashInfer options pat does not implement are accepted by name and raise
         ``ValueError("... is not supported ...")`` when set to anything but their default:
@@ -201,47 +203,56 @@ class PrefixAttentionWrapper:
         ``None``/``1``: decode is one query token per request) and ``o_data_type`` (only
         ``None`` or ``q_data_type``).
 
-        Returns the :class:`~pat_core.plan.Plan` (also kept for :meth:`run`).
+        Returns the :class:`~pat_core.plan.Plan` (also kept for :meth:`run`).  A call that
+        raises leaves the wrapper with no runnable plan: :meth:`run` and :meth:`stats` raise,
+        naming that error, until a ``plan()`` succeeds (a CUDA graph captured earlier still
+        replays whatever its device state last received; do not replay it after a failed plan).
         """
-        _check_off("plan", "pos_encoding_mode", pos_encoding_mode, ("NONE",))
-        _check_off("plan", "window_left", window_left, (-1, None))
-        _check_off("plan", "logits_soft_cap", logits_soft_cap, (None, 0.0))
-        _check_off("plan", "rope_scale", rope_scale, (None,))
-        _check_off("plan", "rope_theta", rope_theta, (None,))
-        _check_off("plan", "fixed_split_size", fixed_split_size, (None,))
-        _check_off("plan", "q_len_per_req", q_len_per_req, (None, 1))
-        if not isinstance(disable_split_kv, (bool, np.bool_)):
-            raise TypeError(f"disable_split_kv must be a bool, got {disable_split_kv!r}")
-        if disable_split_kv:
-            split = False
-        if data_type is not None:
-            if kv_data_type is not None and \
-                    dtype_name(kv_data_type, "kv_data_type") != dtype_name(data_type, "data_type"):
-                raise ValueError(f"data_type={data_type!r} (FlashInfer's older name for "
-                                 f"kv_data_type) disagrees with kv_data_type={kv_data_type!r}")
-            kv_data_type = data_type
-        q_dtype = dtype_name(q_data_type, "q_data_type") if q_data_type is not None else None
-        kv_dtype = (dtype_name(kv_data_type, "kv_data_type") if kv_data_type is not None
-                    else q_dtype or "float16")
-        q_dtype = q_dtype or kv_dtype
-        if q_dtype != kv_dtype:
-            raise ValueError(f"q_data_type={q_dtype!r} differs from kv_data_type={kv_dtype!r}: "
-                             "mixed-precision attention is not supported (q and the KV cache "
-                             "share one dtype)")
-        if o_data_type is not None and dtype_name(o_data_type, "o_data_type") != q_dtype:
-            _not_supported("plan", "o_data_type", o_data_type, None)
-        self._check_backend_limits(head_dim, kv_dtype)
-        if self.use_cuda_graph and self._static is None:
-            self._graph_safe_tuning(num_qo_heads, num_kv_heads, head_dim, kv_dtype, tile)
-        plan = self.planner.plan(block_tables, seq_lens, num_qo_heads, num_kv_heads, head_dim,
-                                 page_size, sm_scale=sm_scale, kv_data_type=kv_dtype,
-                                 q_data_type=q_dtype, tile=tile, serial=serial, split=split)
-        if self.use_cuda_graph:
-            self._write_static(plan, tile)
-        elif self._gpu_backend is not None:
-            self._gpu_backend.upload(plan, self._current_stream())
-        self._plan = plan
-        return plan
+        # a failed call leaves no runnable plan: run() must not compute the previous batch
+        self._plan, self._failed = None, None
+        try:
+            _check_off("plan", "pos_encoding_mode", pos_encoding_mode, ("NONE",))
+            _check_off("plan", "window_left", window_left, (-1, None))
+            _check_off("plan", "logits_soft_cap", logits_soft_cap, (None, 0.0))
+            _check_off("plan", "rope_scale", rope_scale, (None,))
+            _check_off("plan", "rope_theta", rope_theta, (None,))
+            _check_off("plan", "fixed_split_size", fixed_split_size, (None,))
+            _check_off("plan", "q_len_per_req", q_len_per_req, (None, 1))
+            if not isinstance(disable_split_kv, (bool, np.bool_)):
+                raise TypeError(f"disable_split_kv must be a bool, got {disable_split_kv!r}")
+            if disable_split_kv:
+                split = False
+            if data_type is not None:
+                if kv_data_type is not None and \
+                        dtype_name(kv_data_type, "kv_data_type") != dtype_name(data_type, "data_type"):
+                    raise ValueError(f"data_type={data_type!r} (FlashInfer's older name for "
+                                     f"kv_data_type) disagrees with kv_data_type={kv_data_type!r}")
+                kv_data_type = data_type
+            q_dtype = dtype_name(q_data_type, "q_data_type") if q_data_type is not None else None
+            kv_dtype = (dtype_name(kv_data_type, "kv_data_type") if kv_data_type is not None
+                        else q_dtype or "float16")
+            q_dtype = q_dtype or kv_dtype
+            if q_dtype != kv_dtype:
+                raise ValueError(f"q_data_type={q_dtype!r} differs from kv_data_type={kv_dtype!r}: "
+                                 "mixed-precision attention is not supported (q and the KV cache "
+                                 "share one dtype)")
+            if o_data_type is not None and dtype_name(o_data_type, "o_data_type") != q_dtype:
+                _not_supported("plan", "o_data_type", o_data_type, None)
+            self._check_backend_limits(head_dim, kv_dtype)
+            if self.use_cuda_graph and self._static is None:
+                self._graph_safe_tuning(num_qo_heads, num_kv_heads, head_dim, kv_dtype, tile)
+            plan = self.planner.plan(block_tables, seq_lens, num_qo_heads, num_kv_heads, head_dim,
+                                     page_size, sm_scale=sm_scale, kv_data_type=kv_dtype,
+                                     q_data_type=q_dtype, tile=tile, serial=serial, split=split)
+            if self.use_cuda_graph:
+                self._write_static(plan, tile)
+            elif self._gpu_backend is not None:
+                self._gpu_backend.upload(plan, self._current_stream())
+            self._plan = plan
+            return plan
+        except Exception as e:
+            self._failed = f"{type(e).__name__}: {e}"
+            raise
 
     def _graph_safe_tuning(self, num_qo_heads, num_kv_heads, head_dim, kv_dtype, tile) -> None:
         """Before the first graph-safe plan, unless the planner's tuning already names them:
@@ -338,12 +349,19 @@ class PrefixAttentionWrapper:
                  head_dim: int, page_size: int, **kwargs) -> Plan:
         """:meth:`plan` from FlashInfer's CSR form (``indptr [batch + 1]``, ``indices [nnz]``,
         ``last_page_len [batch]``, int host arrays); keyword options as :meth:`plan`."""
-        bt = BlockTable.from_csr(indptr, indices, last_page_len, page_size)
+        try:
+            bt = BlockTable.from_csr(indptr, indices, last_page_len, page_size)
+        except Exception as e:      # as plan(): a failed call leaves no runnable plan
+            self._plan, self._failed = None, f"{type(e).__name__}: {e}"
+            raise
         return self.plan(bt, None, num_qo_heads, num_kv_heads, head_dim, page_size, **kwargs)
 
     @property
     def current_plan(self) -> Plan:
         if self._plan is None:
+            if self._failed:
+                raise RuntimeError(f"the last plan() call failed ({self._failed}); no plan is "
+                                   "runnable until plan() succeeds")
             raise RuntimeError("call plan() before run() or stats()")
         return self._plan
 
