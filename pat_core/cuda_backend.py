@@ -58,6 +58,7 @@ import numpy as np
 from . import cuda_compile as cc
 from . import kernel_params as kp
 from .gpus import detect_gpu_name
+from .inputs import byte_extent, refuse_overlap
 from .launch import merge_block_per_pair, merge_heads_per_warp
 from .plan import Plan, dtype_name
 
@@ -567,6 +568,8 @@ class CudaBackend:
             st.check_inputs(st.plan, prep["rows"], prep["num_pages"])
             prep["checked"] = st.plan
         rows = prep["rows"] if st.fixed else st.batch
+        if out is not None or lse is not None:
+            _refuse_overlap(out, lse, qd, kd, vd)
         out, lse, out_args = self._outputs(qd, rows, st.num_qo_heads, st.head_dim, st.dtype,
                                            want_lse, out, lse,
                                            note=" (q's rows)" if st.fixed else "")
@@ -1021,6 +1024,19 @@ class _StreamHandle:
 
     def __cuda_stream__(self):
         return (0, self.handle)
+
+
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+def _extent(t: _Dev) -> tuple:
+    return byte_extent(t.ptr, t.shape, t.strides, _ITEMSIZE.get(t.dtype, 8))
+
+
+def _refuse_overlap(out, lse, qd: _Dev, kd: _Dev, vd: _Dev) -> None:
+    """``ValueError`` when ``out`` or ``lse`` shares memory with each other or the inputs."""
+    outs = {n: _extent(_Dev(b, n)) for n, b in (("out", out), ("lse", lse)) if b is not None}
+    refuse_overlap(outs, {"q": _extent(qd), "k_cache": _extent(kd), "v_cache": _extent(vd)})
 
 
 def _check_plan_tiles(plan: Plan) -> None:

@@ -285,3 +285,32 @@ def check_heads(num_qo_heads, num_kv_heads, head_dim) -> tuple:
     if hq % hk:
         raise ValueError(f"num_qo_heads = {hq} is not a multiple of num_kv_heads = {hk}")
     return hq, hk, d
+
+
+def byte_extent(ptr: int, shape, strides, itemsize: int) -> tuple:
+    """``(lo, hi)``: the half-open byte range an array of ``shape`` with element ``strides``
+    (any signs) starting at address ``ptr`` touches; ``(ptr, ptr)`` when it is empty."""
+    if any(int(s) == 0 for s in shape):
+        return int(ptr), int(ptr)
+    lo = hi = 0
+    for n, st in zip(shape, strides):
+        span = (int(n) - 1) * int(st) * itemsize
+        if span < 0:
+            lo += span
+        else:
+            hi += span
+    return int(ptr) + lo, int(ptr) + hi + itemsize
+
+
+def refuse_overlap(outputs: dict, others: dict) -> None:
+    """``ValueError`` naming the pair when an output's byte range (``{name: (lo, hi)}``)
+    overlaps another output's or an input's (``others``).  Ranges, not elements: two strided
+    views that interleave without sharing an element are refused too (rare for outputs)."""
+    names = list(outputs)
+    for i, a in enumerate(names):
+        alo, ahi = outputs[a]
+        cands = [(b, outputs[b]) for b in names[i + 1:]] + list(others.items())
+        for b, (blo, bhi) in cands:
+            if alo < bhi and blo < ahi:
+                raise ValueError(f"{a} overlaps {b} in memory: run() writes {a}, so it must not "
+                                 f"share storage with {b}")

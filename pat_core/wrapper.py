@@ -34,10 +34,11 @@ page size within that works.  ``q`` and the KV cache share one dtype, fixed at
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import numpy as np
 
-from .inputs import BlockTable, check_heads
+from .inputs import BlockTable, byte_extent, check_heads, refuse_overlap
 from .packers import PACKERS
 from .plan import Plan, dtype_name
 from .planner import Planner
@@ -138,6 +139,10 @@ class PrefixAttentionWrapper:
         self.planner = Planner(packer, gpu or "h100")
         self._plan: Plan | None = None
         self._failed: str | None = None    # the error of a failed plan() call
+        # threading contract (class docstring): calls that overlap in time are refused, and a
+        # plan is run by the thread that made it unless run() names it (plan=)
+        self._busy = threading.Lock()
+        self._owner: int | None = None
         if not isinstance(use_cuda_graph, (bool, np.bool_)):
             raise TypeError(f"use_cuda_graph must be a bool, got {use_cuda_graph!r}")
         self.use_cuda_graph = bool(use_cuda_graph)
@@ -208,6 +213,7 @@ class PrefixAttentionWrapper:
         naming that error, until a ``plan()`` succeeds (a CUDA graph captured earlier still
         replays whatever its device state last received; do not replay it after a failed plan).
         """
+        self._enter("plan")
         # a failed call leaves no runnable plan: run() must not compute the previous batch
         self._plan, self._failed = None, None
         try:
@@ -249,10 +255,13 @@ class PrefixAttentionWrapper:
             elif self._gpu_backend is not None:
                 self._gpu_backend.upload(plan, self._current_stream())
             self._plan = plan
+            self._owner = threading.get_ident()
             return plan
         except Exception as e:
             self._failed = f"{type(e).__name__}: {e}"
             raise
+        finally:
+            self._busy.release()
 
     def _graph_safe_tuning(self, num_qo_heads, num_kv_heads, head_dim, kv_dtype, tile) -> None:
         """Before the first graph-safe plan, unless the planner's tuning already names them:
@@ -352,7 +361,9 @@ class PrefixAttentionWrapper:
         try:
             bt = BlockTable.from_csr(indptr, indices, last_page_len, page_size)
         except Exception as e:      # as plan(): a failed call leaves no runnable plan
+            self._enter("plan_csr")
             self._plan, self._failed = None, f"{type(e).__name__}: {e}"
+            self._busy.release()
             raise
         return self.plan(bt, None, num_qo_heads, num_kv_heads, head_dim, page_size, **kwargs)
 
@@ -371,9 +382,15 @@ class PrefixAttentionWrapper:
         return self.current_plan.stats()
 
     # ------------------------------------------------------------------ run
+    def _enter(self, what: str) -> None:
+        """Take the wrapper for one call, or ``RuntimeError`` if another thread is inside one."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(f"{what}(): another thread is inside plan() or run() of this "
+                               "wrapper; use one wrapper per thread, or order the calls")
+
     def run(self, q, paged_kv_cache, return_lse: bool = False, *, out=None, lse=None,
-            q_scale=None, k_scale=None, v_scale=None, window_left=None, enable_pdl=None,
-            sinks=None):
+            plan: Plan | None = None, q_scale=None, k_scale=None, v_scale=None,
+            window_left=None, enable_pdl=None, sinks=None):
         """Attention of every request's query against its paged KV cache.
 
         Parameters
@@ -386,7 +403,10 @@ class PrefixAttentionWrapper:
             place and returned (CPU backend: a writable NumPy array or CPU torch tensor, any
             strides; CUDA backend: a device array with a contiguous last dimension).
         lse : optional float32 ``[batch, num_qo_heads]`` buffer, written in place; implies
-            ``return_lse``.
+            ``return_lse``.  Neither may share memory with each other or the inputs.
+        plan : the :class:`~pat_core.plan.Plan` this call runs, when the thread calling
+            ``run()`` is not the one that made it (see Threading); it must be this wrapper's
+            current plan.
 
         FlashInfer's run options ``q_scale``, ``k_scale``, ``v_scale`` (only ``None``/``1``),
         ``window_left`` (only ``None``/``-1``), ``enable_pdl`` (only ``None``/``False``) and
@@ -396,7 +416,33 @@ class PrefixAttentionWrapper:
         Returns ``out [batch, num_qo_heads, head_dim]`` in q's dtype and, with ``return_lse``
         (or ``lse``), float32 ``lse [batch, num_qo_heads]`` (natural log of the sum of
         exponentials of the scaled scores).
+
+        Threading: a wrapper serves one thread at a time.  A call that overlaps another
+        thread's ``plan()`` or ``run()`` raises ``RuntimeError``, and so does ``run()`` of a
+        plan another thread made unless it is passed as ``plan=``: a step planned on one thread
+        and run on another says so, and two threads that interleave plan/run on one wrapper get
+        an error, never the other's batch.  For steps in flight at once, use one wrapper each.
         """
+        self._enter("run")
+        try:
+            cur = self.current_plan
+            if plan is not None:
+                if plan is not cur:
+                    raise ValueError("plan= is not this wrapper's current plan (the last plan() "
+                                     "made another); call plan() again for it")
+            elif self._owner != threading.get_ident():
+                raise RuntimeError("run(): the current plan was made by another thread; pass it "
+                                   "as run(..., plan=...) if that is intended")
+            return self._run(q, paged_kv_cache, return_lse, out=out, lse=lse, q_scale=q_scale,
+                             k_scale=k_scale, v_scale=v_scale, window_left=window_left,
+                             enable_pdl=enable_pdl, sinks=sinks)
+        finally:
+            self._busy.release()
+
+    def _run(self, q, paged_kv_cache, return_lse: bool = False, *, out=None, lse=None,
+             q_scale=None, k_scale=None, v_scale=None, window_left=None, enable_pdl=None,
+             sinks=None):
+        """The body of :meth:`run`, under its guard."""
         for name, val in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
             _check_off("run", name, val, (None, 1.0))
         _check_off("run", "window_left", window_left, (None, -1))
@@ -429,6 +475,10 @@ class PrefixAttentionWrapper:
             _check_host_buffer(out, "out", (B, Hq, D), qdt)
         if lse is not None:
             _check_host_buffer(lse, "lse", (B, Hq), "float32")
+        outs = {n: _host_extent(b) for n, b in (("out", out), ("lse", lse)) if b is not None}
+        if outs:
+            refuse_overlap(outs, {"q": _host_extent(q), "k_cache": _host_extent(k_cache),
+                                  "v_cache": _host_extent(v_cache)})
         from .executor import execute             # checks its inputs against the plan
         out_dtype = np.float16 if qdt == "float16" else np.float32
         res, res_lse = execute(plan, q, k_cache, v_cache, kv_layout=self.kv_layout,
@@ -486,6 +536,15 @@ def _check_cpu_array(x, name: str) -> None:
 
 def _dtype_of(x, name: str = "q") -> str:
     return dtype_name(getattr(x, "dtype", None), name)
+
+
+def _host_extent(a) -> tuple:
+    """Byte range of a NumPy array or CPU tensor (:func:`pat_core.inputs.byte_extent`)."""
+    if hasattr(a, "data_ptr") and hasattr(a, "stride"):        # torch tensor
+        return byte_extent(a.data_ptr(), tuple(a.shape), a.stride(), a.element_size())
+    a = np.asarray(a)
+    lo, hi = byte_extent(a.__array_interface__["data"][0], a.shape, a.strides, 1)  # byte strides
+    return (lo, hi + a.itemsize - 1) if hi > lo else (lo, hi)
 
 
 def _check_host_buffer(buf, name: str, shape: tuple, dtype: str) -> None:
