@@ -229,5 +229,9 @@ def test_limits_and_inputs_are_checked():
     bt[0, 0] = b.num_pages + 3
     with pytest.raises(ValueError, match="KV cache"):
         w.plan(bt, b.seq_lens, 32, 8, 128, PAGE)
+    # the refused plan left nothing runnable
+    with pytest.raises(RuntimeError, match="the last plan\\(\\) call failed"):
+        w.run(q, (k, k))
+    w.plan(b.block_tables, b.seq_lens, 32, 8, 128, PAGE)
     with pytest.raises(ValueError, match="rows"):
         w.run(q[:3], (k, k))
