@@ -5,11 +5,11 @@ max_pages_i]``, ``lens_i`` int32 ``[batch_i]``, JSON ``meta``), each timed on th
 ``python bench/trace_replay.py time --steps-file DIR/NAME.npz --out RESULTS``:
 
 * ``conv.npz``: 12 decode steps of the conversation trace given as ``--trace`` (the Mooncake
-  chat trace's conversation part, one JSON request per line).  Its replay (256 requests, 32,768 pages of 16 tokens) runs the
-  whole hour in ~15 s of CPU; steps are sampled from 300 s (past the first minutes, when the
-  batch is still filling) to the trace's last arrival (3,537 s: the drain after it, down to
-  one request, is an artefact of the trace's end).  Small batches (~20-40) of long prompts
-  (~12k tokens) that share little (unique/read KV ~0.95).
+  chat trace's conversation part, one JSON request per line). Its replay (256 requests, 32,768
+  pages of 16 tokens) runs the whole hour in ~15 s of CPU; steps are sampled from 300 s (past the
+  first minutes, when the batch is still filling) to the trace's last arrival (3,537 s: the drain
+  after it, down to one request, is an artefact of the trace's end). Small batches (~20-40) of
+  long prompts (~12k tokens) that share little (unique/read KV ~0.95).
 * ``agent.npz``: 12 decode steps of ``bench/agent_trace.py``'s trace (defaults, seed 0):
   three long templates, multi-turn sessions that share their own history, short outputs.
   Replayed with 256 requests and 98,304 pages (its steady state holds 55-70k pages, so

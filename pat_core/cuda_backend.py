@@ -416,7 +416,8 @@ class CudaBackend:
 
     def _merge_layout(self, plan: Plan) -> tuple:
         """``(block_per_pair, heads_per_warp)`` of the merge launch for ``plan``
-        (:func:`pat_core.launch.merge_block_per_pair`, :func:`~pat_core.launch.merge_heads_per_warp`)."""
+        (:func:`pat_core.launch.merge_block_per_pair`,
+        :func:`~pat_core.launch.merge_heads_per_warp`)."""
         n = self._num_sms()
         if merge_block_per_pair(plan, n):
             return True, 1
@@ -598,9 +599,9 @@ class StaticState:
     ``fixed`` (graph-safe mode): every launch of the set runs on every call, over fixed grids,
     with a merge over a fixed grid, so one captured graph serves every later plan.  Otherwise
     (plain plans, :meth:`CudaBackend.state_for`) a call launches only the tiles the written
-    plan uses, in the launch set's order, and a merge laid out for the plan, which it skips when every
-    request has one partial slot (its forward item wrote the output) and no block drew a
-    second item (no work counter to reset).
+    plan uses, in the launch set's order, and a merge laid out for the plan, which it skips
+    when every request has one partial slot (its forward item wrote the output) and no block
+    drew a second item (no work counter to reset).
     """
 
     _MERGE_BLOCKS_PER_SM = 12      # the merge kernel's launch bounds: 48 warps of 4-warp blocks

@@ -229,8 +229,8 @@ class PrefixAttentionWrapper:
             if disable_split_kv:
                 split = False
             if data_type is not None:
-                if kv_data_type is not None and \
-                        dtype_name(kv_data_type, "kv_data_type") != dtype_name(data_type, "data_type"):
+                if kv_data_type is not None and dtype_name(kv_data_type, "kv_data_type") \
+                        != dtype_name(data_type, "data_type"):
                     raise ValueError(f"data_type={data_type!r} (FlashInfer's older name for "
                                      f"kv_data_type) disagrees with kv_data_type={kv_data_type!r}")
                 kv_data_type = data_type
