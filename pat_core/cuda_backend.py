@@ -31,7 +31,8 @@ work counters.
 
 Everything is enqueued on the caller's current stream (``torch.cuda.current_stream()`` for
 torch inputs, CuPy's current stream for CuPy inputs); the sequence is allocation-free once the
-state exists, so it can also be captured per plan.  Every kernel takes one parameter struct
+state exists, so it can also be captured per plan (a plain plan's graph is valid until the next
+``plan()`` rewrites the state it reads).  Every kernel takes one parameter struct
 (:mod:`pat_core.kernel_params`).
 
 Example::
