@@ -253,14 +253,28 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# What bad input raises (argument values, files, sizes): reported as one ``error:`` line with
+# exit status 2, argparse's convention.  Anything else is a bug and keeps its traceback.
+INPUT_ERRORS = (ValueError, TypeError, OSError, OverflowError, ImportError)
+
+
+def report_error(exc: BaseException) -> int:
+    """Print ``exc`` as one ``error: ...`` line on stderr; returns the exit status 2."""
+    if isinstance(exc, OSError) and exc.strerror and exc.filename is not None:
+        text = f"{exc.filename}: {exc.strerror}"     # not "[Errno 21] Is a directory: 'x'"
+    else:
+        text = str(exc) or type(exc).__name__
+    print("error: " + " ".join(text.split()), file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.cmd == "demo":
             return demo(args)
-    except (ValueError, TypeError, RuntimeError, ImportError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except INPUT_ERRORS + (RuntimeError,) as exc:   # RuntimeError: no GPU for --backend cuda
+        return report_error(exc)
     return 2
 
 

@@ -23,7 +23,8 @@ import json
 import os
 import sys
 
-from pat_core.__main__ import _positive  # the demo's argument check, one copy for both CLIs
+# the demo's argument check and error report, one copy for both CLIs
+from pat_core.__main__ import INPUT_ERRORS, _positive, report_error
 from pat_core.gpus import get_gpu
 
 from .choose import DEFAULT_MARGIN, pick
@@ -306,9 +307,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _dispatch(args)
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except INPUT_ERRORS as exc:
+        return report_error(exc)
 
 
 def _dispatch(args) -> int:
@@ -374,9 +374,10 @@ def _dispatch(args) -> int:
         data = load_measurements(paths)
         gpu = args.gpu or data["gpu"]
         cpath = args.constants or constants_path(gpu)
+        consts = load_constants(gpu, args.constants)   # a bad --constants fails here first
         fitw = (args.fit_workloads.split(";") if args.fit_workloads is not None
                 else fit_workloads_of(cpath))
-        rep = report(data, load_constants(gpu, args.constants), fitw, gpu)
+        rep = report(data, consts, fitw, gpu)
         if args.plot:
             _plots().calibration_plot(
                 rep["predicted_us"], rep["measured_us"], rep["labels"], args.plot,

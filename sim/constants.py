@@ -43,6 +43,7 @@ then names the measurement file, device and date.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, fields, replace
 
@@ -165,19 +166,82 @@ def constants_path(gpu) -> str:
 
 
 def load_constants(gpu, path: str | None = None) -> SimConstants:
-    """Constants for ``gpu`` from ``path`` (default ``sim/data/<gpu>.json``), else the estimate."""
-    path = path or constants_path(gpu)
+    """Constants for ``gpu``.
+
+    Without ``path``: the packaged ``sim/data/<gpu>.json`` (constants it lacks keep the
+    first-principles estimate of :func:`default_constants`, so older files predict what they
+    did), else the estimate itself.  With ``path``: that file, strictly (see
+    :func:`read_constants_file`): a mistyped path or a file missing a constant is an error,
+    never a silent fall-back to uncalibrated estimates.
+    """
+    if path is not None:
+        return read_constants_file(path)
+    path = constants_path(gpu)
     if not os.path.exists(path):
         return default_constants(gpu)
-    with open(path) as fh:
-        data = json.load(fh)
+    data = _read_json_object(path)
     base = default_constants(gpu).as_dict()
+    vals = _constant_values(data, path)
+    base.update(vals)
+    return SimConstants(**base, source=str(data.get("source", "unknown")))
+
+
+def read_constants_file(path: str) -> SimConstants:
+    """A constants file named by the user: it must exist, be a JSON object whose
+    ``"constants"`` hold every one of :meth:`SimConstants.names` as a finite number (what
+    :func:`save_constants` and ``python -m sim fit`` write); ``ValueError`` naming the file
+    and what is wrong otherwise."""
+    data = _read_json_object(path)
+    vals = _constant_values(data, path)
+    missing = [n for n in SimConstants.names() if n not in vals]
+    if missing:
+        raise ValueError(f"constants file {path}: missing constants {missing}; a constants "
+                         f"file must hold all {len(SimConstants.names())} (as "
+                         f"'python -m sim fit' writes them)")
+    return SimConstants(**vals, source=str(data.get("source", "unknown")))
+
+
+def _read_json_object(path: str) -> dict:
+    """The JSON object in file ``path``; ``ValueError`` naming the file when it does not exist,
+    is not a regular file, or does not hold a JSON object."""
+    if not os.path.exists(path):
+        raise ValueError(f"constants file {path}: no such file")
+    if not os.path.isfile(path):
+        raise ValueError(f"constants file {path}: not a regular file")
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as exc:          # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"constants file {path}: not readable JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"constants file {path}: expected a JSON object, got "
+                         f"{type(data).__name__}")
+    return data
+
+
+def _finite(v) -> bool:
+    """Whether number ``v`` is a finite float (an int too large for a float is not)."""
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
+
+
+def _constant_values(data: dict, path: str) -> dict:
+    """``data["constants"]`` as ``{name: float}``; unknown names, booleans, strings and
+    non-finite numbers are refused (a typo must not leave a constant at its estimate)."""
     vals = data.get("constants", {})
-    unknown = set(vals) - set(base)
+    if not isinstance(vals, dict):
+        raise ValueError(f"constants file {path}: 'constants' must be an object")
+    unknown = set(vals) - set(SimConstants.names())
     if unknown:
         raise ValueError(f"{path}: unknown constants {sorted(unknown)}")
-    base.update({k: float(v) for k, v in vals.items()})
-    return SimConstants(**base, source=str(data.get("source", "unknown")))
+    out = {}
+    for k, v in vals.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
+            raise ValueError(f"constants file {path}: {k} must be a finite number, got {v!r}")
+        out[k] = float(v)
+    return out
 
 
 def save_constants(consts: SimConstants, gpu, path: str | None = None, extra: dict | None = None

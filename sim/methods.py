@@ -52,26 +52,63 @@ class Batch:
 def load_batch(tree: str, page_size: int = 16, seed: int = 0) -> Batch:
     """A :class:`Batch` from a tree spec or from a JSON file of block tables.
 
-    A JSON file's own ``page_size`` wins over the argument.
+    A JSON file's own ``page_size`` wins over the argument.  Its numbers must be integers
+    (a float page size or length is refused, not truncated); range checks (int32 page ids and
+    lengths) are the planner's.  A tree spec is checked against the size limits of
+    :func:`pat_core.workloads.check_tree_size` before anything is built.
     """
+    if os.path.isdir(tree):
+        raise ValueError(f"--tree {tree}: a directory; expected a tree spec or a JSON file")
     if tree.endswith(".json") or os.path.isfile(tree):
-        with open(tree) as fh:
-            data = json.load(fh)
-        missing = {"block_tables", "seq_lens"} - set(data)
-        if missing:
-            raise ValueError(f"{tree}: missing keys {sorted(missing)}; expected "
-                             f"block_tables, seq_lens and page_size")
-        tables = data["block_tables"]
-        if tables and all(isinstance(r, list) for r in tables):
-            width = max(len(r) for r in tables)
-            if all(len(r) == width for r in tables):
-                tables = np.asarray(tables, dtype=np.int32)
-        return Batch(label=os.path.basename(tree), block_tables=tables,
-                     seq_lens=np.asarray(data["seq_lens"], dtype=np.int32),
-                     page_size=int(data.get("page_size", page_size)))
+        return _load_batch_file(tree, page_size)
     tb = build_tree_batch(tree, page_size, seed=seed)
     return Batch(label=tree, block_tables=tb.block_tables, seq_lens=tb.seq_lens,
                  page_size=page_size)
+
+
+def _load_batch_file(path: str, page_size: int) -> Batch:
+    """The JSON form (module docstring), every number checked to be an integer."""
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except ValueError as exc:                     # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path}: not readable JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    missing = {"block_tables", "seq_lens"} - set(data)
+    if missing:
+        raise ValueError(f"{path}: missing keys {sorted(missing)}; expected "
+                         f"block_tables, seq_lens and page_size")
+    ps = data.get("page_size", page_size)
+    _check_int(ps, f"{path}: page_size")
+    seq = data["seq_lens"]
+    if not isinstance(seq, list):
+        raise ValueError(f"{path}: seq_lens must be a list of integers")
+    _check_ints(seq, f"{path}: seq_lens")
+    tables = data["block_tables"]
+    if not isinstance(tables, list) or not all(isinstance(r, list) for r in tables):
+        raise ValueError(f"{path}: block_tables must be a list of page-id lists")
+    for r, row in enumerate(tables):
+        _check_ints(row, f"{path}: block_tables[{r}]")
+    if tables and all(len(r) == len(tables[0]) for r in tables):
+        tables = np.asarray(tables, dtype=np.int64).reshape(len(tables), -1)
+    return Batch(label=os.path.basename(path), block_tables=tables,
+                 seq_lens=np.asarray(seq, dtype=np.int64), page_size=int(ps))
+
+
+def _check_ints(values, name: str) -> None:
+    """:func:`_check_int` on every entry of ``values``."""
+    for i, v in enumerate(values):
+        _check_int(v, f"{name}[{i}]")
+
+
+def _check_int(v, name: str) -> None:
+    """``ValueError`` unless ``v`` is a JSON integer that fits in int64 (a float such as
+    ``16.5`` would otherwise be truncated, a huge int overflow NumPy)."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{name} = {v!r}: expected an integer")
+    if not -2**63 <= v < 2**63:
+        raise ValueError(f"{name} = {v}: does not fit in int32 (the limit is 2^31 - 1)")
 
 
 def save_batch(batch: Batch, path: str) -> None:
