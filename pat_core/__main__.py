@@ -9,6 +9,11 @@ kernels) is compiled and run once before anything is timed, and that one-off cos
 its own line.  ``plan ms`` is then the best of three fresh plans (no plan cache), ``run ms`` one
 run of the already planned batch.
 
+Size limit: the demo holds a random KV cache, the queries and a float64 reference in host
+memory, so a batch whose estimated footprint (:func:`demo_bytes`) is past
+:data:`MAX_DEMO_BYTES` (1 GiB) is refused before anything is allocated, as is a tree spec past
+the limits of :mod:`pat_core.workloads` (65536 requests, 2^24 block-table entries).
+
 The installed command ``pat-demo`` is ``python -m pat_core demo``.
 """
 from __future__ import annotations
@@ -24,6 +29,8 @@ import numpy as np
 # not a power of two).  In the first, every prefix-aware packer finds the same CTAs.
 DEFAULT_TREES = ("1,4,16_128,256,1024", "1,3,12_16,64,128")
 PLAN_REPEATS = 3
+WARM_TREE = "1,2_20,20"        # the small batch that compiles the CPU path before timing
+MAX_DEMO_BYTES = 2**30          # host memory one batch's inputs and reference may take
 
 
 def _parse_heads(s: str):
@@ -132,7 +139,7 @@ def _warm_up(args, runner: _Runner, inputs) -> float:
     hq, hk = args.heads
     t0 = time.perf_counter()
     if args.backend == "cpu":
-        small = _Inputs("1,2_20,20", args)
+        small = _Inputs(WARM_TREE, args)
         work = [small]
     else:
         work = inputs
@@ -221,6 +228,8 @@ def demo(args) -> int:
                          "float16 or bfloat16)")
     runner = _Runner(args.backend)              # --backend cuda without CuPy/GPU fails here
     trees = args.tree or list(DEFAULT_TREES)
+    for spec in trees + [WARM_TREE]:
+        check_demo_size(spec, args)             # before any allocation
     inputs = [_Inputs(spec, args) for spec in trees]
     t_warm = _warm_up(args, runner, inputs)
     what = ("Numba JIT of planner and CPU executor, or loading its on-disk cache"
@@ -230,6 +239,30 @@ def demo(args) -> int:
     for inp in inputs:
         failed |= _one_batch(inp, args, runner)
     return 1 if failed else 0
+
+
+def demo_bytes(spec: str, args) -> int:
+    """Estimated host bytes of one demo batch: the K and V caches (every page the tree may
+    need, see :func:`pat_core.workloads.tree_size`), the queries, and the float64 reference
+    and low-precision outputs."""
+    from .workloads import check_tree_size
+    size = check_tree_size(spec, args.page_size)
+    hq, hk = args.heads
+    item = 2 if args.dtype == "float16" else 4
+    kv = 2 * size["pages"] * args.page_size * hk * args.head_dim * item
+    rows = size["requests"] * hq * args.head_dim
+    return kv + rows * (item + 8 + 8)
+
+
+def check_demo_size(spec: str, args) -> None:
+    """``ValueError`` with the estimate and the limit when a batch is past
+    :data:`MAX_DEMO_BYTES`."""
+    need = demo_bytes(spec, args)
+    if need > MAX_DEMO_BYTES:
+        raise ValueError(f"--tree {spec}: needs about {need / 2**20:.0f} MiB of host memory "
+                         f"(KV cache, queries, reference) at heads {args.heads[0]}:"
+                         f"{args.heads[1]}, head_dim {args.head_dim}, page size "
+                         f"{args.page_size}; the demo's limit is {MAX_DEMO_BYTES // 2**20} MiB")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,7 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "error per packer.")
     d.add_argument("--tree", type=_tree, action="append", default=None,
                    help="tree spec: node counts per level _ tokens per level node; repeat for "
-                        f"several batches (default: {' and '.join(DEFAULT_TREES)})")
+                        f"several batches (default: {' and '.join(DEFAULT_TREES)}); at most "
+                        f"65536 requests, 2^24 block-table entries and about "
+                        f"{MAX_DEMO_BYTES // 2**20} MiB of KV cache, queries and reference")
     d.add_argument("--heads", type=_parse_heads, default=(32, 8), help="num_qo:num_kv")
     d.add_argument("--head-dim", type=_positive, default=128)
     d.add_argument("--page-size", type=_positive, default=16)

@@ -147,6 +147,8 @@ class BlockTable:
         lpl = _int64(_as_int_array(last_page_len, "last_page_len", 1), "last_page_len")
         if ip.shape[0] < 1 or ip[0] != 0:
             raise ValueError("indptr must start with 0")
+        if ip.shape[0] == 1:
+            raise ValueError("indptr = [0] lists no request: a batch needs at least one")
         if np.any(np.diff(ip) < 1):
             raise ValueError("indptr must be strictly increasing (every request needs a page)")
         if ip[-1] > idx.shape[0]:
@@ -156,6 +158,7 @@ class BlockTable:
             raise ValueError(f"last_page_len has {lpl.shape[0]} entries, expected {B}")
         if np.any(lpl < 1) or np.any(lpl > page_size):
             raise ValueError(f"last_page_len entries must lie in [1, page_size={page_size}]")
+        _check_csr_page_ids(idx[: ip[-1]])
         npages = np.diff(ip)
         seq = (npages - 1) * page_size + lpl
         if B and seq.max() > INT32_MAX:
@@ -185,6 +188,19 @@ class BlockTable:
             r, c = np.argwhere(self.table == mx)[0]
             raise ValueError(f"block_tables[{r}, {c}] = {mx} is out of range for {name} with "
                              f"{num_pages_in_cache} pages")
+
+
+def _check_csr_page_ids(used: np.ndarray) -> None:
+    """``ValueError`` naming ``indices[k]`` for a used page id that is negative or past int32
+    (checked here, so that the message names the CSR argument, not the padded table that
+    :meth:`BlockTable.from_csr` builds from it)."""
+    bad = np.flatnonzero((used < 0) | (used > INT32_MAX))
+    if bad.size:
+        k = int(bad[0])
+        v = int(used[k])
+        if v < 0:
+            raise ValueError(f"indices[{k}] = {v} is a negative page id")
+        raise ValueError(f"indices[{k}] = {v} does not fit in int32 (the limit is 2^31 - 1)")
 
 
 @njit(cache=True)

@@ -164,6 +164,12 @@ def load_trace(path, *, start_ms: float = 0.0, end_ms: float | None = None,
     """
     if not (0.0 < sample <= 1.0):
         raise ValueError(f"sample must lie in (0, 1], got {sample}")
+    # NaN compares false with everything: it would keep every request instead of failing
+    for name, v in (("start_ms", start_ms), ("end_ms", end_ms)):
+        if v is not None and not math.isfinite(v):
+            raise ValueError(f"{name} must be a finite number, got {v}")
+    if max_requests is not None and (isinstance(max_requests, bool) or max_requests < 0):
+        raise ValueError(f"max_requests must be None or an int >= 0, got {max_requests!r}")
     if end_ms is not None and end_ms <= start_ms:
         raise ValueError(f"end_ms = {end_ms} must exceed start_ms = {start_ms}")
     rng = np.random.default_rng(seed)

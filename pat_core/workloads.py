@@ -8,6 +8,13 @@ Page ids are handed out as a serving engine with prefix caching would: a page is
 requests whose tokens agree over the whole page prefix they cover, and a partly filled page at
 the end of a shared node is copied for each child that continues it (copy-on-write).  Physical
 ids are shuffled so that sharing is visible only through the table.
+
+Size limits (checked from the spec alone, before any array is built, so that a mistyped spec
+fails at once instead of exhausting memory): at most :data:`MAX_TREE_LEVELS` levels, at most
+:data:`MAX_TREE_NODES` nodes per level (so at most that many requests), at most
+``2^31 - 1`` tokens per request (``seq_lens`` are int32), and, for a page size,
+at most :data:`MAX_TREE_TABLE_ENTRIES` block-table entries (requests times the pages of the
+longest request): :func:`check_tree_size`.
 """
 from __future__ import annotations
 
@@ -36,8 +43,15 @@ class TreeBatch:
         return int(self.seq_lens.shape[0])
 
 
+MAX_TREE_LEVELS = 64
+MAX_TREE_NODES = 65536                 # per level; the last level's nodes are the requests
+MAX_TREE_TABLE_ENTRIES = 2**24         # requests x pages of the longest request (~0.4 GB peak)
+MAX_SEQ_LEN = 2**31 - 1                # seq_lens are int32
+
+
 def parse_tree_spec(spec: str):
-    """``"1,4,16_128,256,1024"`` -> ``([1, 4, 16], [128, 256, 1024])``."""
+    """``"1,4,16_128,256,1024"`` -> ``([1, 4, 16], [128, 256, 1024])``; ``ValueError`` for a
+    malformed spec or one past the level, node or token limits (module docstring)."""
     if not isinstance(spec, str) or spec.count("_") != 1:
         raise ValueError(f"tree spec must look like '1,4,16_128,256,1024', got {spec!r}")
     a, b = spec.split("_")
@@ -50,7 +64,63 @@ def parse_tree_spec(spec: str):
         raise ValueError(f"tree spec {spec!r}: as many node counts as lengths are needed")
     if any(c < 1 for c in counts) or any(x < 1 for x in lens):
         raise ValueError(f"tree spec {spec!r}: counts and lengths must be >= 1")
+    _check_spec_limits(spec, counts, lens)
     return counts, lens
+
+
+def _check_spec_limits(spec: str, counts, lens) -> None:
+    """The limits that need no page size (module docstring), in Python ints (no overflow)."""
+    if len(counts) > MAX_TREE_LEVELS:
+        raise ValueError(f"tree spec {spec!r}: {len(counts)} levels; the limit is "
+                         f"{MAX_TREE_LEVELS}")
+    if max(counts) > MAX_TREE_NODES:
+        raise ValueError(f"tree spec {spec!r}: {max(counts)} nodes in one level; the limit is "
+                         f"{MAX_TREE_NODES} (per level, so also the most requests)")
+    if sum(lens) > MAX_SEQ_LEN:
+        raise ValueError(f"tree spec {spec!r}: {sum(lens)} tokens per request; the limit is "
+                         f"2^31 - 1 = {MAX_SEQ_LEN}")
+
+
+def tree_size(spec: str, page_size: int) -> dict:
+    """What a tree spec needs, from the spec alone: ``requests``, ``nodes``, ``tokens``
+    (of every request: all paths have the same length), ``table_entries`` (requests x pages,
+    the block table's size) and ``pages`` (the distinct KV pages :func:`build_tree_batch`
+    hands out: a page belongs to the node holding its last token, so a node spanning tokens
+    ``[s, e)`` owns the pages that end in it: ``e // p - s // p`` of them, and a leaf also
+    its partly filled last page; an upper bound where a level has more nodes than the next,
+    as nodes no request passes through hold no pages)."""
+    counts, lens = parse_tree_spec(spec)
+    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) \
+            or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    page_size = int(page_size)
+    tokens = sum(lens)
+    return {"requests": counts[-1], "nodes": sum(counts), "tokens": tokens,
+            "table_entries": counts[-1] * -(-tokens // page_size),
+            "pages": _tree_pages(counts, lens, page_size)}
+
+
+def _tree_pages(counts, lens, page_size: int) -> int:
+    """Distinct pages of a tree (see :func:`tree_size`), in Python ints."""
+    pages, start = 0, 0
+    for i, (c, n) in enumerate(zip(counts, lens)):
+        end = start + n
+        last = -(-end // page_size) if i == len(counts) - 1 else end // page_size
+        pages += c * (last - start // page_size)
+        start = end
+    return pages
+
+
+def check_tree_size(spec: str, page_size: int) -> dict:
+    """:func:`tree_size` of ``spec``, or ``ValueError`` with the number and the limit when it
+    is past one (module docstring)."""
+    size = tree_size(spec, page_size)
+    if size["table_entries"] > MAX_TREE_TABLE_ENTRIES:
+        per = size["table_entries"] // size["requests"]
+        raise ValueError(f"tree spec {spec!r} at page size {page_size}: {size['requests']} "
+                         f"requests x {per} pages = {size['table_entries']} block-table "
+                         f"entries; the limit is {MAX_TREE_TABLE_ENTRIES}")
+    return size
 
 
 def paths_from_spec(spec: str):
@@ -105,7 +175,10 @@ def block_tables_from_paths(paths, node_lens, page_size: int, rng=None, pad_valu
 
 
 def build_tree_batch(spec: str, page_size: int = 16, seed: int | None = 0) -> TreeBatch:
-    """A :class:`TreeBatch` from a tree spec (shuffled page ids when ``seed`` is not None)."""
+    """A :class:`TreeBatch` from a tree spec (shuffled page ids when ``seed`` is not None);
+    ``ValueError`` before anything is built when the spec is past a size limit (module
+    docstring)."""
+    check_tree_size(spec, page_size)
     paths, node_lens = paths_from_spec(spec)
     rng = None if seed is None else np.random.default_rng(seed)
     table, seq, n = block_tables_from_paths(paths, node_lens, page_size, rng)

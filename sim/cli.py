@@ -13,19 +13,29 @@ Examples::
     python -m sim trace --trace conversation_trace.jsonl --duration-s 600 --out trace
 
 ``--tree`` takes a tree spec or a JSON file ``{"block_tables": [[...], ...], "seq_lens": [...],
-"page_size": 16}``.
+"page_size": 16}`` (integers only: a float is refused, not truncated).
+
+Bad input ends in one ``error: ...`` line on stderr and exit status 2, never a traceback and
+never a silent substitute: a ``--constants`` file must exist and hold every constant (see
+:func:`sim.constants.read_constants_file`); ``--out`` of ``sweep`` and ``trace`` is a file
+prefix, and one naming a directory is refused.  Limits, checked before anything is built: a
+tree spec has at most 64 levels, 65536 nodes per level (so 65536 requests), 2^31 - 1 tokens
+per request and 2^24 block-table entries (requests x pages; :mod:`pat_core.workloads`);
+``trace --kv-pages`` is at most 2^22 (:data:`sim.trace.MAX_KV_PAGES`).
 """
 from __future__ import annotations
 
 import argparse
 import glob
 import json
+import math
 import os
 import sys
 
 # the demo's argument check and error report, one copy for both CLIs
 from pat_core.__main__ import INPUT_ERRORS, _positive, report_error
 from pat_core.gpus import get_gpu
+from pat_core.workloads import MAX_TREE_LEVELS, MAX_TREE_NODES
 
 from .choose import DEFAULT_MARGIN, pick
 from .constants import TIMINGS, load_constants
@@ -68,19 +78,62 @@ def _ints(s: str):
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
 
 
+def _finite(s: str, low: float | None = None, low_open: bool = False) -> float:
+    """A finite float (``nan``/``inf`` refused: NaN compares false with every bound and would
+    pass any later check), at least ``low`` (above it when ``low_open``)."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {s!r}")
+    if low is not None and (v <= low if low_open else v < low):
+        raise argparse.ArgumentTypeError(f"expected a number {'>' if low_open else '>='} "
+                                         f"{low:g}, got {s!r}")
+    return v
+
+
+def _nonneg_number(s: str) -> float:
+    return _finite(s, 0.0)
+
+
+def _positive_number(s: str) -> float:
+    return _finite(s, 0.0, low_open=True)
+
+
+def out_prefix(out: str) -> str:
+    """``--out`` of the subcommands that write ``OUT.json`` and ``OUT.png``: a file prefix.
+    One that names a directory (ends in a separator, or is an existing folder) is refused,
+    instead of writing the hidden files ``DIR/.json`` and ``DIR/.png``; a missing parent folder
+    is created, and one that is a file in the way is reported."""
+    if not out or out.endswith(("/", os.sep)) or os.path.isdir(out):
+        hint = os.path.join(out or ".", "result")
+        raise ValueError(f"--out {out!r} names a directory; --out is a file prefix (it writes "
+                         f"OUT.json and OUT.png), e.g. --out {hint}")
+    parent = os.path.dirname(os.path.abspath(out))
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"--out {out}: cannot create the folder {parent}: a file is in the "
+                         f"way") from None
+    return out
+
+
 def _common(p: argparse.ArgumentParser, tree_required: bool = True) -> None:
     """Options every subcommand shares; ``tree_required=False``: no default tree (sweep)."""
     p.add_argument("--tree", required=False,
                    default="1,4,16_128,256,1024" if tree_required else None,
                    help="tree spec like 1,4,16_128,256,1024 (the default), or a JSON file of "
-                        "block tables")
+                        "block tables; a spec has at most 64 levels, 65536 requests and 2^24 "
+                        "block-table entries (requests x pages)")
     p.add_argument("--heads", type=_heads, default=(32, 8), help="query:KV heads (default 32:8)")
     p.add_argument("--gpu", default="h100", help="a100, h100 or h200 (default h100)")
     p.add_argument("--page-size", type=_positive, default=16)
     p.add_argument("--head-dim", type=_positive, default=128)
     p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     p.add_argument("--constants", default=None,
-                   help="constants JSON (default sim/data/<gpu>.json)")
+                   help="constants JSON holding every constant, as 'fit' writes it (default "
+                        "sim/data/<gpu>.json)")
     p.add_argument("--seed", type=int, default=0, help="page-id shuffle of tree specs")
     p.add_argument("--timing", default="graph", choices=TIMINGS,
                    help="graph (default): a CUDA-graph replay of the step, in-graph launch gaps "
@@ -114,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suffix", type=int, default=128, help="private tokens per request")
     p.add_argument("--depth", type=int, default=2, help="tree levels incl. the leaves")
     p.add_argument("--methods", type=_methods, default=list(ALL_METHODS))
-    p.add_argument("--out", required=True, help="output prefix: writes OUT.png and OUT.json")
+    p.add_argument("--out", required=True, help="output file prefix: writes OUT.png and "
+                   "OUT.json (a directory is refused: name a file in it)")
 
     p = sub.add_parser(
         "calibration-report", help="predicted vs measured latency, in and out of sample",
@@ -234,6 +288,10 @@ def tree_spec(batch: int, prefix: int, suffix: int, depth: int) -> str:
     or ``prefix == 0``: no sharing, each request holds ``prefix + suffix`` tokens."""
     if batch < 1 or suffix < 1 or depth < 1 or prefix < 0:
         raise ValueError("batch, suffix and depth must be >= 1 and prefix >= 0")
+    # the spec's own limits, checked here before the loops over the levels
+    if depth > MAX_TREE_LEVELS or batch > MAX_TREE_NODES:
+        raise ValueError(f"depth {depth}, batch {batch}: the limits are {MAX_TREE_LEVELS} "
+                         f"levels and {MAX_TREE_NODES} requests")
     if depth == 1 or prefix == 0:
         return f"{batch}_{prefix + suffix}"
     levels = depth - 1
@@ -348,6 +406,7 @@ def _dispatch(args) -> int:
     if args.cmd == "sweep":
         sweep_plot = _plots().sweep_plot
         values = args.values or SWEEP_DEFAULTS[args.knob]
+        out_prefix(args.out)                    # before the work, not after it
         res = run_sweep(args.knob, values, args.methods, batch=args.batch, prefix=args.prefix,
                         suffix=args.suffix, depth=args.depth, heads=args.heads,
                         head_dim=args.head_dim, page_size=args.page_size, gpu=args.gpu,

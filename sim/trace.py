@@ -42,39 +42,50 @@ from .methods import METHODS
 from .model import simulate
 
 DEFAULT_METHODS = ("pat", "query", "cascade")
+# The engine's free list holds one Python int per page: 2^22 pages is ~150 MB of host memory
+# (and 2^26 tokens of KV at 16-token pages, far beyond one GPU's cache for one layer).
+MAX_KV_PAGES = 2**22
 
 
 # ---------------------------------------------------------------------------- CLI wiring
 def add_parser(sub) -> None:
     """Register the ``trace`` subcommand on ``sub`` (an argparse subparsers object)."""
-    from .cli import _heads, _methods
+    from pat_core.__main__ import _positive
+
+    from .cli import _heads, _methods, _nonneg_number, _positive_number
     p = sub.add_parser("trace", help="replay a request trace (JSON lines) as continuous-"
                                      "batching decode steps through planner and simulator")
     p.add_argument("--trace", required=True, help="trace file: one JSON object a line with "
                    "timestamp (ms), input_length, output_length, hash_ids")
-    p.add_argument("--out", required=True, help="output prefix: writes OUT.json and OUT.png")
+    p.add_argument("--out", required=True, help="output file prefix: writes OUT.json and "
+                   "OUT.png (a directory is refused: name a file in it)")
     p.add_argument("--methods", type=_methods, default=list(DEFAULT_METHODS),
                    help="comma-separated (default pat,query,cascade)")
     g = p.add_argument_group("cutting the trace")
-    g.add_argument("--start-s", type=float, default=0.0, help="keep arrivals from here (s)")
-    g.add_argument("--duration-s", type=float, default=None,
+    g.add_argument("--start-s", type=_nonneg_number, default=0.0,
+                   help="keep arrivals from here (s)")
+    g.add_argument("--duration-s", type=_positive_number, default=None,
                    help="keep arrivals in [start, start + duration) (default: to the end)")
-    g.add_argument("--sample", type=float, default=1.0,
+    g.add_argument("--sample", type=_positive_number, default=1.0,
                    help="keep each request with this probability (default 1)")
     g.add_argument("--seed", type=int, default=0, help="seed of --sample")
-    g.add_argument("--max-requests", type=int, default=None)
-    g.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
-    g.add_argument("--every", type=int, default=1,
+    g.add_argument("--max-requests", type=_positive, default=None)
+    g.add_argument("--max-steps", type=_positive, default=None,
+                   help="stop after this many steps")
+    g.add_argument("--every", type=_positive, default=1,
                    help="plan and simulate one step in EVERY (default 1: all of them)")
     g = p.add_argument_group("engine")
-    g.add_argument("--max-batch", type=int, default=256, help="most running requests")
-    g.add_argument("--kv-pages", type=int, default=32768, help="KV-cache capacity in pages")
-    g.add_argument("--step-ms", type=float, default=25.0, help="simulated time per step")
-    g.add_argument("--block-tokens", type=int, default=512, help="tokens per hash id")
+    g.add_argument("--max-batch", type=_positive, default=256, help="most running requests")
+    g.add_argument("--kv-pages", type=_kv_pages, default=32768,
+                   help=f"KV-cache capacity in pages (at most {MAX_KV_PAGES}: the engine keeps "
+                        f"a free list of every page)")
+    g.add_argument("--step-ms", type=_positive_number, default=25.0,
+                   help="simulated time per step")
+    g.add_argument("--block-tokens", type=_positive, default=512, help="tokens per hash id")
     g = p.add_argument_group("model and GPU")
     g.add_argument("--heads", type=_heads, default=(32, 8), help="query:KV heads (32:8)")
-    g.add_argument("--head-dim", type=int, default=128)
-    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--head-dim", type=_positive, default=128)
+    g.add_argument("--page-size", type=_positive, default=16)
     g.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     g.add_argument("--gpu", default="h100", help="a100, h100 or h200 (default h100)")
     g.add_argument("--constants", default=None, help="constants JSON (default sim/data/<gpu>)")
@@ -82,8 +93,21 @@ def add_parser(sub) -> None:
     p.add_argument("--no-plot", action="store_true", help="JSON only")
 
 
+def _kv_pages(s: str) -> int:
+    """``--kv-pages``: a positive int up to :data:`MAX_KV_PAGES`."""
+    import argparse
+
+    from pat_core.__main__ import _positive
+    v = _positive(s)
+    if v > MAX_KV_PAGES:
+        raise argparse.ArgumentTypeError(f"{v} pages; the limit is {MAX_KV_PAGES}")
+    return v
+
+
 def run_cli(args) -> int:
     """The ``trace`` subcommand: replay, write ``OUT.json`` and ``OUT.png``, print a summary."""
+    from .cli import out_prefix
+    out_prefix(args.out)                         # a bad --out fails before the replay
     cfg = ReplayConfig(page_size=args.page_size, block_tokens=args.block_tokens,
                        max_batch=args.max_batch, kv_pages=args.kv_pages, step_ms=args.step_ms)
     start_ms = 1000.0 * args.start_s
@@ -107,7 +131,6 @@ def run_cli(args) -> int:
                     "requests": len(reqs)}
     res["command"] = "python -m sim " + " ".join(_argv_tail())
     res["git_sha"] = _git_sha()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as fh:
         json.dump(res, fh, indent=1)
     if not args.no_plot:
@@ -242,6 +265,8 @@ def replay_report(requests, config: ReplayConfig, methods, *, heads=(32, 8), hea
     if st.steps:
         bar.update(s, force=True)
     bar.close()
+    if not st.steps:
+        raise ValueError(_nothing_scheduled(requests, config, st))
     wall = time.perf_counter() - t_start
     n_eval = len(cols["step"])
     summary = {}
@@ -278,6 +303,16 @@ def replay_report(requests, config: ReplayConfig, methods, *, heads=(32, 8), hea
         "summary": summary,
         "series": dict(cols, predicted_us=pred, plan_ms=plan_ms),
     }
+
+
+def _nothing_scheduled(requests, config: ReplayConfig, st: ReplayStats) -> str:
+    """Why a replay ran no step: every request was rejected as larger than the whole cache
+    (a report of zero steps would have no statistics to show)."""
+    need = max(-(-(r.input_length + r.output_length) // config.page_size) for r in requests)
+    return (f"no request can ever be scheduled: {len(st.rejected)} of {len(requests)} "
+            f"rejected as larger than the KV cache ({config.kv_pages} pages of "
+            f"{config.page_size} tokens, --kv-pages); the largest needs about {need} pages "
+            f"for its prompt and output")
 
 
 def _warm_up(methods, gpu, kws, hq, hk, head_dim, page_size) -> None:
