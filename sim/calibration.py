@@ -233,7 +233,13 @@ def load_measurements(paths) -> dict:
     gpu, starts = None, []
     for f in files:
         with open(f) as fh:
-            data = json.load(fh)
+            try:
+                data = json.load(fh)
+            except ValueError as exc:       # name the file: a folder may hold many
+                raise ValueError(f"{f}: not readable JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{f}: expected a JSON object (bench/calibrate.py or "
+                             f"bench/compare.py output), got {type(data).__name__}")
         if data.get("benchmark") == "graph_start":
             if data.get("median_outside_us") is None:
                 raise ValueError(f"{f}: a graph_start file without median_outside_us")
