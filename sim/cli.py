@@ -459,7 +459,7 @@ def _dispatch(args) -> int:
             except ValueError:
                 sep = ""
             if not sep:
-                raise SystemExit(f"--measured: expected KEY=NUMBER, got {item!r}")
+                raise ValueError(f"--measured: expected KEY=NUMBER, got {item!r}")
         path, _, info, rep = fit_and_save(args.measurements, args.out, args.gpu, val,
                                           args.max_evals, names=names, measured=measured)
         if args.json:

@@ -332,3 +332,9 @@ def test_plan_csr_errors_name_the_csr_arguments(indptr, indices, last, name):
         w.plan_csr(np.asarray(indptr, np.int64), np.asarray(indices, np.int64),
                    np.asarray(last, np.int64), 8, 2, 64, 16)
     assert name in str(e.value) and "block_tables" not in str(e.value)
+
+
+def test_fit_bad_measured_value_is_an_error_line(files, capsys):
+    err = check(sim_cli, ["fit", "--measurements", files["empty"], "--out", files["out"],
+                          "--measured", "copy_bandwidth_gbps"], capsys, want=2)
+    assert "KEY=NUMBER" in err
