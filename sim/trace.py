@@ -25,7 +25,6 @@ Example::
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
