@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--method", default="pat", choices=list(ALL_METHODS))
     p.add_argument("--out", required=True, help="PNG file")
-    p.add_argument("--max-sms", type=int, default=None, help="draw only the first SMs")
+    p.add_argument("--max-sms", type=_positive, default=None, help="draw only the first SMs")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
     p = sub.add_parser("sweep", help="predicted time per method against one knob")

@@ -338,3 +338,9 @@ def test_fit_bad_measured_value_is_an_error_line(files, capsys):
     err = check(sim_cli, ["fit", "--measurements", files["empty"], "--out", files["out"],
                           "--measured", "copy_bandwidth_gbps"], capsys, want=2)
     assert "KEY=NUMBER" in err
+
+
+def test_timeline_max_sms_must_be_positive(files, capsys):
+    err = check(sim_cli, ["timeline", "--tree", "1,4_64,16", "--out", files["out"],
+                          "--max-sms", "-3"], capsys, want=2)
+    assert "--max-sms" in err
