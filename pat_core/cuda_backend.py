@@ -60,7 +60,7 @@ from . import cuda_compile as cc
 from . import kernel_params as kp
 from .gpus import detect_gpu_name
 from .inputs import byte_extent, refuse_overlap
-from .launch import merge_block_per_pair, merge_heads_per_warp
+from .launch import launch_grid, merge_block_per_pair, merge_heads_per_warp, merge_needed
 from .plan import Plan, dtype_name
 
 log = logging.getLogger("pat_core.cuda")
@@ -478,12 +478,13 @@ class CudaBackend:
         return (int(self.arch[3:]) >= 90 and all(ln.fast for ln in launches)
                 and _launch_ex() is not None)
 
-
     def _outputs(self, qd: _Dev, rows: int, Hq: int, D: int, dtype: str, want_lse: bool, out,
-                 lse, note: str = ""):
+                 lse, inputs: dict, note: str = ""):
         """Allocate or check ``out`` ``[rows, Hq, D]`` in ``dtype`` and (with ``want_lse``)
-        ``lse`` float32 ``[rows, Hq]``; returns ``(out, lse, out_args)``, out_args being the
+        ``lse`` float32 ``[rows, Hq]``; a caller's buffer must not overlap the other or the
+        ``inputs`` (``{name: _Dev}``).  Returns ``(out, lse, out_args)``, out_args being the
         pointers and element strides the merge writes through (0 for a missing lse)."""
+        given = {}
         if out is None:
             # allocated here, so its layout is known: no checks (this is every call of a user
             # who lets run() allocate, and the host's time per call is what eager steps pay)
@@ -500,6 +501,7 @@ class CudaBackend:
                                  f"contiguous last dimension, got {od.shape} {od.dtype} strides "
                                  f"{od.strides}")
             o_ptr, o_sb, o_sh = od.ptr, od.strides[0], od.strides[1]
+            given["out"] = _extent(od)
         l_ptr = l_sb = l_sh = 0
         if want_lse:
             if lse is None:
@@ -511,8 +513,10 @@ class CudaBackend:
                     raise ValueError(f"lse must be float32 [{rows}, {Hq}], got {ld.shape} "
                                      f"{ld.dtype}")
                 l_ptr, l_sb, l_sh = ld.ptr, ld.strides[0], ld.strides[1]
+                given["lse"] = _extent(ld)
+        if given:
+            refuse_overlap(given, {n: _extent(t) for n, t in inputs.items()})
         return out, lse, (o_ptr, l_ptr, o_sb, o_sh, l_sb, l_sh)
-
 
     def _enqueue(self, launches, merge, caller: int) -> None:
         """Forward ``launches`` on the caller's stream, each after the first a programmatic
@@ -570,10 +574,9 @@ class CudaBackend:
             st.check_inputs(st.plan, prep["rows"], prep["num_pages"])
             prep["checked"] = st.plan
         rows = prep["rows"] if st.fixed else st.batch
-        if out is not None or lse is not None:
-            _refuse_overlap(out, lse, qd, kd, vd)
         out, lse, out_args = self._outputs(qd, rows, st.num_qo_heads, st.head_dim, st.dtype,
                                            want_lse, out, lse,
+                                           {"q": qd, "k_cache": kd, "v_cache": vd},
                                            note=" (q's rows)" if st.fixed else "")
         if st.fixed:
             launches, merge = prep["launches"], prep["merge"]
@@ -651,7 +654,10 @@ class StaticState:
                            jobs=min(len(self.variants), os.cpu_count() or 1))
         props = cp.cuda.runtime.getDeviceProperties(self.device)
         self.num_sms = int(props["multiProcessorCount"])
-        self.grids = [self._grid(v) for v in self.launch_variants]
+        self.per_sm = [backend._blocks_per_sm(v) for v in self.launch_variants]
+        # every block that can be resident at once, at most one per item the limits allow
+        self.grids = [launch_grid(lim.max_ctas * self.num_kv_heads, b, self.num_sms)
+                      for b in self.per_sm]
         self.prepared: dict = {}
         self.batch = None           # live batch of the last plan written
         self.plan = None
@@ -663,13 +669,6 @@ class StaticState:
         self.merge_key = (False, 1)
         self.max_rows = None        # graph-safe: q rows and KV pages of the inputs the
         self.num_pages = None       # launches were built for (a later plan must fit them)
-
-    def _grid(self, v) -> int:
-        """Blocks of a pull launch: every block that can be resident at once, at most one per
-        item the limits allow."""
-        per_sm = self.backend._blocks_per_sm(v)
-        items = self.layout.limits.max_ctas * self.num_kv_heads
-        return max(1, min(items, per_sm * self.num_sms))
 
     def check_plan(self, plan: Plan) -> None:
         """``ValueError`` unless ``plan`` fits this state: its shape and, in graph-safe mode,
@@ -731,10 +730,13 @@ class StaticState:
         used = [v for v in range(self.layout.num_variants) if self.live[v, 1] > 0]
         self.order = tuple(used)
         # each launch's grid: its resident blocks, at most one per live item (a plain call
-        # need not keep the grid fixed, and blocks that find no item still cost a placement)
-        self.plan_grids = {v: min(self.grids[v], int(self.live[v, 1]) * Hk) for v in used}
-        drew = any(int(self.live[v, 1]) * Hk > self.grids[v] for v in used)
-        self.needs_merge = plan.num_slots > plan.batch_size or drew
+        # need not keep the grid fixed, and blocks that find no item still cost a placement);
+        # the same rules as the simulator's (pat_core.launch)
+        self.plan_grids = {v: launch_grid(int(self.live[v, 1]) * Hk, self.per_sm[v],
+                                          self.num_sms) for v in used}
+        vidx = {t: i for i, t in enumerate(self.layout.tiles)}
+        per_sm_of_tile = [self.per_sm[vidx[(int(m), int(n))]] for m, n in plan.tile_configs]
+        self.needs_merge = merge_needed(plan, per_sm_of_tile, self.num_sms)
         self.merge_key = self.backend._merge_layout(plan)
 
     def prepare(self, qd: _Dev, kd: _Dev, vd: _Dev, kv_layout: str) -> dict:
@@ -1032,13 +1034,8 @@ _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
 def _extent(t: _Dev) -> tuple:
+    """Byte range of a device array (:func:`pat_core.inputs.byte_extent`)."""
     return byte_extent(t.ptr, t.shape, t.strides, _ITEMSIZE.get(t.dtype, 8))
-
-
-def _refuse_overlap(out, lse, qd: _Dev, kd: _Dev, vd: _Dev) -> None:
-    """``ValueError`` when ``out`` or ``lse`` shares memory with each other or the inputs."""
-    outs = {n: _extent(_Dev(b, n)) for n, b in (("out", out), ("lse", lse)) if b is not None}
-    refuse_overlap(outs, {"q": _extent(qd), "k_cache": _extent(kd), "v_cache": _extent(vd)})
 
 
 def _check_plan_tiles(plan: Plan) -> None:
