@@ -128,6 +128,8 @@ TUNINGS = {
     "narrow-off": {"narrow_share": 0.0},
     "wg": {"layouts": WG_LAYOUTS},
     "share3": {"split_share": 3.0},
+    # the per-request rule off (the planner keeps its shared packing)
+    "noreq": {"request_share": 0.0},
     "n32": {"kv_tile_table": ((1 << 62, 32),)},
     "n32-share3": {"kv_tile_table": ((1 << 62, 32),), "split_share": 3.0},
     # short-KV tiles with a single-stage ring (tile 0 loads with Q; smaller blocks, more per SM)

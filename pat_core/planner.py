@@ -25,7 +25,7 @@ from .inputs import BlockTable, _check_seq_lens, as_block_table, check_heads, ch
 from .packers import (NARROW_SHARE, PACKERS, PARTIAL_WEIGHT, Packs, narrow_packing,
                       narrow_wins, pack, request_packing, request_share, request_wins)
 from .plan import DTYPE_BYTES, Plan, dtype_name
-from .split import auto_split_share, split_long_kv, split_threshold
+from .split import auto_split_share, choose_split_share, split_long_kv, split_threshold
 from .tiles import TileSelector
 
 
@@ -37,9 +37,10 @@ class Tuning:
     ``max_rows``: cap on a CTA's query rows (``None``: the largest feasible tile).  Smaller
     caps cut shared nodes into more CTAs that re-read the same pages (mostly from L2).
     ``split_share``: resident thread blocks per SM assumed by the ``"sm"`` split rule
-    (``None``: :func:`pat_core.split.auto_split_share`: 2; 3 when only packs of at most 16
-    rows are cut; at most 1, so that the cut CTAs make no more blocks than SMs, when a cut pack
-    has more rows).
+    (``None``: :func:`pat_core.split.choose_split_share`: the rule of
+    :func:`pat_core.split.auto_split_share` (2; 3 when only packs of at most 16 rows are cut;
+    at most 1, so that the cut CTAs make no more blocks than SMs, when a cut pack has more
+    rows), or another share where the pull-launch model predicts it clearly faster).
     ``min_part``: shortest part the split makes (tokens).
     ``partial_weight``: multiplies the partial-result bytes in the ``pat`` profit model (above 1
     favours merging short nodes into their children's CTAs: fewer partials and thread blocks
@@ -181,7 +182,12 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
         if rule == "sm" and tuning.split_by == "work":
             weight = selector.row_time_weight(np.diff(packs.req_indptr) * group)
         share = tuning.split_share
-        if share is None:
+        if share is None and weight is None and rule == "sm":
+            share, _ = choose_split_share(length, np.diff(packs.req_indptr) * group,
+                                          num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                          kv_bytes=DTYPE_BYTES[kv_dtype], gpu=gpu,
+                                          selector=selector, min_part=tuning.min_part)
+        elif share is None:
             share = auto_split_share(length, np.diff(packs.req_indptr) * group, num_kv_heads,
                                      gpu.num_sms, min_part=tuning.min_part)
         thr = split_threshold(length, num_kv_heads, gpu.num_sms, rule=rule,

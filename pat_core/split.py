@@ -175,3 +175,215 @@ def _split(kv_start, kv_end, thresholds):
             ln[i] = e - s
             i += 1
     return src, start, ln
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing the share by the time of the pull launch it produces
+# ---------------------------------------------------------------------------------------------
+
+# The shares the planner tries when its tuning leaves the share open (one_wave_share is added).
+CANDIDATE_SHARES = (2.0, 3.0, 4.0, 6.0)
+
+
+@njit(cache=True)
+def pull_makespan_ns(item_bytes, item_weight, item_slots, capacity, bandwidth, latency_ns,
+                     item_ns):
+    """Predicted time (ns) of one pull launch: items drawn in order by the blocks resident on
+    the GPU, memory bandwidth shared among the running ones.
+
+    ``item_bytes`` (float64 ``[N]``): bytes each work item moves, in the order blocks draw
+    them.  ``item_weight`` (float64 ``[N]``): bytes its block keeps in flight.
+    ``item_slots`` (float64 ``[N]``): the share of one SM its block holds (``1 /
+    blocks_per_sm`` of its kernel).  ``capacity``: SMs (running items' slots never sum past
+    it).  ``bandwidth`` (bytes/ns): what the running items share; ``latency_ns``: memory
+    latency under load; ``item_ns``: fixed time per item (its start and partial write).
+
+    An item moves ``weight / latency`` bytes/ns while the running items' in-flight bytes
+    together ask less than ``bandwidth``, and its weight's share of ``bandwidth`` once they ask
+    more (the simulator's rule, :mod:`sim.timeline`).  Every running item then advances on one
+    clock at rate ``g = min(1 / latency, bandwidth / sum(weights))``, needing ``bytes / weight``
+    of it, so items finish in the order of their clock targets: a heap gives each event in
+    O(log N)."""
+    n = item_bytes.shape[0]
+    if n == 0:
+        return 0.0
+    heap = np.empty(n, dtype=np.float64)     # clock value at which the item finishes
+    hw = np.empty(n, dtype=np.float64)
+    hslot = np.empty(n, dtype=np.float64)
+    size = 0
+    clock = 0.0
+    t = 0.0
+    used = 0.0
+    wsum = 0.0
+    nxt = 0
+    while nxt < n or size > 0:
+        # start every item that fits (in order: a free block draws the next item only)
+        while nxt < n and (size == 0 or used + item_slots[nxt] <= capacity + 1e-9):
+            w = max(item_weight[nxt], 1.0)
+            v = clock + item_bytes[nxt] / w + item_ns / latency_ns
+            s = item_slots[nxt]
+            i = size
+            size += 1
+            while i > 0:
+                parent = (i - 1) // 2
+                if heap[parent] <= v:
+                    break
+                heap[i] = heap[parent]
+                hw[i] = hw[parent]
+                hslot[i] = hslot[parent]
+                i = parent
+            heap[i] = v
+            hw[i] = w
+            hslot[i] = s
+            used += s
+            wsum += w
+            nxt += 1
+        g = min(1.0 / latency_ns, bandwidth / wsum)
+        t += (heap[0] - clock) / g
+        clock = heap[0]
+        used -= hslot[0]
+        wsum -= hw[0]
+        size -= 1
+        v = heap[size]
+        w = hw[size]
+        s = hslot[size]
+        i = 0
+        while True:
+            c = 2 * i + 1
+            if c >= size:
+                break
+            if c + 1 < size and heap[c + 1] < heap[c]:
+                c += 1
+            if heap[c] >= v:
+                break
+            heap[i] = heap[c]
+            hw[i] = hw[c]
+            hslot[i] = hslot[c]
+            i = c
+        if size > 0:
+            heap[i] = v
+            hw[i] = w
+            hslot[i] = s
+        if size == 0:
+            wsum = 0.0
+            used = 0.0
+    return t
+
+
+# The pull-launch model's constants (fitted on H100 timings, bench/NOTES.md "Split by the pull
+# launch's time"): a block's memory latency under load, in units of the GPU's unloaded latency
+# (its rate is the KV it keeps in flight over this); the fixed time of one work item; and the
+# merge launch's fixed time, paid once when any request has more than one partial slot.
+LOADED_LATENCY = 1.5
+ITEM_NS = 1000.0
+MERGE_NS = 2000.0
+
+
+def split_time_ns(length: np.ndarray, rows: np.ndarray, threshold: int, *, num_kv_heads: int,
+                  head_dim: int, kv_bytes: int, gpu, selector) -> float:
+    """Predicted forward + merge time (ns) of cutting packs of ``length`` (int ``[K]``
+    tokens) and ``rows`` (int ``[K]`` query rows) at ``threshold`` tokens: the pull launch of
+    their parts (:func:`pull_makespan_ns`, longest first, each part's tile from ``selector``,
+    its blocks per SM from the kernel's resources and its in-flight KV from the kernel's
+    pipeline stages) plus, when a pack is cut, the merge (:data:`MERGE_NS` and its partial
+    reads).  A part's ``num_kv_heads`` blocks are priced as one item of their summed bytes,
+    in-flight bytes and SM share (they are adjacent in the launch's work order).  Only
+    :data:`LOADED_LATENCY`, :data:`ITEM_NS` and :data:`MERGE_NS` are fitted."""
+    return _price_thresholds(length, rows, [int(threshold)], num_kv_heads=num_kv_heads,
+                             head_dim=head_dim, kv_bytes=kv_bytes, gpu=gpu,
+                             selector=selector)[0]
+
+
+def _price_thresholds(length, rows, thresholds, *, num_kv_heads, head_dim, kv_bytes, gpu,
+                      selector) -> list:
+    """:func:`split_time_ns` of each of ``thresholds``, with one tile lookup for all."""
+    from .cuda_compile import default_layout
+    from .tiles import estimate_resources, kernel_resources
+    length = np.asarray(length).astype(np.int64)
+    rows = np.asarray(rows).astype(np.int64)
+    K = length.shape[0]
+    layouts, toks, prows = [], [], []
+    for thr in thresholds:
+        parts, plen = _part_layout(length, np.full(K, max(int(thr), 1), dtype=np.int64))
+        tok = np.repeat(plen, parts)       # the parts split_long_kv makes, the last the rest
+        tok[np.cumsum(parts) - 1] = length - (parts - 1) * plen
+        layouts.append(parts)
+        toks.append(tok)
+        prows.append(np.repeat(rows, parts))
+    all_tok = np.concatenate(toks)
+    all_rows = np.concatenate(prows)
+    mn = selector.select(all_rows, all_tok)
+    key = mn[:, 0].astype(np.int64) * 65536 + mn[:, 1]
+    ukey, inv = np.unique(key, return_inverse=True)
+    inv = inv.reshape(-1)
+    slot = np.empty(ukey.shape[0])
+    inflight = np.empty(ukey.shape[0])
+    dtype = "float16" if kv_bytes == 2 else "float32"
+    for u, k in enumerate(ukey.tolist()):
+        m, n = k // 65536, k % 65536
+        res = kernel_resources(m, n, head_dim, dtype, gpu) or estimate_resources(m, n, head_dim)
+        slot[u] = num_kv_heads / max(res.ctas_per_sm(gpu), 1)
+        stages = default_layout(m, n, head_dim)[1]
+        inflight[u] = num_kv_heads * max(stages - 1, 1) * n * head_dim * 2 * kv_bytes
+    bandwidth = gpu.hbm_bandwidth * gpu.achieved_bw_fraction
+    latency = gpu.mem_latency_ns * LOADED_LATENCY
+    out, lo = [], 0
+    for parts, tok, prow in zip(layouts, toks, prows):
+        hi = lo + tok.shape[0]
+        cfg = inv[lo:hi]
+        lo = hi
+        cut = np.repeat(parts > 1, parts)
+        nbytes = num_kv_heads * (tok * (head_dim * 2 * kv_bytes) +
+                                 np.where(cut, prow * head_dim * 4, 0)).astype(np.float64)
+        order = np.argsort(-nbytes, kind="stable")
+        t = pull_makespan_ns(nbytes[order], inflight[cfg][order], slot[cfg][order],
+                             float(gpu.num_sms), bandwidth, latency, ITEM_NS)
+        if (parts > 1).any():
+            merge_bytes = float((parts * (parts > 1) * rows).sum()) * num_kv_heads * head_dim * 4
+            t += MERGE_NS + merge_bytes / bandwidth
+        out.append(t)
+    return out
+
+
+# The least predicted gain (fraction of the automatic share's time) for which the pull-launch
+# model overrides auto_split_share: the model's ranking errors on the measured shares stayed
+# below this (bench/NOTES.md "Split by the pull launch's time").
+MODEL_MARGIN = 0.04
+
+
+def choose_split_share(length: np.ndarray, rows: np.ndarray, *, num_kv_heads: int,
+                       head_dim: int, kv_bytes: int, gpu, selector, min_part: int = 256):
+    """``(share, predicted)``: the ``"sm"`` rule's share when the tuning leaves it open.
+
+    :func:`auto_split_share`'s share, unless another of :data:`CANDIDATE_SHARES` or
+    :func:`one_wave_share` has a :func:`split_time_ns` at least :data:`MODEL_MARGIN` below
+    its; then the fastest predicted.  ``predicted``: ``{share: ns}`` of the shares priced
+    (shares that cut exactly as an earlier one are left out; nothing is priced when every
+    share cuts alike)."""
+    length = np.asarray(length)
+    rows = np.asarray(rows)
+    auto = auto_split_share(length, rows, num_kv_heads, gpu.num_sms, min_part=min_part)
+    if length.size == 0:
+        return auto, {}
+    cands = [auto] + sorted({*CANDIDATE_SHARES, one_wave_share(
+        length, num_kv_heads, gpu.num_sms, min_part=min_part)} - {auto}, reverse=True)
+    lengths = length.astype(np.int64)
+    shares, thrs, seen = [], [], set()
+    for s in cands:
+        thr = split_threshold(length, num_kv_heads, gpu.num_sms, min_part=min_part, share=s)
+        parts, _ = _part_layout(lengths, np.full(lengths.shape[0], thr, dtype=np.int64))
+        key = parts.tobytes()
+        if key in seen:            # the same cuts as a share already listed
+            continue
+        seen.add(key)
+        shares.append(s)
+        thrs.append(thr)
+    if len(shares) == 1:
+        return auto, {}
+    times = _price_thresholds(length, rows, thrs, num_kv_heads=num_kv_heads,
+                              head_dim=head_dim, kv_bytes=kv_bytes, gpu=gpu, selector=selector)
+    predicted = dict(zip(shares, times))
+    best = min(predicted, key=predicted.get)
+    if predicted[best] < predicted[auto] * (1.0 - MODEL_MARGIN):
+        return best, predicted
+    return auto, predicted

@@ -43,8 +43,11 @@ def test_shared_pages_beyond_the_l2_keep_sharing():
 def test_rereading_too_much_or_needing_a_split_keeps_sharing():
     _, half = _plan("1,256_512,1024", 32, 8)            # +50% tokens per request
     assert not half.one_cta_per_request
-    _, quick = _plan("1,4,16_128,256,1024", 32, 8)      # per request it would be split
+    _, quick = _plan("1,4,8_128,256,2048", 32, 8)       # per request it would be split
     assert not quick.one_cta_per_request and quick.num_ctas > quick.batch_size
+    # 16 requests x 8 KV heads fill the SMs once: one CTA each, unsplit, no merge
+    _, wave = _plan("1,4,16_128,256,1024", 32, 8)
+    assert wave.one_cta_per_request and wave.num_ctas == wave.batch_size
     _, root = _plan("1,16_2048,128", 32, 8)             # a wide root: sharing carries the step
     assert not root.one_cta_per_request
 

@@ -155,7 +155,7 @@ def test_more_sms_never_slower_design_shapes(spec):
 def test_serial_plans_run_the_one_launch_path():
     """A plan marked serial (the cascade packer's levels, or serial=True) launches as any other
     plan does: one launch per tile, tallest first, then the merge; no phase per group."""
-    batch = build_tree_batch("1,4,16_128,256,1024", 16)
+    batch = build_tree_batch("1,4,8_128,256,2048", 16)
     plan = _plan(batch, "pat", serial=True)
     casc = _plan(batch, "cascade")
     assert plan.serial and casc.serial and casc.num_groups > casc.tile_configs.shape[0]

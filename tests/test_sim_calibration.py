@@ -113,7 +113,7 @@ def test_fit_recovers_synthetic_measurements(tmp_path):
     split = split_workloads(data["records"])
     start = default_constants("h100")
     before = report(data, start, split["fit"], prepared=prep)
-    consts, info = fit(data, split, "h100", start=start, max_evals=400, prepared=prep)
+    consts, info = fit(data, split, "h100", start=start, max_evals=800, prepared=prep)
     after = report(data, consts, split["fit"], prepared=prep)
     # the constants that generated the data, scored against the same noisy measurements: the
     # rank correlation a perfect fit can reach (3% noise scrambles close latencies)

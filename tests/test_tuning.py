@@ -174,8 +174,9 @@ def test_auto_split_share():
     short = np.array([200, 100])                  # nothing to cut: every pack under min_part
     assert auto_split_share(short, np.array([4, 4]), 8, 132) == DEFAULT_SPLIT_SHARE
     assert auto_split_share(np.array([], dtype=np.int64), np.array([]), 8, 132) == 2.0
-    # the quick-start batch at 32:8: 16 private 1024-token leaves of 4 rows each are cut
-    b = build_tree_batch("1,4,16_128,256,1024", page_size=16)
+    # 24 private 8192-token requests at 32:8: share 3 cuts each into 3 parts, share 2 into 2;
+    # the automatic choice keeps share 3 (the pull-launch model sees no clear gain)
+    b = build_tree_batch("24_8192", page_size=16)
     auto = Planner("pat", "h100").plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
     p2 = Planner("pat", "h100", tuning=Tuning(split_share=2.0))
     p3 = Planner("pat", "h100", tuning=Tuning(split_share=3.0))
