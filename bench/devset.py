@@ -204,7 +204,7 @@ def time_all(steps_dir, out_dir, *, heads=("32:8",), methods=("pat", "pat-graph-
     import pat_core
     out_dir = Path(out_dir)
     bw = copy_bandwidth()
-    rows, summary = [], {}
+    rows, summary, fi_version = [], {}, None
     for part in parts:
         f = Path(steps_dir) / f"{part}.npz"
         if not f.is_file():
@@ -212,6 +212,7 @@ def time_all(steps_dir, out_dir, *, heads=("32:8",), methods=("pat", "pat-graph-
         trace_replay.main(["time", "--steps-file", str(f), "--out", str(out_dir / part),
                            "--heads", *heads, "--methods", *methods, "--reps", str(reps)])
         res = json.loads((out_dir / part / "trace_replay.json").read_text())
+        fi_version = res.get("versions", {}).get("flashinfer", fi_version)
         meta = {m["step"]: m for m in load_steps(f)[0]["steps"]}
         for r in res["rows"]:
             hq, hk = (int(x) for x in r["heads"].split(":"))
@@ -244,7 +245,7 @@ def time_all(steps_dir, out_dir, *, heads=("32:8",), methods=("pat", "pat-graph-
             summary[f"{part} {h}"] = s
     res = dict(benchmark="devset", device=torch.cuda.get_device_name(), git_sha=git_sha(),
                versions=dict(python=platform.python_version(), torch=torch.__version__,
-                             pat=pat_core.__version__),
+                             pat=pat_core.__version__, flashinfer=fi_version),
                copy_bandwidth_Bps=bw, heads=list(heads), methods=list(methods), reps=reps,
                method_note="bench/trace_replay.py time per part; floor = unique KV + q + out "
                            "at the copy bandwidth", rows=rows, summary=summary)

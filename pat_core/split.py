@@ -270,10 +270,12 @@ def pull_makespan_ns(item_bytes, item_weight, item_slots, capacity, bandwidth, l
     return t
 
 
-# The pull-launch model's constants (fitted on H100 timings, bench/NOTES.md "Split by the pull
-# launch's time"): a block's memory latency under load, in units of the GPU's unloaded latency
-# (its rate is the KV it keeps in flight over this); the fixed time of one work item; and the
-# merge launch's fixed time, paid once when any request has more than one partial slot.
+# The pull-launch model's constants, set by hand and judged by the plans they pick on the H100
+# development set (bench/NOTES.md, "The split share by the pull launch's time"): a block's memory
+# latency under load, in units of the GPU's unloaded latency (its rate is the KV it keeps in
+# flight over this: ~34 GB/s for a 16x64 block, the rate the tail of 4_8192 at share 3 implies);
+# the fixed time of one work item; and the merge launch's fixed time, paid once when any request
+# has more than one partial slot.
 LOADED_LATENCY = 1.5
 ITEM_NS = 1000.0
 MERGE_NS = 2000.0
@@ -287,8 +289,9 @@ def split_time_ns(length: np.ndarray, rows: np.ndarray, threshold: int, *, num_k
     its blocks per SM from the kernel's resources and its in-flight KV from the kernel's
     pipeline stages) plus, when a pack is cut, the merge (:data:`MERGE_NS` and its partial
     reads).  A part's ``num_kv_heads`` blocks are priced as one item of their summed bytes,
-    in-flight bytes and SM share (they are adjacent in the launch's work order).  Only
-    :data:`LOADED_LATENCY`, :data:`ITEM_NS` and :data:`MERGE_NS` are fitted."""
+    in-flight bytes and SM share (they are adjacent in the launch's work order).  Beyond the
+    planner's own tile and resource rules, only :data:`LOADED_LATENCY`, :data:`ITEM_NS` and
+    :data:`MERGE_NS` are the model's."""
     return _price_thresholds(length, rows, [int(threshold)], num_kv_heads=num_kv_heads,
                              head_dim=head_dim, kv_bytes=kv_bytes, gpu=gpu,
                              selector=selector)[0]
@@ -346,8 +349,9 @@ def _price_thresholds(length, rows, thresholds, *, num_kv_heads, head_dim, kv_by
 
 
 # The least predicted gain (fraction of the automatic share's time) for which the pull-launch
-# model overrides auto_split_share: the model's ranking errors on the measured shares stayed
-# below this (bench/NOTES.md "Split by the pull launch's time").
+# model overrides auto_split_share.  The model ranks shares it prices within a few percent of
+# each other no better than chance (1,4,16_128,256,1024: shares 3, 4, 6 priced 39.0/40.2/41.3 us,
+# measured 40.3/38.2/38.5), so it only overrides where it sees a clear wave-quantisation loss.
 MODEL_MARGIN = 0.04
 
 

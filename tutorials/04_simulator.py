@@ -37,9 +37,12 @@ from pat_core.workloads import build_tree_batch
 # %% [markdown]
 # ## One plan, simulated
 #
-# The running example of the README: one 128-token system prompt, four 256-token documents, 16
-# requests with 1,024 tokens each of their own; 32 query heads over 8 KV heads, head_dim 128,
-# fp16, planned for an H100.
+# The running example of the README with a longer system prompt: one 1,024-token system prompt,
+# four 256-token documents, 16 requests with 1,024 tokens each of their own; 32 query heads over
+# 8 KV heads, head_dim 128, fp16, planned for an H100.  (With the README's 128-token prompt the
+# planner gives every request one CTA of its own: re-reading 384 shared tokens, mostly from L2,
+# costs less there than a partial result per request and a merge; a longer prompt keeps the
+# sharing.)
 
 # %%
 HQ, HK, D = 32, 8, 128
@@ -51,7 +54,7 @@ def plan_for(spec, packer="pat", heads=(HQ, HK), gpu="h100", **kw):
                                               16, **kw)
 
 
-spec = "1,4,16_128,256,1024"
+spec = "1,4,16_1024,256,1024"
 plan = plan_for(spec)
 res = sim.simulate(plan)
 print(f"constants: {res.constants.source}")
@@ -102,7 +105,7 @@ assert q_res.bytes_level["l2"] + q_res.bytes_level["hbm"] == q_res.bytes["total"
 # in flight (a 16x32 block with one 32-token tile in flight gets a quarter of what a 16x64 block
 # with two 64-token tiles in flight gets), and a tile whose kernel raises its shared-memory
 # limit (above 40 KB) never shares an SM with one that does not. The cell below counts the
-# leading bytes of each plan: for query, a large share of its hits (its 384-token prefix re-read
+# leading bytes of each plan: for query, a large share of its hits (its 1,280-token prefix re-read
 # by every request); pat's few hits (prefix pages two of its CTAs both read, a few per block,
 # and the merge kernel's partial reads) stay within what a block has in flight, so none of them
 # lead; then it shows the weights and classes of a deep tree's blocks.
