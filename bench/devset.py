@@ -191,7 +191,7 @@ def step_floor_us(meta_step: dict, hq: int, hk: int, d: int, bw: float, dtype_by
 
 def time_all(steps_dir, out_dir, *, heads=("32:8",), methods=("pat", "pat-graph-bucket",
                                                              "fi-decode"),
-             reps: int = 10, parts=PARTS) -> dict:
+             reps: int = 10, parts=PARTS, head_dim: int = 128) -> dict:
     """Time every part of the development set (``bench/trace_replay.py time`` on each steps
     file, into ``out_dir/PART/``), then write ``out_dir/devset.json``: the copy bandwidth, one
     row per (part, step, heads, method) with its bandwidth floor, and per part and heads the
@@ -210,7 +210,8 @@ def time_all(steps_dir, out_dir, *, heads=("32:8",), methods=("pat", "pat-graph-
         if not f.is_file():
             raise SystemExit(f"{f}: missing (python bench/devset.py prepare --out {steps_dir})")
         trace_replay.main(["time", "--steps-file", str(f), "--out", str(out_dir / part),
-                           "--heads", *heads, "--methods", *methods, "--reps", str(reps)])
+                           "--heads", *heads, "--methods", *methods, "--reps", str(reps),
+                           "--head-dim", str(head_dim)])
         res = json.loads((out_dir / part / "trace_replay.json").read_text())
         fi_version = res.get("versions", {}).get("flashinfer", fi_version)
         meta = {m["step"]: m for m in load_steps(f)[0]["steps"]}
@@ -246,7 +247,8 @@ def time_all(steps_dir, out_dir, *, heads=("32:8",), methods=("pat", "pat-graph-
     res = dict(benchmark="devset", device=torch.cuda.get_device_name(), git_sha=git_sha(),
                versions=dict(python=platform.python_version(), torch=torch.__version__,
                              pat=pat_core.__version__, flashinfer=fi_version),
-               copy_bandwidth_Bps=bw, heads=list(heads), methods=list(methods), reps=reps,
+               copy_bandwidth_Bps=bw, heads=list(heads), head_dim=head_dim,
+               methods=list(methods), reps=reps,
                method_note="bench/trace_replay.py time per part; floor = unique KV + q + out "
                            "at the copy bandwidth", rows=rows, summary=summary)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -275,10 +277,11 @@ def main(argv=None) -> int:
     tm.add_argument("--methods", nargs="+", default=["pat", "pat-graph-bucket", "fi-decode"])
     tm.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     tm.add_argument("--reps", type=int, default=10)
+    tm.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
     args = ap.parse_args(argv)
     if args.cmd == "time":
         time_all(args.dir, args.out, heads=args.heads, methods=args.methods, reps=args.reps,
-                 parts=args.parts)
+                 parts=args.parts, head_dim=args.head_dim)
         return 0
     if args.cmd == "list":
         _print_rows(workloads(args.dir))
