@@ -221,3 +221,161 @@ WORKLOAD_SETS = {
     "deep": (DEEP_WORKLOADS, DEEP_HEAD_CONFIGS),
     "long": (LONG_PREFIX_WORKLOADS, DEEP_HEAD_CONFIGS),
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# A serving loop: one block table per decode step
+# ---------------------------------------------------------------------------------------------
+
+SERVING_ORDERS = ("keep", "swap", "shuffle")
+
+
+class ServingLoop:
+    """A continuous-batching decode loop under a few shared prompts, as a paged engine with
+    prefix caching runs it: one ``(block_tables, seq_lens)`` per step.
+
+    ``requests`` requests run at every step.  Each holds one of ``shared_prompts`` prompts of
+    ``prompt_len`` tokens (the prompt's full pages are shared by its requests; a partly filled
+    last prompt page is copied into a page of the request's own, copy-on-write) and a private
+    part that grows by one token per step, taking a fresh page when its last page is full.  A
+    request leaves after its private part reaches a length drawn from ``private`` (an
+    inclusive ``(lo, hi)`` range); a new request takes its place with a private part of
+    ``1..lo`` tokens (its question) under a prompt drawn at random.  At the start every
+    request is at a random point of its life.  Freed pages return to a free list that hands
+    out the most recently freed page first, so a joining request often gets the pages of one
+    that just left.
+
+    Rows of the block table, as an engine's persistent batch keeps them (``order``):
+    ``"keep"`` removes a leaving request's row and keeps the others in order, joiners at the
+    end; ``"swap"`` moves the last row into the hole (vLLM's condensing); ``"shuffle"``
+    permutes the rows at random every step.
+
+    :meth:`step` returns views of one int32 buffer ``[requests, width]`` (padding
+    ``pad_value``) and of an int32 ``[requests]`` length array that the next call overwrites
+    in place, as an engine's buffers are; copy them to keep a step.
+    """
+
+    def __init__(self, requests: int, shared_prompts: int = 4, prompt_len: int = 2048,
+                 private=(128, 3072), page_size: int = 16, seed: int = 0,
+                 order: str = "keep", pad_value: int = 0):
+        for name, v in (("requests", requests), ("shared_prompts", shared_prompts),
+                        ("page_size", page_size)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if isinstance(prompt_len, bool) or not isinstance(prompt_len, (int, np.integer)) \
+                or prompt_len < 0:
+            raise ValueError(f"prompt_len must be an int >= 0, got {prompt_len!r}")
+        try:
+            lo, hi = (int(x) for x in private)
+        except (TypeError, ValueError):
+            raise ValueError(f"private must be a (lo, hi) pair of ints, got {private!r}") \
+                from None
+        if not 1 <= lo <= hi:
+            raise ValueError(f"private must satisfy 1 <= lo <= hi, got {private!r}")
+        if order not in SERVING_ORDERS:
+            raise ValueError(f"order must be one of {SERVING_ORDERS}, got {order!r}")
+        self.requests, self.page_size = int(requests), int(page_size)
+        self.prompt_len, self.private = int(prompt_len), (lo, hi)
+        self.order, self.pad_value = order, int(pad_value)
+        self.rng = np.random.default_rng(seed)
+        ps = self.page_size
+        self.shared_pages = self.prompt_len // ps        # full prompt pages, shared
+        self.width = -(-(self.prompt_len + hi) // ps)
+        self._next_page = 0
+        self._free: list = []
+        self.prompts = [self._alloc(self.shared_pages) for _ in range(int(shared_prompts))]
+        self.table = np.full((self.requests, self.width), self.pad_value, dtype=np.int32)
+        self.seq_lens = np.zeros(self.requests, dtype=np.int32)
+        self.final = np.zeros(self.requests, dtype=np.int64)   # length at which a row leaves
+        self.steps = 0
+        for r in range(self.requests):
+            final = int(self.rng.integers(lo, hi + 1))
+            self._admit(r, int(self.rng.integers(1, final + 1)), final)
+
+    def _alloc(self, n: int) -> list:
+        out = []
+        while len(out) < n and self._free:
+            out.append(self._free.pop())
+        k = n - len(out)
+        out.extend(range(self._next_page, self._next_page + k))
+        self._next_page += k
+        return out
+
+    @property
+    def num_pages(self) -> int:
+        """Page ids handed out so far are ``< num_pages`` (the KV cache size a run needs)."""
+        return self._next_page
+
+    def _admit(self, row: int, private: int, final: int) -> None:
+        ps = self.page_size
+        prompt = self.prompts[int(self.rng.integers(len(self.prompts)))]
+        n = self.prompt_len + private
+        own = -(-n // ps) - self.shared_pages
+        self.table[row] = self.pad_value
+        self.table[row, :self.shared_pages] = prompt
+        self.table[row, self.shared_pages:self.shared_pages + own] = self._alloc(own)
+        self.seq_lens[row] = n
+        self.final[row] = self.prompt_len + final
+
+    def _release(self, row: int) -> None:
+        npg = -(-int(self.seq_lens[row]) // self.page_size)
+        self._free.extend(int(p) for p in self.table[row, self.shared_pages:npg][::-1])
+
+    def _move(self, dst: int, src: int) -> None:
+        self.table[dst] = self.table[src]
+        self.seq_lens[dst] = self.seq_lens[src]
+        self.final[dst] = self.final[src]
+
+    def step(self):
+        """``(block_tables int32 [requests, width], seq_lens int32 [requests])`` of the next
+        decode step (the first call: the starting batch)."""
+        if self.steps > 0:
+            self._advance()
+        self.steps += 1
+        return self.table, self.seq_lens
+
+    def _advance(self) -> None:
+        ps = self.page_size
+        lo = self.private[0]
+        done = np.flatnonzero(self.seq_lens >= self.final)
+        for r in done[::-1]:
+            self._release(int(r))
+        B = self.requests
+        if self.order == "keep" and done.size:
+            keep = np.setdiff1d(np.arange(B), done)
+            n = keep.shape[0]
+            self.table[:n] = self.table[keep]
+            self.seq_lens[:n] = self.seq_lens[keep]
+            self.final[:n] = self.final[keep]
+            fresh = range(n, B)
+        elif self.order == "swap" and done.size:
+            # fill the lowest holes with the highest living rows, as a condensing batch does
+            alive = np.ones(B, dtype=bool)
+            alive[done] = False
+            n = B - done.size
+            last = B - 1
+            for h in done.tolist():
+                if h >= n:
+                    break
+                while not alive[last]:
+                    last -= 1
+                self._move(h, last)
+                alive[h], alive[last] = True, False
+            fresh = range(n, B)
+        else:
+            fresh = done.tolist()
+        # every running request appends its next token (a fresh page when the last is full)
+        grow = np.ones(B, dtype=bool)
+        grow[list(fresh)] = False
+        full = grow & (self.seq_lens % ps == 0)
+        for r in np.flatnonzero(full):
+            self.table[r, int(self.seq_lens[r]) // ps] = self._alloc(1)[0]
+        self.seq_lens[grow] += 1
+        for r in fresh:
+            final = int(self.rng.integers(lo, self.private[1] + 1))
+            self._admit(int(r), int(self.rng.integers(1, lo + 1)), final)
+        if self.order == "shuffle":
+            perm = self.rng.permutation(B)
+            self.table[:] = self.table[perm]
+            self.seq_lens[:] = self.seq_lens[perm]
+            self.final[:] = self.final[perm]

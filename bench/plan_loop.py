@@ -1,0 +1,206 @@
+"""Host planning in a serving loop: plan() per decode step, fresh against incremental.
+
+    python bench/plan_loop.py --requests 128,512,2048 --steps 300 --out FILE.json
+
+A :class:`pat_core.workloads.ServingLoop` runs the steps: every request grows by one token
+per step and takes a fresh page when its last one is full, requests finish and new ones join
+under a few shared prompts.  Each step is planned twice, in the same process:
+
+* ``incremental``: one :class:`pat_core.Planner` reused over the whole loop (what an engine
+  does: it keeps whatever the planner carries from step to step);
+* ``fresh``: a new ``Planner`` per step (the whole chain from the block table).
+
+Both are timed with ``time.perf_counter`` around ``plan()`` alone (the loop's own table
+update is not timed); the first ``--warmup`` steps are planned but not counted (Numba loads
+its cache there).  ``--check`` compares the two plans' arrays at every step (not timed) and
+counts the steps where they differ.  ``--tree`` also times fresh plans of a tree batch
+(``pat_core.workloads.build_tree_batch``), median of ``--tree-reps``.
+
+Writes JSON with the machine (CPU model, cores), the versions (Python, NumPy, Numba) and the
+git sha; prints one line per configuration.  Targets (issue 37, a CI-like 2-core CPU, medians
+over >= 200 steps, p99 <= 3x median): incremental <= 0.15 ms per step at 128 requests,
+<= 0.5 ms at 512, <= 1.5 ms at 2048; a fresh plan of a 1024-request five-level tree <= 1 ms.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import git_sha  # noqa: E402
+
+import numba  # noqa: E402
+
+import pat_core  # noqa: E402
+from pat_core import Planner  # noqa: E402
+from pat_core.workloads import SERVING_ORDERS, ServingLoop, build_tree_batch  # noqa: E402
+
+TARGETS_MS = {128: 0.15, 512: 0.5, 2048: 1.5}
+TREE_TARGET_MS = 1.0
+DEFAULT_TREE = "1,4,16,64,1024_1024,512,256,128,100"
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def plans_equal(a, b) -> bool:
+    """Same arrays and metadata (the plan's ``version`` and ``extra`` aside)."""
+    if (a.batch_size, a.packer, a.serial, a.num_qo_heads, a.num_kv_heads) != \
+            (b.batch_size, b.packer, b.serial, b.num_qo_heads, b.num_kv_heads):
+        return False
+    return all(np.array_equal(getattr(a, f), getattr(b, f)) for f in a.ARRAY_FIELDS)
+
+
+def summary(ts) -> dict:
+    ms = np.asarray(ts) * 1e3
+    med = float(np.median(ms))
+    p99 = float(np.percentile(ms, 99))
+    return dict(median_ms=med, p99_ms=p99, mean_ms=float(ms.mean()), max_ms=float(ms.max()),
+                p99_over_median=p99 / med if med > 0 else float("nan"))
+
+
+def run_loop(args, requests: int, hq: int, hk: int) -> dict:
+    lo, hi = (int(x) for x in args.private.split(","))
+    loop = ServingLoop(requests, args.prompts, args.prompt_len, (lo, hi), args.page_size,
+                       seed=args.seed, order=args.order)
+    inc = Planner(args.packer, args.gpu)
+    t_inc, t_fresh, paths, entries, ctas = [], [], {}, [], []
+    differ = 0
+    for step in range(args.warmup + args.steps):
+        table, lens = loop.step()
+        t0 = time.perf_counter()
+        p_inc = inc.plan(table, lens, hq, hk, args.head_dim, args.page_size)
+        t1 = time.perf_counter()
+        if not args.no_fresh:
+            fresh = Planner(args.packer, args.gpu)
+            t2 = time.perf_counter()
+            p_fresh = fresh.plan(table, lens, hq, hk, args.head_dim, args.page_size)
+            t3 = time.perf_counter()
+        if step < args.warmup:
+            continue
+        t_inc.append(t1 - t0)
+        path = inc.last_path
+        paths[path] = paths.get(path, 0) + 1
+        entries.append(int((-(-lens.astype(np.int64) // args.page_size)).sum()))
+        ctas.append(p_inc.num_ctas)
+        if not args.no_fresh:
+            t_fresh.append(t3 - t2)
+            if args.check and not plans_equal(p_inc, p_fresh):
+                differ += 1
+    row = dict(requests=requests, shared_prompts=args.prompts, prompt_len=args.prompt_len,
+               private=[lo, hi], page_size=args.page_size, order=args.order,
+               steps=args.steps, seed=args.seed,
+               page_entries_mean=float(np.mean(entries)), ctas_mean=float(np.mean(ctas)),
+               incremental=summary(t_inc), paths=paths)
+    if t_fresh:
+        row["fresh"] = summary(t_fresh)
+    if args.check and not args.no_fresh:
+        row["steps_differing_from_fresh"] = differ
+    tgt = TARGETS_MS.get(requests)
+    if tgt is not None:
+        row["target_ms"] = tgt
+        row["target_met"] = bool(row["incremental"]["median_ms"] <= tgt
+                                 and row["incremental"]["p99_over_median"] <= 3.0)
+    return row
+
+
+def run_tree(args, spec: str, hq: int, hk: int) -> dict:
+    b = build_tree_batch(spec, page_size=16, seed=0)
+    call = lambda: Planner(args.packer, args.gpu).plan(  # noqa: E731
+        b.block_tables, b.seq_lens, hq, hk, args.head_dim, 16)
+    call()                                   # warm-up: Numba's cache
+    ts = []
+    for _ in range(args.tree_reps):
+        t0 = time.perf_counter()
+        call()
+        ts.append(time.perf_counter() - t0)
+    return dict(tree=spec, page_size=16, reps=args.tree_reps, fresh=summary(ts),
+                page_entries=int((-(-b.seq_lens.astype(np.int64) // 16)).sum()),
+                target_ms=TREE_TARGET_MS,
+                target_met=bool(float(np.median(ts)) * 1e3 <= TREE_TARGET_MS))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", default="128,512,2048",
+                    help="comma-separated batch sizes (requests per step)")
+    ap.add_argument("--prompts", type=int, default=4, help="shared prompts")
+    ap.add_argument("--prompt-len", type=int, default=2048, help="tokens per shared prompt")
+    ap.add_argument("--private", default="128,3072",
+                    help="lo,hi: a request's private tokens at the end of its life")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=300, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--order", default="keep", choices=SERVING_ORDERS,
+                    help="how the engine keeps its rows when requests leave")
+    ap.add_argument("--heads", default="32:8", help="num_qo_heads:num_kv_heads")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--packer", default="pat")
+    ap.add_argument("--gpu", default="h100", help="GPU the plans are made for")
+    ap.add_argument("--no-fresh", action="store_true", help="time the incremental path only")
+    ap.add_argument("--check", action="store_true",
+                    help="count steps whose incremental plan differs from the fresh one")
+    ap.add_argument("--tree", default=DEFAULT_TREE,
+                    help="tree spec for the fresh-plan timing ('' to skip)")
+    ap.add_argument("--tree-reps", type=int, default=200)
+    ap.add_argument("--out", default=None, help="JSON path (default: print only)")
+    args = ap.parse_args(argv)
+    hq, hk = (int(x) for x in args.heads.split(":"))
+    rows = []
+    for n in (int(x) for x in args.requests.split(",") if x):
+        row = run_loop(args, n, hq, hk)
+        rows.append(row)
+        inc = row["incremental"]
+        line = (f"{n:>5} req  entries {row['page_entries_mean']:>9.0f}  CTAs "
+                f"{row['ctas_mean']:>6.0f}  incremental {inc['median_ms']:.3f} ms "
+                f"(p99 {inc['p99_ms']:.3f})")
+        if "fresh" in row:
+            fr = row["fresh"]
+            line += f"  fresh {fr['median_ms']:.3f} ms (p99 {fr['p99_ms']:.3f})"
+        line += f"  paths {row['paths']}"
+        if "steps_differing_from_fresh" in row:
+            line += f"  differ {row['steps_differing_from_fresh']}"
+        print(line, flush=True)
+    tree = None
+    if args.tree:
+        tree = run_tree(args, args.tree, hq, hk)
+        print(f"tree {args.tree}: fresh {tree['fresh']['median_ms']:.3f} ms "
+              f"(p99 {tree['fresh']['p99_ms']:.3f})", flush=True)
+    result = dict(
+        benchmark="plan_loop", packer=args.packer, gpu=args.gpu, heads=[hq, hk],
+        head_dim=args.head_dim, git_sha=git_sha(),
+        command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
+        machine=dict(cpu=cpu_name(), cores=os.cpu_count(), platform=platform.platform()),
+        versions=dict(python=platform.python_version(), numpy=np.__version__,
+                      numba=numba.__version__, pat=pat_core.__version__),
+        targets_ms=dict(incremental={str(k): v for k, v in TARGETS_MS.items()},
+                        fresh_tree_1024=TREE_TARGET_MS, p99_over_median=3.0),
+        rows=rows, tree=tree,
+    )
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+        print("wrote", args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()
