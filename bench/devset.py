@@ -259,6 +259,49 @@ def time_all(steps_dir, out_dir, *, heads=("32:8",), methods=("pat", "pat-graph-
     return summary
 
 
+def sim_error(steps_dir, results, *, gpu: str = "h100") -> dict:
+    """The simulator against a measured ``devset.json`` (``results``): every step planned as
+    the measured ``pat`` method plans it (default planner, that file's heads and head_dim),
+    predicted in graph and eager timing (:func:`sim.simulate`, packaged constants), and the
+    relative error ``predicted / measured - 1`` per part: median and largest absolute, mean
+    signed.  Runs on the CPU."""
+    import numpy as np
+    from pat_core import Planner
+    from sim import simulate
+    res = json.loads(Path(results).read_text())
+    d = int(res.get("head_dim", 128))
+    meas = {(r["part"], r["step"], r["heads"]): r for r in res["rows"] if r["method"] == "pat"}
+    out = {}
+    for part in sorted({r["part"] for r in res["rows"]}):
+        meta, steps = load_steps(Path(steps_dir) / f"{part}.npz")
+        ps = meta["config"]["page_size"]
+        for heads in res["heads"]:
+            hq, hk = (int(x) for x in heads.split(":"))
+            errs = {"graph": [], "eager": []}
+            for m, table, lens in steps:
+                row = meas.get((part, m["step"], heads))
+                if row is None:
+                    continue
+                plan = Planner("pat", gpu).plan(table, lens, hq, hk, d, ps)
+                for timing in errs:
+                    if row.get(f"{timing}_us"):
+                        pred = simulate(plan, gpu, timing=timing).latency_us
+                        errs[timing].append(pred / row[f"{timing}_us"] - 1.0)
+            for timing, e in errs.items():
+                if e:
+                    a = np.abs(e)
+                    out[f"{part} {heads} {timing}"] = dict(
+                        steps=len(e), median_abs=round(float(np.median(a)), 4),
+                        max_abs=round(float(a.max()), 4), mean=round(float(np.mean(e)), 4))
+    for timing in ("graph", "eager"):
+        every = [k for k in out if k.endswith(" " + timing)]
+        if every:
+            print(f"{timing}: " + ", ".join(f"{k.rsplit(' ', 1)[0]} median "
+                                            f"{100 * out[k]['median_abs']:.1f}% (max "
+                                            f"{100 * out[k]['max_abs']:.1f}%)" for k in every))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -278,7 +321,15 @@ def main(argv=None) -> int:
     tm.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     tm.add_argument("--reps", type=int, default=10)
     tm.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
+    se = sub.add_parser("sim-error", help="the simulator's error on a measured devset.json "
+                                          "(CPU)")
+    se.add_argument("--dir", default=str(DEFAULT_DIR), help="the prepared steps files")
+    se.add_argument("--results", required=True, help="devset.json of `devset.py time`")
+    se.add_argument("--gpu", default="h100")
     args = ap.parse_args(argv)
+    if args.cmd == "sim-error":
+        print(json.dumps(sim_error(args.dir, args.results, gpu=args.gpu), indent=1))
+        return 0
     if args.cmd == "time":
         time_all(args.dir, args.out, heads=args.heads, methods=args.methods, reps=args.reps,
                  parts=args.parts, head_dim=args.head_dim)

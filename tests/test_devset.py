@@ -157,3 +157,29 @@ def test_devset_prepare_synthetic_matches_list(tmp_path):
     assert meta["config"]["kv_pages"] < 200_000
     rows = devset.workloads(tmp_path)            # no trace parts there: the specs only
     assert [r[0] for r in rows] == [n for n, _, _ in devset.SYNTHETIC]
+
+
+def test_sim_error_reports_the_simulators_error(tmp_path):
+    """``devset.py sim-error`` against measurements that are the simulator's own prediction
+    scaled by 1.25 (graph) and 0.8 (eager): errors -0.2 and +0.25 on every step."""
+    from trace_replay import prepare_synthetic_steps
+
+    from pat_core import Planner
+    from sim import simulate
+    specs = ["1,4,16_128,256,1024", "8_512"]
+    prepare_synthetic_steps(specs, tmp_path / "synthetic.npz", page_size=16, verbose=False)
+    rows = []
+    for i, spec in enumerate(specs):
+        b = build_tree_batch(spec, page_size=16)
+        plan = Planner("pat", "h100").plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
+        rows.append(dict(part="synthetic", step=i, heads="32:8", method="pat",
+                         graph_us=1.25 * simulate(plan, "h100").latency_us,
+                         eager_us=0.8 * simulate(plan, "h100", timing="eager").latency_us))
+    res = tmp_path / "devset.json"
+    res.write_text(json.dumps(dict(heads=["32:8"], head_dim=128, rows=rows)))
+    out = devset.sim_error(tmp_path, res)
+    g, e = out["synthetic 32:8 graph"], out["synthetic 32:8 eager"]
+    assert g["steps"] == e["steps"] == 2
+    assert g["median_abs"] == pytest.approx(0.2, abs=1e-3) and g["mean"] == pytest.approx(-0.2,
+                                                                                        abs=1e-3)
+    assert e["max_abs"] == pytest.approx(0.25, abs=1e-3)
