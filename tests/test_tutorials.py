@@ -54,6 +54,58 @@ def test_notebook_in_sync_and_stripped(src):
         f"{src.stem} must open with what the reader will learn")
 
 
+# A code cell may carry short comments; prose belongs in markdown cells.  A code cell whose
+# source has a full-line comment that is a markdown heading ("# ## Title"), an empty comment
+# line ("#", a paragraph break), or a run of more than PROSE_COMMENT_RUN consecutive full-line
+# comments is prose that lost its "# %% [markdown]" marker: it would render as a comment.
+PROSE_COMMENT_RUN = 5
+
+
+def prose_in_code_cells(source: Path) -> list[str]:
+    """Where ``source`` (a py:percent tutorial) has prose inside code cells, as messages."""
+    import re
+    found = []
+    for i, cell in enumerate(jupytext.read(source).cells):
+        if cell.cell_type != "code":
+            continue
+        run = []
+        for line in cell.source.splitlines() + [""]:
+            if line.startswith("#"):
+                run.append(line)
+                continue
+            text = " / ".join(s[1:].strip() for s in run)[:70]
+            if any(re.fullmatch(r"#\s*", s) or re.match(r"#\s*#{1,6}\s", s) for s in run):
+                found.append(f"cell {i}: a heading or paragraph break in comments: {text!r}")
+            elif len(run) > PROSE_COMMENT_RUN:
+                found.append(f"cell {i}: {len(run)} comment lines in a row: {text!r}")
+            run = []
+    return found
+
+
+@pytest.mark.parametrize("src", SOURCES, ids=[p.stem for p in SOURCES])
+def test_prose_renders_as_markdown(src):
+    """No markdown section sits as comments inside a code cell (a missing ``# %% [markdown]``
+    marker)."""
+    found = prose_in_code_cells(src)
+    assert not found, (f"{src.name}: prose inside code cells (add a `# %% [markdown]` line "
+                       f"before it): " + "; ".join(found))
+
+
+def test_prose_rule_catches_a_lost_marker(tmp_path):
+    """The rule above flags a markdown section whose marker is missing, and not short code
+    comments."""
+    good = ("# %% [markdown]\n# # Title\n#\n# Some prose.\n\n"
+            "# %%\n# a short comment\n# on two lines\nx = 1\n")
+    lost = good + "# %% [markdown]\n# ## Next section\n#\n# More prose.\n\n# %%\ny = 2\n"
+    lost = lost.replace("# %% [markdown]\n# ## Next", "# ## Next")
+    long_run = good + "".join(f"# line {k} of a long comment\n" for k in range(8)) + "z = 3\n"
+    for name, text, bad in (("good", good, False), ("lost", lost, True),
+                            ("long", long_run, True)):
+        f = tmp_path / f"{name}.py"
+        f.write_text(text)
+        assert bool(prose_in_code_cells(f)) == bad, (name, prose_in_code_cells(f))
+
+
 def test_kernel_excerpt_markers_exist():
     """Every kernel excerpt a tutorial prints (``excerpt("NAME")`` / ``show("NAME")``) has one
     ``// <tutorial:NAME>`` line and one ``// </tutorial:NAME>`` line after it in the kernel
