@@ -28,6 +28,7 @@ Arrays (``N`` nodes including the virtual root, ``B`` requests; all int32)
 ``child_indptr [N+1]``, ``children``   children of each node, ordered by ``lo``
 ``req_node [B]``     node holding each request's last token
 ``level [N]``        distance from the virtual root (roots are level 1)
+``lcp [B]``          token LCP of each adjacent pair in sorted order (last entry 0)
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from numba import njit
 from .inputs import BlockTable
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _adjacent_lcp(table, npages, lens, order, page_size):
     """Token LCP of each adjacent pair in sorted order: int32 ``[B]`` (last entry 0)."""
     B = order.shape[0]
@@ -53,7 +54,7 @@ def _adjacent_lcp(table, npages, lens, order, page_size):
     return lcp
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _build_intervals(lcp, lens, order):
     """One stack pass over the LCP array; returns per-node arrays (see module docstring)."""
     B = order.shape[0]
@@ -126,12 +127,19 @@ def sort_requests(bt: BlockTable) -> np.ndarray:
 class PrefixForest:
     """The prefix forest of a :class:`~pat_core.inputs.BlockTable` (see module docstring)."""
 
-    def __init__(self, bt: BlockTable):
+    def __init__(self, bt: BlockTable, order: np.ndarray | None = None,
+                 lcp: np.ndarray | None = None):
+        """``order``, ``lcp`` (int32 ``[B]``, optional): the sorted request order and the
+        adjacent token LCPs, when the caller already has them exactly as
+        :func:`sort_requests` and ``_adjacent_lcp`` give them (the incremental planner,
+        :mod:`pat_core.incremental`); otherwise computed here."""
         self.block_table = bt
         self.page_size = bt.page_size
-        order = sort_requests(bt)
-        lcp = _adjacent_lcp(bt.table, bt.num_pages, bt.seq_lens, order, bt.page_size)
+        if order is None or lcp is None:
+            order = sort_requests(bt)
+            lcp = _adjacent_lcp(bt.table, bt.num_pages, bt.seq_lens, order, bt.page_size)
         parent, end, lo, hi, req_node = _build_intervals(lcp, bt.seq_lens, order)
+        self.lcp = lcp
         self.order = order
         self.parent = parent
         self.end = end
@@ -203,7 +211,7 @@ class PrefixForest:
         return "\n".join(lines)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _levels(child_indptr, children, n):
     level = np.zeros(n, dtype=np.int32)
     stack = np.zeros(n, dtype=np.int32)

@@ -203,7 +203,7 @@ def _check_csr_page_ids(used: np.ndarray) -> None:
         raise ValueError(f"indices[{k}] = {v} does not fit in int32 (the limit is 2^31 - 1)")
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _mask_padding(src, npages):
     """int32 copy of ``src`` with ``-1`` past each row's used pages; also the first used entry
     that is negative or too large for int32 (``(-1, -1)`` when none)."""

@@ -73,7 +73,7 @@ class Packs:
                        ("req_indptr", "reqs", "kv_start", "kv_end", "level", "leaf_pack")))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _pad_rows(rows, max_rows):
     """Rows after padding to power-of-two tiles of at least 16 (full tiles of ``max_rows``)."""
     if rows <= 0:
@@ -88,7 +88,7 @@ def _pad_rows(rows, max_rows):
     return full + p
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _tree_heuristic(start, end, lo, hi, child_indptr, children, order, level,
                     req_node, mode, group, max_req, kv_tok_bytes, row_slot_bytes):
     """TreeHeuristic over every tree of the forest (iterative DFS).  See module docstring."""
@@ -190,14 +190,14 @@ def _tree_heuristic(start, end, lo, hi, child_indptr, children, order, level,
             p_e[:np_].copy(), p_lv[:np_].copy(), leaf_pack)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _grow32(a, n):
     b = np.zeros(n, dtype=np.int32)
     b[:a.shape[0]] = a
     return b
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _grow64(a, n):
     b = np.zeros(n, dtype=np.int64)
     b[:a.shape[0]] = a

@@ -1,17 +1,23 @@
 """The planner: block table -> forest -> packs -> long-KV split -> tiles -> :class:`Plan`.
 
-:class:`Planner` runs that chain and keeps the last result so that the next decode step costs
-little (PAT's lazy update):
+:class:`Planner` runs that chain and keeps the last step so that the next decode step costs
+little (``Planner.last_path`` says what a call did):
 
-* the same inputs again return the same Plan object;
-* a step where only ``seq_lens`` grew, inside pages the table already lists, and only for
-  requests whose last token sits in a CTA of their own, reuses the packing: only those CTAs'
-  ends move, then the cheap vectorised tail (split, tiles, arrays) runs again.
+* ``"reuse"``: the same pages and lengths again return the same Plan object;
+* ``"lengths"``: the same rows, and the rows that grew (into pages the table already lists or
+  new ones) each held their last token alone: the packing is kept, only those rows' leaf packs
+  get longer, and the split, tiles and layout run again;
+* ``"rows"``: rows left, joined, moved or grew from a shared last token: the sorted request
+  order and LCPs are updated (:mod:`pat_core.incremental`), the forest is built from them
+  without sorting, and packed again;
+* ``"full"``: the first step, most rows new, or input the checks must report.
 
-Anything else re-plans from scratch.
+Every path gives the Plan a fresh planner gives for the same step, array for array
+(``tests/test_incremental_plan.py``).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -21,11 +27,13 @@ from numba import njit
 
 from .forest import PrefixForest
 from .gpus import get_gpu
+from .incremental import LOOKAHEAD, _match_rows, _next_order
 from .inputs import BlockTable, _check_seq_lens, as_block_table, check_heads, check_size
 from .packers import (NARROW_SHARE, PACKERS, PARTIAL_WEIGHT, Packs, narrow_packing,
                       narrow_wins, pack, request_packing, request_share, request_wins)
 from .plan import DTYPE_BYTES, Plan, dtype_name
-from .split import auto_split_share, choose_split_share, split_long_kv, split_threshold
+from .split import (_split, auto_split_share, choose_split_share_fast, split_long_kv,
+                    split_threshold)
 from .tiles import TileSelector
 
 
@@ -123,7 +131,7 @@ class Tuning:
                                  f"max_kv_len and n >= 16, got {self.kv_tile_table!r}")
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _layout(req_indptr, reqs, src, kv_start, kv_len, order, table, page_size, batch):
     """Per-CTA arrays in launch order: requests, slots, pages (one pass, no temporaries).
 
@@ -167,33 +175,178 @@ def _layout(req_indptr, reqs, src, kv_start, kv_len, order, table, page_size, ba
     return req_ptr, cta_req, cta_slot, page_ptr, pages, req_slot_indptr
 
 
+@njit(cache=True, nogil=True)
+def _lexsort_nb(keys):
+    """``np.lexsort`` of the rows of int64 ``keys [k, C]`` (last row primary), by stable
+    sorts from the least significant key."""
+    order = np.argsort(keys[0], kind="mergesort")
+    for j in range(1, keys.shape[0]):
+        order = order[np.argsort(keys[j][order], kind="mergesort")]
+    return order
+
+
+@njit(cache=True, nogil=True)
+def _tail_nb(req_indptr, kv_start, kv_end, level, thr, group, m_values, bounds, fid, cfg_m,
+             order_mode, page_size):
+    """Split, tile and order the packs in one pass (what :func:`assemble_plan` does with NumPy
+    calls, same results).  ``order_mode``: 0 ``"tile"``, 1 ``"work"``, 2 ``"shared"``, 3
+    cascade.  Returns the split CTAs (``src``, ``kv_start``, ``kv_len``, int32 ``[C]``), the
+    launch order (int32 ``[C]``), the used configs (bool ``[F]``), each CTA's tile index in
+    launch order, the groups (``group_indptr``, ``group_tile``) and the plan's page-entry and
+    (CTA, request) pair counts (int64, for the int32 check)."""
+    K = kv_start.shape[0]
+    src, start, ln = _split(kv_start, kv_end, np.full(K, thr, dtype=np.int64))
+    C = src.shape[0]
+    F = cfg_m.shape[0]
+    nreq = np.empty(C, dtype=np.int64)
+    f = np.empty(C, dtype=np.int64)
+    used = np.zeros(F, dtype=np.bool_)
+    n_pages = 0
+    n_pairs = 0
+    for i in range(C):
+        p = src[i]
+        nreq[i] = req_indptr[p + 1] - req_indptr[p]
+        f[i] = fid[np.searchsorted(m_values, nreq[i] * group),
+                   np.searchsorted(bounds, np.int64(ln[i]))]
+        used[f[i]] = True
+        n_pages += (np.int64(start[i]) + ln[i] - 1) // page_size - start[i] // page_size + 1
+        n_pairs += nreq[i]
+    rank = np.empty(F, dtype=np.int64)
+    T = 0
+    for u in range(F):
+        rank[u] = T
+        if used[u]:
+            T += 1
+    tile_idx = np.empty(C, dtype=np.int64)
+    for i in range(C):
+        tile_idx[i] = rank[f[i]]
+    if order_mode == 3:
+        gkey = np.empty(C, dtype=np.int64)
+        for i in range(C):
+            gkey[i] = np.int64(level[src[i]]) * T + tile_idx[i]
+        order = np.argsort(gkey, kind="mergesort")
+    elif order_mode == 0:
+        gkey = tile_idx
+        order = np.argsort(gkey, kind="mergesort")
+    else:
+        # rank tile groups by their largest CTA's work (rows x tokens) or request count
+        gwork = np.zeros(T, dtype=np.int64)
+        for i in range(C):
+            w = cfg_m[f[i]] * np.int64(ln[i]) if order_mode == 1 else nreq[i]
+            if w > gwork[tile_idx[i]]:
+                gwork[tile_idx[i]] = w
+        grank = np.empty(T, dtype=np.int64)
+        go = np.argsort(-gwork, kind="mergesort")
+        for r in range(T):
+            grank[go[r]] = r
+        gkey = np.empty(C, dtype=np.int64)
+        for i in range(C):
+            gkey[i] = grank[tile_idx[i]]
+        nk = 2 if order_mode == 1 else 3
+        keys = np.empty((nk, C), dtype=np.int64)
+        for i in range(C):
+            keys[0, i] = -np.int64(ln[i])
+            if order_mode == 2:
+                keys[1, i] = -nreq[i]
+            keys[nk - 1, i] = gkey[i]
+        order = _lexsort_nb(keys)
+    order32 = order.astype(np.int32)
+    ng = 1
+    for i in range(1, C):
+        if gkey[order[i]] != gkey[order[i - 1]]:
+            ng += 1
+    group_indptr = np.empty(ng + 1, dtype=np.int32)
+    group_tile = np.empty(ng, dtype=np.int32)
+    cta_tile = np.empty(C, dtype=np.int32)
+    g = 0
+    for i in range(C):
+        cta_tile[i] = tile_idx[order[i]]
+        if i == 0 or gkey[order[i]] != gkey[order[i - 1]]:
+            group_indptr[g] = i
+            group_tile[g] = cta_tile[i]
+            g += 1
+    group_indptr[ng] = C
+    return (src, start, ln, order32, used, cta_tile, group_indptr, group_tile, n_pages,
+            n_pairs)
+
+
+_ORDER_MODE = {"tile": 0, "work": 1, "shared": 2}
+
+
 def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_heads: int,
                   head_dim: int, sm_scale: float, packer: str, selector: TileSelector,
                   kv_dtype: str, serial: bool = False, split=True,
                   tuning: Tuning | None = None) -> Plan:
-    """Split, tile and lay out ``packs`` as a :class:`Plan` (no per-CTA Python)."""
+    """Split, tile and lay out ``packs`` as a :class:`Plan` (no per-CTA Python: two compiled
+    passes, :func:`_tail_nb` and :func:`_layout`, unless the tuning splits by work)."""
     tuning = tuning or Tuning()
     group = num_qo_heads // num_kv_heads
     gpu = selector.gpu
     length = packs.kv_end - packs.kv_start
+    rows = np.diff(packs.req_indptr) * group
+    if rows.size and int(rows.max()) > selector.max_rows:
+        raise ValueError(f"a CTA has {int(rows.max())} rows; the largest tile has "
+                         f"{selector.max_rows}")
     weight = None
     if split:
         rule = split if isinstance(split, str) else "sm"
         if rule == "sm" and tuning.split_by == "work":
-            weight = selector.row_time_weight(np.diff(packs.req_indptr) * group)
+            weight = selector.row_time_weight(rows)
         share = tuning.split_share
         if share is None and weight is None and rule == "sm":
-            share, _ = choose_split_share(length, np.diff(packs.req_indptr) * group,
-                                          num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                          kv_bytes=DTYPE_BYTES[kv_dtype], gpu=gpu,
-                                          selector=selector, min_part=tuning.min_part)
-        elif share is None:
-            share = auto_split_share(length, np.diff(packs.req_indptr) * group, num_kv_heads,
-                                     gpu.num_sms, min_part=tuning.min_part)
+            share = choose_split_share_fast(length, rows, num_kv_heads=num_kv_heads,
+                                            head_dim=head_dim, kv_bytes=DTYPE_BYTES[kv_dtype],
+                                            gpu=gpu, selector=selector,
+                                            min_part=tuning.min_part)
+        elif share is None and rule == "sm":
+            share = auto_split_share(length, rows, num_kv_heads, gpu.num_sms,
+                                     min_part=tuning.min_part)
         thr = split_threshold(length, num_kv_heads, gpu.num_sms, rule=rule,
-                              min_part=tuning.min_part, share=share, weight=weight)
+                              min_part=tuning.min_part, share=2.0 if share is None else share,
+                              weight=weight)
     else:
         thr = int(length.max()) if length.size else 1
+    if weight is not None:
+        return _assemble_weighted(bt, packs, thr, weight, num_qo_heads=num_qo_heads,
+                                  num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                  sm_scale=sm_scale, packer=packer, selector=selector,
+                                  kv_dtype=kv_dtype, serial=serial, tuning=tuning)
+    m_values, bounds, fid, configs = selector.lookup()
+    if packer == "cascade":
+        serial, mode = True, 3
+    else:
+        mode = _ORDER_MODE[tuning.order]
+    (src, kv_start, kv_len, order, used, cta_tile, group_indptr, group_tile, n_pages,
+     n_pairs) = _tail_nb(packs.req_indptr, packs.kv_start, packs.kv_end, packs.level,
+                         int(thr), group, m_values, bounds, fid,
+                         np.ascontiguousarray(configs[:, 0]), mode, bt.page_size)
+    B = bt.batch_size
+    # the Plan's arrays are int32: refuse a batch whose lists would not fit rather than wrap
+    if max(n_pages, n_pairs) > np.iinfo(np.int32).max:
+        raise ValueError(f"block_tables: the plan would list {n_pages} page entries and "
+                         f"{n_pairs} (CTA, request) pairs; the int32 Plan holds at most 2^31 - 1")
+    req_ptr, cta_req, cta_slot, page_ptr, pages, req_slot_indptr = _layout(
+        packs.req_indptr, packs.reqs, src, kv_start, kv_len, order, bt.table, bt.page_size, B)
+    return Plan(
+        batch_size=B, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        page_size=bt.page_size, sm_scale=float(sm_scale), packer=packer, gpu=gpu.name,
+        kv_dtype=kv_dtype, serial=bool(serial),
+        tile_configs=configs[used].astype(np.int32), group_indptr=group_indptr,
+        group_tile=group_tile, cta_tile=cta_tile, cta_req_indptr=req_ptr, cta_req=cta_req,
+        cta_slot=cta_slot, cta_kv_start=kv_start[order], cta_kv_len=kv_len[order],
+        cta_page_indptr=page_ptr, cta_pages=pages, req_slot_indptr=req_slot_indptr,
+        seq_lens=bt.seq_lens.astype(np.int32),
+    )
+
+
+def _assemble_weighted(bt: BlockTable, packs: Packs, thr: int, weight: np.ndarray, *,
+                       num_qo_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float,
+                       packer: str, selector: TileSelector, kv_dtype: str, serial: bool,
+                       tuning: Tuning) -> Plan:
+    """:func:`assemble_plan` when the split cuts each pack at ``thr / weight[p]`` tokens
+    (``split_by="work"``), in NumPy."""
+    group = num_qo_heads // num_kv_heads
+    gpu = selector.gpu
     src, kv_start, kv_len = split_long_kv(packs, thr, weight, min_part=tuning.min_part)
     nreq = np.diff(packs.req_indptr)[src]
     mn = selector.select(nreq * group, kv_len)
@@ -252,8 +405,17 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
     return plan
 
 
+
+
 class Planner:
-    """Plans decode batches for one packer and remembers the last one (lazy update).
+    """Plans decode batches for one packer and remembers the last one (incremental update,
+    module docstring).
+
+    :meth:`plan` reads host arrays only (NumPy arrays, lists or CPU tensors; a device tensor
+    is refused with a ``TypeError``) and makes no device call of any kind, so it never waits
+    on the GPU: an engine may plan step N+1 on another thread while step N runs.  Its
+    compiled loops release the GIL (``nogil``).  One planner serves one caller at a time: it
+    keeps the last step's state, so two threads share no planner.
 
     Parameters
     ----------
@@ -300,20 +462,14 @@ class Planner:
                   split, repr(self.tuning))
         raw = block_tables
         if hasattr(raw, "numpy") and hasattr(raw, "device") and str(raw.device) == "cpu":
-            raw = raw.numpy()                   # CPU tensor: same memory, cacheable
+            raw = raw.numpy()                   # CPU tensor: same memory, no copy
         raw = raw if isinstance(raw, np.ndarray) else None
         c = self._cache
-        if c is not None and raw is not None and c["params"] == params \
-                and c["raw"].shape == raw.shape and c["raw"].dtype == raw.dtype \
-                and np.array_equal(c["raw"], raw):
-            sl = _check_seq_lens(seq_lens, raw.shape[0])
-            if sl.shape == c["seq_lens"].shape and np.array_equal(sl, c["seq_lens"]):
-                self.last_path = "reuse"
-                return c["plan"]
-            updated = self._length_update(c, sl)
-            if updated is not None:
-                self.last_path = "lengths"
-                return updated
+        if c is not None and raw is not None and c["params"] == params and raw.ndim == 2 \
+                and raw.dtype in (np.int32, np.int64):
+            step = self._incremental(c, raw, _check_seq_lens(seq_lens, raw.shape[0]))
+            if step is not None:
+                return step
         bt = as_block_table(raw if raw is not None else block_tables, seq_lens, page_size)
         selector = self.tile_selector(head_dim, kv_dtype, tile)
         group = num_qo_heads // num_kv_heads
@@ -323,7 +479,21 @@ class Planner:
                 f"({selector.max_rows} rows for head_dim={head_dim}, {kv_dtype} on "
                 f"{self.gpu.name}): the limit is {selector.max_rows}, as one request's query "
                 "heads must fit one CTA (the CPU backend runs the same tiles)")
-        forest = PrefixForest(bt)
+        kw = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                  sm_scale=sm_scale, packer=self.packer, selector=selector, kv_dtype=kv_dtype,
+                  serial=serial, split=split, tuning=self.tuning)
+        self._cache = None
+        plan = self._plan_forest(bt, PrefixForest(bt), kw, q_dtype, tile, params)
+        self.last_path = "full"
+        return plan
+
+    def _plan_forest(self, bt: BlockTable, forest: PrefixForest, kw: dict, q_dtype: str, tile,
+                     params) -> Plan:
+        """Pack ``forest``, split, tile and lay out; remember the step (the rest of
+        :meth:`plan` after the forest)."""
+        group = kw["num_qo_heads"] // kw["num_kv_heads"]
+        selector, kv_dtype = kw["selector"], kw["kv_dtype"]
+        head_dim = kw["head_dim"]
         max_rows = selector.max_rows
         if self.tuning.max_rows is not None:
             max_rows = max(group, min(max_rows, int(self.tuning.max_rows)))
@@ -336,32 +506,71 @@ class Planner:
                                            self.tuning.narrow_share, head_dim,
                                            DTYPE_BYTES[kv_dtype], DTYPE_BYTES[q_dtype],
                                            self.tuning.partial_weight)
-        kw = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                  sm_scale=sm_scale, packer=self.packer, selector=selector, kv_dtype=kv_dtype,
-                  serial=serial, split=split, tuning=self.tuning)
+        pat_packs = packs
         plan = assemble_plan(bt, packs, **kw)
-        request = None
+        tried, tokens, query = False, None, None
         # the per-request rule where the plan merges: one CTA per request, each writing its
         # request's output (no partials, no merge), is what the rule measured faster
-        if self.packer == "pat" and self.tuning.max_rows is None and tile is None \
-                and not serial and plan.num_slots > plan.batch_size:
-            alt, tokens = request_packing(forest, packs, self._request_share(group), group,
-                                          head_dim, num_kv_heads, self.gpu.l2_bytes,
-                                          DTYPE_BYTES[kv_dtype])
-            if tokens is not None:
-                request = (tokens[0], tokens[1], False)
-            if alt is not None:
-                alt_plan = assemble_plan(bt, alt, **kw)
+        if self._request_rule(kw, tile) and plan.num_slots > plan.batch_size:
+            tried = True
+            query, tokens = request_packing(forest, packs, self._request_share(group), group,
+                                            head_dim, kw["num_kv_heads"], self.gpu.l2_bytes,
+                                            DTYPE_BYTES[kv_dtype])
+            if query is not None:
+                alt_plan = assemble_plan(bt, query, **kw)
                 if alt_plan.num_slots == alt_plan.batch_size:   # every request one slot
-                    packs, plan, request = alt, alt_plan, (tokens[0], tokens[1], True)
+                    packs, plan = query, alt_plan
         plan.q_dtype = q_dtype
         plan.extra["forest"] = forest
         plan.extra["block_table"] = bt
-        self._cache = dict(params=params, serial=serial, split=split,
-                           raw=None if raw is None else raw.copy(),
-                           seq_lens=bt.seq_lens.copy(), bt=bt, packs=packs, plan=plan,
-                           selector=selector, narrow=narrow, request=request)
-        self.last_path = "full"
+        self._cache = dict(params=params, kw=kw, q_dtype=q_dtype, tile=tile, bt=bt,
+                           forest=forest, pat_packs=pat_packs, plan=plan, narrow=narrow,
+                           tried=tried, tokens=tokens, query=query)
+        return plan
+
+    def _request_rule(self, kw: dict, tile) -> bool:
+        """Whether the per-request rule may replace the ``pat`` packing of this plan."""
+        return self.packer == "pat" and self.tuning.max_rows is None and tile is None \
+            and not kw["serial"]
+
+    def _incremental(self, c: dict, raw: np.ndarray, new_lens: np.ndarray):
+        """The plan of a step from the last one's (:mod:`pat_core.incremental`), or ``None``
+        where the step must be planned from scratch (too much changed, or input the full path
+        must check and report)."""
+        old: BlockTable = c["bt"]
+        ps = old.page_size
+        npages = (new_lens.astype(np.int64) + ps - 1) // ps
+        width = int(npages.max())
+        if width > raw.shape[1]:
+            return None                          # the full path names the short row
+        tbl, match, bad = _match_rows(raw, new_lens, npages, width, old.table, old.num_pages,
+                                      old.seq_lens, LOOKAHEAD)
+        if bad:
+            return None
+        B = new_lens.shape[0]
+        nbt = BlockTable(table=tbl, seq_lens=new_lens, num_pages=npages.astype(np.int32),
+                         page_size=ps)
+        forest: PrefixForest = c["forest"]
+        if B == old.batch_size and np.array_equal(match, np.arange(B)):
+            changed = np.flatnonzero(new_lens != old.seq_lens)
+            if changed.size == 0:
+                self.last_path = "reuse"         # the same pages and lengths
+                return c["plan"]
+            plan = self._length_update(c, nbt, changed)
+            if plan is not None:
+                self.last_path = "lengths"
+                return plan
+        matched = int((match >= 0).sum())
+        if matched < B // 2:
+            return None                          # most rows are new: sort from scratch
+        size = forest.hi - forest.lo
+        own = size[forest.req_node] == 1
+        order, lcp, _ = _next_order(tbl, nbt.num_pages, new_lens, match, forest.order,
+                                    forest.lcp, old.seq_lens, own, ps)
+        plan = self._plan_forest(nbt, PrefixForest(nbt, order, lcp), c["kw"], c["q_dtype"],
+                                 c["tile"], c["params"])
+        plan.version = c["plan"].version + 1
+        self.last_path = "rows"
         return plan
 
     def _request_share(self, group: int) -> float:
@@ -378,59 +587,62 @@ class Planner:
         return TileSelector(head_dim, dtype_name(kv_data_type, "kv_data_type"), gpu, fixed=tile,
                             exclude=None if tile is not None else self.tuning.exclude_tiles)
 
-    def _length_update(self, c: dict, new_lens: np.ndarray):
-        """Reuse the packing when only leaf lengths grew inside listed pages; else ``None``."""
-        old = c["seq_lens"]
-        if new_lens.ndim != 1 or new_lens.shape != old.shape:
-            return None
+    def _length_update(self, c: dict, nbt: BlockTable, changed: np.ndarray):
+        """The plan when the rows are the last step's and only ``changed`` rows (int ``[k]``)
+        grew, each from a last token of its own (pages it lists may be new): the forest keeps
+        its shape, every pack keeps its requests, and only those rows' leaf packs get longer
+        (in the ``pat`` packing and in the per-request one alike, so the token totals that
+        the narrow and per-request rules compare both grow by the tokens added); the
+        choices are made again from those totals, then the split, tiles and layout run again.
+        ``None`` where the narrow choice flips (the caller packs the forest again)."""
         bt: BlockTable = c["bt"]
-        new_lens = new_lens.astype(np.int64)
-        changed = np.flatnonzero(new_lens != old)
-        if changed.size == 0:
-            return c["plan"]
-        grow = new_lens[changed]
-        if grow.min() <= 0 or np.any(grow < old[changed]):
-            return None
-        if np.any(grow > bt.num_pages[changed].astype(np.int64) * bt.page_size):
-            return None                       # a new page is needed: the table must change
-        packs: Packs = c["packs"]
-        lp = packs.leaf_pack[changed]
+        pat: Packs = c["pat_packs"]
+        lp = pat.leaf_pack[changed]
         if np.any(lp < 0):
-            return None                       # the request's last token is shared
-        narrow = c.get("narrow")
+            return None                       # a request's last token is shared
+        grow = nbt.seq_lens[changed].astype(np.int64)
+        added = int((grow - bt.seq_lens[changed]).sum())
+        narrow = c["narrow"]
         if narrow is not None:
-            # both packings grow by the same tokens: re-check the narrow-packing choice
-            added = int((grow - old[changed]).sum())
             share = self.tuning.narrow_share
             wide, thin = narrow[0] + added, narrow[1] + added
             if narrow_wins(wide, thin, share) != narrow_wins(narrow[0], narrow[1], share):
                 return None                   # the choice flips: pack again
             narrow = (wide, thin)
-        request = c.get("request")
-        if request is not None:
-            # both packings grow by the same tokens: re-check the per-request choice
-            added = int((grow - old[changed]).sum())
-            share = self._request_share(c["plan"].group_size)
-            kv_pat, kv_req = request[0] + added, request[1] + added
-            if request_wins(kv_pat, kv_req, share) != request_wins(request[0], request[1],
-                                                                   share):
-                return None                   # the choice may flip: pack again
-            request = (kv_pat, kv_req, request[2])
-        packs = packs.copy()
-        packs.kv_end[lp] = grow.astype(np.int32)
-        nbt = BlockTable(table=bt.table, seq_lens=new_lens.astype(np.int32),
-                         num_pages=bt.num_pages, page_size=bt.page_size)
-        p = c["plan"]
-        plan = assemble_plan(nbt, packs, num_qo_heads=p.num_qo_heads,
-                             num_kv_heads=p.num_kv_heads, head_dim=p.head_dim,
-                             sm_scale=p.sm_scale, packer=self.packer, selector=c["selector"],
-                             kv_dtype=p.kv_dtype, serial=c["serial"], split=c["split"],
-                             tuning=self.tuning)
-        if request is not None and request[2] and plan.num_slots != plan.batch_size:
-            return None                       # grown leaves now split: the choice is re-made
+        forest = copy.copy(c["forest"])
+        forest.end = forest.end.copy()
+        forest.end[forest.req_node[changed]] = grow.astype(np.int32)
+        forest.block_table = nbt
+        p, kw = c["plan"], c["kw"]
+        pat = pat.copy()
+        pat.kv_end[lp] = grow.astype(np.int32)
+        plan = assemble_plan(nbt, pat, **kw)
+        tried, tokens, query = False, None, None
+        if self._request_rule(kw, c["tile"]) and plan.num_slots > plan.batch_size:
+            tried = True
+            share = self._request_share(p.group_size)
+            if not c["tried"]:
+                query, tokens = request_packing(forest, pat, share, p.group_size, p.head_dim,
+                                                p.num_kv_heads, self.gpu.l2_bytes,
+                                                DTYPE_BYTES[p.kv_dtype])
+            elif c["tokens"] is not None:     # None stays None: it depends on no length
+                tokens = (c["tokens"][0] + added, c["tokens"][1] + added)
+                if request_wins(tokens[0], tokens[1], share):
+                    query = c["query"]
+                    if query is None:
+                        query = pack(forest, "query", p.group_size, p.group_size,
+                                     p.head_dim, DTYPE_BYTES[p.kv_dtype])
+                    else:
+                        query = query.copy()
+                        query.kv_end[query.leaf_pack[changed]] = grow.astype(np.int32)
+            if query is not None:
+                alt_plan = assemble_plan(nbt, query, **kw)
+                if alt_plan.num_slots == alt_plan.batch_size:
+                    plan = alt_plan
         plan.version = p.version + 1
         plan.q_dtype = p.q_dtype
+        plan.extra["forest"] = forest
         plan.extra["block_table"] = nbt
-        c.update(seq_lens=nbt.seq_lens.copy(), bt=nbt, packs=packs, plan=plan, narrow=narrow,
-                 request=request)
+        c.update(bt=nbt, forest=forest, pat_packs=pat, plan=plan, narrow=narrow, tried=tried,
+                 tokens=tokens, query=query)
         return plan

@@ -22,6 +22,8 @@ Parts are multiples of 16 tokens (the smallest KV tile) except the last one.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit
 
@@ -136,7 +138,7 @@ def split_long_kv(packs: Packs, threshold: int, weight: np.ndarray | None = None
     return _split(packs.kv_start, packs.kv_end, thr)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _part_layout(length, thresholds):
     """``(parts, plen)``: int64 ``[K]``, how many parts each of ``length`` (int ``[K]`` tokens)
     is cut into at ``thresholds`` (int64 ``[K]``), and their length (the last part may be
@@ -156,7 +158,7 @@ def _part_layout(length, thresholds):
     return parts, plen
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _split(kv_start, kv_end, thresholds):
     parts, plen = _part_layout((kv_end - kv_start).astype(np.int64), thresholds)
     total = 0
@@ -185,7 +187,7 @@ def _split(kv_start, kv_end, thresholds):
 CANDIDATE_SHARES = (2.0, 3.0, 4.0, 6.0)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def pull_makespan_ns(item_bytes, item_weight, item_slots, capacity, bandwidth, latency_ns,
                      item_ns):
     """Predicted time (ns) of one pull launch: items drawn in order by the blocks resident on
@@ -391,3 +393,196 @@ def choose_split_share(length: np.ndarray, rows: np.ndarray, *, num_kv_heads: in
     if predicted[best] < predicted[auto] * (1.0 - MODEL_MARGIN):
         return best, predicted
     return auto, predicted
+
+
+# ---------------------------------------------------------------------------------------------
+# The same choice compiled: one call per plan, no Python per candidate or per part
+# ---------------------------------------------------------------------------------------------
+
+@njit(cache=True, nogil=True)
+def _threshold_nb(total, num_kv_heads, num_sms, min_part, share):
+    """:func:`split_threshold` (``"sm"`` rule, no weight) from the summed tokens ``total``
+    (float), with the same floating-point steps, so both give the same integer."""
+    per_sm = total * num_kv_heads / max(share * num_sms, 1.0)
+    return max(1, int(math.ceil(max(float(min_part), per_sm))))
+
+
+@njit(cache=True, nogil=True)
+def _parts_of(n, threshold):
+    """Parts and part length of ``n`` tokens cut at ``threshold`` (:func:`_part_layout`)."""
+    k = max(1, (n + threshold - 1) // threshold)
+    pl = (n + k - 1) // k
+    if k > 1:
+        pl = (pl + 15) // 16 * 16
+    return (n + pl - 1) // pl, pl
+
+
+@njit(cache=True, nogil=True)
+def _one_wave_nb(length, total, num_kv_heads, num_sms, min_part, share):
+    """:func:`one_wave_share`, compiled."""
+    s = share
+    for _ in range(200):
+        thr = _threshold_nb(total, num_kv_heads, num_sms, min_part, s)
+        n = 0
+        for p in range(length.shape[0]):
+            if length[p] > thr:
+                n += _parts_of(length[p], thr)[0]
+        if n * num_kv_heads <= num_sms:
+            break
+        s *= 0.97
+    return s
+
+
+@njit(cache=True, nogil=True)
+def _auto_share_nb(length, rows, total, num_kv_heads, num_sms, min_part):
+    """:func:`auto_split_share`, compiled (``length`` non-empty)."""
+    thr = _threshold_nb(total, num_kv_heads, num_sms, min_part, DEFAULT_SPLIT_SHARE)
+    cut = False
+    short = True
+    for p in range(length.shape[0]):
+        if length[p] > thr:
+            cut = True
+            if rows[p] > SHORT_ROWS:
+                short = False
+    if not cut:
+        return DEFAULT_SPLIT_SHARE
+    if short:
+        return SHORT_ROWS_SPLIT_SHARE
+    return _one_wave_nb(length, total, num_kv_heads, num_sms, min_part, MANY_ROWS_SPLIT_SHARE)
+
+
+@njit(cache=True, nogil=True)
+def _price_nb(length, rows, thr, num_kv_heads, head_dim, kv_bytes, num_sms, m_values, bounds,
+              fid, cfg_slot, cfg_inflight, bandwidth, latency):
+    """:func:`split_time_ns` of cutting at ``thr``, with the selector as lookup arrays
+    (:meth:`pat_core.tiles.TileSelector.lookup`) and each config's SM share and in-flight bytes
+    (``cfg_slot``, ``cfg_inflight``, float64 ``[F]``); the same arithmetic, in the same order."""
+    K = length.shape[0]
+    total = 0
+    for p in range(K):
+        total += _parts_of(length[p], thr)[0]
+    nbytes = np.empty(total, dtype=np.float64)
+    cfg = np.empty(total, dtype=np.int64)
+    i = 0
+    any_cut = False
+    merge = 0
+    for p in range(K):
+        parts, pl = _parts_of(length[p], thr)
+        cut = parts > 1
+        if cut:
+            any_cut = True
+            merge += parts * rows[p]
+        mi = np.searchsorted(m_values, rows[p])
+        for k in range(parts):
+            tok = pl if k < parts - 1 else length[p] - (parts - 1) * pl
+            extra = rows[p] * head_dim * 4 if cut else 0
+            nbytes[i] = float(num_kv_heads * (tok * (head_dim * 2 * kv_bytes) + extra))
+            cfg[i] = fid[mi, np.searchsorted(bounds, tok)]
+            i += 1
+    order = np.argsort(-nbytes, kind="mergesort")
+    t = pull_makespan_ns(nbytes[order], cfg_inflight[cfg[order]], cfg_slot[cfg[order]],
+                         float(num_sms), bandwidth, latency, ITEM_NS)
+    if any_cut:
+        merge_bytes = float(merge) * num_kv_heads * head_dim * 4
+        t += MERGE_NS + merge_bytes / bandwidth
+    return t
+
+
+@njit(cache=True, nogil=True)
+def _choose_share_nb(length, rows, num_kv_heads, num_sms, min_part, head_dim, kv_bytes,
+                     m_values, bounds, fid, cfg_slot, cfg_inflight, bandwidth, latency):
+    """:func:`choose_split_share`'s share, compiled (``length`` int64 ``[K]``, non-empty)."""
+    total = 0
+    for p in range(length.shape[0]):
+        total += length[p]
+    ftotal = float(total)
+    auto = _auto_share_nb(length, rows, ftotal, num_kv_heads, num_sms, min_part)
+    ow = _one_wave_nb(length, ftotal, num_kv_heads, num_sms, min_part, MANY_ROWS_SPLIT_SHARE)
+    # the candidates in choose_split_share's order: auto, then the others descending
+    cands = np.empty(6, dtype=np.float64)
+    nc = 0
+    cands[nc] = auto
+    nc += 1
+    for s in (6.0, 4.0, 3.0, 2.0):
+        if s != auto:                  # one_wave_share is at most 1: never one of these
+            cands[nc] = s
+            nc += 1
+    if ow != auto:
+        cands[nc] = ow
+        nc += 1
+    # keep the shares whose cuts differ from every earlier one's
+    K = length.shape[0]
+    kept_parts = np.empty((nc, K), dtype=np.int64)
+    kept_share = np.empty(nc, dtype=np.float64)
+    kept_thr = np.empty(nc, dtype=np.int64)
+    nk = 0
+    for c in range(nc):
+        thr = _threshold_nb(ftotal, num_kv_heads, num_sms, min_part, cands[c])
+        for p in range(K):
+            kept_parts[nk, p] = _parts_of(length[p], thr)[0]
+        dup = False
+        for j in range(nk):
+            same = True
+            for p in range(K):
+                if kept_parts[j, p] != kept_parts[nk, p]:
+                    same = False
+                    break
+            if same:
+                dup = True
+                break
+        if not dup:
+            kept_share[nk] = cands[c]
+            kept_thr[nk] = thr
+            nk += 1
+    if nk == 1:
+        return auto
+    best = 0
+    t_auto = 0.0
+    t_best = 0.0
+    for j in range(nk):
+        t = _price_nb(length, rows, kept_thr[j], num_kv_heads, head_dim, kv_bytes, num_sms,
+                      m_values, bounds, fid, cfg_slot, cfg_inflight, bandwidth, latency)
+        if j == 0:
+            t_auto = t
+            t_best = t
+        elif t < t_best:
+            best = j
+            t_best = t
+    if t_best < t_auto * (1.0 - MODEL_MARGIN):
+        return kept_share[best]
+    return auto
+
+
+_PRICE_MEMO: dict = {}   # (configs, head_dim, kv_bytes, num_kv_heads, gpu) -> (slot, inflight)
+
+
+def choose_split_share_fast(length: np.ndarray, rows: np.ndarray, *, num_kv_heads: int,
+                            head_dim: int, kv_bytes: int, gpu, selector,
+                            min_part: int = 256) -> float:
+    """The share :func:`choose_split_share` returns (same inputs, same float arithmetic), in
+    one compiled call: the planner's per-step path.  ``length``, ``rows``: int ``[K]``."""
+    length = np.asarray(length).astype(np.int64)
+    rows = np.asarray(rows).astype(np.int64)
+    if length.size == 0:
+        return DEFAULT_SPLIT_SHARE
+    m_values, bounds, fid, configs = selector.lookup()
+    key = (configs.tobytes(), head_dim, kv_bytes, num_kv_heads, gpu)
+    hit = _PRICE_MEMO.get(key)
+    if hit is None:
+        from .cuda_compile import default_layout
+        from .tiles import estimate_resources, kernel_resources
+        dtype = "float16" if kv_bytes == 2 else "float32"
+        slot = np.empty(configs.shape[0])
+        inflight = np.empty(configs.shape[0])
+        for u, (m, n) in enumerate(configs.tolist()):
+            res = kernel_resources(m, n, head_dim, dtype, gpu) or \
+                estimate_resources(m, n, head_dim)
+            slot[u] = num_kv_heads / max(res.ctas_per_sm(gpu), 1)
+            stages = default_layout(m, n, head_dim)[1]
+            inflight[u] = num_kv_heads * max(stages - 1, 1) * n * head_dim * 2 * kv_bytes
+        hit = _PRICE_MEMO[key] = (slot, inflight)
+    return float(_choose_share_nb(
+        length, rows, int(num_kv_heads), int(gpu.num_sms), int(min_part), int(head_dim),
+        int(kv_bytes), m_values, bounds, fid, hit[0], hit[1],
+        float(gpu.hbm_bandwidth * gpu.achieved_bw_fraction),
+        float(gpu.mem_latency_ns * LOADED_LATENCY)))

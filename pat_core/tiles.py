@@ -118,6 +118,7 @@ def kernel_resources(m: int, n: int, head_dim: int, dtype: str, gpu: GPUSpec,
     return res
 
 
+_LOOKUP_MEMO: dict = {}    # TileSelector.lookup's arrays per selector configuration
 _RESOURCE_MEMO: dict = {}   # path -> (the loaded file, {(m, n, head_dim, dtype, gpu): result})
 
 
@@ -322,6 +323,32 @@ class TileSelector:
             return below[-1]
         best = max(speeds)
         return max(n for n, sp in zip(below, speeds) if sp >= best - 0.03)
+
+    def lookup(self) -> tuple:
+        """:meth:`select` as arrays, for compiled code: ``(m_values, bounds, fid, configs)``.
+
+        ``m_values`` int64 ``[M]`` (feasible ``m``, ascending), ``bounds`` int64 ``[nb]`` (the
+        KV-length table's bucket ends), ``fid`` int64 ``[M, nb + 1]`` (the config a CTA gets for
+        its ``m`` index, ``searchsorted(m_values, rows, "left")``, and KV bucket,
+        ``searchsorted(bounds, kv_len, "left")``), ``configs`` int64 ``[F, 2]`` (the ``(m, n)``
+        pairs ``fid`` indexes, ascending as :meth:`select`'s unique pairs sort).  Kept per
+        selector configuration (one build per process and configuration, not per plan)."""
+        key = (self.feasible, self.gpu, self.head_dim, self.dtype)
+        hit = _LOOKUP_MEMO.get(key)
+        if hit is None:
+            bounds = [b for b, _ in self.gpu.kv_tile_table[:-1]]
+            pick = {}
+            for mi, m in enumerate(self.m_values.tolist()):
+                for b in range(len(bounds) + 1):
+                    rep = self.gpu.kv_tile_table[b][0] if b < len(bounds) else 1 << 30
+                    pick[(mi, b)] = (int(m), int(self.pick_n(int(m), rep)))
+            configs = sorted(set(pick.values()))
+            fid = np.array([[configs.index(pick[(mi, b)]) for b in range(len(bounds) + 1)]
+                            for mi in range(len(self.m_values))], dtype=np.int64)
+            hit = (self.m_values.astype(np.int64), np.array(bounds, dtype=np.int64), fid,
+                   np.array(configs, dtype=np.int64).reshape(-1, 2))
+            _LOOKUP_MEMO[key] = hit
+        return hit
 
     def select(self, rows: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
         rows = np.asarray(rows)
