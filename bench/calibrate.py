@@ -46,12 +46,12 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if __package__ in (None, ""):     # run as a script: python bench/calibrate.py
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import (copy_bandwidth, flush_mode, git_sha, graph_launch_costs,  # noqa: E402
-                    graph_times, l2_flusher, l2_read_bandwidth, spread, stable_runs,
-                    time_events)
+from bench.common import (copy_bandwidth, flush_mode, git_sha,  # noqa: E402
+                          graph_launch_costs, graph_times, l2_flusher, l2_read_bandwidth, spread,
+                          stable_runs, time_events)
 from sim.calibration import UNSTEADY  # noqa: E402
 
 METHODS = ("pat", "node", "compute", "query", "cascade", "pat-fixed")

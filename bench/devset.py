@@ -45,11 +45,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-for _p in (str(ROOT), str(ROOT / "bench")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+if __package__ in (None, ""):     # run as a script: python bench/devset.py
+    sys.path.insert(0, str(ROOT))
 
-from trace_replay import load_steps, prepare_steps, prepare_synthetic_steps  # noqa: E402
+from bench.trace_replay import load_steps, prepare_steps, prepare_synthetic_steps  # noqa: E402
 
 STEPS = 12
 PAGE_SIZE = 16
@@ -121,7 +120,7 @@ def _last_arrival_ms(trace) -> float:
 def prepare_agent(out, *, steps: int = STEPS, verbose: bool = True) -> dict:
     """Generate the agent trace (:mod:`agent_trace`, defaults) into a temporary file and store
     ``steps`` of its decode steps in ``out``; returns the steps file's ``meta``."""
-    import agent_trace
+    from bench import agent_trace
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "agent_trace.jsonl"
         agent_trace.write_jsonl(agent_trace.generate(), path)
@@ -199,8 +198,8 @@ def time_all(steps_dir, out_dir, *, heads=("32:8",), methods=("pat", "pat-graph-
     replay; eager alongside).  Returns the summary."""
     import platform
     import torch
-    import trace_replay
-    from common import copy_bandwidth, git_sha
+    from bench import trace_replay
+    from bench.common import copy_bandwidth, git_sha
     import pat_core
     out_dir = Path(out_dir)
     bw = copy_bandwidth()

@@ -48,9 +48,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-for p in (str(ROOT), str(ROOT / "bench")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+if __package__ in (None, ""):     # run as a script: python bench/trace_replay.py
+    sys.path.insert(0, str(ROOT))
 
 METHODS = ("pat", "query", "fi-decode", "pat-graph", "pat-graph-bucket")
 GRAPH_SAFE = ("pat-graph", "pat-graph-bucket")
@@ -140,7 +139,7 @@ def prepare_synthetic_steps(specs, out, *, page_size: int = 16, verbose: bool = 
     """Store each tree spec of ``specs`` (:func:`pat_core.workloads.build_tree_batch`, seed =
     its index) as one step in ``out`` (.npz), in :func:`prepare_steps`'s format; ``meta``'s
     ``kv_pages`` is the largest step's page count.  Returns the ``meta`` dict."""
-    from common import unique_kv_tokens
+    from bench.common import unique_kv_tokens
     from pat_core.workloads import build_tree_batch, parse_tree_spec
     arrays, meta, n_pages = {}, [], 1
     for i, spec in enumerate(specs):
@@ -172,9 +171,8 @@ def load_steps(path):
 
 def time_steps(args) -> int:
     import torch
-    from common import git_sha, graph_times, l2_flusher, time_events
-    from compare import make_fi_decode, reference_fp64, rel_err, torch_attention
-    from kernel_lab import apply_tuning
+    from bench.common import git_sha, graph_times, l2_flusher, time_events
+    from bench.compare import make_fi_decode, reference_fp64, rel_err, torch_attention
     import pat_core
 
     meta, steps = load_steps(args.steps_file)
@@ -250,7 +248,8 @@ def time_steps(args) -> int:
                     else:
                         packer, _, label = method.partition("@")
                         w = pat_core.PrefixAttentionWrapper(backend="cuda", packer=packer)
-                        if label:
+                        if label:     # an ablation: one of the lab's planner tunings
+                            from bench.lab.kernel_lab import apply_tuning
                             apply_tuning(label, w.planner)
                         t0 = time.perf_counter()
                         plan = w.plan(table, lens, hq, hk, d, ps, kv_data_type="float16")
@@ -455,7 +454,7 @@ def main(argv=None) -> int:
     t.add_argument("--heads", nargs="+", default=["32:8"])
     t.add_argument("--head-dim", type=int, default=128)
     t.add_argument("--methods", nargs="+", default=list(METHODS),
-                   help=f"of {METHODS}; also pat@LABEL: pat with bench/kernel_lab.py's planner "
+                   help=f"of {METHODS}; also pat@LABEL: pat with bench/lab/kernel_lab.py's planner "
                         "tuning LABEL (an ablation)")
     t.add_argument("--reps", type=int, default=10)
     t.add_argument("--no-throwaway", dest="throwaway", action="store_false",
@@ -474,9 +473,9 @@ def main(argv=None) -> int:
         if base not in METHODS or (label and base in ("fi-decode",) + GRAPH_SAFE):
             ap.error(f"--methods: unknown method {m!r}")
         if label:
-            from kernel_lab import TUNINGS
+            from bench.lab.kernel_lab import TUNINGS     # the lab's ablations, on request
             if label not in TUNINGS:
-                ap.error(f"--methods {m!r}: no planner tuning {label!r} in bench/kernel_lab.py "
+                ap.error(f"--methods {m!r}: no planner tuning {label!r} in bench/lab/kernel_lab.py "
                          f"(choose from {sorted(TUNINGS)})")
     for h in args.heads:
         parts = h.split(":")

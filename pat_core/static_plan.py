@@ -250,7 +250,7 @@ def graph_safe_tile_table(limits: StaticLimits, group: int, fused: bool = False)
     ``fused``: whether the bucket's launch set, with the GPU's table, would run as one fused
     pull launch (:func:`graph_safe_fused`).  Such a bucket plans with :data:`FUSED_TILE_TABLE`
     (one ``n``, 64): the fused kernel carries every tile of the set, and its time grows with
-    their number beyond what residency explains (H100, ``bench/graph_safe_cost.py``: same
+    their number beyond what residency explains (H100, ``bench/lab/graph_safe_cost.py``: same
     grid, occupancy and instruction count, 14.3 against 21.5 us for two against eight
     variants, with 54% of warp cycles stalled on instruction fetch against 35%), so the GPU's
     three ``n`` per ``m`` (eight tiles at 32:8) become one per ``m`` (three, after
@@ -264,7 +264,7 @@ def graph_safe_tile_table(limits: StaticLimits, group: int, fused: bool = False)
     (n = 16, 32, 64), each costing a replay ~1-2 us when empty, where the exact plan usually
     has one.  A single ``n = 64`` makes that one launch; the short CTAs it then covers do a
     few masked MMA steps more, which costs less than the launches on such small steps
-    (H100, ``bench/graph_safe_cost.py --compact inf:64``: a 12k-token single request at 32:8
+    (H100, ``bench/lab/graph_safe_cost.py --compact inf:64``: a 12k-token single request at 32:8
     39.3 -> 36.0 us against 33.3 for its exact plan; bench/NOTES.md, round 10).  With more
     rows per CTA the leaves of wide trees lose more than the launches save (a 64-request
     tree at 32:32: 70.4 -> 84.8 us), so larger buckets keep the GPU's table unless fused."""
@@ -284,7 +284,7 @@ def graph_safe_fused(limits: StaticLimits, num_tiles: int, mode: str = "auto") -
     :data:`FUSED_MAX_BATCH` requests.  A fused launch replaces one launch per tile (each costing
     a replay ~1 us even when empty, and their join ~2 us more) with one, but every block gets
     the largest tile's size, so it holds fewer blocks per SM: it pays when a step has few work
-    items.  Measured on the H100 (``bench/graph_safe_cost.py``, bench/NOTES.md, round 11): with
+    items.  Measured on the H100 (``bench/lab/graph_safe_cost.py``, bench/NOTES.md, round 11): with
     buckets of 12 and 16 requests, fused beat one launch per tile on 5 of 6 steps (by up to
     20%; the one loss 5%, 1024-token leaves at 32:8); steps of 64 requests lost 25-95%.  One
     tile needs no fusing."""
@@ -308,7 +308,7 @@ def fused_pull_exclusions(tiles, head_dim: int, dtype: str, gpu, feasible=None) 
     is left out only while another tile of its ``m`` that fits two blocks per SM remains, in
     ``tiles`` or, given ``feasible``, among the tile selector's feasible tiles (its CTAs then
     take a narrower ``n`` rather than a larger ``m``; the selector picks that ``n``).
-    Measured (H100, 32:8, the GPU's KV tile table, graph µs, ``bench/graph_safe_cost.py``;
+    Measured (H100, 32:8, the GPU's KV tile table, graph µs, ``bench/lab/graph_safe_cost.py``;
     bench/NOTES.md, round 12): 16-request steps of many items gain (1024-token leaves 56.8 ->
     47.6, a 2048-token root 27.0 -> 24.0); a 12-request step whose items all fit the grid does
     not (18.0 -> 18.9).
@@ -358,7 +358,7 @@ def fused_pull_max_rows(tiles, head_dim: int, dtype: str, gpu):
     threads with a 16-row tile's 206 registers per thread, in a 16-request bucket at 64:8).
     The cap drops the largest ``m`` until the block fits two (CTAs of more rows are split, the
     second reading the shared KV mostly from L2).  Measured (H100, 64:8, graph µs,
-    ``bench/graph_safe_cost.py --lean-max-rows 64``; bench/NOTES.md, round 12): a 16-request
+    ``bench/lab/graph_safe_cost.py --lean-max-rows 64``; bench/NOTES.md, round 12): a 16-request
     tree of 1024-token leaves 54.6 -> 47.2 (its exact plan 46.8); the 12- and 16-request steps
     without long leaves within noise (15.2 -> 14.6, 26.7 -> 27.0).
 

@@ -19,7 +19,7 @@ sub-folders, that has one of these layouts):
 * ``bench/compare.py``'s ``results.json``: ``{"benchmark": "compare", "rows": [{"workload",
   "heads": [32, 8], "page_size", "method", "latency_eager_us", "latency_graph_us"}, ...]}``
   (FlashInfer rows and rows that failed their check are skipped);
-* ``bench/graph_start.py``'s ``graph_start_<gpu>.json``: ``{"benchmark": "graph_start",
+* ``bench/lab/graph_start.py``'s ``graph_start_<gpu>.json``: ``{"benchmark": "graph_start",
   "median_outside_us": 2.0, ...}``, no records: how long a graph replay of a step takes
   beyond its kernels' span, measured on fit-set workloads.  It fixes ``graph_start_ns``.
 
@@ -56,7 +56,7 @@ by ``bench/calibrate.py`` and, when the files hold them, fixed instead of fitted
 (:data:`MEASURED`): the copy bandwidth (``hbm_bandwidth``), and from replayed graphs of empty
 kernels the cost of one more forked launch (``graph_launch_ns``) and of a join of concurrent
 launches (``graph_join_ns``, which is never fitted: it is 0 unless measured).  With a
-``bench/graph_start.py`` file among the measurements the graph start latency is fixed too:
+``bench/lab/graph_start.py`` file among the measurements the graph start latency is fixed too:
 ``graph_start_ns`` = the replay time outside the kernels minus ``graph_launch_ns`` (the model
 issues a step's first launch at ``graph_start_ns + graph_launch_ns``).  Fitted, it took 6.8 µs
 (H100) and 8.1 µs (H200) where replays spend 2.0 and 1.3 µs outside their kernels: the fit

@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "them).  Works from an installed package; needs no checkout.")
     p.add_argument("--measurements", nargs="+", required=True,
                    help="measurement files or folders (bench/calibrate.py or bench/compare.py "
-                        "output; a bench/graph_start.py file fixes graph_start_ns)")
+                        "output; a bench/lab/graph_start.py file fixes graph_start_ns)")
     p.add_argument("--gpu", default=None)
     p.add_argument("--out", required=True, help="constants file to write")
     p.add_argument("--validation", default=None,

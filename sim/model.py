@@ -22,7 +22,7 @@ misses that follow), and while DRAM is the bottleneck its hits move no faster th
 around them (they queue at the same L2 slices).  Forward blocks of kernels with more than
 ``SMEM_OPT_IN_BYTES`` of shared memory and of kernels with less never share an SM
 (:func:`sim.occupancy.smem_class`).  These three rules were measured block by block
-(``bench/block_timeline.py``, bench/NOTES.md round 24: a deep tree's one-warp leaves wait for
+(``bench/lab/block_timeline.py``, bench/NOTES.md round 24: a deep tree's one-warp leaves wait for
 the SMs of its 16x64 root blocks to empty; the root blocks, with four times the loads in flight,
 finish first; the quick-start batch's ``query`` blocks that hit in L2 take 94% as long as those
 that miss); :data:`INFLIGHT_WEIGHTS`, :data:`SMEM_CLASSES` and :data:`HITS_QUEUE` switch each
@@ -243,7 +243,7 @@ def prepare(plan, gpu=None, l2_window_bytes: float | None = None) -> Workload:
     # more than it has).  Where the memory system is the bottleneck every request waits about as
     # long, so blocks move bytes in proportion to what they have in flight (Little's law): a
     # one-warp, one-stage block of one tile gets a quarter of what a 16x64 block of two stages
-    # gets (measured: bench/block_timeline.py, bench/NOTES.md round 24).
+    # gets (measured: bench/lab/block_timeline.py, bench/NOTES.md round 24).
     weight = np.ones(blk_l2.shape[0])
     weight[:nf] = np.minimum(f_stages, np.maximum(w.tiles[fc], 1)) * tile_bytes / WEIGHT_BYTES
     return Workload(gpu=gpu, launches=launches, need=need, blk_cfg=np.concatenate(cfg),

@@ -1,6 +1,6 @@
 """CPU checks of the FastTree baseline's pure parts: the batch -> FastTree tree mapping, the
 configuration selection and options of bench/compare.py, the report with FastTree rows, and
-bench/gpu_compare.sh's wiring.  FastTree's own code is not needed (stand-ins are used)."""
+bench/lab/gpu_compare.sh's wiring.  FastTree's own code is not needed (stand-ins are used)."""
 import os
 import shutil
 import stat
@@ -10,14 +10,11 @@ import sys
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-
-import compare  # noqa: E402
-from fasttree_map import (Unsupported, batch_token_tree, fasttree_nodes,  # noqa: E402
-                          fasttree_reason, same_shape)
-from plots import fasttree_table, floor_ratios, headline, plot_all  # noqa: E402
-
-from pat_core.workloads import (DEEP_HEAD_CONFIGS, DEEP_WORKLOADS, DESIGN_WORKLOADS,  # noqa: E402
+from bench import compare
+from bench.compare import fasttree_table, floor_ratios, headline, plot_all
+from bench.fasttree_map import (Unsupported, batch_token_tree, fasttree_nodes, fasttree_reason,
+                                same_shape)
+from pat_core.workloads import (DEEP_HEAD_CONFIGS, DEEP_WORKLOADS, DESIGN_WORKLOADS,
                                 HEAD_CONFIGS, LONG_PREFIX_WORKLOADS, WORKLOAD_SETS,
                                 block_tables_from_paths, build_tree_batch, parse_tree_spec)
 
@@ -200,7 +197,7 @@ def test_default_configs_are_the_development_set():
 
 
 def test_selected_workloads_build_valid_batches():
-    from common import unique_kv_tokens
+    from bench.common import unique_kv_tokens
     for spec, _, ps in {(w, None, p) for w, _, p in compare.select_configs(
             sets=list(WORKLOAD_SETS))}:
         b = build_tree_batch(spec, ps, seed=0)
@@ -337,8 +334,8 @@ def test_report_with_fasttree(tmp_path):
 @pytest.mark.parametrize("with_fasttree", [True, False])
 def test_gpu_compare_script(tmp_path, with_fasttree):
     repo = tmp_path / "repo"
-    (repo / "bench").mkdir(parents=True)
-    shutil.copy(os.path.join(ROOT, "bench", "gpu_compare.sh"), repo / "bench")
+    (repo / "bench" / "lab").mkdir(parents=True)
+    shutil.copy(os.path.join(ROOT, "bench", "lab", "gpu_compare.sh"), repo / "bench" / "lab")
     (repo / ".whl").mkdir()
     (repo / ".whl" / "flashinfer_python-0.2.5-py3-none-any.whl").write_bytes(b"x")
     if with_fasttree:
@@ -354,7 +351,7 @@ def test_gpu_compare_script(tmp_path, with_fasttree):
     env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}",
                PAT_BENCH_SITE=str(tmp_path / "site"))
     env.pop("PAT_FASTTREE_DIR", None)
-    p = subprocess.run(["bash", str(repo / "bench" / "gpu_compare.sh"), "out1", "--sets",
+    p = subprocess.run(["bash", str(repo / "bench" / "lab" / "gpu_compare.sh"), "out1", "--sets",
                         "deep"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     calls = log.read_text().splitlines()
@@ -368,6 +365,6 @@ def test_gpu_compare_script(tmp_path, with_fasttree):
     env_line = calls[calls.index(run) + 1]
     assert str(tmp_path / "site") in env_line and "static-global-template-stub=false" in env_line
     assert (repo / "out1" / "compare.log").exists()
-    p = subprocess.run(["bash", str(repo / "bench" / "gpu_compare.sh")], cwd=tmp_path, env=env,
-                       capture_output=True, text=True)
+    p = subprocess.run(["bash", str(repo / "bench" / "lab" / "gpu_compare.sh")], cwd=tmp_path,
+                       env=env, capture_output=True, text=True)
     assert p.returncode == 2 and "usage" in p.stderr

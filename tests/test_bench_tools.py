@@ -1,17 +1,12 @@
 """CPU checks of the benchmark harness's pure parts: cascade levels and the report."""
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-
-from compare import cascade_levels  # noqa: E402
-from plots import headline, plot_all  # noqa: E402
-
-from pat_core.workloads import DESIGN_WORKLOADS, build_tree_batch  # noqa: E402
+from bench.compare import cascade_levels, headline, plot_all
+from pat_core.workloads import DESIGN_WORKLOADS, build_tree_batch
 
 
 @pytest.mark.parametrize("spec", DESIGN_WORKLOADS + ("1,3_20,9", "1,2,4_8,40,3"))
@@ -71,7 +66,7 @@ def test_kernel_lab_tunings_apply_and_restore():
     """Every kernel_lab label builds a valid planner Tuning (its kernel layouts, forced n and
     cache layout left to run_case), and the restore puts the planner's tuning back; every case
     names a label of TUNINGS or forces a tile."""
-    from kernel_lab import CASE_SETS, TUNINGS, apply_tuning
+    from bench.lab.kernel_lab import CASE_SETS, TUNINGS, apply_tuning
 
     from pat_core import Planner, Tuning
     planner = Planner("pat", "h100")
@@ -92,8 +87,8 @@ def test_kernel_lab_tunings_apply_and_restore():
 
 
 def test_request_rule_check_scores_the_rule_and_the_simulator(tmp_path):
-    """bench/request_rule_check.py pairs kernel_lab rows and scores the rule's choice."""
-    import request_rule_check as rrc
+    """bench/lab/request_rule_check.py pairs kernel_lab rows and scores the rule's choice."""
+    from bench.lab import request_rule_check as rrc
     rows = []
     for heads, req_us, pat_us in (("32:8", 375.0, 384.0),      # per request faster: rule right
                                   ("64:8", 400.0, 380.0)):     # per request slower: rule wrong
@@ -112,9 +107,9 @@ def test_request_rule_check_scores_the_rule_and_the_simulator(tmp_path):
 
 
 def test_host_path_compare_and_cli(tmp_path, capsys):
-    """bench/host_path.py's side-by-side table reads two result files (the GPU part needs a
+    """bench/lab/host_path.py's side-by-side table reads two result files (the GPU part needs a
     device); without --out or --compare the command line refuses."""
-    import host_path
+    from bench.lab import host_path
     row = {"spec": "1,16_2048,128", "heads": "32:8", "host_us": 40.0, "host_out_us": 35.0,
            "backend_us": 30.0, "graph_us": 20.0, "eager_flush_us": 30.0, "loop_graph_us": 10.0,
            "loop_eager_us": 40.0, "layers_plan_us": 100.0, "layers_call_us": 4000.0}
@@ -136,7 +131,7 @@ def test_host_path_compare_and_cli(tmp_path, capsys):
 
 def test_flush_mode_reads_the_environment(monkeypatch):
     """The benchmarks' L2 flush: clean by default, dirty on request, anything else refused."""
-    from common import FLUSH_MODES, flush_mode
+    from bench.common import FLUSH_MODES, flush_mode
     monkeypatch.delenv("PAT_L2_FLUSH", raising=False)
     assert flush_mode() == "clean"
     monkeypatch.setenv("PAT_L2_FLUSH", "dirty")
@@ -150,7 +145,7 @@ def test_flush_mode_reads_the_environment(monkeypatch):
 def test_stable_runs_times_again_until_the_runs_agree():
     """common.stable_runs keeps the first try whose runs spread at most max_spread, else the
     steadiest of its tries; common.spread is the simulator's run_spread."""
-    from common import spread, stable_runs
+    from bench.common import spread, stable_runs
     from sim.calibration import UNSTEADY, run_spread
     steady = [10.0, 10.1, 9.9, 10.0, 10.2, 9.8]
     noisy = [10.0, 20.0, 11.0, 30.0, 9.0, 25.0]
@@ -188,9 +183,9 @@ def test_calibration_report_counts_unsteady_records(tmp_path):
 
 
 def test_block_timeline_cases_and_summary():
-    """bench/block_timeline.py's pure parts: a case names its spec, heads and method (a bad one
-    is refused, naming it); the summary's spans, durations and peak concurrency."""
-    from block_timeline import parse_case, summarize
+    """bench/lab/block_timeline.py's pure parts: a case names its spec, heads and method (a bad
+    one is refused, naming it); the summary's spans, durations and peak concurrency."""
+    from bench.lab.block_timeline import parse_case, summarize
     assert parse_case("1,4_16,16@32:8@query") == ("1,4_16,16", 32, 8, "query", 16)
     assert parse_case("1,4_16,16@32:8@pat@32", 16) == ("1,4_16,16", 32, 8, "pat", 32)
     for bad in ("1,4_16,16@32:8", "1,4_16,16@32-8@pat", "1,4_16,16@32:8@nope",

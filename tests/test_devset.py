@@ -2,22 +2,16 @@
 the prefix-sharing model), the windowed step sampling of ``bench/trace_replay.py prepare`` and
 the synthetic tree specs."""
 import json
-import os
-import sys
 from collections import defaultdict
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-
-import agent_trace  # noqa: E402
-import devset  # noqa: E402
-from agent_trace import AgentTraceConfig, generate, generate_labelled  # noqa: E402
-from trace_replay import load_steps, prepare_steps  # noqa: E402
-
-from pat_core.trace import ReplayConfig, load_trace, snapshot_steps  # noqa: E402
-from pat_core.workloads import build_tree_batch, parse_tree_spec  # noqa: E402
+from bench import agent_trace, devset
+from bench.agent_trace import AgentTraceConfig, generate, generate_labelled
+from bench.trace_replay import load_steps, prepare_steps
+from pat_core.trace import ReplayConfig, load_trace, snapshot_steps
+from pat_core.workloads import build_tree_batch, parse_tree_spec
 
 BT = 512
 # small: 40 sessions, short templates, every other turn after the first fans out
@@ -162,7 +156,7 @@ def test_devset_prepare_synthetic_matches_list(tmp_path):
 def test_sim_error_reports_the_simulators_error(tmp_path):
     """``devset.py sim-error`` against measurements that are the simulator's own prediction
     scaled by 1.25 (graph) and 0.8 (eager): errors -0.2 and +0.25 on every step."""
-    from trace_replay import prepare_synthetic_steps
+    from bench.trace_replay import prepare_synthetic_steps
 
     from pat_core import Planner
     from sim import simulate

@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
+from bench import kernel_resources as kr
 from pat_core import cuda_compile as cc
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-import kernel_resources as kr  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -188,7 +188,7 @@ def test_device_measurements_fix_their_constants(tmp_path):
 
 
 def test_graph_start_file_fixes_the_start(tmp_path):
-    """A bench/graph_start.py file fixes graph_start_ns at the replay time outside the kernels
+    """A bench/lab/graph_start.py file fixes graph_start_ns at the replay time outside the kernels
     minus the (measured) launch interval; it is read from a folder scan too; a file of another
     GPU is passed over in a folder and refused when named."""
     path, _, prep = _synthetic(tmp_path)

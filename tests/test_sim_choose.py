@@ -2,8 +2,6 @@
 judges that rule on measured calibration files."""
 import json
 import math
-import os
-import sys
 
 import pytest
 
@@ -11,8 +9,6 @@ from pat_core import Planner
 from pat_core.workloads import build_tree_batch
 import sim
 from sim.choose import DEFAULT_MARGIN, choose_packer
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 
 DEEP = "1,2,4,8,16,32_32,32,32,32,32,32"      # six levels of 32-token nodes
 SHARED = "1,4,64_256,1024,64"                 # development set: a long shared level
@@ -84,8 +80,8 @@ def _calibration_file(tmp_path, rows):
 
 
 def test_sim_choice_check_scores_the_rule(tmp_path, capsys):
-    """bench/sim_choice_check.py: the chosen plan's measured time over pat's, per set."""
-    import sim_choice_check as scc
+    """bench/lab/sim_choice_check.py: the chosen plan's measured time over pat's, per set."""
+    from bench.lab import sim_choice_check as scc
     # the model picks query on DEEP and pat on SHARED (tests above); measured, query is 20%
     # faster on DEEP, so the validation row gains 0.8x, and the fit row is unchanged
     path = _calibration_file(tmp_path, [(DEEP, "pat", 20.0), (DEEP, "query", 16.0),

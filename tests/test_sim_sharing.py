@@ -1,7 +1,7 @@
 """How the simulator's timeline shares the GPU between thread blocks (CPU only): bandwidth in
 proportion to each block's loads in flight, the two shared-memory classes of forward kernels
 that never share an SM, and L2 hits that queue behind DRAM misses when DRAM is the bottleneck.
-Each rule was measured block by block on the GPU (bench/block_timeline.py, bench/NOTES.md
+Each rule was measured block by block on the GPU (bench/lab/block_timeline.py, bench/NOTES.md
 round 24)."""
 from __future__ import annotations
 

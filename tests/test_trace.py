@@ -234,10 +234,7 @@ def test_sim_trace_cli(tmp_path):
 def test_gpu_trace_replay_prepare_and_summary(trace_file, tmp_path):
     """bench/trace_replay.py's CPU stage stores the sampled steps the replay makes, and its
     summary computes the speed-ups it reports (the GPU stage is run on a device)."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import trace_replay
+    from bench import trace_replay
     out = tmp_path / "steps.npz"
     assert trace_replay.main(["prepare", "--trace", trace_file, "--steps", "5", "--out",
                               str(out), "--page-size", str(PS), "--block-tokens", str(BT),

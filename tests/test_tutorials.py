@@ -172,24 +172,60 @@ def test_tutorial_executes(src, kernel_env, monkeypatch):
     assert "Traceback" not in _text_outputs(nb)
 
 
-def test_benchmark_plot_path(kernel_env, monkeypatch, tmp_path):
-    """Tutorial 5 without a GPU plots committed benchmark results; feed it a small one."""
+def _tutorial5():
     src = next((p for p in SOURCES if p.stem.startswith("05_")), None)
     if src is None:
         pytest.skip("tutorial 5 not present")
-    # the layout bench/compare.py writes: device and git sha on top, one row per measurement
-    result = {
-        "benchmark": "compare", "device": "Example GPU (test fixture)", "git_sha": "0" * 40,
-        "head_dim": 128,
-        "rows": [
-            {"workload": wl, "heads": [32, 8], "page_size": 16, "method": m, "latency_us": t}
-            for wl, times in (("1,4,16_128,256,1024", (40.0, 95.0, 90.0)),
-                              ("1,16_2048,128", (30.0, 120.0, 110.0)))
-            for m, t in zip(("pat", "query", "fi-decode"), times)
-        ],
-    }
+    return src
+
+
+def test_benchmark_plot_path(kernel_env, monkeypatch, tmp_path):
+    """Tutorial 5 without a GPU plots the measured set it is pointed at; feed it a small one
+    (the layout bench/compare.py writes: device and git sha on top, one row per measurement)."""
+    src = _tutorial5()
+    rows = []
+    for wl, floor, times in (("1,4,16_128,256,1024", 24.0, (35.0, 38.0)),
+                             ("1,16_2048,128", 10.0, (30.0, 60.0)),
+                             ("8_4096", 45.0, (55.0, 57.0))):
+        for m, t in zip(("pat", "fi-decode"), times):
+            rows.append({"workload": wl, "heads": [32, 8], "page_size": 16, "method": m,
+                         "latency_us": t, "floor_us": floor, "correct": True})
+    rows.append({"workload": "8_4096", "heads": [32, 8], "page_size": 16, "method": "fasttree",
+                 "floor_us": 45.0, "skipped": "8 roots: single-root trees only"})
+    result = {"benchmark": "compare", "device": "Example GPU (test fixture)",
+              "git_sha": "0" * 40, "head_dim": 128, "l2_flush": "clean", "rows": rows}
     (tmp_path / "example.json").write_text(json.dumps(result))
     nb = _execute(src, kernel_env, monkeypatch,
                   {"PAT_BENCH_RESULTS": str(tmp_path), "PAT_TUTORIAL_FORCE_CPU": "1"})
     text = _text_outputs(nb)
     assert "Example GPU (test fixture)" in text
+    assert "statements not checked" in text          # the prose is about the committed set
+
+
+def test_no_gpu_and_no_results_fails_loudly(kernel_env, monkeypatch, tmp_path):
+    """Tutorial 5 with neither a GPU nor a measured set stops with an error naming what is
+    missing, instead of checking nothing and passing."""
+    src = _tutorial5()
+    with pytest.raises(nbclient.exceptions.CellExecutionError) as err:
+        _execute(src, kernel_env, monkeypatch,
+                 {"PAT_BENCH_RESULTS": str(tmp_path), "PAT_TUTORIAL_FORCE_CPU": "1"})
+    assert "No measured set found" in str(err.value) and "PAT_BENCH_RESULTS" in str(err.value)
+
+
+def test_tutorial5_uses_the_current_set(kernel_env, monkeypatch):
+    """Run from the checkout on a CPU, tutorial 5 reads the current H100 set and checks its
+    statements on it (at least one figure, at most a few, none wider than a screen)."""
+    src = _tutorial5()
+    nb = _execute(src, kernel_env, monkeypatch,        # figures as notebook outputs
+                  {"PAT_TUTORIAL_FORCE_CPU": "1",
+                   "MPLBACKEND": "module://matplotlib_inline.backend_inline"})
+    text = _text_outputs(nb)
+    assert "one_path_h100/baselines.json" in text and "statements not checked" not in text
+    images = [o["data"]["image/png"] for c in nb.cells for o in c.get("outputs", [])
+              if "image/png" in o.get("data", {})]
+    assert 1 <= len(images) <= 4, f"tutorial 5 drew {len(images)} figures on a CPU"
+    import base64
+    import struct
+    for png in images:
+        width, height = struct.unpack(">II", base64.b64decode(png)[16:24])
+        assert width <= 1600 and height <= 1200, (width, height)

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Build the FlashInfer 0.2.5 wheel (a JIT package: pure Python + CUDA headers) on a machine
-# that reaches the package registry.  Usage: bench/build_flashinfer_wheel.sh [OUT_DIR]
+# that reaches the package registry.  Usage: bench/device/build_flashinfer_wheel.sh [OUT_DIR]
 # (default .whl/ of the repository, ignored by git).  The GPU machine installs it with
-# bench/gpu_compare.sh.
+# bench/device/device_session.sh.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out="${1:-.whl}"
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"

@@ -11,16 +11,16 @@
 #                      cascade, FastTree (when .baselines/fasttree/FastTree.py is there)
 #   gpu_tests.log, sanitizer.log, session.log
 #
-#   bench/device_session.sh OUT [STEPS_DIR]
+#   bench/device/device_session.sh OUT [STEPS_DIR]      (from the repository root)
 #
-# Carried (ignored by git): .whl/flashinfer_python-0.2.5*.whl (bench/build_flashinfer_wheel.sh),
+# Carried (ignored by git): .whl/flashinfer_python-0.2.5*.whl (bench/device/build_flashinfer_wheel.sh),
 # optionally .whl06/trim/*.whl (FlashInfer 0.6 without its bundled CUTLASS and spdlog sources,
 # which its decode path does not compile, plus apache-tvm-ffi) and .baselines/fasttree/, and the
 # prepared steps (python bench/devset.py prepare --out STEPS_DIR, default .trace_steps/devset).
 # Environment: DEVSET_HEADS (default "32:8"), TEST_TIMEOUT (seconds, default 300), PAT_GIT_SHA
 # (the measured commit, for a copy whose git state is not the tree's).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out="$1"; steps="${2:-.trace_steps/devset}"
 mkdir -p "$out"
 work="$(mktemp -d)"
@@ -47,8 +47,7 @@ cp "$work/dev/devset.json" "$out/devset.json"
 python3 bench/devset.py time --dir "$steps" --out "$work/hd64" --heads $heads --head-dim 64 \
     --parts synthetic --methods pat fi-decode 2>&1 | grep -v '^step ' | tail -2
 cp "$work/hd64/devset.json" "$out/devset_hd64.json"
-specs=$(python3 -c "import sys; sys.path.insert(0, 'bench'); import devset; \
-print(' '.join(devset.synthetic_specs()))")
+specs=$(python3 -c "from bench import devset; print(' '.join(devset.synthetic_specs()))")
 ft=(); [ -f .baselines/fasttree/FastTree.py ] && ft=(--fasttree .baselines/fasttree)
 methods=(pat fi-decode fi-cascade); [ ${#ft[@]} -gt 0 ] && methods+=(fasttree)
 timeout 240 python3 bench/compare.py --out "$work/cmp" --workloads $specs --heads $heads \
@@ -67,7 +66,7 @@ timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q tests/test_gpu_kernels.py \
     tests/test_gpu_graph_safe.py 2>&1 | tail -6 > "$out/gpu_tests.log"
 tail -1 "$out/gpu_tests.log"
 for tool in memcheck racecheck; do
-    timeout 200 compute-sanitizer --tool=$tool --print-limit 20 python3 bench/gpu_check.py \
-        --sanitize-case 2>&1 | tail -4
+    timeout 200 compute-sanitizer --tool=$tool --print-limit 20 python3 \
+        bench/device/sanitize_case.py 2>&1 | tail -4
 done > "$out/sanitizer.log"
 grep -h "SUMMARY" "$out/sanitizer.log"

@@ -16,7 +16,7 @@ per case: the replay's CUDA-event time, the forward span (first forward block st
 forward block end), the merge span, the median and 90th-percentile forward block duration, the
 most forward blocks running at once, and the same from the simulator.
 
-    python3 bench/block_timeline.py --out OUT 1,4,16_128,256,1024@32:8@pat \\
+    python3 bench/lab/block_timeline.py --out OUT 1,4,16_128,256,1024@32:8@pat \\
         1,4,16_128,256,1024@32:8@query
 
 Blocks past ``CAP`` (``--cap``, 32768 per launch) are not recorded; the graph-safe fused kernel
@@ -35,10 +35,9 @@ import sys
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for p in (ROOT, os.path.dirname(os.path.abspath(__file__))):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:     # run as a script: python bench/lab/block_timeline.py
+    sys.path.insert(0, ROOT)
 
 REC = 6     # words per block record: start, ready, end, start cycle, end cycle, SM
 
@@ -180,8 +179,8 @@ def main(argv=None) -> int:
 
     import torch
     import pat_core
-    from common import capture_graph, git_sha, l2_flusher, time_events
-    from compare import reference_fp64, rel_err
+    from bench.common import capture_graph, git_sha, l2_flusher, time_events
+    from bench.compare import reference_fp64, rel_err
     from pat_core.gpus import detect_gpu_name
     from pat_core.workloads import build_tree_batch
     from sim import simulate

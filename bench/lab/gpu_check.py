@@ -1,12 +1,12 @@
 """One-call GPU check: compile, correctness, GPU tests, sanitizer, timings.
 
-    python3 bench/gpu_check.py --out DIR [--jobs 16] [--no-smoke] [--no-pytest] [--no-bench]
-                               [--sanitizer [--sanitizer-tools T ...] [--sanitizer-timeout S]]
-                               [--host] [--sweep]
+    python3 bench/lab/gpu_check.py --out DIR [--jobs 16] [--no-smoke] [--no-pytest] [--no-bench]
+                                   [--sanitizer [--sanitizer-tools T ...] [--sanitizer-timeout S]]
+                                   [--host] [--sweep]
 
 Needs CuPy, torch, pytest and hypothesis on the GPU machine; run from the repository root, e.g.
 
-    export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD; python3 bench/gpu_check.py --out results --sanitizer
+    export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD; python3 bench/lab/gpu_check.py --out results --sanitizer
 
 Steps (each optional, in this order; a failing step is recorded and the next still runs):
 
@@ -16,8 +16,8 @@ Steps (each optional, in this order; a failing step is recorded and the next sti
    printing each relative error next to the plain same-dtype implementation's.
 3. ``pytest``: ``tests/test_gpu_kernels.py`` (log to ``DIR/pytest.log``).
 4. ``sanitizer``: ``compute-sanitizer`` memcheck and racecheck on small plans, graph-safe
-   launch sets included (``--sanitize-case``), summaries to ``DIR/sanitizer_*.txt``.
-5. ``bench``: ``bench/gpu_kernels.py`` (JSON to ``DIR/gpu_kernels.json``).
+   launch sets included (``bench/device/sanitize_case.py``), summaries to ``DIR/sanitizer_*.txt``.
+5. ``bench``: ``bench/lab/gpu_kernels.py`` (JSON to ``DIR/gpu_kernels.json``).
 6. ``host`` (``--host``): enqueue cost of ``run()`` and a cProfile of it (``host_profile.txt``).
 7. ``sweep`` (``--sweep``): forced tiles / variant overrides (``sweep.json``).
 
@@ -35,8 +35,8 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT, ROOT / "tests", ROOT / "bench"):
+ROOT = Path(__file__).resolve().parents[2]
+for p in (ROOT, ROOT / "tests"):     # the repository, and tests/ for check_case
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
@@ -91,91 +91,12 @@ def step_pytest(out_dir, extra):
     return {"rc": rc, "seconds": time.time() - t0, "tail": tail}
 
 
-def sanitize_case(warpgroup_only: bool = False):
-    """Small plans run once each on CuPy arrays (no torch): for compute-sanitizer.
-    ``warpgroup_only``: just the forced warpgroup tiles (a quick racecheck of their KV walk)."""
-    import cupy
-    import numpy as np
-    from pat_core import PrefixAttentionWrapper
-    from pat_core.workloads import build_tree_batch
-    from pat_core import cuda_compile as cc
-    from pat_core.cuda_backend import CudaBackend
-    backend = CudaBackend()
-    cases = [("1,4,16_100,37,61", 16, 32, 8, 128, "NHD", None),
-             ("1,3,9_70,20,33", 1, 12, 4, 64, "HND", None)]
-    # the short-KV tiles forced onto CTAs of many tiles
-    cases += [("1,4,16_100,37,61", 16, 32, 8, 128, "NHD", t) for t in ((16, 16), (16, 32))]
-    arch = f"sm_{cupy.cuda.Device().compute_capability}"
-    if cc.FwdVariant.make(64, 64, 128, "float16", arch=arch).warpgroup:   # every warpgroup tile
-        cases += [("1,32_300,20", 16, 32, 8, 128, "NHD", t)
-                  for t in ((64, 16), (64, 32), (64, 64), (64, 128), (128, 16), (128, 32),
-                            (128, 64), (128, 128))]
-        # the 64-row tiles on two token slices (two warpgroups, 8 warps; (m, n, warps))
-        cases += [("1,32_300,20", 16, 32, 8, 128, "NHD", t)
-                  for t in ((64, 32, 8), (64, 64, 8), (64, 128, 8))]
-    if warpgroup_only:
-        cases = [c for c in cases if c[6] is not None and c[6][0] >= 64]
-    else:
-        # the pat packer's per-request plans (every request one slot: each forward item writes
-        # its request's output, no merge), and one slot per request with more items than
-        # resident blocks (blocks draw items; the merge runs only to reset the counters)
-        cases += [("1,8_16,240", 16, 8, 2, 64, "NHD", None),
-                  ("128_40", 16, 32, 8, 128, "NHD", None)]
-    for spec, ps, hq, hk, d, layout, tile in cases:
-        cc.VARIANT_OVERRIDES.clear()
-        if tile is not None and tile[0] >= 64:   # the warpgroup layout, two stages
-            warps = tile[2] if len(tile) > 2 else tile[0] // 16
-            tile = tile[:2]
-            cc.VARIANT_OVERRIDES[tile] = (warps, 2, cc.WG_ROWS)
-        b = build_tree_batch(spec, page_size=ps, seed=2)
-        w = PrefixAttentionWrapper(backend="cuda", packer="pat", kv_layout=layout)
-        w._gpu_backend = backend
-        plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16",
-                      tile=tile)
-        assert spec != "1,8_16,240" or plan.one_cta_per_request
-        rng = np.random.default_rng(0)
-        shape = (b.num_pages, ps, hk, d) if layout == "NHD" else (b.num_pages, hk, ps, d)
-        k = cupy.asarray(rng.standard_normal(shape).astype(np.float16))
-        v = cupy.asarray(rng.standard_normal(shape).astype(np.float16))
-        q = cupy.asarray(rng.standard_normal((b.batch_size, hq, d)).astype(np.float16))
-        out, lse = w.run(q, (k, v), return_lse=True)
-        cupy.cuda.Device().synchronize()
-        print(f"{spec} {layout}: groups={plan.num_groups} slots={plan.num_slots} "
-              f"batch={plan.batch_size} tiles={plan.stats()['tiles']} "
-              f"variants={[v.key for v in backend.variants_for(plan)][:-1]} "
-              f"finite={bool(cupy.isfinite(out).all())}")
-    cc.VARIANT_OVERRIDES.clear()
-    if warpgroup_only:
-        return
-    # graph-safe launch sets (pull kernels: a block's first item is its own, later ones drawn
-    # from a counter), one launch per tile and fused; two plans each, the second with more
-    # items than the grid so that blocks draw
-    for fused in ("off", "on"):
-        w = PrefixAttentionWrapper(backend="cuda", packer="pat", use_cuda_graph=True,
-                                   max_batch_size=24, max_num_pages=4096)
-        w._gpu_backend.graph_fused = fused
-        for spec in ("1,4,16_100,37,61", "1,24_1000,2000"):
-            b = build_tree_batch(spec, page_size=16, seed=3)
-            plan = w.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16, kv_data_type="float16")
-            rng = np.random.default_rng(1)
-            k = cupy.asarray(rng.standard_normal((4096, 16, 8, 128)).astype(np.float16))
-            v = cupy.asarray(rng.standard_normal((4096, 16, 8, 128)).astype(np.float16))
-            q = cupy.asarray(rng.standard_normal((24, 32, 128)).astype(np.float16))
-            out = cupy.zeros_like(q)
-            w.run(q, (k, v), out=out)
-            cupy.cuda.Device().synchronize()
-            st = w._static
-            print(f"graph-safe fused={fused} {spec}: items={plan.num_ctas * 8} "
-                  f"grids={st.grids} tiles={len(st.layout.tiles)} "
-                  f"finite={bool(cupy.isfinite(out[:b.batch_size]).all())}")
-
-
 def step_sanitizer(out_dir, tools=("memcheck", "racecheck"), timeout=240):
     res = {}
     for tool in tools:
         path = Path(out_dir) / f"sanitizer_{tool}.txt"
         cmd = ["compute-sanitizer", f"--tool={tool}", "--print-limit", "20",
-               sys.executable, str(Path(__file__).resolve()), "--sanitize-case"]
+               sys.executable, str(ROOT / "bench" / "device" / "sanitize_case.py")]
         t0 = time.time()
         # streamed to the file, so that a run cut off by the timeout still shows how far it got
         with open(path, "w") as fh:
@@ -208,12 +129,7 @@ def main(argv=None):
     ap.add_argument("--bench-iters", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="time forced tiles x (warps, stages)")
     ap.add_argument("--host", action="store_true", help="profile the launch path on the host")
-    ap.add_argument("--sanitize-case", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--sanitize-warpgroup", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.sanitize_case:
-        sanitize_case(args.sanitize_warpgroup)
-        return 0
     logging.basicConfig(level=logging.WARNING)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -236,7 +152,7 @@ def main(argv=None):
         save()
         return r
 
-    from gpu_kernels import environment
+    from bench.lab.gpu_kernels import environment
     report["env"] = environment()
     r = step("compile", step_compile, args.jobs)
     be = r[0] if isinstance(r, tuple) else None
@@ -250,7 +166,7 @@ def main(argv=None):
         step("sanitizer", step_sanitizer, out, tuple(args.sanitizer_tools),
              args.sanitizer_timeout)
     if not args.no_bench:
-        import gpu_kernels
+        from bench.lab import gpu_kernels
         wl = args.bench_workloads or list(gpu_kernels.WORKLOADS)
         res = step("bench", gpu_kernels.run, wl, gpu_kernels.HEADS, gpu_kernels.PACKERS,
                    args.bench_iters, str(out / "gpu_kernels.json"), be)
@@ -258,13 +174,13 @@ def main(argv=None):
             report["steps"]["bench"] = {"summary": res["summary"]}
             gpu_kernels.print_table(res["rows"])
     if args.host:
-        import gpu_kernels
+        from bench.lab import gpu_kernels
         res = step("host", gpu_kernels.host_overhead, be)
         if isinstance(res, dict) and "profile" in res:
             (out / "host_profile.txt").write_text(res.pop("profile"))
             report["steps"]["host"] = res
     if args.sweep:
-        import gpu_kernels
+        from bench.lab import gpu_kernels
         res = step("sweep", gpu_kernels.sweep, be)
         if isinstance(res, dict):
             (out / "sweep.json").write_text(json.dumps(res, indent=1) + "\n")

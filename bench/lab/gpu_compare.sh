@@ -2,17 +2,17 @@
 # On the GPU machine (no network): install the carried wheels into a private folder, then run
 # the comparison, FastTree included when its file was carried.
 #
-#   bench/gpu_compare.sh OUT_DIR [compare.py options...]
+#   bench/lab/gpu_compare.sh OUT_DIR [compare.py options...]
 #
-# Carried (ignored by git): .whl/flashinfer_python-*.whl (bench/build_flashinfer_wheel.sh) and
+# Carried (ignored by git): .whl/flashinfer_python-*.whl (bench/device/build_flashinfer_wheel.sh) and
 # .baselines/fasttree/FastTree.py (flashserve/PAT benchmark/FastTree.py).  A missing wheel or
 # FastTree file is reported and its methods are left out; everything else still runs.
 # Environment: PAT_BENCH_SITE (install folder, default a fresh temporary one), PAT_FASTTREE_DIR
 # (default .baselines/fasttree), PAT_GIT_SHA (the measured commit, for a copy without .git).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
-    echo "usage: bench/gpu_compare.sh OUT_DIR [compare.py options...]" >&2
+    echo "usage: bench/lab/gpu_compare.sh OUT_DIR [compare.py options...]" >&2
     exit 2
 fi
 out="$1"; shift

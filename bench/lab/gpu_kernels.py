@@ -1,6 +1,6 @@
 """Kernel benchmark: pat and query packing on the paper's workloads, against copy bandwidth.
 
-    python3 bench/gpu_kernels.py --out bench/results/gpu_kernels_h100.json
+    python3 bench/lab/gpu_kernels.py --out bench/results/gpu_kernels_h100.json
 
 For each workload spec (tree-spec format, see pat_core.workloads), head config and packer: plan once, then time
 ``backend.run`` (forward launches + merge) with CUDA events, after warm-up, median of ``--iters``
@@ -27,13 +27,12 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:     # run as a script: python bench/lab/gpu_kernels.py
     sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-from common import git_sha, graph_times, l2_flusher, time_events, unique_kv_tokens  # noqa: E402
-from common import copy_bandwidth as _copy_bandwidth_bytes  # noqa: E402
+from bench.common import git_sha, graph_times, l2_flusher, time_events, unique_kv_tokens  # noqa: E402
+from bench.common import copy_bandwidth as _copy_bandwidth_bytes  # noqa: E402
 
 from pat_core.workloads import DESIGN_WORKLOADS, HEAD_CONFIGS  # noqa: E402
 
@@ -265,7 +264,7 @@ def sweep(backend=None, cases=SWEEP, iters=20, copy_bw=None):
 def _host_cost(fn, calls: int, profile: bool = True):
     """``(us, report)``: host microseconds per call of ``fn`` over ``calls`` calls after 10
     warm-up calls, and a cProfile report (25 lines by own time) of another ``calls`` calls."""
-    from common import host_us, profile_calls
+    from bench.common import host_us, profile_calls
     for _ in range(10):
         fn()
     us = host_us(fn, calls)

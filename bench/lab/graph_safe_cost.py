@@ -31,7 +31,7 @@ graph-safe launch set's block sizes and shared memory (with and without a 100% p
 shared-memory carveout on the kernel).  Every pat row is checked against float64 attention
 first.
 
-    python bench/graph_safe_cost.py --out DIR [--specs ...] [--heads 32:8 ...] [--reps 30]
+    python bench/lab/graph_safe_cost.py --out DIR [--specs ...] [--heads 32:8 ...] [--reps 30]
                                     [--cases gs-bucket-fused gs-used-fused ...]
 
 Writes ``DIR/graph_safe_cost.json`` and prints a table.
@@ -47,10 +47,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (str(ROOT), str(ROOT / "bench")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:     # run as a script: python bench/lab/graph_safe_cost.py
+    sys.path.insert(0, str(ROOT))
 
 CASES = ("gs-all", "gs-used", "gs-bucket", "gs-bucket-fused", "gs-used-fused",
          "gs-bucket-fused-lean",
@@ -73,7 +72,7 @@ def _g(row, key) -> str:
 
 
 def time_graph(torch, fn, reps, flush):
-    from common import graph_times
+    from bench.common import graph_times
     return float(np.median(graph_times(fn, reps, flush=flush))) * 1e3
 
 
@@ -82,7 +81,7 @@ def graph_timeline(fn, flush, runs=10) -> dict:
     ``common.capture_graph``), from the profiler's trace: per kernel (in launch order) its name
     and median start and duration in us, and the median span from the first kernel's start to
     the last one's end."""
-    from common import capture_graph, kernel_timeline
+    from bench.common import capture_graph, kernel_timeline
     tl = kernel_timeline(capture_graph(fn).replay, runs, flush)
     n = min(len(r) for r in tl)
     kernels = [dict(name=tl[0][i][0][:60],
@@ -94,7 +93,7 @@ def graph_timeline(fn, flush, runs=10) -> dict:
 
 def micro(torch, cp, reps):
     """Graph replay time of K trivial launches, forked over K streams or chained on one."""
-    from common import TRIVIAL_KERNEL_SRC, time_events
+    from bench.common import TRIVIAL_KERNEL_SRC, time_events
     kern = cp.RawKernel(TRIVIAL_KERNEL_SRC, "trivial")
     kern.max_dynamic_shared_size_bytes = max(sm for _, sm in _GS_SHAPES)
     live = cp.zeros(1, dtype=cp.int32)
@@ -203,8 +202,8 @@ def main(argv=None) -> int:
     import torch
 
     import pat_core
-    from common import git_sha, l2_flusher
-    from compare import reference_fp64, rel_err, torch_attention
+    from bench.common import git_sha, l2_flusher
+    from bench.compare import reference_fp64, rel_err, torch_attention
     from pat_core.static_plan import StaticLayout, StaticLimits, reachable_tiles
     from pat_core.workloads import build_tree_batch
 

@@ -1,9 +1,9 @@
 """How long a CUDA-graph replay of a pat step takes beyond its kernels: the simulator's graph start.
 
-    python3 bench/graph_start.py --out DIR [--reps 3]
+    python3 bench/lab/graph_start.py --out DIR [--reps 3]
 
 For each of a fixed list of the simulator's *fit-set* workloads (never its validation set),
-``bench/profile_case.py --timeline`` replays the step's graph and reports the replay's time
+``bench/lab/profile_case.py --timeline`` replays the step's graph and reports the replay's time
 (CUDA events, L2 flushed, median of 20) and its GPU span (first kernel start to last kernel
 end, from the profiler's trace, median of 20).  The difference is what the replay costs outside
 its kernels: the latency before the first kernel starts plus the few hundred ns after the last
@@ -26,8 +26,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:     # run as a script: python bench/lab/graph_start.py
+    sys.path.insert(0, str(ROOT))
 
 # fit-set workloads of bench/calibrate.py's split, small to large (the list was fixed before any
 # of these differences was looked at against the model)
@@ -46,11 +47,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import numpy as np
     import torch
-    from kernel_lab import environment
+    from bench.lab.kernel_lab import environment
     from pat_core.gpus import detect_gpu_name
     rows = []
     for spec, heads in CASES:
-        res = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_case.py"), spec,
+        res = subprocess.run([sys.executable, str(ROOT / "bench" / "lab" / "profile_case.py"), spec,
                               heads, "pat", "--runs", str(args.reps), "--timeline"],
                              capture_output=True, text=True)
         m = LINE.search(res.stdout)

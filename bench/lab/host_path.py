@@ -1,7 +1,7 @@
 """Host cost of a decode step called without a CUDA graph, next to the graph-replayed step.
 
-    python3 bench/host_path.py --out DIR [--label NAME] [--calls 300] [--reps 30]
-    python3 bench/host_path.py --compare A.json B.json
+    python3 bench/lab/host_path.py --out DIR [--label NAME] [--calls 300] [--reps 30]
+    python3 bench/lab/host_path.py --compare A.json B.json
 
 For each small batch (the issue's eager set, plus the quick-start batch) at 32:8 and 32:32
 heads, pat's default plan, fp16, head_dim 128, page 16:
@@ -36,12 +36,11 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (str(ROOT), str(ROOT / "bench")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:     # run as a script: python bench/lab/host_path.py
+    sys.path.insert(0, str(ROOT))
 
-from common import host_us, profile_calls  # noqa: E402
+from bench.common import host_us, profile_calls  # noqa: E402
 
 CASES = (
     ("1,16_2048,128", (32, 8)), ("1,16_2048,128", (32, 32)),
@@ -69,7 +68,7 @@ def _loop_us(fn, calls: int) -> float:
 
 def measure(spec: str, heads: tuple, calls: int, reps: int, flush) -> dict:
     import torch
-    from common import capture_graph, time_events
+    from bench.common import capture_graph, time_events
     from pat_core import PrefixAttentionWrapper
     from pat_core.workloads import build_tree_batch
     hq, hk = heads
@@ -194,7 +193,7 @@ def env() -> dict:
     """kernel_lab's environment record (device, git sha, versions) and the host's CPU, whose
     speed these numbers depend on."""
     import platform
-    from kernel_lab import environment
+    from bench.lab.kernel_lab import environment
     return dict(environment(), cpu=platform.processor() or platform.machine())
 
 
@@ -255,7 +254,7 @@ def main(argv=None) -> int:
         ap.error("--out is required unless --compare or --breakdown")
     if args.calls < 1 or args.reps < 1:
         ap.error("--calls and --reps must be positive")
-    from common import l2_flusher
+    from bench.common import l2_flusher
     flush = l2_flusher(128 << 20)
     rows = []
     for spec, heads in CASES:

@@ -4,15 +4,15 @@
 # and runs the same kernel_lab cases; the arms run in order and then in reverse (A B C C B A), so
 # a drift of the machine shows; then one table of graph µs per case and arm, best of the two
 # passes, with each arm's ratio to the first and whether every row was correct.
-#   bench/kernel_arms.sh OUT ARM [ARM ...] -- [kernel_lab.py options...]
+#   bench/lab/kernel_arms.sh OUT ARM [ARM ...] -- [kernel_lab.py options...]
 # ARM is NAME=DEFINES (defines separated by commas, e.g. "ovl=PAT_WG_OVERLAP=1,PAT_X=0"; empty
 # for the tree as it is; an item "env:VAR=VALUE" sets an environment variable of the arm's run
 # instead, e.g. "smem=env:PAT_SMEM_CARVEOUT=100") or NAME@DIR (a source tree with its own
-# bench/kernel_lab.py).
+# bench/lab/kernel_lab.py, or bench/kernel_lab.py in trees older than the lab folder).
 # OUT and DIR are taken relative to the folder the script is called from.  Exit status: 2 for
 # bad arguments, 1 when some arm's run failed (the table still prints), else 0.
 set -uo pipefail
-usage() { echo "usage: bench/kernel_arms.sh OUT ARM [ARM ...] -- [kernel_lab.py options...]" >&2
+usage() { echo "usage: bench/lab/kernel_arms.sh OUT ARM [ARM ...] -- [kernel_lab.py options...]" >&2
           exit 2; }
 if [ $# -lt 2 ]; then usage; fi
 out="$1"; shift
@@ -38,7 +38,7 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do
 done
 [ ${#arms[@]} -gt 0 ] || usage
 [ $# -gt 0 ] && shift
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
 failed=0
 
@@ -55,7 +55,9 @@ run_arm() {  # run_arm ARM PASS
         if [[ "$d" == env:* ]]; then envs+=("${d#env:}"); else keep+=("$d"); fi
     done
     defs="${keep[*]}"
-    (cd "$dir" && env "${envs[@]}" PAT_NVRTC_DEFINES="$defs" python3 bench/kernel_lab.py \
+    local lab=bench/lab/kernel_lab.py
+    [ -f "$dir/$lab" ] || lab=bench/kernel_lab.py          # a tree from before bench/lab/
+    (cd "$dir" && env "${envs[@]}" PAT_NVRTC_DEFINES="$defs" python3 "$lab" \
         --out "$out" --tag "_${name}_${pass}" "$@") > "$out/${name}_${pass}.log" 2>&1
     local rc=$?
     [ $rc -eq 0 ] || failed=1

@@ -1,6 +1,6 @@
 """Kernel lab: build, check and time forward-kernel variants side by side in one GPU call.
 
-    python3 bench/kernel_lab.py --out DIR [--cases forced,long,sharing] [--iters 20]
+    python3 bench/lab/kernel_lab.py --out DIR [--cases forced,long,sharing] [--iters 20]
 
 Each case plans one workload (tree-spec format, see :mod:`pat_core.workloads`) with one packer,
 optionally forcing every CTA onto one tile ``(m, n)`` and one variant layout
@@ -62,10 +62,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (str(ROOT), str(ROOT / "bench")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:     # run as a script: python bench/lab/kernel_lab.py
+    sys.path.insert(0, str(ROOT))
 
 # (workload, (hq, hk), packer, tile or None, variant override (warps, stages, rw) or None, label)
 FORCED = tuple(
@@ -541,8 +540,8 @@ _REFS: dict = {}
 
 def run_case(backend, case, iters, copy_bw, flush, seed=0) -> dict:
     import torch
-    from compare import rel_err, torch_attention
-    from common import graph_times, time_events, unique_kv_tokens
+    from bench.compare import rel_err, torch_attention
+    from bench.common import graph_times, time_events, unique_kv_tokens
     from pat_core import PrefixAttentionWrapper
     from pat_core import cuda_compile as cc
     from pat_core.workloads import build_tree_batch
@@ -676,7 +675,7 @@ def variant_speed_table(rows, res, prev=None, margin: float = 0.0) -> dict:
         if rec["rows_per_warp"] == cc.WG_ROWS and key in sync_best:
             rec["sync"] = {k: sync_best[key][k] for k in ("warps", "stages", "rows_per_warp",
                                                           "frac_copy", "time_us")}
-    return {"generator": "bench/kernel_lab.py --cases layouts --write-table",
+    return {"generator": "bench/lab/kernel_lab.py --cases layouts --write-table",
             "device": res["env"]["device"], "git_sha": res["env"]["git_sha"],
             "source_hash": cc.source_hash(), "copy_bw_gbs": round(res["copy_bw_gbs"], 1),
             "workload": "256_4096, 32:8 heads, query packer, every CTA forced onto the tile",
@@ -691,7 +690,7 @@ def environment() -> dict:
     import platform
     import cupy
     import torch
-    from common import flush_mode, git_sha
+    from bench.common import flush_mode, git_sha
     return {"device": torch.cuda.get_device_name(), "git_sha": git_sha(),
             "l2_flush": flush_mode(),
             "torch": torch.__version__, "cupy": cupy.__version__,
@@ -737,7 +736,7 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"--cases: unknown case set(s) {bad}; choose from {sorted(CASE_SETS)}")
     import torch
-    from common import copy_bandwidth, l2_flusher
+    from bench.common import copy_bandwidth, l2_flusher
     from pat_core.cuda_backend import CudaBackend
     backend = CudaBackend()
     t0 = time.perf_counter()

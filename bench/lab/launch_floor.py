@@ -9,7 +9,7 @@ three ways, as ``compare.py`` times every method:
 * ``span``: the profiler's GPU span of the replay (first kernel start to last kernel end;
   see ``common.kernel_spans``), which leaves the submission latency out.
 
-    python bench/launch_floor.py --out DIR [--reps 200]
+    python bench/lab/launch_floor.py --out DIR [--reps 200]
 
 Writes ``DIR/launch_floor.json`` (device, git sha, versions) and prints a table.
 """
@@ -23,10 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (str(ROOT), str(ROOT / "bench")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:     # run as a script: python bench/lab/launch_floor.py
+    sys.path.insert(0, str(ROOT))
 
 
 def main(argv=None) -> int:
@@ -37,7 +36,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import cupy as cp
     import torch
-    from common import TRIVIAL_KERNEL_SRC, git_sha, kernel_spans, l2_flusher, time_events
+    from bench.common import TRIVIAL_KERNEL_SRC, git_sha, kernel_spans, l2_flusher, time_events
     kern = cp.RawKernel(TRIVIAL_KERNEL_SRC, "trivial")
     live = cp.zeros(1, dtype=cp.int32)
     flush = l2_flusher(128 << 20)

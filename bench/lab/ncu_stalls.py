@@ -1,7 +1,7 @@
 """Top warp-stall reasons per kernel from an Nsight Compute raw CSV report.
 
-    ncu --csv --page raw --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed -k regex:pat_ python3 bench/profile_case.py ... > report.csv
-    python3 bench/ncu_stalls.py report.csv [--top 6]
+    ncu --csv --page raw --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed -k regex:pat_ python3 bench/lab/profile_case.py ... > report.csv
+    python3 bench/lab/ncu_stalls.py report.csv [--top 6]
 
 Per launch: duration, DRAM throughput, and the stall reasons with the most warps stalled per
 issued instruction (what each warp waits on between its instructions, ncu's "per issue active").

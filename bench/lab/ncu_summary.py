@@ -3,7 +3,7 @@ kernel launch: name, grid, block, registers, duration, DRAM, memory and SM throu
 and theoretical occupancy, and warp cycles per issued instruction (with the WarpStateStats
 section).
 
-    python3 bench/ncu_summary.py report.csv [more.csv ...]
+    python3 bench/lab/ncu_summary.py report.csv [more.csv ...]
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Batches are 4- and 5-level prefix trees with 256, 1024 and 4096 requests (the la
 count).  Each timing is the median of repeated calls after one warm-up call (Numba compiles or
 loads its cache there).  Writes JSON with the machine, versions and git sha.
 
-    python bench/plan_overhead.py --out bench/results/plan_overhead.json
+    python bench/lab/plan_overhead.py --out bench/results/plan_overhead.json
 
 Targets: <= 1 ms at 256 requests and <= 5 ms at 1024 for a full plan, growing linearly in
 pages; identical re-plan <= 0.2 ms; length-only step <= 1 ms at 1024 requests.
@@ -20,10 +20,11 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:     # run as a script: python bench/lab/plan_overhead.py
+    sys.path.insert(0, ROOT)
 
-from common import git_sha  # noqa: E402
+from bench.common import git_sha  # noqa: E402
 
 import numba  # noqa: E402
 

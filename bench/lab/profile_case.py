@@ -1,12 +1,12 @@
 """Run one workload with one method a few times, eagerly: the target for a profiler.
 
-    ncu -k regex:'pat_fwd|fasttree' python3 bench/profile_case.py 1,1024_1024,16 32:8 pat
-    python3 bench/profile_case.py SPEC HEADS fasttree --fasttree DIR
+    ncu -k regex:'pat_fwd|fasttree' python3 bench/lab/profile_case.py 1,1024_1024,16 32:8 pat
+    python3 bench/lab/profile_case.py SPEC HEADS fasttree --fasttree DIR
 
 ``SPEC``: a tree-spec workload (:mod:`pat_core.workloads`); ``HEADS``: ``HQ:HK``; method
-``pat`` (optionally ``--tuning LABEL``, a planner tuning of ``bench/kernel_lab.py``),
+``pat`` (optionally ``--tuning LABEL``, a planner tuning of ``bench/lab/kernel_lab.py``),
 ``query``, ``fasttree`` or ``fi-decode`` (FlashInfer's batch decode, importable from the
-environment, e.g. from the folder ``bench/gpu_compare.sh`` installs it into, on
+environment, e.g. from the folder ``bench/lab/gpu_compare.sh`` installs it into, on
 ``PYTHONPATH``).  The output is checked against float64 attention before the runs, so a
 profile is never taken of a wrong kernel.  Prints the plan's tiles and the median eager time;
 ``--timeline`` also prints each kernel's start and duration in a CUDA-graph replay (from the
@@ -18,10 +18,9 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (str(ROOT), str(ROOT / "bench")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:     # run as a script: python bench/lab/profile_case.py
+    sys.path.insert(0, str(ROOT))
 
 
 def main(argv=None) -> int:
@@ -38,10 +37,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import numpy as np
     import torch
-    from compare import (make_fasttree, make_fi_decode, load_fasttree, reference_fp64,
+    from bench.compare import (make_fasttree, make_fi_decode, load_fasttree, reference_fp64,
                          rel_err, torch_attention)
-    from common import time_events
-    from kernel_lab import apply_tuning
+    from bench.common import time_events
+    from bench.lab.kernel_lab import apply_tuning
     from pat_core import PrefixAttentionWrapper
     from pat_core.workloads import build_tree_batch
 
@@ -87,7 +86,7 @@ def main(argv=None) -> int:
     ts = time_events(fn, args.runs, flush=None)
     print(f"{args.method} {args.spec} {args.heads}: median eager {np.median(ts) * 1e3:.1f} us")
     if args.timeline:
-        from common import kernel_timeline, l2_flusher
+        from bench.common import kernel_timeline, l2_flusher
         flush = l2_flusher(128 << 20)
         gr = torch.cuda.CUDAGraph()
         fn()

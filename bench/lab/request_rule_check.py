@@ -1,6 +1,6 @@
 """The request rule against its measurements, and the simulator as the alternative judge (CPU).
 
-    python bench/request_rule_check.py --kernel-lab A.json [B.json ...] \
+    python bench/lab/request_rule_check.py --kernel-lab A.json [B.json ...] \
         [--trace RESULT.json STEPS.npz [--trace ...]] [--gpu h100] [--out FILE.json]
 
 For every measured pair of plans of one step, the ``pat`` packer's plan with the rule off and
@@ -14,7 +14,7 @@ the rule cannot take them.
 
 Measurements:
 
-* ``--kernel-lab``: ``bench/kernel_lab.py`` JSON files; a pair is the rows of one
+* ``--kernel-lab``: ``bench/lab/kernel_lab.py`` JSON files; a pair is the rows of one
   ``(workload, heads)`` with packer ``query`` (per request: label ``finish-0`` in files
   measured before the one launch path, where the ``query`` plan's ``default`` row still ran a
   merge; label ``default`` in later files) and packer ``pat`` / label ``request-off`` (or
@@ -33,12 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (str(ROOT), str(ROOT / "bench")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:     # run as a script: python bench/lab/request_rule_check.py
+    sys.path.insert(0, str(ROOT))
 
-from common import heads_of  # noqa: E402
+from bench.common import heads_of  # noqa: E402
 
 
 def kernel_lab_pairs(path) -> list:
@@ -62,7 +61,7 @@ def kernel_lab_pairs(path) -> list:
 
 
 def trace_pairs(result_path, steps_path) -> list:
-    from trace_replay import load_steps
+    from bench.trace_replay import load_steps
     meta, steps = load_steps(steps_path)
     ps = meta["config"]["page_size"]
     by = {}

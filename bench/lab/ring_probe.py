@@ -1,6 +1,6 @@
 """What a ring of shared-memory stages streams: ``cp.async`` gathers against TMA page copies.
 
-    python3 bench/ring_probe.py [--tokens 16384] [--heads 8] [--out DIR]
+    python3 bench/lab/ring_probe.py [--tokens 16384] [--heads 8] [--out DIR]
 
 The 64- and 128-row warpgroup tiles stream paged KV into a ring of shared-memory stages, one
 block per SM on a long shared prefix (``pat_core.split.one_wave_share``), and reach ~0.68 of
@@ -31,10 +31,9 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (str(ROOT), str(ROOT / "bench")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:     # run as a script: python bench/lab/ring_probe.py
+    sys.path.insert(0, str(ROOT))
 
 _SRC = r"""
 struct __align__(64) TmaDesc { unsigned long long v[16]; };
@@ -195,8 +194,8 @@ def main(argv=None) -> int:
     import numpy as np
     import torch
     from cupy.cuda import driver
-    from common import copy_bandwidth, flush_mode, l2_flusher, time_events
-    from kernel_lab import environment
+    from bench.common import copy_bandwidth, flush_mode, l2_flusher, time_events
+    from bench.lab.kernel_lab import environment
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     heads, tokens = args.heads, args.tokens

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Opcode histogram of one forward variant's SASS (needs nvcc and cuobjdump; no GPU).
-#   bench/sass_mix.sh D T M N WARPS STAGES RW [arch]    e.g. bench/sass_mix.sh 128 __half 128 64 4 2 32
+#   bench/lab/sass_mix.sh D T M N WARPS STAGES RW [arch]   e.g. bench/lab/sass_mix.sh 128 __half 128 64 4 2 32
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 D=$1 T=$2 M=$3 N=$4 W=$5 S=$6 RW=$7 ARCH=${8:-sm_90}
 tmp=$(mktemp -d)
 args="const $T*, const $T*, const $T*, float*, float*, const int*, const int*, const int*, const int*, const int*, const int*, const int*, int, int, int, int, int, int, long long, long long, long long, long long, long long, long long, long long, long long, int, float, int*, const int*, void*, float*, long long, long long, long long, long long"

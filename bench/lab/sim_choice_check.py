@@ -9,7 +9,7 @@ the margin.  The measured time
 of the chosen plan over ``pat``'s is then summarised per file, margin and workload set (the
 file's fit / validation split): geometric mean, best, worst, how many configurations changed.
 
-    python bench/sim_choice_check.py bench/results/calibration_h100_v13.json \\
+    python bench/lab/sim_choice_check.py bench/results/calibration_h100_v13.json \\
         bench/results/calibration_h200_v7.json --margins 0 0.02 0.05 [--json OUT.json]
 
 The packaged constants were fitted to some of these files' fit workloads; their validation
@@ -24,7 +24,9 @@ import math
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:     # run as a script: python bench/lab/sim_choice_check.py
+    sys.path.insert(0, ROOT)
 
 from sim.calibration import Prepared, load_measurements  # noqa: E402
 from sim.choose import pick  # noqa: E402

@@ -1,6 +1,6 @@
 """What one wave of blocks can read: the bandwidth ceiling of a split shared prefix.
 
-    python3 bench/stream_probe.py [--mb 67] [--out DIR]
+    python3 bench/lab/stream_probe.py [--mb 67] [--out DIR]
 
 A long shared prefix is cut into one CTA per SM (``pat_core.split.one_wave_share``), so its
 forward launch is a single wave of blocks that each stream a contiguous share of the KV.  This
@@ -23,10 +23,9 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (str(ROOT), str(ROOT / "bench")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:     # run as a script: python bench/lab/stream_probe.py
+    sys.path.insert(0, str(ROOT))
 
 _SRC = r"""
 template <int U>
@@ -85,8 +84,8 @@ def main(argv=None) -> int:
     import cupy as cp
     import numpy as np
     import torch
-    from common import FLUSH_MODES, copy_bandwidth, l2_flusher, time_events
-    from kernel_lab import environment
+    from bench.common import FLUSH_MODES, copy_bandwidth, l2_flusher, time_events
+    from bench.lab.kernel_lab import environment
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     mod = cp.RawModule(code=_SRC, options=("-std=c++17",),
