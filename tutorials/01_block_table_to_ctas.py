@@ -265,10 +265,10 @@ assert ctas_of(plan_w1) == [(0, 64, 6)] + [(64, 36, 1)] * 6
 # %% [markdown]
 # **The default weight.** A partial result costs a GPU more than its bytes: the CTA that writes
 # it pays a fixed start-up latency (loading its queries, filling its pipeline), and the merge
-# reads it back after every CTA has finished. Measured on an H100 over nine multi-level batches,
-# planning with `w = 4` made the decode step 0.79x as long (geometric mean) as `w = 1`, so that
-# is the default (`pat_core.packers.PARTIAL_WEIGHT`). On this batch it changes the first
-# decision:
+# reads it back after every CTA has finished. Measured on an H100 over multi-level batches,
+# weights above 1 gave shorter decode steps than the pure byte count, and `w = 4` did best of
+# the weights tried, so it is the default (`pat_core.packers.PARTIAL_WEIGHT`). On this batch it
+# changes the first decision:
 
 # %%
 w = pat_core.Tuning().partial_weight
@@ -332,6 +332,7 @@ def draw_ctas(plan, forest, ax, title):
 
 
 packers = ["query", "node", "compute", "cascade", "pat"]
+assert sorted(packers) == sorted(pat_core.PACKERS)        # the five the library ships
 plans = {p: pat_core.Planner(p, "h100").plan(batch.block_tables, batch.seq_lens, num_qo_heads,
                                              num_kv_heads, head_dim, 4, split=False)
          for p in packers}
@@ -438,17 +439,25 @@ assert q_total / big_totals["pat"] > st_["query"]["total_bytes"] / st_["pat"]["t
 # of the work: all CTAs' tokens times the KV heads, over twice the number of SMs, and never
 # below a minimum part length (`pat_core.split.split_threshold`). "Twice" is the default share
 # of blocks per SM, and the planner moves it with what would be cut
-# (`pat_core.split.auto_split_share`): three for long private requests of few rows, where a
-# part's partial results are small, and one block per SM, never more cut blocks than SMs,
-# where a cut CTA holds many query rows, whose partials grow with every part. The big batch
-# below is such a case (a cut CTA of 64 rows), but there both shares fall under the 256-token
-# minimum part, so the default plan is the share-2 plan. The PAT paper's rule, the batch's
+# (`pat_core.split.auto_split_share`): three when every CTA it would cut is a long private
+# request of at most 16 query rows, where a part's partial results are small, and one block per
+# SM, never more cut blocks than SMs, where a cut CTA holds more rows, whose partials grow with
+# every part; where a model of the forward launch predicts another share clearly faster, the
+# planner takes that one (`pat_core.split.choose_split_share`). The big batch below has a cut
+# CTA of 64 rows, but there every share falls under the 256-token minimum part, so the default
+# plan is the share-2 plan (the cell checks these numbers). The PAT paper's rule, the batch's
 # mean CTA length, is `split="mean"`. The split is on by default; above we turned it off
 # to keep the picture one CTA per pack. Below, the threshold of each rule and what it does, on
 # the small batch and on the big one:
 
 # %%
+from pat_core import split as split_rules
+
 gpu = pat_core.get_gpu("h100")
+# the shares and sizes the text names
+assert (split_rules.DEFAULT_SPLIT_SHARE, split_rules.SHORT_ROWS_SPLIT_SHARE,
+        split_rules.MANY_ROWS_SPLIT_SHARE, split_rules.SHORT_ROWS) == (2, 3, 1, 16)
+assert pat_core.Tuning().min_part == 256
 for name, b, heads, d_ in (("small", batch, (num_qo_heads, num_kv_heads), head_dim),
                            ("big", big, (32, 8), 128)):
     ps = b.page_size if hasattr(b, "page_size") else 4
@@ -467,6 +476,11 @@ for name, b, heads, d_ in (("small", batch, (num_qo_heads, num_kv_heads), head_d
         plans_by_rule[rule] = pl
     default = pat_core.Planner("pat", "h100").plan(b.block_tables, b.seq_lens, *heads, d_, ps)
     assert np.array_equal(default.cta_kv_len, plans_by_rule["sm"].cta_kv_len)   # the default
+    if name == "big":   # a cut CTA of 64 rows; every share's threshold is the 256-token minimum
+        cut = off.cta_kv_len > split_threshold(off.cta_kv_len, heads[1], gpu.num_sms)
+        assert off.cta_rows()[cut].tolist() == [64]
+        assert {split_threshold(off.cta_kv_len, heads[1], gpu.num_sms, share=s)
+                for s in (1.0, *split_rules.CANDIDATE_SHARES)} == {256}
 
 # %% [markdown]
 # **Try your own batch.** Change `spec` (more levels, longer or shorter nodes), the head counts

@@ -56,6 +56,8 @@ def plan_for(spec, packer="pat", heads=(HQ, HK), gpu="h100", **kw):
 
 spec = "1,4,16_1024,256,1024"
 plan = plan_for(spec)
+# the README's batch (128-token prompt): one CTA per request; this one shares
+assert plan_for("1,4,16_128,256,1024").one_cta_per_request and not plan.one_cta_per_request
 res = sim.simulate(plan)
 print(f"constants: {res.constants.source}")
 print(f"predicted latency {res.latency_us:.1f} us  (forward {res.forward_ns / 1e3:.1f} us, "
@@ -100,8 +102,8 @@ assert q_res.bytes_level["l2"] + q_res.bytes_level["hbm"] == q_res.bytes["total"
 # therefore read the shared part from L2 and then meet at the DRAM cap. From L2 is not the same
 # as at L2 speed: while DRAM is the bottleneck, hits wait in the same queues as the misses, so a
 # block streaming hits moves no faster than the blocks streaming from DRAM (they just cost DRAM
-# nothing). Two more rules of the timeline come from clocking every block of a step on a GPU
-# (`bench/block_timeline.py`): blocks share the bandwidth in proportion to the loads each keeps
+# nothing). Two more rules of the timeline come from clocking every block of a step on an
+# H100: blocks share the bandwidth in proportion to the loads each keeps
 # in flight (a 16x32 block with one 32-token tile in flight gets a quarter of what a 16x64 block
 # with two 64-token tiles in flight gets), and a tile whose kernel raises its shared-memory
 # limit (above 40 KB) never shares an SM with one that does not. The cell below counts the
@@ -216,7 +218,7 @@ assert q_plan.num_slots == q_plan.batch_size and r_q.bytes["partial_read"] == 0
 items = q_plan.num_ctas * HK
 print(f"query: {items} work items for {r_q.occupancy[0].ctas_per_sm * r_q.gpu.num_sms} "
       f"resident blocks; its merge only resets the counters")
-assert items > r_q.occupancy[0].ctas_per_sm * r_q.gpu.num_sms
+assert items == 64 * 8 == 512 and items > r_q.occupancy[0].ctas_per_sm * r_q.gpu.num_sms
 tl = r_pat.timeline
 spans = []
 for ln in tl.launches:
@@ -417,14 +419,15 @@ assert ps_["partial_bytes"] > qs["partial_bytes"]
 # traffic.
 #
 # `sim.choose_packer` does that per batch: it plans with `pat` and with `query`, simulates both,
-# and keeps `pat` unless `query` is predicted faster by more than 2% (`bench/NOTES.md`, round
-# 22, judges that rule on measured steps). The cell asks it about the worst cell above.
+# and keeps `pat` unless `query` is predicted faster by more than 2% (a margin for the
+# model's error, `sim.choose.DEFAULT_MARGIN`). The cell asks it about the worst cell above.
 
 # %%
 b_worst = build_tree_batch(worst, page_size=16)
 choice = sim.choose_packer(b_worst.block_tables, b_worst.seq_lens, HQ, HK, D, 16)
 print(f"{worst}: predicted {choice.predicted_us} -> run the {choice.packer!r} packer")
 assert choice.packer == "query" and choice.plan.num_groups == qp.num_groups
+assert sim.choose.DEFAULT_MARGIN == 0.02                                       # "2%"
 
 # %% [markdown]
 #
