@@ -4,7 +4,10 @@ Every tutorial is executed top to bottom on the CPU in a fresh kernel (the inter
 pytest, with the checkout first on ``PYTHONPATH`` and ``MPLBACKEND=Agg``); any cell error fails
 the test.  The tutorials assert the quantitative claims of their prose in the cells next to
 them, so a claim that stops being true fails here; the kernel excerpts they print are cut at
-named markers in ``cuda_src/``, which a test requires to exist.  GPU cells branch on ``pat_core.cuda_backend.is_available()`` inside the notebooks.
+named markers in ``cuda_src/``, which a test requires to exist.  GPU cells branch on
+``pat_core.cuda_backend.is_available()`` inside the notebooks.  Prose must sit in markdown
+cells (a lost ``# %% [markdown]`` marker fails), and tutorial 5 on a CPU must read the current
+measured set, draw a few figures of screen size, and stop loudly when it finds no set.
 """
 from __future__ import annotations
 

@@ -150,6 +150,8 @@ def draw_feasible(ax, gpu, head_dim, dtype="float16"):
     ax.set_title(f"{pat_core.get_gpu(gpu).name.split('-')[0]}, head_dim {head_dim}", fontsize=10)
 
 
+# rule 4: the candidate sizes are powers of two, at least 16
+assert all(x >= 16 and x & (x - 1) == 0 for x in M_CANDIDATES + N_CANDIDATES)
 fig, axes = plt.subplots(1, 4, figsize=(15, 3.8))
 for ax, (gpu, hd) in zip(axes, [("h100", 64), ("h100", 128), ("a100", 64), ("a100", 128)]):
     draw_feasible(ax, gpu, hd)
@@ -184,9 +186,13 @@ print("bandwidth failures on the H100:", [(c.m, c.n) for c in starved],
 assert [(c.m, c.n, c.ctas_per_sm, c.resources.stages) for c in starved] == [(128, 16, 2, 2)]
 assert only["h100"] and all("smem" in check_tile(*t, 128, "float16", "a100").violated
                             for t in only["h100"])
+assert pat_core.get_gpu("a100").smem_per_block < h100.smem_per_block
 speed = cuda_compile.variant_speed()                 # measured on an H100, head_dim 128
 pct = {n: round(100 * speed[(128, n)]["frac_copy"]) for n in (16, 32)}
 print(f"measured: 128x16 at {pct[16]}% of copy bandwidth, 128x32 at {pct[32]}%")
+table_meta = json.loads(cuda_compile.variant_speed_path().read_text())
+print("the table's workload:", table_meta["workload"])
+assert table_meta["workload"].startswith("256_4096")    # every CTA 4,096 tokens long
 assert pct == {16: 77, 32: 97}
 
 # %% [markdown]
@@ -550,6 +556,11 @@ for m, n in ((16, 64), (64, 64), (128, 32), (128, 64)):
           f"{v80.rows_per_warp}")
     assert not v80.warpgroup                     # sm_80 has no wgmma
     assert v90.warpgroup == (m >= 64)            # these tiles: wgmma exactly from 64 rows up
+    if v90.warpgroup:                            # four warps to every 64 rows
+        assert v90.rows_per_warp == 64 and v90.warps * 64 // m == 4
+    else:                                        # a mma.sync warp owns 16 or 32 rows
+        assert v90.rows_per_warp in (16, 32)
+    assert v80.rows_per_warp in (16, 32)
 print("128-row tiles, measured % of copy bandwidth on the H100 (the table's pick per n):",
       {n: round(100 * sel.measured_speed(128, n)) for n in sel.n_by_m[128]})
 sync128 = {n: rec["sync"]["frac_copy"] for (m, n), rec in cuda_compile.variant_speed().items()
@@ -558,6 +569,8 @@ print("the same tiles on the best mma.sync layout:",
       {n: round(100 * f) for n, f in sorted(sync128.items())})
 sync_pct = sorted(round(100 * f) for f in sync128.values())
 assert sync_pct[0] == 66 and sync_pct[-1] == 77                          # "66-77%"
+wgmma_src = (cuda_compile.cuda_src_dir() / "pat_wgmma.cuh").read_text()
+assert "128-byte swizzle" in wgmma_src and "1024-byte aligned" in wgmma_src
 
 # %% [markdown]
 # Next: [tutorial 3](03_merge.ipynb) puts the partial results back together.
