@@ -80,7 +80,7 @@ def run_loop(args, requests: int, hq: int, hk: int) -> dict:
     loop = ServingLoop(requests, args.prompts, args.prompt_len, (lo, hi), args.page_size,
                        seed=args.seed, order=args.order)
     inc = Planner(args.packer, args.gpu)
-    t_inc, t_fresh, paths, entries, ctas = [], [], {}, [], []
+    t_inc, t_fresh, paths, entries, ctas, by_path = [], [], {}, [], [], {}
     differ = 0
     for step in range(args.warmup + args.steps):
         table, lens = loop.step()
@@ -97,6 +97,7 @@ def run_loop(args, requests: int, hq: int, hk: int) -> dict:
         t_inc.append(t1 - t0)
         path = inc.last_path
         paths[path] = paths.get(path, 0) + 1
+        by_path.setdefault(path, []).append(t1 - t0)
         entries.append(int((-(-lens.astype(np.int64) // args.page_size)).sum()))
         ctas.append(p_inc.num_ctas)
         if not args.no_fresh:
@@ -107,7 +108,8 @@ def run_loop(args, requests: int, hq: int, hk: int) -> dict:
                private=[lo, hi], page_size=args.page_size, order=args.order,
                steps=args.steps, seed=args.seed,
                page_entries_mean=float(np.mean(entries)), ctas_mean=float(np.mean(ctas)),
-               incremental=summary(t_inc), paths=paths)
+               incremental=summary(t_inc), paths=paths,
+               incremental_by_path={k: summary(v) for k, v in by_path.items()})
     if t_fresh:
         row["fresh"] = summary(t_fresh)
     if args.check and not args.no_fresh:
@@ -163,6 +165,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     args = ap.parse_args(argv)
     hq, hk = (int(x) for x in args.heads.split(":"))
+    load_start = list(os.getloadavg())     # other work on the machine skews the timings
     rows = []
     for n in (int(x) for x in args.requests.split(",") if x):
         row = run_loop(args, n, hq, hk)
@@ -187,7 +190,9 @@ def main(argv=None):
         benchmark="plan_loop", packer=args.packer, gpu=args.gpu, heads=[hq, hk],
         head_dim=args.head_dim, git_sha=git_sha(),
         command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
-        machine=dict(cpu=cpu_name(), cores=os.cpu_count(), platform=platform.platform()),
+        machine=dict(cpu=cpu_name(), cores=os.cpu_count(), platform=platform.platform(),
+                     loadavg_at_end=list(os.getloadavg()),
+                     loadavg_at_start=load_start),
         versions=dict(python=platform.python_version(), numpy=np.__version__,
                       numba=numba.__version__, pat=pat_core.__version__),
         targets_ms=dict(incremental={str(k): v for k, v in TARGETS_MS.items()},

@@ -45,10 +45,10 @@ def _continues(raw, i, new_len, old_tbl, j, old_npages, old_len):
         return False
     if k > 0 and raw[i, k - 1] != old_tbl[j, k - 1]:     # the private last page: fast miss
         return False
-    for c in range(k - 1):
-        if raw[i, c] != old_tbl[j, c]:
-            return False
-    return True
+    d = 0
+    for c in range(k - 1):               # no early exit: the loop vectorises
+        d |= raw[i, c] ^ old_tbl[j, c]
+    return d == 0
 
 
 @njit(cache=True, nogil=True)

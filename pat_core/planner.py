@@ -32,7 +32,7 @@ from .inputs import BlockTable, _check_seq_lens, as_block_table, check_heads, ch
 from .packers import (NARROW_SHARE, PACKERS, PARTIAL_WEIGHT, Packs, narrow_packing,
                       narrow_wins, pack, request_packing, request_share, request_wins)
 from .plan import DTYPE_BYTES, Plan, dtype_name
-from .split import (_split, auto_split_share, choose_split_share_fast, split_long_kv,
+from .split import (_left, _split, auto_split_share, choose_split_share_fast, split_long_kv,
                     split_threshold)
 from .tiles import TileSelector
 
@@ -131,6 +131,15 @@ class Tuning:
                                  f"max_kv_len and n >= 16, got {self.kv_tile_table!r}")
 
 
+_TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(Tuning))
+
+
+def _tuning_key(t: Tuning) -> tuple:
+    """The tuning's values (what its ``repr`` shows, at a fraction of the cost: every
+    ``plan()`` call compares it with the last step's)."""
+    return tuple(getattr(t, f) for f in _TUNING_FIELDS)
+
+
 @njit(cache=True, nogil=True)
 def _layout(req_indptr, reqs, src, kv_start, kv_len, order, table, page_size, batch):
     """Per-CTA arrays in launch order: requests, slots, pages (one pass, no temporaries).
@@ -206,8 +215,7 @@ def _tail_nb(req_indptr, kv_start, kv_end, level, thr, group, m_values, bounds, 
     for i in range(C):
         p = src[i]
         nreq[i] = req_indptr[p + 1] - req_indptr[p]
-        f[i] = fid[np.searchsorted(m_values, nreq[i] * group),
-                   np.searchsorted(bounds, np.int64(ln[i]))]
+        f[i] = fid[_left(m_values, nreq[i] * group), _left(bounds, np.int64(ln[i]))]
         used[f[i]] = True
         n_pages += (np.int64(start[i]) + ln[i] - 1) // page_size - start[i] // page_size + 1
         n_pairs += nreq[i]
@@ -459,7 +467,7 @@ class Planner:
                 raise ValueError(f"tile must be a pair of ints (m, n), got {tile!r}")
         params = (num_qo_heads, num_kv_heads, head_dim, page_size, float(sm_scale), kv_dtype,
                   q_dtype, None if tile is None else tuple(int(x) for x in tile), bool(serial),
-                  split, repr(self.tuning))
+                  split, _tuning_key(self.tuning))
         raw = block_tables
         if hasattr(raw, "numpy") and hasattr(raw, "device") and str(raw.device) == "cpu":
             raw = raw.numpy()                   # CPU tensor: same memory, no copy

@@ -452,6 +452,16 @@ def _auto_share_nb(length, rows, total, num_kv_heads, num_sms, min_part):
 
 
 @njit(cache=True, nogil=True)
+def _left(sorted_small, x):
+    """``np.searchsorted(sorted_small, x, "left")`` for the selector's few entries (a scan is
+    cheaper than the call)."""
+    k = 0
+    while k < sorted_small.shape[0] and sorted_small[k] < x:
+        k += 1
+    return k
+
+
+@njit(cache=True, nogil=True)
 def _price_nb(length, rows, thr, num_kv_heads, head_dim, kv_bytes, num_sms, m_values, bounds,
               fid, cfg_slot, cfg_inflight, bandwidth, latency):
     """:func:`split_time_ns` of cutting at ``thr``, with the selector as lookup arrays
@@ -472,12 +482,12 @@ def _price_nb(length, rows, thr, num_kv_heads, head_dim, kv_bytes, num_sms, m_va
         if cut:
             any_cut = True
             merge += parts * rows[p]
-        mi = np.searchsorted(m_values, rows[p])
+        mi = _left(m_values, rows[p])
         for k in range(parts):
             tok = pl if k < parts - 1 else length[p] - (parts - 1) * pl
             extra = rows[p] * head_dim * 4 if cut else 0
             nbytes[i] = float(num_kv_heads * (tok * (head_dim * 2 * kv_bytes) + extra))
-            cfg[i] = fid[mi, np.searchsorted(bounds, tok)]
+            cfg[i] = fid[mi, _left(bounds, tok)]
             i += 1
     order = np.argsort(-nbytes, kind="mergesort")
     t = pull_makespan_ns(nbytes[order], cfg_inflight[cfg[order]], cfg_slot[cfg[order]],
@@ -566,21 +576,27 @@ def choose_split_share_fast(length: np.ndarray, rows: np.ndarray, *, num_kv_head
     if length.size == 0:
         return DEFAULT_SPLIT_SHARE
     m_values, bounds, fid, configs = selector.lookup()
-    key = (configs.tobytes(), head_dim, kv_bytes, num_kv_heads, gpu)
-    hit = _PRICE_MEMO.get(key)
+    # the configs' SM shares and in-flight bytes: kept on the selector (no hashing of the
+    # GPU spec per plan) and per configuration
+    own = selector.__dict__.setdefault("_price_memo", {})
+    hit = own.get((head_dim, kv_bytes, num_kv_heads))
     if hit is None:
-        from .cuda_compile import default_layout
-        from .tiles import estimate_resources, kernel_resources
-        dtype = "float16" if kv_bytes == 2 else "float32"
-        slot = np.empty(configs.shape[0])
-        inflight = np.empty(configs.shape[0])
-        for u, (m, n) in enumerate(configs.tolist()):
-            res = kernel_resources(m, n, head_dim, dtype, gpu) or \
-                estimate_resources(m, n, head_dim)
-            slot[u] = num_kv_heads / max(res.ctas_per_sm(gpu), 1)
-            stages = default_layout(m, n, head_dim)[1]
-            inflight[u] = num_kv_heads * max(stages - 1, 1) * n * head_dim * 2 * kv_bytes
-        hit = _PRICE_MEMO[key] = (slot, inflight)
+        key = (configs.tobytes(), head_dim, kv_bytes, num_kv_heads, gpu)
+        hit = _PRICE_MEMO.get(key)
+        if hit is None:
+            from .cuda_compile import default_layout
+            from .tiles import estimate_resources, kernel_resources
+            dtype = "float16" if kv_bytes == 2 else "float32"
+            slot = np.empty(configs.shape[0])
+            inflight = np.empty(configs.shape[0])
+            for u, (m, n) in enumerate(configs.tolist()):
+                res = kernel_resources(m, n, head_dim, dtype, gpu) or \
+                    estimate_resources(m, n, head_dim)
+                slot[u] = num_kv_heads / max(res.ctas_per_sm(gpu), 1)
+                stages = default_layout(m, n, head_dim)[1]
+                inflight[u] = num_kv_heads * max(stages - 1, 1) * n * head_dim * 2 * kv_bytes
+            hit = _PRICE_MEMO[key] = (slot, inflight)
+        own[(head_dim, kv_bytes, num_kv_heads)] = hit
     return float(_choose_share_nb(
         length, rows, int(num_kv_heads), int(gpu.num_sms), int(min_part), int(head_dim),
         int(kv_bytes), m_values, bounds, fid, hit[0], hit[1],

@@ -277,6 +277,7 @@ class TileSelector:
         self.m_values = np.array(sorted({m for m, _ in self.feasible}), dtype=np.int32)
         self.max_rows = int(self.m_values[-1])
         # for each feasible m, the feasible n values (sorted)
+        self._lookup = None             # lookup()'s arrays, once built
         self.n_by_m = {int(m): sorted(n for mm, n in self.feasible if mm == m)
                        for m in self.m_values}
 
@@ -333,6 +334,8 @@ class TileSelector:
         ``searchsorted(bounds, kv_len, "left")``), ``configs`` int64 ``[F, 2]`` (the ``(m, n)``
         pairs ``fid`` indexes, ascending as :meth:`select`'s unique pairs sort).  Kept per
         selector configuration (one build per process and configuration, not per plan)."""
+        if self._lookup is not None:
+            return self._lookup
         key = (self.feasible, self.gpu, self.head_dim, self.dtype)
         hit = _LOOKUP_MEMO.get(key)
         if hit is None:
@@ -348,6 +351,7 @@ class TileSelector:
             hit = (self.m_values.astype(np.int64), np.array(bounds, dtype=np.int64), fid,
                    np.array(configs, dtype=np.int64).reshape(-1, 2))
             _LOOKUP_MEMO[key] = hit
+        self._lookup = hit
         return hit
 
     def select(self, rows: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
