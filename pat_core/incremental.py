@@ -180,23 +180,27 @@ def _next_order(tbl, npages, lens, match, old_order, old_lcp, old_len, old_own, 
             ins[ni] = i
             ni += 1
     ins = _sort_rows(ins, tbl, npages, lens)
+    # place each inserted row by binary search among the kept ones (a linear merge would
+    # compare every kept row, each over its shared prefix)
     order = np.empty(B, dtype=np.int64)
-    a, b, k = 0, 0, 0
-    while a < nk and b < ni:
-        if _cmp(tbl, npages, lens, ins[b], kept[a]) < 0:
-            order[k] = ins[b]
-            b += 1
-        else:
+    a, k = 0, 0
+    for b in range(ni):
+        lo, hi = a, nk
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if _cmp(tbl, npages, lens, kept[mid], ins[b]) < 0:
+                lo = mid + 1
+            else:
+                hi = mid
+        while a < lo:
             order[k] = kept[a]
             a += 1
+            k += 1
+        order[k] = ins[b]
         k += 1
     while a < nk:
         order[k] = kept[a]
         a += 1
-        k += 1
-    while b < ni:
-        order[k] = ins[b]
-        b += 1
         k += 1
     lcp = np.zeros(B, dtype=np.int32)
     for p in range(B - 1):

@@ -179,8 +179,8 @@ def _layout(req_indptr, reqs, src, kv_start, kv_len, order, table, page_size, ba
             j += 1
         rep = reqs[req_indptr[p]]          # any member: they agree on the shared range
         first = kv_start[c] // page_size
-        for k in range(page_ptr[i + 1] - page_ptr[i]):
-            pages[page_ptr[i] + k] = table[rep, first + k]
+        n = page_ptr[i + 1] - page_ptr[i]
+        pages[page_ptr[i]:page_ptr[i] + n] = table[rep, first:first + n]
     return req_ptr, cta_req, cta_slot, page_ptr, pages, req_slot_indptr
 
 
@@ -250,14 +250,19 @@ def _tail_nb(req_indptr, kv_start, kv_end, level, thr, group, m_values, bounds, 
         gkey = np.empty(C, dtype=np.int64)
         for i in range(C):
             gkey[i] = grank[tile_idx[i]]
-        nk = 2 if order_mode == 1 else 3
-        keys = np.empty((nk, C), dtype=np.int64)
-        for i in range(C):
-            keys[0, i] = -np.int64(ln[i])
-            if order_mode == 2:
+        if order_mode == 1:
+            # one stable sort of (group rank, longest first): kv_len < 2^31 fits the low bits
+            key = np.empty(C, dtype=np.int64)
+            for i in range(C):
+                key[i] = (gkey[i] << 32) | (np.int64(2147483648) - ln[i])
+            order = np.argsort(key, kind="mergesort")
+        else:
+            keys = np.empty((3, C), dtype=np.int64)
+            for i in range(C):
+                keys[0, i] = -np.int64(ln[i])
                 keys[1, i] = -nreq[i]
-            keys[nk - 1, i] = gkey[i]
-        order = _lexsort_nb(keys)
+                keys[2, i] = gkey[i]
+            order = _lexsort_nb(keys)
     order32 = order.astype(np.int32)
     ng = 1
     for i in range(1, C):

@@ -185,6 +185,7 @@ def _split(kv_start, kv_end, thresholds):
 
 # The shares the planner tries when its tuning leaves the share open (one_wave_share is added).
 CANDIDATE_SHARES = (2.0, 3.0, 4.0, 6.0)
+_MAX_CANDIDATE = max(CANDIDATE_SHARES)    # the lowest threshold of the candidates
 
 
 @njit(cache=True, nogil=True)
@@ -503,9 +504,16 @@ def _choose_share_nb(length, rows, num_kv_heads, num_sms, min_part, head_dim, kv
                      m_values, bounds, fid, cfg_slot, cfg_inflight, bandwidth, latency):
     """:func:`choose_split_share`'s share, compiled (``length`` int64 ``[K]``, non-empty)."""
     total = 0
+    longest = 0
     for p in range(length.shape[0]):
         total += length[p]
+        longest = max(longest, length[p])
     ftotal = float(total)
+    # the largest candidate share gives the lowest threshold (auto_split_share's and
+    # one_wave_share's are at most 3): where it cuts nothing, no candidate does, and the
+    # automatic share (2, nothing cut) stands unpriced
+    if longest <= _threshold_nb(ftotal, num_kv_heads, num_sms, min_part, _MAX_CANDIDATE):
+        return DEFAULT_SPLIT_SHARE
     auto = _auto_share_nb(length, rows, ftotal, num_kv_heads, num_sms, min_part)
     ow = _one_wave_nb(length, ftotal, num_kv_heads, num_sms, min_part, MANY_ROWS_SPLIT_SHARE)
     # the candidates in choose_split_share's order: auto, then the others descending
