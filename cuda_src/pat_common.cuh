@@ -151,8 +151,8 @@ __device__ __forceinline__ void chain_exit(int* chain) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Per-block clock records, for bench/block_timeline.py only: compiled in with
-// -DPAT_BLOCK_CLOCK=CAP (PAT_NVRTC_DEFINES), a no-op otherwise.  Block b (< CAP) of a module's
+// Per-block clock records, for bench/lab/block_timeline.py only: compiled in with
+// -DPAT_BLOCK_CLOCK=CAP (CudaBackend(defines=...)), a no-op otherwise.  Block b (< CAP) of a module's
 // kernel writes pat_block_clock[slot][b] = {start, ready, end, start cycle, end cycle, SM id}:
 // %globaltimer (ns) when its thread 0 starts, when it is ready to work (the merge: after its
 // pdl_wait; else the start), and the latest end of its warps; the SM's clock64 at the same start

@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -361,14 +360,17 @@ def module_source(variant) -> str:
             f'#include "pat_kernels.cu"\n')
 
 
-def nvrtc_options(src_dir: Path | None = None) -> tuple:
+def nvrtc_options(src_dir: Path | None = None, defines: tuple = ()) -> tuple:
     """NVRTC options of every module: C++17, the source directory, the source hash (so an edited
-    header never reuses a stale cached binary) and fast math.  ``PAT_NVRTC_DEFINES`` (space
-    separated ``NAME=VALUE``) adds tuning macros such as ``PAT_LOAD_UNROLL=4`` for experiments."""
+    header never reuses a stale cached binary) and fast math.  ``defines``: ``"NAME=VALUE"``
+    strings overriding the tuning constants of ``cuda_src/pat_traits.cuh`` (experiments only;
+    the library passes none)."""
     src_dir = Path(src_dir) if src_dir is not None else cuda_src_dir()
-    extra = tuple(f"-D{d}" for d in os.environ.get("PAT_NVRTC_DEFINES", "").split() if d)
+    for d in defines:
+        if not isinstance(d, str) or not d or not d.split("=")[0].isidentifier():
+            raise ValueError(f"defines: expected 'NAME' or 'NAME=VALUE' strings, got {d!r}")
     return ("-std=c++17", f"-I{src_dir}", f"-DPAT_SOURCE_HASH=0x{source_hash(src_dir)}ULL",
-            "--use_fast_math") + extra
+            "--use_fast_math") + tuple(f"-D{d}" for d in defines)
 
 
 def fwd_variant_supported(m: int, n: int, head_dim: int) -> bool:
@@ -397,7 +399,3 @@ def nvcc_version(nvcc: str = "nvcc") -> str:
 
 def resources_path() -> Path:
     return Path(__file__).resolve().parent / "data" / "kernel_resources.json"
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() not in ("", "0", "false", "no")

@@ -180,15 +180,22 @@ class Plan:
 
     # ------------------------------------------------------------------ accounting
     def stats(self, kv_dtype=None, q_dtype=None) -> dict:
-        """Bytes this plan moves through HBM, by kind, for all heads.
+        """What this plan moves through HBM, for all heads, priced in ``kv_dtype`` / ``q_dtype``
+        (default: the plan's).  Keys:
 
-        * ``kv_bytes``: K and V tokens read by every CTA (each CTA reads its range once per KV head).
-        * ``q_bytes``: query rows read by every CTA.
+        * ``num_ctas``: CTAs of the plan (each runs once per KV head).
+        * ``num_slots``: partial-result slots, one per (CTA, request) pair.
+        * ``kv_tokens``: KV tokens the CTAs read, summed over CTAs, for one KV head.
+        * ``kv_bytes``: K and V bytes the CTAs read, all KV heads
+          (``kv_tokens x num_kv_heads x 2 x head_dim x`` the KV element size).
+        * ``q_bytes``: query rows read by every CTA, all query heads.
         * ``partial_bytes``: fp32 partial outputs and LSEs, written by the forward kernels and
           read back by the merge kernel (both directions counted), for requests of more than
           one slot.
         * ``out_bytes``: the final output, written by the merge kernel or, for a request of one
           slot, by its CTA.
+        * ``total_bytes``: the sum of the four byte counts.
+        * ``tiles``: ``{"MxN": CTAs}``, the tile each CTA runs with.
         """
         kvb = DTYPE_BYTES[dtype_name(kv_dtype or self.kv_dtype)]
         qb = DTYPE_BYTES[dtype_name(q_dtype or self.q_dtype or kv_dtype or self.kv_dtype)]

@@ -100,7 +100,7 @@ class PrefixAttentionWrapper:
         (:func:`~pat_core.static_plan.graph_safe_tile_table`): one forward launch, not three.
         A bucket of at most 16 requests whose launch set still has several tiles runs them as
         one fused pull launch (:func:`~pat_core.static_plan.graph_safe_fused`; the CUDA
-        backend's ``graph_fused`` or ``PAT_GRAPH_FUSED``: ``"auto"``, ``"on"``, ``"off"``);
+        backend's ``options.graph_fused``: ``"auto"``, ``"on"``, ``"off"``);
         such a bucket plans with one KV tile width, ``n = 64``
         (:data:`~pat_core.static_plan.FUSED_TILE_TABLE`), and without the tiles whose
         size would cut the fused block's residency
@@ -133,7 +133,12 @@ class PrefixAttentionWrapper:
         self._gpu_backend = None
         if backend == "cuda":
             from .cuda_backend import CudaBackend
-            self._gpu_backend = CudaBackend()
+            try:
+                self._gpu_backend = CudaBackend()
+            except RuntimeError as e:
+                raise RuntimeError(f"{e}\n(backend='cuda' needs CuPy and a CUDA GPU; "
+                                   f"backend='cpu' runs the same plans with the CPU executor)"
+                                   ) from e
             if gpu is None:
                 gpu = getattr(self._gpu_backend, "gpu_name", None) or "h100"
         self.planner = Planner(packer, gpu or "h100")
@@ -377,8 +382,10 @@ class PrefixAttentionWrapper:
         return self._plan
 
     def stats(self) -> dict:
-        """Byte accounting and tile histogram of the current plan (:meth:`Plan.stats`), priced
-        in the dtypes fixed at :meth:`plan`."""
+        """Byte accounting and tile histogram of the current plan, priced in the dtypes fixed at
+        :meth:`plan`: ``num_ctas``, ``num_slots``, ``kv_tokens`` (one KV head), ``kv_bytes``
+        (all heads), ``q_bytes``, ``partial_bytes``, ``out_bytes``, ``total_bytes``, ``tiles``
+        (:meth:`pat_core.plan.Plan.stats` defines each)."""
         return self.current_plan.stats()
 
     # ------------------------------------------------------------------ run

@@ -26,10 +26,7 @@ per request and 2^24 block-table entries (requests x pages; :mod:`pat_core.workl
 from __future__ import annotations
 
 import argparse
-import glob
 import json
-import math
-import os
 import sys
 
 # the demo's argument check and error report, one copy for both CLIs
@@ -39,7 +36,8 @@ from pat_core.workloads import MAX_TREE_LEVELS, MAX_TREE_NODES
 
 from .choose import DEFAULT_MARGIN, pick
 from .constants import TIMINGS, load_constants
-from .methods import METHODS, load_batch, make_plan
+from .args import _heads, _ints, _methods, out_prefix
+from .methods import load_batch, make_plan
 from .model import simulate
 
 ALL_METHODS = ("pat", "node", "compute", "query", "cascade", "pat-fixed")
@@ -53,79 +51,14 @@ KNOB_LABELS = {"batch": "batch size", "prefix": "shared prefix tokens",
                "depth": "tree depth (levels)", "gqa": "GQA ratio (query heads per KV head)"}
 
 
-def _heads(s: str):
-    try:
-        a, b = (int(x) for x in s.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--heads must look like 32:8, got {s!r}") from None
-    if a < 1 or b < 1 or a % b:
-        raise argparse.ArgumentTypeError(f"--heads {s}: query heads must be a multiple of KV heads")
-    return a, b
-
-
-def _methods(s: str):
-    out = [m.strip() for m in s.split(",") if m.strip()]
-    bad = [m for m in out if m not in METHODS]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown method(s) {bad}; known: {list(ALL_METHODS)}")
-    return out
-
-
-def _ints(s: str):
-    try:
-        return [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
-
-
-def _finite(s: str, low: float | None = None, low_open: bool = False) -> float:
-    """A finite float (``nan``/``inf`` refused: NaN compares false with every bound and would
-    pass any later check), at least ``low`` (above it when ``low_open``)."""
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
-    if not math.isfinite(v):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {s!r}")
-    if low is not None and (v <= low if low_open else v < low):
-        raise argparse.ArgumentTypeError(f"expected a number {'>' if low_open else '>='} "
-                                         f"{low:g}, got {s!r}")
-    return v
-
-
-def _nonneg_number(s: str) -> float:
-    return _finite(s, 0.0)
-
-
-def _positive_number(s: str) -> float:
-    return _finite(s, 0.0, low_open=True)
-
-
-def out_prefix(out: str) -> str:
-    """``--out`` of the subcommands that write ``OUT.json`` and ``OUT.png``: a file prefix.
-    One that names a directory (ends in a separator, or is an existing folder) is refused,
-    instead of writing the hidden files ``DIR/.json`` and ``DIR/.png``; a missing parent folder
-    is created, and one that is a file in the way is reported."""
-    if not out or out.endswith(("/", os.sep)) or os.path.isdir(out):
-        hint = os.path.join(out or ".", "result")
-        raise ValueError(f"--out {out!r} names a directory; --out is a file prefix (it writes "
-                         f"OUT.json and OUT.png), e.g. --out {hint}")
-    parent = os.path.dirname(os.path.abspath(out))
-    try:
-        os.makedirs(parent, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise ValueError(f"--out {out}: cannot create the folder {parent}: a file is in the "
-                         f"way") from None
-    return out
-
-
-def _common(p: argparse.ArgumentParser, tree_required: bool = True) -> None:
-    """Options every subcommand shares; ``tree_required=False``: no default tree (sweep)."""
-    p.add_argument("--tree", required=False,
-                   default="1,4,16_128,256,1024" if tree_required else None,
-                   help="tree spec like 1,4,16_128,256,1024 (the default), or a JSON file of "
-                        "block tables; a spec has at most 64 levels, 65536 requests and 2^24 "
-                        "block-table entries (requests x pages)")
+def _common(p: argparse.ArgumentParser, tree: bool = True) -> None:
+    """Options every subcommand shares; ``tree=False``: no ``--tree`` (sweep builds its own
+    batches from its knobs)."""
+    if tree:
+        p.add_argument("--tree", default="1,4,16_128,256,1024",
+                       help="tree spec like 1,4,16_128,256,1024 (the default), or a JSON file "
+                            "of block tables; a spec has at most 64 levels, 65536 requests and "
+                            "2^24 block-table entries (requests x pages)")
     p.add_argument("--heads", type=_heads, default=(32, 8), help="query:KV heads (default 32:8)")
     p.add_argument("--gpu", default="h100", help="a100, h100 or h200 (default h100)")
     p.add_argument("--page-size", type=_positive, default=16)
@@ -159,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
     p = sub.add_parser("sweep", help="predicted time per method against one knob")
-    _common(p, tree_required=False)
+    _common(p, tree=False)
     p.add_argument("--knob", required=True, choices=sorted(SWEEP_DEFAULTS))
     p.add_argument("--values", type=_ints, default=None)
     p.add_argument("--batch", type=int, default=64, help="requests (default 64)")
@@ -174,10 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
         "calibration-report", help="predicted vs measured latency, in and out of sample",
         description="Predicted vs measured latency.  Records of the workloads the constants were "
                     "fitted on (the split recorded in the constants file, or --fit-workloads) "
-                    "are in-sample; all others out-of-sample.  Works from an installed package "
-                    "with explicit --measurements; only the default measurements (the newest "
-                    "bench/results/calibration*.json) need a checkout.")
-    p.add_argument("--measurements", nargs="+", default=None,
+                    "are in-sample; all others out-of-sample.")
+    p.add_argument("--measurements", nargs="+", required=True,
                    help="measurement files or folders (bench/calibrate.py or bench/compare.py "
                         "output)")
     p.add_argument("--gpu", default=None)
@@ -339,13 +270,6 @@ def run_sweep(knob: str, values, methods, batch=64, prefix=1024, suffix=128, dep
 
 
 # ---------------------------------------------------------------------------- calibration
-def _default_measurements() -> str | None:
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    found = sorted(glob.glob(os.path.join(here, "bench", "results", "**", "calibration*.json"),
-                             recursive=True), key=os.path.getmtime)
-    return found[-1] if found else None
-
-
 def _plots():
     """:mod:`sim.plots`, imported only by the subcommands that draw, with matplotlib's headless
     Agg backend (files only) unless pyplot is already in use (a notebook).  matplotlib is not a
@@ -424,13 +348,7 @@ def _dispatch(args) -> int:
     if args.cmd == "calibration-report":
         from .calibration import fit_workloads_of, format_report, load_measurements, report
         from .constants import constants_path
-        paths = args.measurements or ([_default_measurements()] if _default_measurements()
-                                      else None)
-        if not paths:
-            print("no measurements: run bench/calibrate.py on a GPU first, then pass "
-                  "--measurements FILE [FILE ...]", file=sys.stderr)
-            return 2
-        data = load_measurements(paths)
+        data = load_measurements(args.measurements)
         gpu = args.gpu or data["gpu"]
         cpath = args.constants or constants_path(gpu)
         consts = load_constants(gpu, args.constants)   # a bad --constants fails here first
@@ -443,7 +361,7 @@ def _dispatch(args) -> int:
                 title=f"{'; '.join(data['device'])} (filled: fit set, open: validation)",
                 in_fit=rep["in_fit_set"])
         print(json.dumps(rep, indent=2) if args.json else
-              f"measurements: {', '.join(paths)}\n" + format_report(rep))
+              f"measurements: {', '.join(args.measurements)}\n" + format_report(rep))
         return 0
     if args.cmd == "fit":
         from .calibration import (CHAIN_FIT, KERNEL_FIT, TIMING_FIT, WG_FIT, fit_and_save,

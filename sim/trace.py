@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
     """Register the ``trace`` subcommand on ``sub`` (an argparse subparsers object)."""
     from pat_core.__main__ import _positive
 
-    from .cli import _heads, _methods, _nonneg_number, _positive_number
+    from .args import _heads, _methods, _nonneg_number, _positive_number
     p = sub.add_parser("trace", help="replay a request trace (JSON lines) as continuous-"
                                      "batching decode steps through planner and simulator")
     p.add_argument("--trace", required=True, help="trace file: one JSON object a line with "
@@ -105,7 +105,7 @@ def _kv_pages(s: str) -> int:
 
 def run_cli(args) -> int:
     """The ``trace`` subcommand: replay, write ``OUT.json`` and ``OUT.png``, print a summary."""
-    from .cli import out_prefix
+    from .args import out_prefix
     out_prefix(args.out)                         # a bad --out fails before the replay
     cfg = ReplayConfig(page_size=args.page_size, block_tokens=args.block_tokens,
                        max_batch=args.max_batch, kv_pages=args.kv_pages, step_ms=args.step_ms)

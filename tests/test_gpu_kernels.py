@@ -487,3 +487,29 @@ def test_nonfinite_input_propagates(backend, packer):
         fin = np.isfinite(ref)
         np.testing.assert_allclose(out[fin], ref[fin], rtol=2e-2, atol=2e-2)
 
+
+
+@requires_gpu
+def test_changing_launch_options_prepares_the_launches_again():
+    """A state keeps the launches it prepared under the backend's LaunchOptions; after the
+    options change, the next run prepares them again with the new ones (same result)."""
+    import torch
+    import pat_core
+    from pat_core.cuda_backend import LaunchOptions
+    from pat_core.workloads import build_tree_batch
+    b = build_tree_batch("1,4_256,64", page_size=16)
+    q, k, v = make_inputs(b.num_pages, 16, b.batch_size, 32, 8, 128, "float16", "NHD", 0)
+    w = pat_core.PrefixAttentionWrapper(backend="cuda")
+    w.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
+    ref = w.run(q, (k, v)).clone()
+    be = w._gpu_backend
+    st = next(s for s in be._states.values() if s.plan is w.current_plan)
+
+    def fast_flags(options):
+        return [ln.fast for key, prep in st.prepared.items() if key[-1] == options
+                for ln in prep["launches"]]
+    assert fast_flags(be.options) and all(fast_flags(be.options))
+    be.options = LaunchOptions(fast=False)
+    out = w.run(q, (k, v))
+    assert fast_flags(be.options) and not any(fast_flags(be.options))
+    assert torch.equal(out, ref)

@@ -208,7 +208,7 @@ def _contiguous_strides(shape):
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_cuda_backend_rejects_caches_past_32bit_offsets(layout):
-    from pat_core.cuda_backend import _Dev, _check_cache
+    from pat_core.cuda_views import _Dev, _check_cache
     pages, ps, hk, d = 8, 16, 2, 128
     shape = (pages, ps, hk, d) if layout == "NHD" else (pages, hk, ps, d)
     q = _Dev(_FakeDeviceArray((3, 4, d), _contiguous_strides((3, 4, d))), "q")
@@ -267,3 +267,26 @@ def test_gpu_path_checks_once_per_input_set(batch):
     with pytest.raises(ValueError, match="paged_kv_cache holds only"):
         w.run(q, (k[:1], v[:1]))
     assert fake.checks == 4
+
+
+def test_cuda_backend_without_a_gpu_points_at_the_cpu_backend():
+    from pat_core.cuda_backend import is_available
+    if is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(RuntimeError, match="backend='cpu'"):
+        PrefixAttentionWrapper()
+
+
+def test_launch_options_are_checked_and_frozen():
+    import dataclasses
+
+    from pat_core.cuda_backend import LaunchOptions
+    opt = LaunchOptions()
+    assert opt.fast and opt.graph_fused == "auto"
+    assert LaunchOptions(fast=False) != opt and hash(LaunchOptions()) == hash(opt)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opt.fast = False
+    with pytest.raises(ValueError, match="graph_fused"):
+        LaunchOptions(graph_fused="sometimes")
+    with pytest.raises(TypeError, match="fast"):
+        LaunchOptions(fast="yes")

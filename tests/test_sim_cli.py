@@ -139,3 +139,11 @@ def test_plot_helpers_name_what_the_reader_sees(tmp_path):
     finally:
         plt.Figure.savefig = real_savefig
     assert captured["labels"] == ["pat (= node)", "node (= pat)", "query"]
+
+
+def test_sweep_takes_no_tree(capsys):
+    """``sweep`` builds its batches from its knobs; a ``--tree`` it would ignore is refused."""
+    with pytest.raises(SystemExit) as e:
+        main(["sweep", "--knob", "batch", "--tree", "1,2_64,16", "--out", "sw"])
+    assert e.value.code == 2
+    assert "--tree" in capsys.readouterr().err

@@ -1,0 +1,107 @@
+"""Compiling and loading the CUDA backend's kernel modules.
+
+Every variant but the warpgroup ones is a CuPy ``RawModule`` (NVRTC for the device's own
+architecture, CuPy's on-disk cache).  The warpgroup (wgmma) variants need the sm_90a target:
+they are compiled here with NVRTC and their cubins kept next to CuPy's cache.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from . import cuda_compile as cc
+
+log = logging.getLogger("pat_core.cuda")
+
+
+def _variant_from(v):
+    if isinstance(v, (cc.FwdVariant, cc.MergeVariant, cc.FusedVariant)):
+        return v
+    if isinstance(v, str):
+        for cand in cc.all_fwd_variants() + cc.all_merge_variants():
+            if cand.key == v:
+                return cand
+        raise ValueError(f"variants: unknown kernel variant {v!r}")
+    raise TypeError(f"variants: expected FwdVariant, MergeVariant, FusedVariant "
+                    f"or key, got {type(v).__name__}")
+
+
+def _sm90a_cubin_path(cp, variant, opts) -> str:
+    """Where the sm_90a cubin of ``variant`` built with ``opts`` is kept: CuPy's kernel cache
+    folder (as CuPy resolves it), named by the variant, the options and the source hash (part of
+    the options), so worker processes and later runs reuse it."""
+    import hashlib
+    root = cp.cuda.compiler.get_cache_dir()
+    tag = hashlib.sha1("\0".join(opts).encode()).hexdigest()[:16]
+    return os.path.join(root, f"pat_sm90a_{variant.key}_{tag}.cubin")
+
+
+def _raw_module(cp, variant, defines: tuple = ()):
+    """``(RawModule, function name)`` of one variant, compiled with ``defines``
+    (:func:`pat_core.cuda_compile.nvrtc_options`).
+
+    Every variant but the warpgroup ones goes through CuPy's RawModule (NVRTC for the device's
+    own architecture, CuPy's on-disk cache).  The warpgroup (wgmma) variants need the sm_90a
+    target, which RawModule cannot be asked for (it adds ``-arch`` for the device itself):
+    they are compiled here with NVRTC for sm_90a, the cubin kept next to CuPy's cache
+    (:func:`_sm90a_cubin_path`) and the module loaded from it.
+    """
+    if not getattr(variant, "warpgroup", False):
+        mod = cp.RawModule(code=cc.module_source(variant), options=cc.nvrtc_options(defines=defines),
+                           name_expressions=[variant.name_expression])
+        return mod, variant.name_expression
+    from cupy_backends.cuda.libs import nvrtc
+    opts = cc.nvrtc_options(defines=defines) + ("-arch=sm_90a", "--device-as-default-execution-space")
+    cuda_path = cp.cuda.get_cuda_path()
+    if cuda_path and os.path.isdir(os.path.join(cuda_path, "include")):
+        opts += (f"-I{os.path.join(cuda_path, 'include')}",)
+    path = _sm90a_cubin_path(cp, variant, opts)
+    if os.path.exists(path) and os.path.exists(path + ".name"):
+        with open(path + ".name") as fh:
+            return cp.RawModule(path=path), fh.read()
+    prog = nvrtc.createProgram(cc.module_source(variant), variant.key + ".cu", (), ())
+    try:
+        nvrtc.addNameExpression(prog, variant.name_expression)
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"NVRTC failed for {variant.key} (sm_90a):\n"
+                               f"{nvrtc.getProgramLog(prog)}") from e
+        name = nvrtc.getLoweredName(prog, variant.name_expression)
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    # write then rename: a concurrent reader never sees half a file
+    for dst, data in ((path, cubin), (path + ".name", name.encode())):
+        tmp = f"{dst}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, dst)
+    return cp.RawModule(path=path), name
+
+
+def _compile_one(fields) -> str:
+    """Worker-process body: compile one variant into CuPy's on-disk cache."""
+    kind, args, defines = fields
+    import cupy
+    v = {"fwd": cc.FwdVariant, "merge": cc.MergeVariant}[kind](*args)
+    mod, name = _raw_module(cupy, v, defines)
+    mod.get_function(name)
+    return v.key
+
+
+def _compile_in_workers(variants, jobs: int, defines: tuple = ()) -> None:
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    def fields_of(v):
+        if isinstance(v, cc.FwdVariant):
+            return ("fwd", (v.head_dim, v.dtype, v.m, v.n, v.warps, v.stages, v.rows_per_warp),
+                    defines)
+        return "merge", (v.head_dim, v.dtype, v.warps, v.heads), defines
+    fields = [fields_of(v) for v in variants]
+    ctx = mp.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(jobs, len(fields)), mp_context=ctx) as ex:
+        for key in ex.map(_compile_one, fields):
+            log.debug("compiled %s in a worker", key)
+

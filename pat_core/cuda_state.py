@@ -1,0 +1,260 @@
+"""The device state a plan runs from: :class:`StaticState`.
+
+One int32 buffer holds every Plan array at a fixed offset (:class:`pat_core.static_plan.
+StaticLayout`), written by one asynchronous copy from pinned memory on the caller's stream;
+fixed fp32 partial buffers; one work counter per forward launch; and the launch set.  Plain
+plans use one state per problem shape (launching only the tiles a plan uses); graph-safe
+wrappers fix one state's limits and launches once.
+"""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from . import cuda_compile as cc
+from . import kernel_params as kp
+from .cuda_launch import _Launch, _copy_params, _external_stream, _fwd_params, _ptr
+from .cuda_views import _Dev, _check_cache, _check_rows
+from .launch import launch_grid, merge_needed
+from .plan import Plan, dtype_name
+
+if TYPE_CHECKING:
+    from .cuda_backend import CudaBackend
+
+
+class StaticState:
+    """The device state one plan at a time runs from (see :mod:`pat_core.static_plan`).
+
+    Holds one int32 buffer with every Plan array at a fixed offset, fixed fp32 partial buffers,
+    a work counter per launch, and the launch set: one pull-mode forward kernel per tile in
+    ``layout.tiles`` (grid = SMs x resident blocks, capped by the item limit), or with ``fused``
+    one pull kernel for all of them (each block runs the tile of the item it draws, in the
+    largest tile's block), and a merge.  :meth:`write` puts a new plan into the buffer with an
+    asynchronous copy on a stream; nothing else changes between plans.
+
+    ``fixed`` (graph-safe mode): every launch of the set runs on every call, over fixed grids,
+    with a merge over a fixed grid, so one captured graph serves every later plan.  Otherwise
+    (plain plans, :meth:`CudaBackend.state_for`) a call launches only the tiles the written
+    plan uses, in the launch set's order, and a merge laid out for the plan, which it skips
+    when every request has one partial slot (its forward item wrote the output) and no block
+    drew a second item (no work counter to reset).
+    """
+
+    _MERGE_BLOCKS_PER_SM = 12      # the merge kernel's launch bounds: 48 warps of 4-warp blocks
+
+    def __init__(self, backend: CudaBackend, layout, num_qo_heads, num_kv_heads, head_dim,
+                 page_size, dtype, sm_scale, fused: bool = False, fixed: bool = True):
+        cp = backend.cp
+        self.backend, self.cp = backend, cp
+        self.layout = layout
+        self.fixed = bool(fixed)
+        self.num_qo_heads, self.num_kv_heads = int(num_qo_heads), int(num_kv_heads)
+        self.head_dim, self.page_size = int(head_dim), int(page_size)
+        self.dtype = dtype_name(dtype)
+        self.sm_scale = float(sm_scale)
+        if self.dtype not in cc.DTYPE_CTYPE:
+            raise ValueError(f"the CUDA kernels take float16 or bfloat16, got {self.dtype}")
+        for m, n in layout.tiles:
+            if not cc.fwd_variant_supported(m, n, self.head_dim):
+                raise ValueError(f"no CUDA kernel for tile ({m}, {n}) at head_dim "
+                                 f"{self.head_dim}")
+        self.device = cp.cuda.runtime.getDevice()
+        lim = layout.limits
+        V = layout.num_variants
+        self.buf = cp.zeros(layout.total, dtype=cp.int32)
+        self.counters = cp.zeros(V, dtype=cp.int32)     # zeroed again by every merge
+        self.chain = cp.zeros(V, dtype=cp.int32)        # chained launches' block counts
+        self.o_part = cp.empty(lim.max_partials * self.num_qo_heads * self.head_dim,
+                               dtype=cp.float32)
+        self.l_part = cp.empty(lim.max_partials * self.num_qo_heads, dtype=cp.float32)
+        self._pinned = cp.cuda.alloc_pinned_memory(layout.total * 4)
+        self.staging = np.frombuffer(self._pinned, dtype=np.int32, count=layout.total)
+        self.copied = cp.cuda.Event(disable_timing=True)
+        self.copied.record()
+        self.variants = [cc.FwdVariant.make(m, n, self.head_dim, self.dtype, arch=backend.arch)
+                         for m, n in layout.tiles]
+        self.merge_variant = cc.MergeVariant(self.head_dim, self.dtype)
+        self.fused = bool(fused) and self.fixed
+        if self.fused:
+            # one kernel holds every tile (warmup compiles it in this process)
+            self.launch_variants = [cc.FusedVariant(self.head_dim, self.dtype,
+                                                    tuple(self.variants))]
+            backend.warmup(variants=self.launch_variants + [self.merge_variant], jobs=1)
+        else:
+            self.launch_variants = list(self.variants)
+            backend.warmup(variants=self.variants + [self.merge_variant],
+                           jobs=min(len(self.variants), os.cpu_count() or 1))
+        props = cp.cuda.runtime.getDeviceProperties(self.device)
+        self.num_sms = int(props["multiProcessorCount"])
+        self.per_sm = [backend._blocks_per_sm(v) for v in self.launch_variants]
+        # every block that can be resident at once, at most one per item the limits allow
+        self.grids = [launch_grid(lim.max_ctas * self.num_kv_heads, b, self.num_sms)
+                      for b in self.per_sm]
+        self.prepared: dict = {}
+        self.batch = None           # live batch of the last plan written
+        self.plan = None
+        self.plan_version = None
+        self.live = None            # [V, 2] first CTA and count per variant of that plan
+        self.order = ()             # plain plans: variants with CTAs, in launch-set order
+        self.plan_grids = {}        # plain plans: variant -> blocks of its launch
+        self.needs_merge = True
+        self.merge_key = (False, 1)
+        self.max_rows = None        # graph-safe: q rows and KV pages of the inputs the
+        self.num_pages = None       # launches were built for (a later plan must fit them)
+
+    def check_plan(self, plan: Plan) -> None:
+        """``ValueError`` unless ``plan`` fits this state: its shape and, in graph-safe mode,
+        the inputs the launches were built for.  (The layout's limits are checked by
+        :meth:`~pat_core.static_plan.StaticLayout.pack`, which every written plan goes through.)"""
+        want = (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype)
+        have = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.page_size,
+                dtype_name(plan.kv_dtype))
+        names = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "kv_data_type")
+        for nm, w, h in zip(names, want, have):
+            if w != h:
+                raise ValueError(f"graph-safe mode: {nm}={h!r} differs from {w!r} of the first "
+                                 "plan (the launches are fixed; create another wrapper)")
+        if abs(plan.sm_scale - self.sm_scale) > 1e-12 * abs(self.sm_scale):
+            raise ValueError(f"graph-safe mode: sm_scale={plan.sm_scale} differs from "
+                             f"{self.sm_scale} of the first plan")
+        if self.fixed and self.max_rows is not None:
+            self.check_inputs(plan, self.max_rows, self.num_pages)
+        if plan.cta_pages.size and int(plan.cta_pages.min()) < 0:
+            raise ValueError(f"the plan reads page {int(plan.cta_pages.min())}: page ids must "
+                             "be >= 0")
+
+    def check_inputs(self, plan: Plan, rows: int, num_pages: int) -> None:
+        """``ValueError`` unless ``plan`` fits inputs of ``rows`` q rows and ``num_pages`` KV
+        pages (graph-safe: at least the batch's rows; plain: exactly)."""
+        if plan.batch_size > rows or (not self.fixed and plan.batch_size != rows):
+            what = "the q buffer the launches were built for has" if self.fixed else "q has"
+            raise ValueError(f"the plan has {plan.batch_size} requests but {what} {rows} rows")
+        if plan.cta_pages.size and int(plan.cta_pages.max()) >= num_pages:
+            raise ValueError(f"the KV cache (paged_kv_cache) holds {num_pages} pages but the "
+                             f"plan reads page {int(plan.cta_pages.max())}")
+
+    def write(self, plan: Plan, stream_ptr: int) -> None:
+        """Put ``plan`` into the device buffer: pack into pinned memory, then one asynchronous
+        host-to-device copy on ``stream_ptr``, ordered after the work already on that stream
+        (a run of the previous plan reads the old contents until then)."""
+        self.check_plan(plan)
+        packed = self.layout.pack(plan)
+        cp = self.cp
+        with cp.cuda.Device(self.device):
+            self.copied.synchronize()      # the previous copy has read the staging memory
+            self.staging[:packed.shape[0]] = packed
+            cp.cuda.runtime.memcpyAsync(int(self.buf.data.ptr), self.staging.ctypes.data,
+                                        packed.shape[0] * 4, cp.cuda.runtime.memcpyHostToDevice,
+                                        stream_ptr)
+            self.copied.record(_external_stream(cp, stream_ptr, self.device))
+        self.batch = plan.batch_size
+        self.plan, self.plan_version = plan, plan.version
+        off = self.layout.offset["live"]
+        self.live = packed[off:off + 2 * self.layout.num_variants].reshape(-1, 2).copy()
+        if not self.fixed:
+            self._plain_schedule(plan)
+
+    def _plain_schedule(self, plan: Plan) -> None:
+        """Plain plans: which launches run (the tiles with CTAs, in the launch set's order,
+        tallest tiles first, as graph-safe mode launches them), whether the merge runs and its
+        layout."""
+        Hk = self.num_kv_heads
+        used = [v for v in range(self.layout.num_variants) if self.live[v, 1] > 0]
+        self.order = tuple(used)
+        # each launch's grid: its resident blocks, at most one per live item (a plain call
+        # need not keep the grid fixed, and blocks that find no item still cost a placement);
+        # the same rules as the simulator's (pat_core.launch)
+        self.plan_grids = {v: launch_grid(int(self.live[v, 1]) * Hk, self.per_sm[v],
+                                          self.num_sms) for v in used}
+        vidx = {t: i for i, t in enumerate(self.layout.tiles)}
+        per_sm_of_tile = [self.per_sm[vidx[(int(m), int(n))]] for m, n in plan.tile_configs]
+        self.needs_merge = merge_needed(plan, per_sm_of_tile, self.num_sms)
+        self.merge_key = self.backend._merge_layout(plan)
+
+    def prepare(self, qd: _Dev, kd: _Dev, vd: _Dev, kv_layout: str) -> dict:
+        """Check the inputs and build the launches for them."""
+        Hq, Hk, D = self.num_qo_heads, self.num_kv_heads, self.head_dim
+        if kv_layout not in ("NHD", "HND"):
+            raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+        _check_rows(qd, "q", 3)
+        if qd.shape[1:] != (Hq, D):
+            raise ValueError(f"q has shape {qd.shape}; the plan needs [batch, {Hq}, {D}]")
+        if qd.dtype not in cc.DTYPE_CTYPE:
+            raise TypeError(f"q: the CUDA kernels take float16 or bfloat16, got {qd.dtype}")
+        if not (qd.dtype == kd.dtype == vd.dtype == self.dtype):
+            raise TypeError(f"q ({qd.dtype}) and paged_kv_cache ({kd.dtype}, {vd.dtype}) must be "
+                            f"{self.dtype}, the plan's dtype")
+        num_pages, axes = _check_cache(qd, kd, vd, kv_layout, self.page_size, Hk, D)
+        devs = {t.device for t in (qd, kd, vd) if t.device is not None}
+        if devs and devs != {self.device}:
+            raise ValueError(f"q and paged_kv_cache live on device(s) {sorted(devs)}, the plan's "
+                             f"state on device {self.device}")
+        rows = int(qd.shape[0])
+        if self.plan is not None:
+            self.check_inputs(self.plan, rows, int(num_pages))
+        if self.fixed:
+            # a captured graph keeps these inputs: later plans must fit them
+            self.max_rows, self.num_pages = rows, int(num_pages)
+        lay = self.layout
+        base_ptr = int(self.buf.data.ptr)
+        arrays = {name: base_ptr + 4 * lay.offset[name] for name in lay.offset}
+        group = Hq // Hk
+        base = _fwd_params(qd, kd, vd, axes, self.o_part, self.l_part, arrays, group, Hq, Hk,
+                           self.page_size, self.sm_scale)
+        # single-slot requests: the forward item writes the output (out set per call)
+        base.merge.req_slot_indptr = arrays["req_slot_indptr"]
+        ctr, chain = int(self.counters.data.ptr), int(self.chain.data.ptr)
+        launches = []
+        be = self.backend
+        with self.cp.cuda.Device(self.device):
+            for i, v in enumerate(self.launch_variants):
+                prm = _copy_params(base)
+                # the fused kernel reads the whole live table (one {first, count} per tile)
+                prm.live = arrays["live"] + 8 * i
+                prm.work_counter = ctr + 4 * i
+                prm.chain = chain + 4 * i
+                launches.append(_Launch(be._function(v), (self.grids[i], 1, 1),
+                                        (v.threads, 1, 1), prm, v.smem_bytes, be.options.fast))
+            prep = {"launches": launches, "merges": {}, "rows": rows,
+                    "num_pages": int(num_pages), "checked": self.plan, "arrays": arrays}
+            if self.fixed:
+                mv = self.merge_variant
+                pairs = lay.limits.max_batch_size * Hq
+                grid = max(1, min((pairs + mv.warps - 1) // mv.warps,
+                                  self.num_sms * self._MERGE_BLOCKS_PER_SM))
+                prep["merge"] = self._merge_launch(arrays, mv, grid, False)
+        return prep
+
+    def _merge_launch(self, arrays, mv, grid: int, per_block: bool) -> "_Launch":
+        be = self.backend
+        mp = kp.MergeParams(o_partial=_ptr(self.o_part), lse_partial=_ptr(self.l_part),
+                            req_slot_indptr=arrays["req_slot_indptr"],
+                            live_batch=arrays["live_batch"], reset=int(self.counters.data.ptr),
+                            reset_n=self.layout.num_variants, batch=0,
+                            num_qo_heads=self.num_qo_heads, block_per_pair=int(per_block),
+                            direct_single=1)
+        return _Launch(be._function(mv), (grid, 1, 1), (mv.threads, 1, 1), mp, 0,
+                       be.options.fast)
+
+    def live_launches(self, prep: dict) -> tuple:
+        """Plain plans: the written plan's forward launches (in :attr:`order`) and its merge
+        (``None`` when it needs none)."""
+        launches = [prep["launches"][v] for v in self.order]
+        for v, ln in zip(self.order, launches):
+            ln.set_grid(self.plan_grids[v])
+        if not self.needs_merge:
+            return launches, None
+        per_block, nh = self.merge_key
+        mv = cc.MergeVariant(self.head_dim, self.dtype, cc.MERGE_WARPS, nh)
+        pairs = self.batch * self.num_qo_heads
+        grid = pairs if per_block else (pairs // nh + mv.warps - 1) // mv.warps
+        key = (per_block, nh, grid)
+        merge = prep["merges"].get(key)
+        if merge is None:
+            if len(prep["merges"]) >= 16:
+                prep["merges"].clear()
+            merge = prep["merges"][key] = self._merge_launch(prep["arrays"], mv, max(1, grid),
+                                                             per_block)
+        return launches, merge
