@@ -283,6 +283,15 @@ def _tail_nb(req_indptr, kv_start, kv_end, level, thr, group, m_values, bounds, 
             n_pairs)
 
 
+def _grown(packs: Packs, which: np.ndarray, end: np.ndarray) -> Packs:
+    """``packs`` with packs ``which`` (int ``[k]``) ending at ``end`` (int ``[k]``): a new
+    ``kv_end``, the other arrays shared (no step writes them in place)."""
+    kv_end = packs.kv_end.copy()
+    kv_end[which] = end
+    return Packs(req_indptr=packs.req_indptr, reqs=packs.reqs, kv_start=packs.kv_start,
+                 kv_end=kv_end, level=packs.level, leaf_pack=packs.leaf_pack)
+
+
 _ORDER_MODE = {"tile": 0, "work": 1, "shared": 2}
 
 
@@ -627,8 +636,7 @@ class Planner:
         forest.end[forest.req_node[changed]] = grow.astype(np.int32)
         forest.block_table = nbt
         p, kw = c["plan"], c["kw"]
-        pat = pat.copy()
-        pat.kv_end[lp] = grow.astype(np.int32)
+        pat = _grown(pat, lp, grow)
         plan = assemble_plan(nbt, pat, **kw)
         tried, tokens, query = False, None, None
         if self._request_rule(kw, c["tile"]) and plan.num_slots > plan.batch_size:
@@ -646,8 +654,7 @@ class Planner:
                         query = pack(forest, "query", p.group_size, p.group_size,
                                      p.head_dim, DTYPE_BYTES[p.kv_dtype])
                     else:
-                        query = query.copy()
-                        query.kv_end[query.leaf_pack[changed]] = grow.astype(np.int32)
+                        query = _grown(query, query.leaf_pack[changed], grow)
             if query is not None:
                 alt_plan = assemble_plan(nbt, query, **kw)
                 if alt_plan.num_slots == alt_plan.batch_size:
