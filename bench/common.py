@@ -1,6 +1,6 @@
 """What every benchmark script shares: the code version, GPU event timing, the L2 flush and
 the device's copy bandwidth.  Torch is imported inside the GPU helpers so that CPU-only
-scripts (plan_overhead.py) can use :func:`git_sha` without it.
+scripts (plan_loop.py, lab/plan_overhead.py) can use :func:`git_sha` without it.
 """
 from __future__ import annotations
 

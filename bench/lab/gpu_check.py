@@ -6,7 +6,8 @@
 
 Needs CuPy, torch, pytest and hypothesis on the GPU machine; run from the repository root, e.g.
 
-    export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD; python3 bench/lab/gpu_check.py --out results --sanitizer
+    export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+    python3 bench/lab/gpu_check.py --out results --sanitizer
 
 Steps (each optional, in this order; a failing step is recorded and the next still runs):
 
