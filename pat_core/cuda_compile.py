@@ -132,10 +132,10 @@ def variant_speed_path() -> Path:
 def variant_speed() -> dict:
     """Measured speed of every tile ``(m, n)`` at head_dim 128: ``{(m, n): record}``.
 
-    Written by ``bench/kernel_lab.py --cases layouts --write-table`` on an H100: each (m, n) with
-    its candidate layouts (warps, stages, rows per warp) forced onto every CTA of a no-sharing
-    batch (4096 KV tokens per CTA), the fastest layout kept with its fraction of copy bandwidth
-    (``frac_copy``).  Empty when the file is absent.
+    Written by ``bench/lab/kernel_lab.py --cases layouts --write-table`` on an H100: each (m, n)
+    with its candidate layouts (warps, stages, rows per warp) forced onto every CTA of a
+    no-sharing batch (4096 KV tokens per CTA), the fastest layout kept with its fraction of copy
+    bandwidth (``frac_copy``).  Empty when the file is absent.
     """
     p = variant_speed_path()
     if not p.is_file():

@@ -38,7 +38,7 @@ PACKERS = ("pat", "query", "node", "compute", "cascade")
 # Weight of the partial-result side of the ``pat`` profit model.  A partial costs more than its
 # bytes: its rows hold a thread block's fixed latency (Q load, pipeline start, partial write)
 # and the merge reads it back after the forward pass.  Measured on an H100 over nine
-# multi-level sharing batches (``bench/kernel_lab.py --cases planner``; bench/NOTES.md),
+# multi-level sharing batches (``bench/lab/kernel_lab.py --cases planner``; bench/NOTES.md),
 # weights 1 / 2 / 3 / 4 / 6 gave a geometric-mean step time of 0.87 / 0.85 / 0.84 / 0.79 / 0.80
 # of the unweighted model's (all with the "work" launch order).  1 is the PAT paper's pure byte count.
 PARTIAL_WEIGHT = 4.0
@@ -277,7 +277,7 @@ def request_share(group: int) -> float:
     :data:`REQUEST_MIN_GROUP` the share is 0 (the rule is off): at 32:32 eight of nine measured
     steps lost, the synthetic batches by 2-5% at 12-25% more tokens and six real-trace steps,
     which were not used to set the share, by 4-7% at only 4-5% more; ``1,512_64,512`` won by
-    0.8% (round 17, ``bench/request_rule_check.py``)."""
+    0.8% (round 17, ``bench/lab/request_rule_check.py``)."""
     if int(group) < REQUEST_MIN_GROUP:
         return 0.0
     return min(REQUEST_SHARE_MAX, REQUEST_SHARE_PER_ROW * int(group))

@@ -39,7 +39,7 @@ from .tiles import TileSelector
 
 @dataclass
 class Tuning:
-    """Planner knobs measured by ``bench/kernel_lab.py --cases planner`` (defaults: the rules
+    """Planner knobs measured by ``bench/lab/kernel_lab.py --cases planner`` (defaults: the rules
     that measured best; see ``bench/NOTES.md``).
 
     ``max_rows``: cap on a CTA's query rows (``None``: the largest feasible tile).  Smaller

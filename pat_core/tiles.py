@@ -21,7 +21,7 @@ The selector then assigns each CTA: ``m`` = smallest feasible ``m >= rows`` (rou
 split a CTA because its ``m`` is too small) and ``n`` from the GPU's piecewise KV-length table
 (an upper bound: short KV gets small ``n``), choosing among the feasible ``n`` below it the one
 that measured fastest for that ``m`` (``pat_core/data/variant_speed_h100.json``, written on the
-GPU by ``bench/kernel_lab.py``): the 64- and 128-row tiles are compute heavy, and for them a
+GPU by ``bench/lab/kernel_lab.py``): the 64- and 128-row tiles are compute heavy, and for them a
 smaller ``n`` (more resident CTAs per SM) can run faster than a large one.
 """
 from __future__ import annotations

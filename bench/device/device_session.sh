@@ -11,12 +11,13 @@
 #                      cascade, FastTree (when .baselines/fasttree/FastTree.py is there)
 #   gpu_tests.log, sanitizer.log, session.log
 #
-#   bench/device/device_session.sh OUT [STEPS_DIR]      (from the repository root)
+#   bench/device/device_session.sh OUT [STEPS_DIR]    (paths relative to the repository root)
 #
-# Carried (ignored by git): .whl/flashinfer_python-0.2.5*.whl (bench/device/build_flashinfer_wheel.sh),
-# optionally .whl06/trim/*.whl (FlashInfer 0.6 without its bundled CUTLASS and spdlog sources,
-# which its decode path does not compile, plus apache-tvm-ffi) and .baselines/fasttree/, and the
-# prepared steps (python bench/devset.py prepare --out STEPS_DIR, default .trace_steps/devset).
+# Carried (ignored by git): .whl/flashinfer_python-0.2.5*.whl
+# (bench/device/build_flashinfer_wheel.sh), optionally .whl06/trim/*.whl (FlashInfer 0.6 without
+# its bundled CUTLASS and spdlog sources, which its decode path does not compile, plus
+# apache-tvm-ffi) and .baselines/fasttree/, and the prepared steps (python bench/devset.py
+# prepare --out STEPS_DIR, default .trace_steps/devset).
 # Environment: DEVSET_HEADS (default "32:8"), TEST_TIMEOUT (seconds, default 300), PAT_GIT_SHA
 # (the measured commit, for a copy whose git state is not the tree's).
 set -uo pipefail
