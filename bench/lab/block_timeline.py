@@ -63,11 +63,9 @@ def parse_case(text: str, page_size: int = 16) -> tuple:
     return spec, hq, hk, method, page_size
 
 
-def with_clock_define(cap: int) -> None:
-    """Add ``PAT_BLOCK_CLOCK=cap`` to the kernels' build defines (before anything compiles)."""
-    defs = [d for d in os.environ.get("PAT_NVRTC_DEFINES", "").split()
-            if not d.startswith("PAT_BLOCK_CLOCK")]
-    os.environ["PAT_NVRTC_DEFINES"] = " ".join(defs + [f"PAT_BLOCK_CLOCK={cap}"])
+def clock_defines(cap: int) -> tuple:
+    """The build defines that compile the per-block clock records in (``CudaBackend(defines=)``)."""
+    return (f"PAT_BLOCK_CLOCK={cap}",)
 
 
 def clock_arrays(cap: int) -> dict:
@@ -77,8 +75,8 @@ def clock_arrays(cap: int) -> dict:
     from pat_core.cuda_backend import CudaBackend
     dev = cp.cuda.runtime.getDevice()
     out = {}
-    for (d, key), mod in list(CudaBackend._modules.items()):
-        if d != dev:
+    for (d, key, defines), mod in list(CudaBackend._modules.items()):
+        if d != dev or not any(x.startswith("PAT_BLOCK_CLOCK=") for x in defines):
             continue
         mem = mod.get_global("pat_block_clock")
         out[key] = cp.ndarray((2, cap, REC), dtype=cp.uint64, memptr=mem)
@@ -175,8 +173,6 @@ def main(argv=None) -> int:
         ap.error(f"--reps must be >= 1, got {args.reps}")
     if args.cap < 1:
         ap.error(f"--cap must be >= 1, got {args.cap}")
-    with_clock_define(args.cap)
-
     import torch
     import pat_core
     from bench.common import capture_graph, git_sha, l2_flusher, time_events
@@ -191,6 +187,8 @@ def main(argv=None) -> int:
         print("no CUDA device", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
+    from pat_core.cuda_backend import CudaBackend
+    clocked = CudaBackend(defines=clock_defines(args.cap))
     props = torch.cuda.get_device_properties(0)
     gpu = detect_gpu_name(props.name)
     arch = f"sm_{props.major}{props.minor}"
@@ -209,6 +207,7 @@ def main(argv=None) -> int:
                         dtype=torch.float16)
         packer, kw = METHODS[method]
         w = pat_core.PrefixAttentionWrapper(backend="cuda", packer=packer, gpu=gpu)
+        w._gpu_backend = clocked            # every kernel compiled with the clock records
         plan = w.plan(batch.block_tables, batch.seq_lens, hq, hk, d, ps, kv_data_type="float16",
                       **kw)
         out = w.run(q, (k, v))

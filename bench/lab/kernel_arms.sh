@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Several build variants of the kernels timed side by side in one GPU-machine call: each arm is
-# this tree compiled with its own PAT_NVRTC_DEFINES, or another source tree (an exported commit),
+# this tree compiled with its own tuning defines (kernel_lab.py --defines: cuda_src/pat_traits.cuh's
+# constants), or another source tree (an exported commit),
 # and runs the same kernel_lab cases; the arms run in order and then in reverse (A B C C B A), so
 # a drift of the machine shows; then one table of graph µs per case and arm, best of the two
 # passes, with each arm's ratio to the first and whether every row was correct.
@@ -57,8 +58,10 @@ run_arm() {  # run_arm ARM PASS
     defs="${keep[*]}"
     local lab=bench/lab/kernel_lab.py
     [ -f "$dir/$lab" ] || lab=bench/kernel_lab.py          # a tree from before bench/lab/
+    # trees older than CudaBackend(defines=...) read PAT_NVRTC_DEFINES instead of --defines
     (cd "$dir" && env "${envs[@]}" PAT_NVRTC_DEFINES="$defs" python3 "$lab" \
-        --out "$out" --tag "_${name}_${pass}" "$@") > "$out/${name}_${pass}.log" 2>&1
+        --out "$out" --tag "_${name}_${pass}" ${defs:+--defines $defs} "$@") \
+        > "$out/${name}_${pass}.log" 2>&1
     local rc=$?
     [ $rc -eq 0 ] || failed=1
     echo "arm $name pass $pass: exit $rc ($((SECONDS - t0)) s)"

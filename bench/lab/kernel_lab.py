@@ -686,6 +686,9 @@ def variant_speed_table(rows, res, prev=None, margin: float = 0.0) -> dict:
                      f"{', '.join(kept) or 'none'}") if prev and margin > 0 else ""}
 
 
+DEFINES: list = []   # the --defines of this run (recorded in environment())
+
+
 def environment() -> dict:
     import platform
     import cupy
@@ -695,7 +698,7 @@ def environment() -> dict:
             "l2_flush": flush_mode(),
             "torch": torch.__version__, "cupy": cupy.__version__,
             "python": platform.python_version(), "cuda_runtime": torch.version.cuda,
-            "nvrtc_defines": __import__("os").environ.get("PAT_NVRTC_DEFINES", "")}
+            "nvrtc_defines": " ".join(DEFINES)}
 
 
 def print_table(rows) -> None:
@@ -720,6 +723,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="forced,long,sharing",
                     help=f"comma-separated case sets of {sorted(CASE_SETS)}")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--defines", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="tuning defines of cuda_src/pat_traits.cuh for every kernel "
+                         "(CudaBackend(defines=...))")
     ap.add_argument("--tag", default="", help="suffix of the output file name")
     ap.add_argument("--write-table", default=None, metavar="PATH",
                     help="with the 'layouts' set: write the measured speed of every (m, n) and "
@@ -738,7 +744,8 @@ def main(argv=None) -> int:
     import torch
     from bench.common import copy_bandwidth, l2_flusher
     from pat_core.cuda_backend import CudaBackend
-    backend = CudaBackend()
+    DEFINES[:] = args.defines
+    backend = CudaBackend(defines=tuple(args.defines))
     t0 = time.perf_counter()
     backend.warmup(jobs=16)
     print(f"compiled all variants in {time.perf_counter() - t0:.1f} s", flush=True)
