@@ -23,12 +23,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .gpus import A100, H100
+
 DTYPE_CTYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 DTYPE_SHORT = {"float16": "f16", "bfloat16": "bf16"}
 HEAD_DIMS = (64, 128)
 TILE_MS = (16, 32, 64, 128)
 TILE_NS = (16, 32, 64, 128, 256)
-SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}  # max dynamic smem per block (opt-in)
+# the most dynamic shared memory one block may opt in to, per architecture (gpus.py's limits)
+SMEM_LIMIT = {"sm_80": A100.smem_per_block, "sm_90": H100.smem_per_block}
 # a kernel with more dynamic shared memory than this is loaded with its own maximum set (the
 # opt-in above 48 KB, with room for static shared memory); measured on H100 and H200 with the
 # driver's default carveout, blocks of such kernels and of kernels below it never share an SM

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pat_core.cuda_compile import MERGE_WARPS, SMEM_OPT_IN_BYTES
 from pat_core.gpus import GPUSpec
 from pat_core.tiles import TileResources, estimate_resources, kernel_resources
 
@@ -21,11 +22,6 @@ from pat_core.tiles import TileResources, estimate_resources, kernel_resources
 # the CUDA launcher's constant; registers are a small-kernel guess (it holds head_dim / 32 fp32
 # values per lane and a few scalars).  The shared-memory opt-in threshold (smem_class below)
 # mirrors the launcher's too.
-try:  # the CUDA launcher is optional on CPU machines
-    from pat_core.cuda_compile import MERGE_WARPS, SMEM_OPT_IN_BYTES  # type: ignore
-except Exception:  # noqa: BLE001 - any import problem means "use the documented defaults"
-    MERGE_WARPS = 4
-    SMEM_OPT_IN_BYTES = 40 * 1024
 MERGE_REGISTERS = 40
 
 
