@@ -109,6 +109,42 @@ def test_prose_rule_catches_a_lost_marker(tmp_path):
         assert bool(prose_in_code_cells(f)) == bad, (name, prose_in_code_cells(f))
 
 
+@pytest.mark.parametrize("src", SOURCES, ids=[p.stem for p in SOURCES])
+def test_prose_names_exist(src):
+    """What a tutorial names is there: every `pat_core.x` / `sim.x` name resolves, every
+    ``Tuning(knob=...)`` is a field of ``pat_core.Tuning``, every file path it cites under
+    ``bench/``, ``cuda_src/``, ``pat_core/`` or ``sim/`` exists; and it tells no history
+    (round numbers of the lab journal)."""
+    import dataclasses
+    import importlib
+    import re
+    sys.path.insert(0, str(ROOT))
+    import pat_core
+    text = src.read_text()
+    missing = []
+    for name in sorted(set(re.findall(r"`((?:pat_core|sim)(?:\.[A-Za-z_]\w*)+)", text))):
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+                break
+            except ImportError:
+                continue
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                missing.append(name)
+                break
+            obj = getattr(obj, attr)
+    fields = {f.name for f in dataclasses.fields(pat_core.Tuning)}
+    missing += [f"Tuning({k}=...)" for k in re.findall(r"Tuning\((\w+)=", text)
+                if k not in fields]
+    missing += [path for path in re.findall(r"`((?:bench|cuda_src|pat_core|sim)/[\w./-]*)`",
+                                            text) if not (ROOT / path).exists()]
+    assert not missing, f"{src.name} names what does not exist: {missing}"
+    history = re.findall(r"\bround \d+|NOTES\.md", text)
+    assert not history, f"{src.name} tells the lab's history: {history}"
+
+
 def test_kernel_excerpt_markers_exist():
     """Every kernel excerpt a tutorial prints (``excerpt("NAME")`` / ``show("NAME")``) has one
     ``// <tutorial:NAME>`` line and one ``// </tutorial:NAME>`` line after it in the kernel
