@@ -111,17 +111,85 @@ def _build_intervals(lcp, lens, order):
 
 
 def sort_requests(bt: BlockTable) -> np.ndarray:
-    """Lexicographic order of the requests' page rows (ties: shorter first); int32 ``[B]``.
+    """Lexicographic order of the requests' page rows (a row that is a prefix of another
+    first; ties: shorter first, then by row index); int32 ``[B]``.
 
-    Each row becomes one fixed-width byte string (big-endian ``page + 1``, zero padding, length
-    last), so one ``argsort`` of opaque keys sorts rows by memcmp.
+    A most-significant-column-first radix sort (:func:`_radix_order`): a group of rows is
+    compared against its first row, row by row (contiguous reads), up to the first column
+    where one of them differs or ends, then split by that column's page ids with a stable
+    sort.  It reads each row's shared prefix about once, so a batch under a few long shared
+    prompts costs about its block-table entries.
     """
-    B, W = bt.table.shape
-    keys = np.empty((B, W + 1), dtype=">u4")
-    keys[:, :W] = bt.table.astype(np.int64) + 1     # padding -1 becomes 0: sorts first
-    keys[:, W] = bt.seq_lens
-    raw = np.ascontiguousarray(keys).view(np.dtype((np.void, 4 * (W + 1)))).ravel()
-    return np.argsort(raw, kind="stable").astype(np.int32)
+    return _radix_order(bt.table, bt.num_pages, bt.seq_lens)
+
+
+@njit(cache=True, nogil=True)
+def _radix_order(table, npages, lens):
+    """:func:`sort_requests` (see there); ``table`` int32 ``[B, W]``, ``npages``, ``lens`` int
+    ``[B]``."""
+    B = table.shape[0]
+    order = np.arange(B).astype(np.int32)
+    st_lo = np.empty(B + 1, dtype=np.int64)
+    st_hi = np.empty(B + 1, dtype=np.int64)
+    st_col = np.empty(B + 1, dtype=np.int64)
+    sp = 0
+    st_lo[0] = 0
+    st_hi[0] = B
+    st_col[0] = 0
+    sp = 1
+    while sp > 0:
+        sp -= 1
+        lo = st_lo[sp]
+        hi = st_hi[sp]
+        col = st_col[sp]
+        if hi - lo < 2:
+            continue
+        # the first column, from col, where a row of the group differs from its first row or
+        # ends (rows of the group agree on every column before col)
+        r0 = order[lo]
+        c = npages[r0]
+        for k in range(lo + 1, hi):
+            r = order[k]
+            m = min(npages[r], c)
+            cc = col
+            while cc < m and table[r, cc] == table[r0, cc]:
+                cc += 1
+            c = min(c, cc)
+        if c < col:
+            c = col
+        # stable sort of the group by that column (page + 1; 0 for a row that ended)
+        n = hi - lo
+        key = np.empty(n, dtype=np.int64)
+        for k in range(n):
+            r = order[lo + k]
+            key[k] = np.int64(table[r, c]) + 1 if c < npages[r] else 0
+        perm = np.argsort(key, kind="mergesort")
+        grp = order[lo:hi].copy()
+        skey = key[perm]
+        for k in range(n):
+            order[lo + k] = grp[perm[k]]
+        k = 0
+        while k < n:
+            e = k + 1
+            while e < n and skey[e] == skey[k]:
+                e += 1
+            if skey[k] == 0:
+                # rows that ended here hold the same pages: shorter first, stable
+                if e - k > 1:
+                    sub = order[lo + k:lo + e].copy()
+                    ln = np.empty(e - k, dtype=np.int64)
+                    for q in range(e - k):
+                        ln[q] = lens[sub[q]]
+                    p2 = np.argsort(ln, kind="mergesort")
+                    for q in range(e - k):
+                        order[lo + k + q] = sub[p2[q]]
+            elif e - k > 1:
+                st_lo[sp] = lo + k
+                st_hi[sp] = lo + e
+                st_col[sp] = c + 1
+                sp += 1
+            k = e
+    return order
 
 
 class PrefixForest:

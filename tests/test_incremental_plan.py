@@ -127,3 +127,32 @@ def test_serving_loop_orders(order):
     for step in range(60):
         table, lens = loop.step()
         check_step(planner, table, lens, 8, 2, 64, 8, "pat", run=step % 20 == 0)
+
+
+def sort_by_byte_keys(bt):
+    """The obvious sort (the planner's before the radix sort): each row one big-endian byte
+    string of ``page + 1`` (padding 0) and the length, one stable argsort."""
+    B, W = bt.table.shape
+    keys = np.empty((B, W + 1), dtype=">u4")
+    keys[:, :W] = bt.table.astype(np.int64) + 1
+    keys[:, W] = bt.seq_lens
+    raw = np.ascontiguousarray(keys).view(np.dtype((np.void, 4 * (W + 1)))).ravel()
+    return np.argsort(raw, kind="stable").astype(np.int32)
+
+
+@settings(max_examples=150, deadline=None)
+@given(prefix_batches(max_requests=20))
+def test_radix_sort_matches_byte_key_sort(b):
+    from pat_core.forest import sort_requests
+    from pat_core.inputs import as_block_table
+    bt = as_block_table(b.block_tables, b.seq_lens, b.page_size)
+    assert np.array_equal(sort_requests(bt), sort_by_byte_keys(bt))
+
+
+def test_radix_sort_ties_and_prefixes():
+    from pat_core.forest import sort_requests
+    from pat_core.inputs import as_block_table
+    table = np.array([[3, 4, 5], [3, 4, 5], [3, 4, -1], [3, 4, 5], [1, 2, 3], [3, 4, 6]],
+                     dtype=np.int32)
+    bt = as_block_table(table, [40, 33, 20, 40, 45, 48], 16)
+    assert sort_requests(bt).tolist() == [4, 2, 1, 0, 3, 5] == sort_by_byte_keys(bt).tolist()
