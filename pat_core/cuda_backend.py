@@ -134,11 +134,14 @@ class CudaBackend:
     _functions: dict = {}    # (device, variant key, defines) -> CuPy Function (process-wide)
     _modules: dict = {}      # keeps the modules alive
 
-    def __init__(self, defines: tuple = ()):
+    def __init__(self, defines: tuple = (), cache_dir: str | None = None):
         """``defines``: ``"NAME=VALUE"`` strings overriding the kernels' tuning constants
         (``cuda_src/pat_traits.cuh``) in every module this backend compiles; for experiments
-        (the library's wrappers pass none)."""
+        (the library's wrappers pass none).  ``cache_dir``: where compiled sm_90a kernels are
+        kept (default :data:`pat_core.cuda_modules.DEFAULT_CACHE_DIR`; the other kernels go to
+        CuPy's own cache)."""
         self.defines = tuple(defines)
+        self.cache_dir = cache_dir
         cc.nvrtc_options(defines=self.defines)         # checks them
         cp = _import_cupy()
         try:
@@ -190,7 +193,7 @@ class CudaBackend:
             if fn is not None:
                 return fn
             log.info("compile %s", variant.key)
-            mod, name = _raw_module(self.cp, variant, self.defines)
+            mod, name = _raw_module(self.cp, variant, self.defines, self.cache_dir)
             fn = mod.get_function(name)
             smem = variant.smem_bytes
             # opt in near the 48 KB default too: the limit counts static shared memory as well
@@ -219,7 +222,7 @@ class CudaBackend:
         merges when both are None.  Logs one line per compile (the key).
 
         ``jobs > 1`` first compiles the missing variants in that many worker processes, which
-        fill CuPy's on-disk kernel cache; this process then loads the cached binaries.  Fused
+        fill the on-disk kernel caches; this process then loads the cached binaries.  Fused
         variants (one translation unit holding several tiles) always compile in this process.
         Returns the variant keys now ready.
         """
@@ -237,7 +240,7 @@ class CudaBackend:
                 and not isinstance(v, cc.FusedVariant)]
         if jobs and jobs > 1 and len(todo) > 1:
             try:
-                _compile_in_workers(todo, jobs, self.defines)
+                _compile_in_workers(todo, jobs, self.defines, self.cache_dir)
             except Exception as e:  # fall back to compiling here
                 log.warning("parallel compile failed (%s); compiling serially", e)
         for v in variants:

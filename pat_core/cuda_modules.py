@@ -2,7 +2,8 @@
 
 Every variant but the warpgroup ones is a CuPy ``RawModule`` (NVRTC for the device's own
 architecture, CuPy's on-disk cache).  The warpgroup (wgmma) variants need the sm_90a target:
-they are compiled here with NVRTC and their cubins kept next to CuPy's cache.
+they are compiled here with NVRTC and their cubins kept in the backend's ``cache_dir``
+(:data:`DEFAULT_CACHE_DIR` unless the caller names one).
 """
 from __future__ import annotations
 
@@ -26,24 +27,29 @@ def _variant_from(v):
                     f"or key, got {type(v).__name__}")
 
 
-def _sm90a_cubin_path(cp, variant, opts) -> str:
-    """Where the sm_90a cubin of ``variant`` built with ``opts`` is kept: CuPy's kernel cache
-    folder (as CuPy resolves it), named by the variant, the options and the source hash (part of
-    the options), so worker processes and later runs reuse it."""
+# Where the sm_90a cubins are kept when the backend names no folder (one file per variant,
+# build options and source hash, so later runs and worker processes reuse them).
+DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "pat", "kernels")
+
+
+def _sm90a_cubin_path(cache_dir, variant, opts) -> str:
+    """Where the sm_90a cubin of ``variant`` built with ``opts`` is kept in ``cache_dir``
+    (``None``: :data:`DEFAULT_CACHE_DIR`), named by the variant, the options and the source
+    hash (part of the options)."""
     import hashlib
-    root = cp.cuda.compiler.get_cache_dir()
+    root = os.path.expanduser(cache_dir if cache_dir is not None else DEFAULT_CACHE_DIR)
     tag = hashlib.sha1("\0".join(opts).encode()).hexdigest()[:16]
     return os.path.join(root, f"pat_sm90a_{variant.key}_{tag}.cubin")
 
 
-def _raw_module(cp, variant, defines: tuple = ()):
+def _raw_module(cp, variant, defines: tuple = (), cache_dir=None):
     """``(RawModule, function name)`` of one variant, compiled with ``defines``
-    (:func:`pat_core.cuda_compile.nvrtc_options`).
+    (:func:`pat_core.cuda_compile.nvrtc_options`); sm_90a cubins kept in ``cache_dir``.
 
     Every variant but the warpgroup ones goes through CuPy's RawModule (NVRTC for the device's
     own architecture, CuPy's on-disk cache).  The warpgroup (wgmma) variants need the sm_90a
     target, which RawModule cannot be asked for (it adds ``-arch`` for the device itself):
-    they are compiled here with NVRTC for sm_90a, the cubin kept next to CuPy's cache
+    they are compiled here with NVRTC for sm_90a, the cubin kept in ``cache_dir``
     (:func:`_sm90a_cubin_path`) and the module loaded from it.
     """
     if not getattr(variant, "warpgroup", False):
@@ -55,7 +61,7 @@ def _raw_module(cp, variant, defines: tuple = ()):
     cuda_path = cp.cuda.get_cuda_path()
     if cuda_path and os.path.isdir(os.path.join(cuda_path, "include")):
         opts += (f"-I{os.path.join(cuda_path, 'include')}",)
-    path = _sm90a_cubin_path(cp, variant, opts)
+    path = _sm90a_cubin_path(cache_dir, variant, opts)
     if os.path.exists(path) and os.path.exists(path + ".name"):
         with open(path + ".name") as fh:
             return cp.RawModule(path=path), fh.read()
@@ -82,23 +88,23 @@ def _raw_module(cp, variant, defines: tuple = ()):
 
 
 def _compile_one(fields) -> str:
-    """Worker-process body: compile one variant into CuPy's on-disk cache."""
-    kind, args, defines = fields
+    """Worker-process body: compile one variant into the on-disk caches."""
+    kind, args, defines, cache_dir = fields
     import cupy
     v = {"fwd": cc.FwdVariant, "merge": cc.MergeVariant}[kind](*args)
-    mod, name = _raw_module(cupy, v, defines)
+    mod, name = _raw_module(cupy, v, defines, cache_dir)
     mod.get_function(name)
     return v.key
 
 
-def _compile_in_workers(variants, jobs: int, defines: tuple = ()) -> None:
+def _compile_in_workers(variants, jobs: int, defines: tuple = (), cache_dir=None) -> None:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
     def fields_of(v):
         if isinstance(v, cc.FwdVariant):
             return ("fwd", (v.head_dim, v.dtype, v.m, v.n, v.warps, v.stages, v.rows_per_warp),
-                    defines)
-        return "merge", (v.head_dim, v.dtype, v.warps, v.heads), defines
+                    defines, cache_dir)
+        return "merge", (v.head_dim, v.dtype, v.warps, v.heads), defines, cache_dir
     fields = [fields_of(v) for v in variants]
     ctx = mp.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(jobs, len(fields)), mp_context=ctx) as ex:
