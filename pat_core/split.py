@@ -463,30 +463,33 @@ def _left(sorted_small, x):
 
 
 @njit(cache=True, nogil=True)
-def _price_nb(length, rows, thr, num_kv_heads, head_dim, kv_bytes, num_sms, m_values, bounds,
-              fid, cfg_slot, cfg_inflight, bandwidth, latency):
-    """:func:`split_time_ns` of cutting at ``thr``, with the selector as lookup arrays
-    (:meth:`pat_core.tiles.TileSelector.lookup`) and each config's SM share and in-flight bytes
-    (``cfg_slot``, ``cfg_inflight``, float64 ``[F]``); the same arithmetic, in the same order."""
+def _price_nb(length, rows, parts, plen, num_kv_heads, head_dim, kv_bytes, num_sms, m_values,
+              bounds, fid, cfg_slot, cfg_inflight, bandwidth, latency):
+    """:func:`split_time_ns` of the cut that makes ``parts`` parts of ``plen`` tokens of each
+    pack (int64 ``[K]``, :func:`_parts_of` at the threshold), with the selector as lookup
+    arrays (:meth:`pat_core.tiles.TileSelector.lookup`) and each config's SM share and
+    in-flight bytes (``cfg_slot``, ``cfg_inflight``, float64 ``[F]``); the same arithmetic, in
+    the same order."""
     K = length.shape[0]
     total = 0
     for p in range(K):
-        total += _parts_of(length[p], thr)[0]
+        total += parts[p]
     nbytes = np.empty(total, dtype=np.float64)
     cfg = np.empty(total, dtype=np.int64)
     i = 0
     any_cut = False
     merge = 0
     for p in range(K):
-        parts, pl = _parts_of(length[p], thr)
-        cut = parts > 1
+        n_p = parts[p]
+        pl = plen[p]
+        cut = n_p > 1
         if cut:
             any_cut = True
-            merge += parts * rows[p]
+            merge += n_p * rows[p]
         mi = _left(m_values, rows[p])
-        for k in range(parts):
-            tok = pl if k < parts - 1 else length[p] - (parts - 1) * pl
-            extra = rows[p] * head_dim * 4 if cut else 0
+        extra = rows[p] * head_dim * 4 if cut else 0
+        for k in range(n_p):
+            tok = pl if k < n_p - 1 else length[p] - (n_p - 1) * pl
             nbytes[i] = float(num_kv_heads * (tok * (head_dim * 2 * kv_bytes) + extra))
             cfg[i] = fid[mi, _left(bounds, tok)]
             i += 1
@@ -531,13 +534,13 @@ def _choose_share_nb(length, rows, num_kv_heads, num_sms, min_part, head_dim, kv
     # keep the shares whose cuts differ from every earlier one's
     K = length.shape[0]
     kept_parts = np.empty((nc, K), dtype=np.int64)
+    kept_plen = np.empty((nc, K), dtype=np.int64)
     kept_share = np.empty(nc, dtype=np.float64)
-    kept_thr = np.empty(nc, dtype=np.int64)
     nk = 0
     for c in range(nc):
         thr = _threshold_nb(ftotal, num_kv_heads, num_sms, min_part, cands[c])
         for p in range(K):
-            kept_parts[nk, p] = _parts_of(length[p], thr)[0]
+            kept_parts[nk, p], kept_plen[nk, p] = _parts_of(length[p], thr)
         dup = False
         for j in range(nk):
             same = True
@@ -550,7 +553,6 @@ def _choose_share_nb(length, rows, num_kv_heads, num_sms, min_part, head_dim, kv
                 break
         if not dup:
             kept_share[nk] = cands[c]
-            kept_thr[nk] = thr
             nk += 1
     if nk == 1:
         return auto
@@ -558,8 +560,9 @@ def _choose_share_nb(length, rows, num_kv_heads, num_sms, min_part, head_dim, kv
     t_auto = 0.0
     t_best = 0.0
     for j in range(nk):
-        t = _price_nb(length, rows, kept_thr[j], num_kv_heads, head_dim, kv_bytes, num_sms,
-                      m_values, bounds, fid, cfg_slot, cfg_inflight, bandwidth, latency)
+        t = _price_nb(length, rows, kept_parts[j], kept_plen[j], num_kv_heads, head_dim,
+                      kv_bytes, num_sms, m_values, bounds, fid, cfg_slot, cfg_inflight,
+                      bandwidth, latency)
         if j == 0:
             t_auto = t
             t_best = t
