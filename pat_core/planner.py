@@ -32,8 +32,8 @@ from .inputs import BlockTable, _check_seq_lens, as_block_table, check_heads, ch
 from .packers import (NARROW_SHARE, PACKERS, PARTIAL_WEIGHT, Packs, narrow_packing,
                       narrow_wins, pack, request_packing, request_share, request_wins)
 from .plan import DTYPE_BYTES, Plan, dtype_name
-from .split import (_left, _split, auto_split_share, choose_split_share_fast, split_long_kv,
-                    split_threshold)
+from .split import (_left, _split_parts, auto_split_share, choose_split_share_fast,
+                    split_long_kv, split_threshold)
 from .tiles import TileSelector
 
 
@@ -204,7 +204,7 @@ def _tail_nb(req_indptr, kv_start, kv_end, level, thr, group, m_values, bounds, 
     launch order, the groups (``group_indptr``, ``group_tile``) and the plan's page-entry and
     (CTA, request) pair counts (int64, for the int32 check)."""
     K = kv_start.shape[0]
-    src, start, ln = _split(kv_start, kv_end, np.full(K, thr, dtype=np.int64))
+    src, start, ln = _split_parts(kv_start, kv_end, np.full(K, thr, dtype=np.int64))
     C = src.shape[0]
     F = cfg_m.shape[0]
     nreq = np.empty(C, dtype=np.int64)

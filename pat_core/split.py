@@ -160,6 +160,14 @@ def _part_layout(length, thresholds):
 
 @njit(cache=True, nogil=True)
 def _split(kv_start, kv_end, thresholds):
+    return _split_parts(kv_start, kv_end, thresholds)
+
+
+@njit(cache=True, nogil=True)
+def _split_parts(kv_start, kv_end, thresholds):
+    """:func:`split_long_kv`'s cut (``_split`` is its entry point from Python; compiled code
+    calls this one: a cached function that is both an entry point and another compiled
+    function's callee can hand Python arrays it cannot read)."""
     parts, plen = _part_layout((kv_end - kv_start).astype(np.int64), thresholds)
     total = 0
     for p in range(kv_start.shape[0]):
