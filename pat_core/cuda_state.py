@@ -9,7 +9,6 @@ wrappers fix one state's limits and launches once.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,8 +19,6 @@ from .cuda_views import _Dev, _check_cache, _check_rows
 from .launch import launch_grid, merge_needed
 from .plan import Plan, dtype_name
 
-if TYPE_CHECKING:
-    from .cuda_backend import CudaBackend
 
 
 class StaticState:
@@ -40,11 +37,14 @@ class StaticState:
     plan uses, in the launch set's order, and a merge laid out for the plan, which it skips
     when every request has one partial slot (its forward item wrote the output) and no block
     drew a second item (no work counter to reset).
+
+    ``backend``: the :class:`pat_core.cuda_backend.CudaBackend` that compiles and launches the
+    kernels (not imported here: the backend module imports this one).
     """
 
     _MERGE_BLOCKS_PER_SM = 12      # the merge kernel's launch bounds: 48 warps of 4-warp blocks
 
-    def __init__(self, backend: CudaBackend, layout, num_qo_heads, num_kv_heads, head_dim,
+    def __init__(self, backend, layout, num_qo_heads, num_kv_heads, head_dim,
                  page_size, dtype, sm_scale, fused: bool = False, fixed: bool = True):
         cp = backend.cp
         self.backend, self.cp = backend, cp

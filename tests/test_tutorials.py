@@ -147,23 +147,27 @@ def test_prose_names_exist(src):
 
 def test_kernel_excerpt_markers_exist():
     """Every kernel excerpt a tutorial prints (``excerpt("NAME")`` / ``show("NAME")``) has one
-    ``// <tutorial:NAME>`` line and one ``// </tutorial:NAME>`` line after it in the kernel
-    source, with code between them; tutorial 2 shows at least the five passages its prose
+    ``// <tutorial:NAME>`` line and one ``// </tutorial:NAME>`` line after it in one header of
+    ``cuda_src/``, with code between them; tutorial 2 shows at least the five passages its prose
     walks through."""
     import re
-    kernel = (ROOT / "cuda_src" / "pat_fwd.cuh").read_text().splitlines()
+    headers = {f.name: f.read_text().splitlines()
+               for f in sorted((ROOT / "cuda_src").glob("*.cuh"))}
     used = set()
     for src in SOURCES:
         used |= set(re.findall(r'(?:excerpt|show)\("([a-z0-9-]+)"\)', src.read_text()))
     assert {"prologue", "loop-top", "online-softmax", "loop-end", "gather"} <= used
     for name in sorted(used):
-        opens = [i for i, s in enumerate(kernel) if s.strip() == f"// <tutorial:{name}>"]
-        closes = [i for i, s in enumerate(kernel) if s.strip() == f"// </tutorial:{name}>"]
-        assert len(opens) == 1 and len(closes) == 1, (
-            f"cuda_src/pat_fwd.cuh: tutorial excerpt {name!r} needs exactly one opening and one "
-            f"closing marker, found {len(opens)} and {len(closes)}")
-        body = [s for s in kernel[opens[0] + 1:closes[0]] if s.strip()]
-        assert opens[0] < closes[0] and body, f"excerpt {name!r} is empty or reversed"
+        found = [(f, lines, i) for f, lines in headers.items() for i, s in enumerate(lines)
+                 if s.strip() == f"// <tutorial:{name}>"]
+        closes = [(f, i) for f, lines in headers.items() for i, s in enumerate(lines)
+                  if s.strip() == f"// </tutorial:{name}>"]
+        assert len(found) == 1 and len(closes) == 1 and found[0][0] == closes[0][0], (
+            f"cuda_src: tutorial excerpt {name!r} needs exactly one opening and one closing "
+            f"marker in one header, found {len(found)} and {len(closes)}")
+        (_, kernel, o), (_, c) = found[0], closes[0]
+        body = [s for s in kernel[o + 1:c] if s.strip()]
+        assert o < c and body, f"excerpt {name!r} is empty or reversed"
 
 
 @pytest.fixture(scope="session")

@@ -463,23 +463,28 @@ assert t_two == tiles_ * load_ + compute_            # loads back to back, one c
 # here is always the current kernel.
 
 # %%
-KERNEL = cuda_compile.cuda_src_dir() / "pat_fwd.cuh"
-KERNEL_LINES = KERNEL.read_text().splitlines()
+KERNEL_FILES = {f.name: f.read_text().splitlines()
+                for f in sorted(cuda_compile.cuda_src_dir().glob("*.cuh"))}
 
 
 def excerpt(name):
-    """The lines of the kernel between ``// <tutorial:name>`` and ``// </tutorial:name>``,
-    numbered as in the file."""
-    opens = [i for i, s in enumerate(KERNEL_LINES) if s.strip() == f"// <tutorial:{name}>"]
-    closes = [i for i, s in enumerate(KERNEL_LINES) if s.strip() == f"// </tutorial:{name}>"]
-    assert len(opens) == 1 and len(closes) == 1 and opens[0] < closes[0], (
-        f"{KERNEL.name}: the excerpt markers for {name!r} are missing or repeated")
-    return [(i + 1, KERNEL_LINES[i]) for i in range(opens[0] + 1, closes[0])]
+    """``(file, [(line number, line), ...])``: the kernel lines between ``// <tutorial:name>``
+    and ``// </tutorial:name>``, numbered as in their header."""
+    found = []
+    for fname, lines in KERNEL_FILES.items():
+        opens = [i for i, s in enumerate(lines) if s.strip() == f"// <tutorial:{name}>"]
+        closes = [i for i, s in enumerate(lines) if s.strip() == f"// </tutorial:{name}>"]
+        found += [(fname, lines, o, c) for o, c in zip(opens, closes)]
+    assert len(found) == 1 and found[0][2] < found[0][3], (
+        f"cuda_src: the excerpt markers for {name!r} are missing or repeated")
+    fname, lines, o, c = found[0]
+    return fname, [(i + 1, lines[i]) for i in range(o + 1, c)]
 
 
 def show(name):
-    print(f"--- {KERNEL.name}: {name} ---")
-    for num, line in excerpt(name):
+    fname, lines = excerpt(name)
+    print(f"--- {fname}: {name} ---")
+    for num, line in lines:
         print(f"{num:4d}  {line}")
     print()
 
@@ -514,8 +519,8 @@ show("online-softmax")
 
 # %%
 show("loop-end")
-kernel_text = "\n".join(line for _, line in excerpt("prologue") + excerpt("loop-top")
-                        + excerpt("loop-end"))
+kernel_text = "\n".join(line for part in ("prologue", "loop-top", "loop-end")
+                        for _, line in excerpt(part)[1])
 for call in ("cp_async_commit", "cp_async_wait<STAGES - 1>", "cp_async_wait<0>"):
     assert call in kernel_text, call
 
@@ -528,7 +533,7 @@ for call in ("cp_async_commit", "cp_async_wait<STAGES - 1>", "cp_async_wait<0>")
 
 # %%
 show("gather")
-gather = "\n".join(line for _, line in excerpt("gather"))
+gather = "\n".join(line for _, line in excerpt("gather")[1])
 assert "pages[" in gather and "cp_async_16" in gather
 
 # %% [markdown]
