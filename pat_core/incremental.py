@@ -53,10 +53,12 @@ def _continues(raw, i, new_len, old_tbl, j, old_npages, old_len):
 
 @njit(cache=True, nogil=True)
 def _match_rows(raw, new_len, new_npages, width, old_tbl, old_npages, old_len, lookahead):
-    """``(tbl, match, bad)``: the new masked table (int32 ``[B, width]``, ``-1`` past each row's
-    pages), the old row each new row continues (int64 ``[B]``, ``-1``: none) and ``bad``
-    (``True`` when a used entry is negative or past int32: the caller re-plans from scratch,
-    which reports it)."""
+    """``(tbl, match, bad, same, changed, added)``: the new masked table (int32
+    ``[B, width]``, ``-1`` past each row's pages), the old row each new row continues (int64
+    ``[B]``, ``-1``: none), ``bad`` (``True`` when a used entry is negative or past int32: the
+    caller re-plans from scratch, which reports it), ``same`` (every row continues the old row
+    of its index, and no row left), ``changed`` (int64 ``[k]``: with ``same``, the rows whose
+    length changed) and ``added`` (the tokens they added)."""
     B = raw.shape[0]
     Bo = old_tbl.shape[0]
     tbl = np.empty((B, width), dtype=np.int32)
@@ -72,9 +74,13 @@ def _match_rows(raw, new_len, new_npages, width, old_tbl, old_npages, old_len, l
                 tbl[i, c] = v
             else:
                 tbl[i, c] = -1
+    changed = np.empty(0, dtype=np.int64)
     if bad:
-        return tbl, match, bad
+        return tbl, match, bad, False, changed, 0
     j = 0
+    same = B == Bo
+    n_changed = 0
+    added = 0
     for i in range(B):
         for d in range(lookahead):
             if j + d >= Bo:
@@ -83,7 +89,19 @@ def _match_rows(raw, new_len, new_npages, width, old_tbl, old_npages, old_len, l
                 match[i] = j + d
                 j = j + d + 1
                 break
-    return tbl, match, bad
+        if match[i] != i:
+            same = False
+        elif new_len[i] != old_len[i]:
+            n_changed += 1
+            added += new_len[i] - old_len[i]
+    if same:
+        changed = np.empty(n_changed, dtype=np.int64)
+        k = 0
+        for i in range(B):
+            if new_len[i] != old_len[i]:
+                changed[k] = i
+                k += 1
+    return tbl, match, bad, same, changed, added
 
 
 @njit(cache=True, nogil=True)

@@ -32,7 +32,7 @@ from .inputs import BlockTable, _check_seq_lens, as_block_table, check_heads, ch
 from .packers import (NARROW_SHARE, PACKERS, PARTIAL_WEIGHT, Packs, narrow_packing,
                       narrow_wins, pack, request_packing, request_share, request_wins)
 from .plan import DTYPE_BYTES, Plan, dtype_name
-from .split import (_left, _split_parts, auto_split_share, choose_split_share_fast,
+from .split import (_left, _split_parts, auto_split_share, choose_split_threshold_fast,
                     split_long_kv, split_threshold)
 from .tiles import TileSelector
 
@@ -304,30 +304,35 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
     tuning = tuning or Tuning()
     group = num_qo_heads // num_kv_heads
     gpu = selector.gpu
-    length = packs.kv_end - packs.kv_start
-    rows = np.diff(packs.req_indptr) * group
-    if rows.size and int(rows.max()) > selector.max_rows:
-        raise ValueError(f"a CTA has {int(rows.max())} rows; the largest tile has "
-                         f"{selector.max_rows}")
     weight = None
-    if split:
-        rule = split if isinstance(split, str) else "sm"
-        if rule == "sm" and tuning.split_by == "work":
-            weight = selector.row_time_weight(rows)
-        share = tuning.split_share
-        if share is None and weight is None and rule == "sm":
-            share = choose_split_share_fast(length, rows, num_kv_heads=num_kv_heads,
-                                            head_dim=head_dim, kv_bytes=DTYPE_BYTES[kv_dtype],
-                                            gpu=gpu, selector=selector,
-                                            min_part=tuning.min_part)
-        elif share is None and rule == "sm":
-            share = auto_split_share(length, rows, num_kv_heads, gpu.num_sms,
-                                     min_part=tuning.min_part)
-        thr = split_threshold(length, num_kv_heads, gpu.num_sms, rule=rule,
-                              min_part=tuning.min_part, share=2.0 if share is None else share,
-                              weight=weight)
+    rule = (split if isinstance(split, str) else "sm") if split else None
+    if rule == "sm" and tuning.split_share is None and tuning.split_by == "tokens":
+        # the default: share, threshold and the rows check in one compiled call
+        thr, most = choose_split_threshold_fast(
+            packs.req_indptr, packs.kv_start, packs.kv_end, group, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, kv_bytes=DTYPE_BYTES[kv_dtype], gpu=gpu, selector=selector,
+            min_part=tuning.min_part)
+        if most > selector.max_rows:
+            raise ValueError(f"a CTA has {most} rows; the largest tile has "
+                             f"{selector.max_rows}")
     else:
-        thr = int(length.max()) if length.size else 1
+        length = packs.kv_end - packs.kv_start
+        rows = np.diff(packs.req_indptr) * group
+        if rows.size and int(rows.max()) > selector.max_rows:
+            raise ValueError(f"a CTA has {int(rows.max())} rows; the largest tile has "
+                             f"{selector.max_rows}")
+        if rule is not None:
+            if rule == "sm" and tuning.split_by == "work":
+                weight = selector.row_time_weight(rows)
+            share = tuning.split_share
+            if share is None and rule == "sm":
+                share = auto_split_share(length, rows, num_kv_heads, gpu.num_sms,
+                                         min_part=tuning.min_part)
+            thr = split_threshold(length, num_kv_heads, gpu.num_sms, rule=rule,
+                                  min_part=tuning.min_part,
+                                  share=2.0 if share is None else share, weight=weight)
+        else:
+            thr = int(length.max()) if length.size else 1
     if weight is not None:
         return _assemble_weighted(bt, packs, thr, weight, num_qo_heads=num_qo_heads,
                                   num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -565,20 +570,19 @@ class Planner:
         width = int(npages.max())
         if width > raw.shape[1]:
             return None                          # the full path names the short row
-        tbl, match, bad = _match_rows(raw, new_lens, npages, width, old.table, old.num_pages,
-                                      old.seq_lens, LOOKAHEAD)
+        tbl, match, bad, same, changed, added = _match_rows(
+            raw, new_lens, npages, width, old.table, old.num_pages, old.seq_lens, LOOKAHEAD)
         if bad:
             return None
         B = new_lens.shape[0]
         nbt = BlockTable(table=tbl, seq_lens=new_lens, num_pages=npages.astype(np.int32),
                          page_size=ps)
         forest: PrefixForest = c["forest"]
-        if B == old.batch_size and np.array_equal(match, np.arange(B)):
-            changed = np.flatnonzero(new_lens != old.seq_lens)
+        if same:
             if changed.size == 0:
                 self.last_path = "reuse"         # the same pages and lengths
                 return c["plan"]
-            plan = self._length_update(c, nbt, changed)
+            plan = self._length_update(c, nbt, changed, int(added))
             if plan is not None:
                 self.last_path = "lengths"
                 return plan
@@ -609,21 +613,20 @@ class Planner:
         return TileSelector(head_dim, dtype_name(kv_data_type, "kv_data_type"), gpu, fixed=tile,
                             exclude=None if tile is not None else self.tuning.exclude_tiles)
 
-    def _length_update(self, c: dict, nbt: BlockTable, changed: np.ndarray):
+    def _length_update(self, c: dict, nbt: BlockTable, changed: np.ndarray, added: int):
         """The plan when the rows are the last step's and only ``changed`` rows (int ``[k]``)
-        grew, each from a last token of its own (pages it lists may be new): the forest keeps
-        its shape, every pack keeps its requests, and only those rows' leaf packs get longer
+        grew, by ``added`` tokens in all, each from a last token of its own (pages it lists
+        may be new): the forest keeps its shape, every pack keeps its requests, and only
+        those rows' leaf packs get longer
         (in the ``pat`` packing and in the per-request one alike, so the token totals that
         the narrow and per-request rules compare both grow by the tokens added); the
         choices are made again from those totals, then the split, tiles and layout run again.
         ``None`` where the narrow choice flips (the caller packs the forest again)."""
-        bt: BlockTable = c["bt"]
         pat: Packs = c["pat_packs"]
         lp = pat.leaf_pack[changed]
         if np.any(lp < 0):
             return None                       # a request's last token is shared
-        grow = nbt.seq_lens[changed].astype(np.int64)
-        added = int((grow - bt.seq_lens[changed]).sum())
+        grow = nbt.seq_lens[changed]
         narrow = c["narrow"]
         if narrow is not None:
             share = self.tuning.narrow_share
@@ -633,7 +636,7 @@ class Planner:
             narrow = (wide, thin)
         forest = copy.copy(c["forest"])
         forest.end = forest.end.copy()
-        forest.end[forest.req_node[changed]] = grow.astype(np.int32)
+        forest.end[forest.req_node[changed]] = grow
         forest.block_table = nbt
         p, kw = c["plan"], c["kw"]
         pat = _grown(pat, lp, grow)

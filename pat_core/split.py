@@ -582,24 +582,41 @@ def _choose_share_nb(length, rows, num_kv_heads, num_sms, min_part, head_dim, kv
     return auto
 
 
+@njit(cache=True, nogil=True)
+def _choose_threshold_nb(req_indptr, kv_start, kv_end, group, num_kv_heads, num_sms, min_part,
+                         head_dim, kv_bytes, m_values, bounds, fid, cfg_slot, cfg_inflight,
+                         bandwidth, latency):
+    """``(threshold, max_rows)`` of packs given as arrays (``req_indptr [K+1]``, ``kv_start``,
+    ``kv_end [K]``): the ``"sm"`` rule's threshold at :func:`_choose_share_nb`'s share, and the
+    most query rows of a pack (the caller checks them against the largest tile)."""
+    K = kv_start.shape[0]
+    length = np.empty(K, dtype=np.int64)
+    rows = np.empty(K, dtype=np.int64)
+    total = 0
+    most = 0
+    for p in range(K):
+        length[p] = kv_end[p] - kv_start[p]
+        rows[p] = (req_indptr[p + 1] - req_indptr[p]) * group
+        total += length[p]
+        most = max(most, rows[p])
+    if K == 0:
+        return 1, 0
+    share = _choose_share_nb(length, rows, num_kv_heads, num_sms, min_part, head_dim, kv_bytes,
+                             m_values, bounds, fid, cfg_slot, cfg_inflight, bandwidth, latency)
+    return _threshold_nb(float(total), num_kv_heads, num_sms, min_part, share), most
+
+
 _PRICE_MEMO: dict = {}   # (configs, head_dim, kv_bytes, num_kv_heads, gpu) -> (slot, inflight)
 
 
-def choose_split_share_fast(length: np.ndarray, rows: np.ndarray, *, num_kv_heads: int,
-                            head_dim: int, kv_bytes: int, gpu, selector,
-                            min_part: int = 256) -> float:
-    """The share :func:`choose_split_share` returns (same inputs, same float arithmetic), in
-    one compiled call: the planner's per-step path.  ``length``, ``rows``: int ``[K]``."""
-    length = np.asarray(length).astype(np.int64)
-    rows = np.asarray(rows).astype(np.int64)
-    if length.size == 0:
-        return DEFAULT_SPLIT_SHARE
-    m_values, bounds, fid, configs = selector.lookup()
-    # the configs' SM shares and in-flight bytes: kept on the selector (no hashing of the
-    # GPU spec per plan) and per configuration
+def _price_constants(selector, num_kv_heads: int, head_dim: int, kv_bytes: int, gpu):
+    """``(slot, inflight)``: float64 ``[F]``, each selectable config's SM share and in-flight
+    bytes (:func:`_price_thresholds`' rule), kept on the selector (no hashing of the GPU spec
+    per plan) and per configuration."""
     own = selector.__dict__.setdefault("_price_memo", {})
     hit = own.get((head_dim, kv_bytes, num_kv_heads))
     if hit is None:
+        configs = selector.lookup()[3]
         key = (configs.tobytes(), head_dim, kv_bytes, num_kv_heads, gpu)
         hit = _PRICE_MEMO.get(key)
         if hit is None:
@@ -616,8 +633,40 @@ def choose_split_share_fast(length: np.ndarray, rows: np.ndarray, *, num_kv_head
                 inflight[u] = num_kv_heads * max(stages - 1, 1) * n * head_dim * 2 * kv_bytes
             hit = _PRICE_MEMO[key] = (slot, inflight)
         own[(head_dim, kv_bytes, num_kv_heads)] = hit
+    return hit
+
+
+def choose_split_share_fast(length: np.ndarray, rows: np.ndarray, *, num_kv_heads: int,
+                            head_dim: int, kv_bytes: int, gpu, selector,
+                            min_part: int = 256) -> float:
+    """The share :func:`choose_split_share` returns (same inputs, same float arithmetic), in
+    one compiled call.  ``length``, ``rows``: int ``[K]``."""
+    length = np.asarray(length).astype(np.int64)
+    rows = np.asarray(rows).astype(np.int64)
+    if length.size == 0:
+        return DEFAULT_SPLIT_SHARE
+    m_values, bounds, fid, _ = selector.lookup()
+    slot, inflight = _price_constants(selector, num_kv_heads, head_dim, kv_bytes, gpu)
     return float(_choose_share_nb(
         length, rows, int(num_kv_heads), int(gpu.num_sms), int(min_part), int(head_dim),
-        int(kv_bytes), m_values, bounds, fid, hit[0], hit[1],
+        int(kv_bytes), m_values, bounds, fid, slot, inflight,
         float(gpu.hbm_bandwidth * gpu.achieved_bw_fraction),
         float(gpu.mem_latency_ns * LOADED_LATENCY)))
+
+
+def choose_split_threshold_fast(req_indptr: np.ndarray, kv_start: np.ndarray,
+                                kv_end: np.ndarray, group: int, *, num_kv_heads: int,
+                                head_dim: int, kv_bytes: int, gpu, selector,
+                                min_part: int = 256) -> tuple:
+    """``(threshold, max_rows)``: :func:`split_threshold` (``"sm"``) at
+    :func:`choose_split_share`'s share for packs given as arrays (``req_indptr`` int
+    ``[K+1]``, ``kv_start``, ``kv_end`` int ``[K]``; ``group`` query rows per request), and
+    the most query rows of a pack: the planner's per-step call."""
+    m_values, bounds, fid, _ = selector.lookup()
+    slot, inflight = _price_constants(selector, num_kv_heads, head_dim, kv_bytes, gpu)
+    thr, most = _choose_threshold_nb(
+        req_indptr, kv_start, kv_end, int(group), int(num_kv_heads), int(gpu.num_sms),
+        int(min_part), int(head_dim), int(kv_bytes), m_values, bounds, fid, slot, inflight,
+        float(gpu.hbm_bandwidth * gpu.achieved_bw_fraction),
+        float(gpu.mem_latency_ns * LOADED_LATENCY))
+    return int(thr), int(most)
