@@ -28,7 +28,8 @@ from numba import njit
 from .forest import PrefixForest
 from .gpus import get_gpu
 from .incremental import LOOKAHEAD, _match_rows, _next_order
-from .inputs import BlockTable, _check_seq_lens, as_block_table, check_heads, check_size
+from .inputs import (INT32_MAX, BlockTable, _check_seq_lens, as_block_table, check_heads,
+                     check_size)
 from .packers import (NARROW_SHARE, PACKERS, PARTIAL_WEIGHT, Packs, narrow_packing,
                       narrow_wins, pack, request_packing, request_share, request_wins)
 from .plan import DTYPE_BYTES, Plan, dtype_name
@@ -142,6 +143,15 @@ def _tuning_key(t: Tuning) -> tuple:
 
 @njit(cache=True, nogil=True)
 def _layout(req_indptr, reqs, src, kv_start, kv_len, order, table, page_size, batch):
+    """:func:`_layout_parts`, called from Python (compiled code calls ``_layout_parts``: a
+    cached function that is both an entry point and a callee can hand Python arrays it
+    cannot read)."""
+    return _layout_parts(req_indptr, reqs, src, kv_start, kv_len, order, table, page_size,
+                         batch)
+
+
+@njit(cache=True, nogil=True)
+def _layout_parts(req_indptr, reqs, src, kv_start, kv_len, order, table, page_size, batch):
     """Per-CTA arrays in launch order: requests, slots, pages (one pass, no temporaries).
 
     ``src [C]`` pack of each CTA, ``order [C]`` launch order.  Slots are numbered request by
@@ -292,6 +302,33 @@ def _grown(packs: Packs, which: np.ndarray, end: np.ndarray) -> Packs:
                  kv_end=kv_end, level=packs.level, leaf_pack=packs.leaf_pack)
 
 
+@njit(cache=True, nogil=True)
+def _tail_layout_nb(req_indptr, reqs, kv_start, kv_end, level, thr, group, m_values, bounds,
+                    fid, cfg_m, order_mode, table, page_size, batch):
+    """:func:`_tail_nb` then :func:`_layout` in one call: the plan's arrays in launch order.
+    Returns ``(used, cta_tile, group_indptr, group_tile, cta_kv_start, cta_kv_len,
+    cta_req_indptr, cta_req, cta_slot, cta_page_indptr, cta_pages, req_slot_indptr, n_pages,
+    n_pairs)``; past int32 (``max(n_pages, n_pairs) > 2^31 - 1``) the layout arrays are empty
+    and the caller refuses the batch."""
+    (src, start, ln, order, used, cta_tile, group_indptr, group_tile, n_pages,
+     n_pairs) = _tail_nb(req_indptr, kv_start, kv_end, level, thr, group, m_values, bounds,
+                         fid, cfg_m, order_mode, page_size)
+    C = order.shape[0]
+    cta_kv_start = np.empty(C, dtype=np.int32)
+    cta_kv_len = np.empty(C, dtype=np.int32)
+    for i in range(C):
+        cta_kv_start[i] = start[order[i]]
+        cta_kv_len[i] = ln[order[i]]
+    if max(n_pages, n_pairs) > INT32_MAX:
+        e = np.empty(0, dtype=np.int32)
+        return (used, cta_tile, group_indptr, group_tile, cta_kv_start, cta_kv_len, e, e, e,
+                e, e, e, n_pages, n_pairs)
+    req_ptr, cta_req, cta_slot, page_ptr, pages, req_slot_indptr = _layout_parts(
+        req_indptr, reqs, src, start, ln, order, table, page_size, batch)
+    return (used, cta_tile, group_indptr, group_tile, cta_kv_start, cta_kv_len, req_ptr,
+            cta_req, cta_slot, page_ptr, pages, req_slot_indptr, n_pages, n_pairs)
+
+
 _ORDER_MODE = {"tile": 0, "work": 1, "shared": 2}
 
 
@@ -343,24 +380,23 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
         serial, mode = True, 3
     else:
         mode = _ORDER_MODE[tuning.order]
-    (src, kv_start, kv_len, order, used, cta_tile, group_indptr, group_tile, n_pages,
-     n_pairs) = _tail_nb(packs.req_indptr, packs.kv_start, packs.kv_end, packs.level,
-                         int(thr), group, m_values, bounds, fid,
-                         np.ascontiguousarray(configs[:, 0]), mode, bt.page_size)
     B = bt.batch_size
+    (used, cta_tile, group_indptr, group_tile, cta_kv_start, cta_kv_len, req_ptr, cta_req,
+     cta_slot, page_ptr, pages, req_slot_indptr, n_pages, n_pairs) = _tail_layout_nb(
+        packs.req_indptr, packs.reqs, packs.kv_start, packs.kv_end, packs.level, int(thr),
+        group, m_values, bounds, fid, np.ascontiguousarray(configs[:, 0]), mode, bt.table,
+        bt.page_size, B)
     # the Plan's arrays are int32: refuse a batch whose lists would not fit rather than wrap
-    if max(n_pages, n_pairs) > np.iinfo(np.int32).max:
+    if max(n_pages, n_pairs) > INT32_MAX:
         raise ValueError(f"block_tables: the plan would list {n_pages} page entries and "
                          f"{n_pairs} (CTA, request) pairs; the int32 Plan holds at most 2^31 - 1")
-    req_ptr, cta_req, cta_slot, page_ptr, pages, req_slot_indptr = _layout(
-        packs.req_indptr, packs.reqs, src, kv_start, kv_len, order, bt.table, bt.page_size, B)
     return Plan(
         batch_size=B, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         page_size=bt.page_size, sm_scale=float(sm_scale), packer=packer, gpu=gpu.name,
         kv_dtype=kv_dtype, serial=bool(serial),
         tile_configs=configs[used].astype(np.int32), group_indptr=group_indptr,
         group_tile=group_tile, cta_tile=cta_tile, cta_req_indptr=req_ptr, cta_req=cta_req,
-        cta_slot=cta_slot, cta_kv_start=kv_start[order], cta_kv_len=kv_len[order],
+        cta_slot=cta_slot, cta_kv_start=cta_kv_start, cta_kv_len=cta_kv_len,
         cta_page_indptr=page_ptr, cta_pages=pages, req_slot_indptr=req_slot_indptr,
         seq_lens=bt.seq_lens.astype(np.int32),
     )
