@@ -39,7 +39,8 @@ LOOKAHEAD = 8
 
 @njit(cache=True, nogil=True)
 def _continues(raw, i, new_len, old_tbl, j, old_npages, old_len):
-    """Whether new row ``i`` continues old row ``j`` (old pages a prefix, no shorter)."""
+    """Whether new row ``i`` of ``raw`` (its masked copy) continues old row ``j`` (old pages
+    a prefix, no shorter)."""
     k = old_npages[j]
     if new_len[i] < old_len[j] or k > raw.shape[1]:
         return False
@@ -64,7 +65,12 @@ def _match_rows(raw, new_len, new_npages, width, old_tbl, old_npages, old_len, l
     tbl = np.empty((B, width), dtype=np.int32)
     match = np.full(B, -1, dtype=np.int64)
     bad = False
+    j = 0
+    same = B == Bo
+    n_changed = 0
+    added = 0
     for i in range(B):
+        # one pass over the caller's row: mask it, then compare the copy (still in cache)
         k = new_npages[i]
         for c in range(width):
             if c < k:
@@ -74,18 +80,10 @@ def _match_rows(raw, new_len, new_npages, width, old_tbl, old_npages, old_len, l
                 tbl[i, c] = v
             else:
                 tbl[i, c] = -1
-    changed = np.empty(0, dtype=np.int64)
-    if bad:
-        return tbl, match, bad, False, changed, 0
-    j = 0
-    same = B == Bo
-    n_changed = 0
-    added = 0
-    for i in range(B):
         for d in range(lookahead):
             if j + d >= Bo:
                 break
-            if _continues(raw, i, new_len, old_tbl, j + d, old_npages, old_len):
+            if _continues(tbl, i, new_len, old_tbl, j + d, old_npages, old_len):
                 match[i] = j + d
                 j = j + d + 1
                 break
@@ -94,6 +92,9 @@ def _match_rows(raw, new_len, new_npages, width, old_tbl, old_npages, old_len, l
         elif new_len[i] != old_len[i]:
             n_changed += 1
             added += new_len[i] - old_len[i]
+    changed = np.empty(0, dtype=np.int64)
+    if bad:
+        return tbl, match, bad, False, changed, 0
     if same:
         changed = np.empty(n_changed, dtype=np.int64)
         k = 0
