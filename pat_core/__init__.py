@@ -15,8 +15,9 @@ from .inputs import BlockTable
 from .merge import merge_partials, merge_state
 from .packers import PACKERS
 from .plan import Plan
-from .planner import Planner, Tuning
+from .planner import Planner
 from .reference import dense_attention
+from .tuning import Tuning
 from .wrapper import PrefixAttentionWrapper
 
 __version__ = "0.1.0"
