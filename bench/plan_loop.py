@@ -16,6 +16,14 @@ its cache there).  ``--check`` compares the two plans' arrays at every step (not
 counts the steps where they differ.  ``--tree`` also times fresh plans of a tree batch
 (``pat_core.workloads.build_tree_batch``), median of ``--tree-reps``.
 
+``--backend cuda`` (a GPU machine) times ``PrefixAttentionWrapper(backend="cuda").plan()``
+instead, reused over the loop: the plan plus its device copy (packing into pinned memory and
+one asynchronous copy on the current stream).  Each step first enqueues ``--busy-ms`` of GPU
+work (``torch.cuda._sleep``, standing in for the step's attention that is still running while
+the host plans the next one), times ``plan()``, then waits for the stream (the engine reading
+the step's output).  A ``plan()`` that waited for the device would take at least ``busy_ms``:
+the row reports the longest plan against it.
+
 Writes JSON with the machine (CPU model, cores), the versions (Python, NumPy, Numba) and the
 git sha; prints one line per configuration.  Targets (issue 37, a CI-like 2-core CPU, medians
 over >= 200 steps, p99 <= 3x median): incremental <= 0.15 ms per step at 128 requests,
@@ -32,10 +40,10 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if __package__ in (None, ""):                  # run as a script: the checkout importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import git_sha  # noqa: E402
+from bench.common import git_sha  # noqa: E402
 
 import numba  # noqa: E402
 
@@ -122,6 +130,41 @@ def run_loop(args, requests: int, hq: int, hk: int) -> dict:
     return row
 
 
+def run_device_loop(args, requests: int, hq: int, hk: int) -> dict:
+    """``--backend cuda``: the wrapper's plan() (plan + device copy) per step, with the GPU
+    busy for ``--busy-ms`` when each plan starts (module docstring)."""
+    import torch
+    lo, hi = (int(x) for x in args.private.split(","))
+    loop = ServingLoop(requests, args.prompts, args.prompt_len, (lo, hi), args.page_size,
+                       seed=args.seed, order=args.order)
+    w = pat_core.PrefixAttentionWrapper(backend="cuda", packer=args.packer)
+    # cycles of torch.cuda._sleep per millisecond, from one timed sleep
+    torch.cuda.synchronize()
+    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ev0.record()
+    torch.cuda._sleep(10_000_000)
+    ev1.record()
+    torch.cuda.synchronize()
+    cycles_per_ms = 10_000_000 / ev0.elapsed_time(ev1)
+    ts, paths = [], {}
+    for step in range(args.warmup + args.steps):
+        table, lens = loop.step()
+        torch.cuda._sleep(int(args.busy_ms * cycles_per_ms))
+        t0 = time.perf_counter()
+        w.plan(table, lens, hq, hk, args.head_dim, args.page_size)
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        if step >= args.warmup:
+            ts.append(t1 - t0)
+            path = w.planner.last_path
+            paths[path] = paths.get(path, 0) + 1
+    row = dict(requests=requests, backend="cuda", device=torch.cuda.get_device_name(),
+               busy_ms=args.busy_ms, steps=args.steps, order=args.order,
+               plan_and_copy=summary(ts), paths=paths)
+    row["waited_for_device"] = bool(row["plan_and_copy"]["max_ms"] >= args.busy_ms)
+    return row
+
+
 def run_tree(args, spec: str, hq: int, hk: int) -> dict:
     b = build_tree_batch(spec, page_size=16, seed=0)
     call = lambda: Planner(args.packer, args.gpu).plan(  # noqa: E731
@@ -163,11 +206,24 @@ def main(argv=None):
                     help="tree spec for the fresh-plan timing ('' to skip)")
     ap.add_argument("--tree-reps", type=int, default=200)
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
+    ap.add_argument("--backend", default="cpu", choices=("cpu", "cuda"),
+                    help="cuda: time the CUDA wrapper's plan() with its device copy")
+    ap.add_argument("--busy-ms", type=float, default=5.0,
+                    help="--backend cuda: GPU work enqueued before each plan()")
     args = ap.parse_args(argv)
     hq, hk = (int(x) for x in args.heads.split(":"))
     load_start = list(os.getloadavg())     # other work on the machine skews the timings
     rows = []
     for n in (int(x) for x in args.requests.split(",") if x):
+        if args.backend == "cuda":
+            row = run_device_loop(args, n, hq, hk)
+            rows.append(row)
+            pc = row["plan_and_copy"]
+            print(f"{n:>5} req  plan + copy {pc['median_ms']:.3f} ms (p99 {pc['p99_ms']:.3f}, "
+                  f"max {pc['max_ms']:.3f}; GPU busy {args.busy_ms} ms: "
+                  f"{'WAITED' if row['waited_for_device'] else 'no wait'})  paths "
+                  f"{row['paths']}", flush=True)
+            continue
         row = run_loop(args, n, hq, hk)
         rows.append(row)
         inc = row["incremental"]

@@ -129,6 +129,8 @@ TUNINGS = {
     "share3": {"split_share": 3.0},
     # the per-request rule off (the planner keeps its shared packing)
     "noreq": {"request_share": 0.0},
+    # no long-KV split (a share this small makes the fair share the whole batch's KV)
+    "nocut": {"split_share": 1e-6},
     "n32": {"kv_tile_table": ((1 << 62, 32),)},
     "n32-share3": {"kv_tile_table": ((1 << 62, 32),), "split_share": 3.0},
     # short-KV tiles with a single-stage ring (tile 0 loads with Q; smaller blocks, more per SM)
