@@ -299,8 +299,8 @@ for res in results:
 #   (`1,64_4096,64`: a 4,096-token prompt shared by 64 requests, each with 64 tokens of its
 #   own). The gain shrinks when a request's own tokens dwarf what it shares:
 #   `1,32,256_64,64,1024` (128 shared tokens, 1,024 private ones per request) gains under 1%.
-# * Where nothing is shared both kernels read the same bytes, and they land between 0.96x and
-#   1.13x of each other.
+# * Where nothing is shared both kernels read the same bytes, and they land between 0.99x and
+#   1.14x of each other.
 # * On the large steps (a floor above 250 us) pat runs within 10% of the floor: there is
 #   little left to gain. On small steps fixed costs dominate: `1_512` reads 0.7 us worth of
 #   bytes and takes about 13 us (launch, pipeline fill, the latency of the first loads).
@@ -340,7 +340,7 @@ for res in results:
     assert min(shared.values()) > 1 and best == "1,64_4096,64"
     assert round(shared[best], 1) == 3.8
     assert 1 < shared["1,32,256_64,64,1024"] < 1.01
-    assert (round(min(alone.values()), 2), round(max(alone.values()), 2)) == (0.96, 1.13)
+    assert (round(min(alone.values()), 2), round(max(alone.values()), 2)) == (0.99, 1.14)
     assert len(big) >= 3 and max(big.values()) < 1.10
     r = rows[("1_512", "pat")]
     assert round(r["floor_us"], 1) == 0.7 and round(r["latency_us"]) == 13
