@@ -140,11 +140,11 @@ class StaticState:
         host-to-device copy on ``stream_ptr``, ordered after the work already on that stream
         (a run of the previous plan reads the old contents until then)."""
         self.check_plan(plan)
-        packed = self.layout.pack(plan)
+        self.layout.check(plan)            # a plan past a limit fails before any wait
         cp = self.cp
         with cp.cuda.Device(self.device):
             self.copied.synchronize()      # the previous copy has read the staging memory
-            self.staging[:packed.shape[0]] = packed
+            packed = self.layout.pack(plan, out=self.staging)
             cp.cuda.runtime.memcpyAsync(int(self.buf.data.ptr), self.staging.ctypes.data,
                                         packed.shape[0] * 4, cp.cuda.runtime.memcpyHostToDevice,
                                         stream_ptr)

@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from .plan import Plan
 
@@ -147,34 +148,27 @@ class StaticLayout:
                 raise ValueError(f"the plan uses tile ({m}, {n}), which is not in the graph-safe "
                                  f"launch set {self.tiles}")
 
-    def pack(self, plan: Plan) -> np.ndarray:
+    def pack(self, plan: Plan, out: np.ndarray | None = None) -> np.ndarray:
         """The buffer's contents for ``plan``: int32 ``[n]`` with ``n <= total`` (everything up to
-        the plan's last page entry; the rest of the buffer is never read for this plan)."""
+        the plan's last page entry; the rest of the buffer is never read for this plan), each
+        array at its offset, CTAs grouped by launch-set variant (stable), the unused tail of
+        every array zeroed.  ``out``: int32 ``[>= n]`` to write into (pinned staging memory,
+        say); the returned array is then ``out[:n]``."""
         self.check(plan)
-        buf = np.zeros(self.offset["cta_pages"] + plan.cta_pages.shape[0], dtype=np.int32)
-        C = plan.num_ctas
+        n = self.offset["cta_pages"] + plan.cta_pages.shape[0]
+        if out is None:
+            out = np.empty(n, dtype=np.int32)
+        elif out.dtype != np.int32 or out.ndim != 1 or out.shape[0] < n:
+            raise ValueError(f"out: expected int32 [>= {n}], got {out.dtype} {out.shape}")
         vidx = {t: i for i, t in enumerate(self.tiles)}
-        tile_v = np.array([vidx[(int(m), int(n))] for m, n in plan.tile_configs],
+        tile_v = np.array([vidx[(int(m), int(n_))] for m, n_ in plan.tile_configs.tolist()],
                           dtype=np.int64)
-        cta_v = tile_v[plan.cta_tile] if C else np.zeros(0, dtype=np.int64)
-        order = np.argsort(cta_v, kind="stable")
-        counts = np.bincount(cta_v, minlength=self.num_variants)
-        live = np.zeros((self.num_variants, 2), dtype=np.int32)
-        live[:, 0] = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        live[:, 1] = counts
-
-        req_ptr, cta_req, cta_slot = _gather_ranges(plan.cta_req_indptr, order,
-                                                    plan.cta_req, plan.cta_slot)
-        page_ptr, cta_pages = _gather_ranges(plan.cta_page_indptr, order, plan.cta_pages)
-        parts = {"live": live.reshape(-1), "live_batch": np.array([plan.batch_size]),
-                 "cta_req_indptr": req_ptr, "cta_kv_start": plan.cta_kv_start[order],
-                 "cta_kv_len": plan.cta_kv_len[order], "cta_page_indptr": page_ptr,
-                 "req_slot_indptr": plan.req_slot_indptr, "cta_req": cta_req,
-                 "cta_slot": cta_slot, "cta_pages": cta_pages}
-        for name, arr in parts.items():
-            o = self.offset[name]
-            buf[o:o + arr.shape[0]] = arr
-        return buf
+        off = np.array([self.offset[f] for f in FIELDS], dtype=np.int64)
+        _pack_nb(out, off, tile_v, self.num_variants, int(plan.batch_size),
+                 plan.cta_tile, plan.cta_req_indptr, plan.cta_req, plan.cta_slot,
+                 plan.cta_kv_start, plan.cta_kv_len, plan.cta_page_indptr, plan.cta_pages,
+                 plan.req_slot_indptr)
+        return out[:n]
 
     def unpack(self, buf: np.ndarray) -> dict:
         """The live arrays back out of a packed buffer (for tests and debugging)."""
@@ -197,17 +191,57 @@ class StaticLayout:
                 "cta_pages": seg("cta_pages", int(page_ptr[-1]))}
 
 
-def _gather_ranges(indptr: np.ndarray, order: np.ndarray, *values):
-    """Reorder CSR ranges: the ranges of ``order[0], order[1], ...`` concatenated.
-
-    Returns the new int32 indptr ``[len(order) + 1]`` and each of ``values`` gathered."""
-    lens = (indptr[1:] - indptr[:-1])[order].astype(np.int64)
-    new_ptr = np.zeros(order.shape[0] + 1, dtype=np.int64)
-    np.cumsum(lens, out=new_ptr[1:])
-    starts = indptr[:-1][order].astype(np.int64)
-    # element j of the output comes from starts[c] + (j - new_ptr[c]) for its range c
-    idx = np.repeat(starts - new_ptr[:-1], lens) + np.arange(int(new_ptr[-1]), dtype=np.int64)
-    return (new_ptr.astype(np.int32),) + tuple(v[idx].astype(np.int32) for v in values)
+@njit(cache=True, nogil=True)
+def _pack_nb(out, off, tile_v, nvar, batch, cta_tile, cta_req_indptr, cta_req, cta_slot,
+             cta_kv_start, cta_kv_len, cta_page_indptr, cta_pages, req_slot_indptr):
+    """:meth:`StaticLayout.pack` into ``out`` in one pass; ``off``: int64 ``[10]``, the offsets
+    of :data:`FIELDS` in order.  Every element from 0 to the last page entry is written."""
+    o_live, o_lb, o_rip, o_kvs, o_kvl, o_pip, o_rsi, o_req, o_slot, o_pages = \
+        off[0], off[1], off[2], off[3], off[4], off[5], off[6], off[7], off[8], off[9]
+    C = cta_tile.shape[0]
+    counts = np.zeros(nvar, dtype=np.int64)
+    for c in range(C):
+        counts[tile_v[cta_tile[c]]] += 1
+    nxt = np.empty(nvar, dtype=np.int64)
+    s = 0
+    for v in range(nvar):
+        nxt[v] = s
+        out[o_live + 2 * v] = s
+        out[o_live + 2 * v + 1] = counts[v]
+        s += counts[v]
+    order = np.empty(C, dtype=np.int64)          # CTAs grouped by variant, stable
+    for c in range(C):
+        v = tile_v[cta_tile[c]]
+        order[nxt[v]] = c
+        nxt[v] += 1
+    out[o_lb] = batch
+    out[o_rip] = 0
+    out[o_pip] = 0
+    r = 0
+    pg = 0
+    for i in range(C):
+        c = order[i]
+        out[o_kvs + i] = cta_kv_start[c]
+        out[o_kvl + i] = cta_kv_len[c]
+        for k in range(cta_req_indptr[c], cta_req_indptr[c + 1]):
+            out[o_req + r] = cta_req[k]
+            out[o_slot + r] = cta_slot[k]
+            r += 1
+        out[o_rip + i + 1] = r
+        for k in range(cta_page_indptr[c], cta_page_indptr[c + 1]):
+            out[o_pages + pg] = cta_pages[k]
+            pg += 1
+        out[o_pip + i + 1] = pg
+    nb = req_slot_indptr.shape[0]
+    for b in range(nb):
+        out[o_rsi + b] = req_slot_indptr[b]
+    # the unused tail of every array up to the page list (never read; zeroed, not stale)
+    ends = np.array([o_live + 2 * nvar, o_lb + 1, o_rip + C + 1, o_kvs + C, o_kvl + C,
+                     o_pip + C + 1, o_rsi + nb, o_req + r, o_slot + r])
+    for j in range(9):
+        for x in range(ends[j], off[j + 1]):
+            out[x] = 0
+    return o_pages + pg
 
 
 def reachable_tiles(selector, kv_tile_table=None, max_rows=None) -> tuple:

@@ -21,6 +21,62 @@ from strategies import head_configs, prefix_batches
 BIG = StaticLimits(max_batch_size=64, max_num_pages=4096, max_ctas=2048, max_partials=4096)
 
 
+def _gather_ranges(indptr, order, *values):
+    """Reference: the CSR ranges of ``order[0], order[1], ...`` concatenated."""
+    lens = (indptr[1:] - indptr[:-1])[order].astype(np.int64)
+    new_ptr = np.zeros(order.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lens, out=new_ptr[1:])
+    starts = indptr[:-1][order].astype(np.int64)
+    idx = np.repeat(starts - new_ptr[:-1], lens) + np.arange(int(new_ptr[-1]), dtype=np.int64)
+    return (new_ptr.astype(np.int32),) + tuple(v[idx].astype(np.int32) for v in values)
+
+
+def pack_reference(layout: StaticLayout, plan: Plan) -> np.ndarray:
+    """The slow, obvious StaticLayout.pack: a zeroed buffer, CTAs stably sorted by variant,
+    every array copied to its offset."""
+    buf = np.zeros(layout.offset["cta_pages"] + plan.cta_pages.shape[0], dtype=np.int32)
+    vidx = {t: i for i, t in enumerate(layout.tiles)}
+    tile_v = np.array([vidx[(int(m), int(n))] for m, n in plan.tile_configs], dtype=np.int64)
+    cta_v = tile_v[plan.cta_tile]
+    order = np.argsort(cta_v, kind="stable")
+    counts = np.bincount(cta_v, minlength=layout.num_variants)
+    live = np.zeros((layout.num_variants, 2), dtype=np.int32)
+    live[:, 0] = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    live[:, 1] = counts
+    req_ptr, cta_req, cta_slot = _gather_ranges(plan.cta_req_indptr, order, plan.cta_req,
+                                                plan.cta_slot)
+    page_ptr, cta_pages = _gather_ranges(plan.cta_page_indptr, order, plan.cta_pages)
+    parts = {"live": live.reshape(-1), "live_batch": np.array([plan.batch_size]),
+             "cta_req_indptr": req_ptr, "cta_kv_start": plan.cta_kv_start[order],
+             "cta_kv_len": plan.cta_kv_len[order], "cta_page_indptr": page_ptr,
+             "req_slot_indptr": plan.req_slot_indptr, "cta_req": cta_req,
+             "cta_slot": cta_slot, "cta_pages": cta_pages}
+    for name, arr in parts.items():
+        buf[layout.offset[name]:layout.offset[name] + arr.shape[0]] = arr
+    return buf
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=prefix_batches(), heads=head_configs(), packer=st.sampled_from(PACKERS))
+def test_pack_equals_the_reference_into_any_buffer(batch, heads, packer):
+    """The compiled pack writes what the reference builds, fresh or into a used buffer (stale
+    values in it are overwritten or zeroed up to the last page entry)."""
+    b = batch
+    hq, hk = heads
+    planner = Planner(packer, "h100")
+    plan = planner.plan(b.block_tables, b.seq_lens, hq, hk, 64, b.page_size,
+                        kv_data_type="float32")
+    layout = layout_for(planner, 64, "float32")
+    ref = pack_reference(layout, plan)
+    np.testing.assert_array_equal(layout.pack(plan), ref)
+    used = np.full(layout.total, -7, dtype=np.int32)
+    out = layout.pack(plan, out=used)
+    assert out.shape == ref.shape and np.shares_memory(out, used)
+    np.testing.assert_array_equal(out, ref)
+    with pytest.raises(ValueError, match="out"):
+        layout.pack(plan, out=np.zeros(ref.shape[0] - 1, dtype=np.int32))
+
+
 def plan_from_buffer(layout: StaticLayout, buf: np.ndarray, like: Plan) -> Plan:
     """The Plan a graph-safe launch set executes: CTAs of variant v are the live range of v,
     run with tile layout.tiles[v] (what the kernels read from the buffer)."""
