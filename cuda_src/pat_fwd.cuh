@@ -401,7 +401,7 @@ namespace pat {
 // later items come from p.work_counter, offset by the grid (item gridDim.x + k for the k-th
 // draw), and a launch whose live items fit its grid draws none: a small step's blocks run one
 // item each (H100: the two atomic round trips per block that drawing every item cost showed on
-// 15 us steps; bench/NOTES.md, round 12).  Pulling rather than striding lets a block that drew a
+// 15 us steps; bench/NOTES.md).  Pulling rather than striding lets a block that drew a
 // short item take the next one (a tile's CTAs are ordered longest first).  The merge kernel
 // zeroes the counter.
 template <typename Tr>

@@ -44,7 +44,7 @@ constexpr int kKcRw32 = PAT_KC_RW32;
 // The two warpgroups of a 128-row tile take turns issuing their Q K^T (FlashAttention-3's
 // ping-pong, within the tile's barriers): measured 0.7-0.9% faster in geometric mean on the
 // warpgroup-heavy batches of the development set, up to 2.5%, and 4-6% on forced 128x128 tiles
-// (H100, bench/NOTES.md round 23).  PAT_WG_PINGPONG (pat_traits.cuh's header): 0 turns it
+// (H100, bench/NOTES.md).  PAT_WG_PINGPONG (pat_traits.cuh's header): 0 turns it
 // off (the ablation), 2 orders the groups' P V as well (measured level with 1).
 constexpr bool kWgPingPong = PAT_WG_PINGPONG != 0;
 constexpr bool kWgPingPong2 = PAT_WG_PINGPONG >= 2;  // 2: the groups' P V in turn as well

@@ -35,7 +35,7 @@ SMEM_LIMIT = {"sm_80": A100.smem_per_block, "sm_90": H100.smem_per_block}
 # a kernel with more dynamic shared memory than this is loaded with its own maximum set (the
 # opt-in above 48 KB, with room for static shared memory); measured on H100 and H200 with the
 # driver's default carveout, blocks of such kernels and of kernels below it never share an SM
-# (bench/NOTES.md, round 24), which the simulator models (sim.occupancy.smem_class)
+# (bench/NOTES.md), which the simulator models (sim.occupancy.smem_class)
 SMEM_OPT_IN_BYTES = 40 * 1024
 MERGE_WARPS = 4
 MERGE_HEADS = (1, 2, 4)   # heads per merge warp (pat_core.launch.merge_heads_per_warp)

@@ -240,7 +240,7 @@ def narrow_packing(forest: PrefixForest, packs: Packs, group: int, narrow_rows: 
     narrow, every CTA has the leaves' tile height, so the step runs one variant (where the KV
     widths agree) in one launch, and the prefix is re-read from L2 by a few more CTAs.  Where
     sharing saves much (a wide root over short leaves) the narrow packing re-reads far more
-    than ``share`` and ``packs`` stays.  Measured in ``bench/NOTES.md`` (round 13);
+    than ``share`` and ``packs`` stays.  Measured in ``bench/NOTES.md`` ;
     ``share = 0`` turns the rule off.
     """
     rows = np.diff(packs.req_indptr) * group
@@ -272,12 +272,12 @@ def request_share(group: int) -> float:
     """The per-request rule's default share for GQA group ``group``.  What the rule saves, the
     partial results and the merge, grows with the query heads; what it costs, the re-read
     tokens, with the KV heads: so the share grows with the group.  Measured on an H100
-    (``bench/NOTES.md``, round 16): at 32:8 re-reading 12-25% more won 1-5%, at 64:8 re-reading
+    (``bench/NOTES.md``): at 32:8 re-reading 12-25% more won 1-5%, at 64:8 re-reading
     37% more won 1% and 50% lost 2%, at 16:8 12% won 0.4% and 25% tied.  Below
     :data:`REQUEST_MIN_GROUP` the share is 0 (the rule is off): at 32:32 eight of nine measured
     steps lost, the synthetic batches by 2-5% at 12-25% more tokens and six real-trace steps,
     which were not used to set the share, by 4-7% at only 4-5% more; ``1,512_64,512`` won by
-    0.8% (round 17, ``bench/lab/request_rule_check.py``)."""
+    0.8% (``bench/lab/request_rule_check.py``)."""
     if int(group) < REQUEST_MIN_GROUP:
         return 0.0
     return min(REQUEST_SHARE_MAX, REQUEST_SHARE_PER_ROW * int(group))
@@ -308,7 +308,7 @@ def request_packing(forest: PrefixForest, packs: Packs, share: float, group: int
     Why: on a batch of long private leaves under short shared levels, sharing the levels costs
     a partial result per request and level, a merge launch, and the shared CTAs' own blocks,
     while the per-request CTAs re-read the shared pages from L2 (they are read by CTAs running
-    side by side).  Measured on an H100 (``bench/NOTES.md``, round 16): ``1,32,256_64,64,1024``
+    side by side).  Measured on an H100 (``bench/NOTES.md``): ``1,32,256_64,64,1024``
     at 64:8, 393.0 µs shared against 380.8 per request; re-reading 50% more tokens, 395.3
     against 401.8; at 32:32 it lost 2-5% (:func:`request_share`).  The L2 bound keeps it off
     where the shared pages could not stay resident while the leaves stream (that batch at

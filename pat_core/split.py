@@ -68,8 +68,8 @@ def one_wave_share(kv_len: np.ndarray, num_kv_heads: int, num_sms: int, min_part
     thread blocks (parts x KV heads) than ``num_sms``: one block per SM, and never a few SMs
     with two.  Each pack is cut into whole parts, so the plain rule can overshoot: the 16k-token
     prefix of ``1,16_16384,16`` (32:8) at share 1 is cut into 17 parts, 136 blocks on 132 SMs,
-    and four SMs then run two of the longest blocks (bench/NOTES.md, round 5: slower than share
-    2; round 17: 16 parts, 128 blocks, 7% faster than share 2).  Only the cut CTAs are counted
+    and four SMs then run two of the longest blocks (bench/NOTES.md: slower than share
+    2; at 16 parts, 128 blocks, 7% faster than share 2).  Only the cut CTAs are counted
     (the uncut ones, leaves say, share the SMs with them), by tokens: the ``split_by="work"``
     weights are not applied here.  Where even one part per cut pack would make more blocks than
     SMs, the share falls until nothing is cut."""
@@ -99,11 +99,11 @@ def auto_split_share(kv_len: np.ndarray, rows: np.ndarray, num_kv_heads: int, nu
       partials are a few KB against MBs of KV; share 3 measured faster than 2 on 14 of 20
       real-trace steps at 32:8 (by up to 6%) and within 0.6% on the others, and 1% faster in
       geometric mean on a second sample of 17 steps, 15 of them not used for the choice (H100,
-      bench/NOTES.md round 10);
+      bench/NOTES.md);
     * one with more rows (a prefix shared by 16 requests at group 4 has 64): its partials and
       merge grow with every part, so one block per SM (:func:`one_wave_share`, share 1 at
       most).  Measured against share 2 on every development and long-prefix configuration whose
-      plan it changes (H100, round 17, ``kernel_lab --cases one-wave``): faster on 14 of 17 by
+      plan it changes (H100, ``kernel_lab --cases one-wave``): faster on 14 of 17 by
       1.2-16% (geometric mean over all 17: 0.953), slower on three by 1.3-3.1%
       (``1,2,8,128_512,128,256,32`` and ``1,2,4,8,16,32,64_...`` at 32:8, ``1,32_16384,16`` at
       16:8).  On an H200 faster on 12 of 17 (geometric mean 0.962), up to 9% slower on the

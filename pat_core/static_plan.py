@@ -289,8 +289,8 @@ def graph_safe_tile_table(limits: StaticLimits, group: int, fused: bool = False)
     variants, with 54% of warp cycles stalled on instruction fetch against 35%), so the GPU's
     three ``n`` per ``m`` (eight tiles at 32:8) become one per ``m`` (three, after
     :func:`fused_pull_exclusions` swaps ``(32, 64)``, one block per SM, for ``(32, 32)``).
-    Measured on 12- and 16-request steps at 32:8 and 64:8 (bench/NOTES.md, rounds 12-13):
-    0.88-1.08x the step's exact plan, against 0.88-1.19x with round 12's two ``n`` per ``m``
+    Measured on 12- and 16-request steps at 32:8 and 64:8 (bench/NOTES.md):
+    0.88-1.08x the step's exact plan, against 0.88-1.19x with two ``n`` per ``m``
     and 1.06-1.26x with the GPU's table.
 
     When every CTA fits one 16-row tile (``limits.max_cta_rows(group) <= 16``: at most four
@@ -299,7 +299,7 @@ def graph_safe_tile_table(limits: StaticLimits, group: int, fused: bool = False)
     has one.  A single ``n = 64`` makes that one launch; the short CTAs it then covers do a
     few masked MMA steps more, which costs less than the launches on such small steps
     (H100, ``bench/lab/graph_safe_cost.py --compact inf:64``: a 12k-token single request at 32:8
-    39.3 -> 36.0 us against 33.3 for its exact plan; bench/NOTES.md, round 10).  With more
+    39.3 -> 36.0 us against 33.3 for its exact plan; bench/NOTES.md).  With more
     rows per CTA the leaves of wide trees lose more than the launches save (a 64-request
     tree at 32:32: 70.4 -> 84.8 us), so larger buckets keep the GPU's table unless fused."""
     if limits.max_cta_rows(group) <= ONE_N_MAX_ROWS:
@@ -318,7 +318,7 @@ def graph_safe_fused(limits: StaticLimits, num_tiles: int, mode: str = "auto") -
     :data:`FUSED_MAX_BATCH` requests.  A fused launch replaces one launch per tile (each costing
     a replay ~1 us even when empty, and their join ~2 us more) with one, but every block gets
     the largest tile's size, so it holds fewer blocks per SM: it pays when a step has few work
-    items.  Measured on the H100 (``bench/lab/graph_safe_cost.py``, bench/NOTES.md, round 11): with
+    items.  Measured on the H100 (``bench/lab/graph_safe_cost.py``, bench/NOTES.md): with
     buckets of 12 and 16 requests, fused beat one launch per tile on 5 of 6 steps (by up to
     20%; the one loss 5%, 1024-token leaves at 32:8); steps of 64 requests lost 25-95%.  One
     tile needs no fusing."""
@@ -343,7 +343,7 @@ def fused_pull_exclusions(tiles, head_dim: int, dtype: str, gpu, feasible=None) 
     ``tiles`` or, given ``feasible``, among the tile selector's feasible tiles (its CTAs then
     take a narrower ``n`` rather than a larger ``m``; the selector picks that ``n``).
     Measured (H100, 32:8, the GPU's KV tile table, graph µs, ``bench/lab/graph_safe_cost.py``;
-    bench/NOTES.md, round 12): 16-request steps of many items gain (1024-token leaves 56.8 ->
+    bench/NOTES.md): 16-request steps of many items gain (1024-token leaves 56.8 ->
     47.6, a 2048-token root 27.0 -> 24.0); a 12-request step whose items all fit the grid does
     not (18.0 -> 18.9).
 
@@ -392,7 +392,7 @@ def fused_pull_max_rows(tiles, head_dim: int, dtype: str, gpu):
     threads with a 16-row tile's 206 registers per thread, in a 16-request bucket at 64:8).
     The cap drops the largest ``m`` until the block fits two (CTAs of more rows are split, the
     second reading the shared KV mostly from L2).  Measured (H100, 64:8, graph µs,
-    ``bench/lab/graph_safe_cost.py --lean-max-rows 64``; bench/NOTES.md, round 12): a 16-request
+    ``bench/lab/graph_safe_cost.py --lean-max-rows 64``; bench/NOTES.md): a 16-request
     tree of 1024-token leaves 54.6 -> 47.2 (its exact plan 46.8); the 12- and 16-request steps
     without long leaves within noise (15.2 -> 14.6, 26.7 -> 27.0).
 

@@ -26,7 +26,7 @@ sub-folders, that has one of these layouts):
 Every measurement becomes one record per timing mode (``"eager"``: ``run()`` from Python;
 ``"graph"``: a CUDA-graph replay of it).  Every record is priced as the CUDA backend's one
 launch path runs its plan (:mod:`sim.model`), whatever path the run that measured it took:
-the files measured before it (all of ``bench/results/`` up to round 24, before commit
+the files measured before it (all of ``bench/results/`` before commit
 34cb8de) ran forked or longest-first chained forward launches of one block per item.
 
 Split by workload
@@ -62,13 +62,13 @@ issues a step's first launch at ``graph_start_ns + graph_launch_ns``).  Fitted, 
 (H100) and 8.1 µs (H200) where replays spend 2.0 and 1.3 µs outside their kernels: the fit
 moves the forward time the model misses on small one-wave steps into the start.  The packaged
 constants still fit it: pinned at the measurement, the fit moved that time into the phase gap
-instead and was worse out of sample on both GPUs (bench/NOTES.md, round 13).  A free fit put
+instead and was worse out of sample on both GPUs (bench/NOTES.md).  A free fit put
 ~6 us into the launch interval, where graph replays start forked launches ~1 us apart, and the
 workloads it had not seen paid for it.  The L2 read bandwidth ``bench/calibrate.py`` also
 records (``l2_bandwidth_gbps``: distinct lines streamed from L2) stays out of :data:`MEASURED`:
 blocks that read the same page at about the same time get more than that (fixed at it, the fit
 set's loss was 1.2-1.5x higher and ``query``'s re-reads were over-predicted by 1.2-1.4x;
-bench/NOTES.md, round 11), so ``l2_bandwidth`` is fitted.
+bench/NOTES.md), so ``l2_bandwidth`` is fitted.
 :func:`report` prints in-sample (fit workloads) and out-of-sample (all other workloads) numbers
 side by side, per timing mode and per method: the median of ``|predicted / measured - 1|``,
 Spearman rank correlation, and on sharing workloads the rate at which the faster of ``pat`` and
@@ -100,12 +100,11 @@ KERNEL_FIT = ("sm_bandwidth", "block_ns", "tile_ns", "sm_flops", "merge_slot_ns"
               "l2_bandwidth")
 # Fitted only on request (``sim fit --latency-chain``): the forward blocks' latency chain
 # (sim.model).  Refit with it on calibration_h100_v9.json / calibration_h200_v5.json it took
-# 1.2 us (H100) / 0.75 us (H200) per tile and met no missed out-of-sample target (bench/NOTES.md,
-# round 14), so the packaged constants keep it at 0 (off).
+# 1.2 us (H100) / 0.75 us (H200) per tile and met no missed out-of-sample target (bench/NOTES.md),
+# so the packaged constants keep it at 0 (off).
 CHAIN_FIT = ("tile_lat_ns",)
 # Fitted only on request (``sim fit --wg-flops``): the warpgroup tiles' own tensor-core rate
-# (sim.model); fitted in the packaged H200 constants, 0 (off) in the H100 ones (bench/NOTES.md,
-# rounds 23 and 24).
+# (sim.model); fitted in the packaged H200 constants, 0 (off) in the H100 ones (bench/NOTES.md).
 WG_FIT = ("wg_flops",)
 TIMING_FIT = {"eager": ("start_ns", "launch_ns", "gap_ns"),
               "graph": ("graph_start_ns", "graph_launch_ns", "graph_gap_ns")}
@@ -134,7 +133,7 @@ def run_spread(runs) -> float:
     """Interquartile range of repeated timings ``runs`` over their median (0 for fewer than
     4).  ``bench/calibrate.py`` times a record again above 10%; :func:`report` counts such
     records, since a plan timed alongside something else on the device reads slow and
-    scattered (bench/NOTES.md, round 22)."""
+    scattered (bench/NOTES.md)."""
     x = np.asarray(runs, dtype=np.float64)
     if x.size < 4:
         return 0.0
@@ -329,9 +328,9 @@ def split_workloads(records, validation=None, file_split: dict | None = None) ->
 
 
 # run_spread above which a record's runs disagree: bench/calibrate.py times it again, report
-# counts it.  On the H100 calibration of round 21 one plan (the compute and node packers make
+# counts it.  On one H100 calibration one plan (the compute and node packers make
 # the same one for 2,8,64_256,512,64 at 64:8) read 27.8 us with steady runs and 51.6 us with
-# runs from 43 to 109 us (bench/NOTES.md, round 22): the second was not the plan alone.
+# runs from 43 to 109 us (bench/NOTES.md): the second was not the plan alone.
 UNSTEADY = 0.10
 ORDER_TIE = 0.005    # pat and query measured within 0.5%: a tie (below a run's spread)
 

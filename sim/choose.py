@@ -9,8 +9,8 @@ The simulator ranks the two correctly on every sharing configuration of the H100
 :func:`choose_packer` plans the batch with each candidate packer, simulates each plan and keeps
 ``pat`` unless another candidate is predicted faster by more than ``margin``.
 
-Measured on the calibration files (``python bench/lab/sim_choice_check.py``; ``bench/NOTES.md``,
-round 22): with the 2% margin, the chosen plans are never slower than ``pat``'s on any of the
+Measured on the calibration files (``python bench/lab/sim_choice_check.py``; ``bench/NOTES.md``):
+with the 2% margin, the chosen plans are never slower than ``pat``'s on any of the
 four measurement sets checked (H100 and H200, chained and forked launches) and 5-8% faster in
 geometric mean over their validation workloads (up to 2.2x on one configuration); they change
 nothing on the benchmarks' development set, where ``pat`` is never slower.  The margin keeps

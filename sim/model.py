@@ -22,7 +22,7 @@ misses that follow), and while DRAM is the bottleneck its hits move no faster th
 around them (they queue at the same L2 slices).  Forward blocks of kernels with more than
 ``SMEM_OPT_IN_BYTES`` of shared memory and of kernels with less never share an SM
 (:func:`sim.occupancy.smem_class`).  These three rules were measured block by block
-(``bench/lab/block_timeline.py``, bench/NOTES.md round 24: a deep tree's one-warp leaves wait for
+(``bench/lab/block_timeline.py``, bench/NOTES.md: a deep tree's one-warp leaves wait for
 the SMs of its 16x64 root blocks to empty; the root blocks, with four times the loads in flight,
 finish first; the quick-start batch's ``query`` blocks that hit in L2 take 94% as long as those
 that miss); :data:`INFLIGHT_WEIGHTS`, :data:`SMEM_CLASSES` and :data:`HITS_QUEUE` switch each
@@ -35,13 +35,13 @@ partial reads and output writes, and ``merge_slot_ns`` per slot of its longest p
 ``chain`` is the block's latency chain: each KV tile is a run of dependent steps (page ids, then
 the K and V loads, then the MMAs and the softmax) that the block's warps share, so a one-warp
 block (such as the former short-KV ``16x32`` layout) runs them in series and cannot finish in less than
-``block_ns + t * tile_lat_ns`` however little it moves (ncu, bench/NOTES.md round 13: such a
+``block_ns + t * tile_lat_ns`` however little it moves (ncu, bench/NOTES.md: such a
 block takes ~9 us from start to end on an H100 at 3.9% warp occupancy).  It binds only on short
 steps of few, narrow blocks; ``tile_lat_ns = 0`` (files without it) turns it off, and the
 packaged constants have it off: refit with it (``sim fit --latency-chain``) it took 1.2 us
 (H100) and 0.75 us (H200), too little to move a one-wave step's order of pat and query, while
 the larger values that do (2.6-3.4 us, in graph-only refits) put more held-out pat/query pairs
-in the wrong order (bench/NOTES.md, round 14).  The time such steps miss stays in the fitted
+in the wrong order (bench/NOTES.md).  The time such steps miss stays in the fitted
 ``graph_start_ns``.
 
 The launches are the CUDA backend's one launch path (:mod:`pat_core.launch`): one forward
@@ -68,7 +68,7 @@ constants files but prices nothing here).
 ``start`` is paid once per step, ``launch`` once per launch: a graph replay has a fixed latency
 before its first kernel whatever the number of kernels, and each launch adds ~1-2 us (H100:
 a graph of one trivial kernel replays in 3-4 us with the L2 flush the calibration timings use,
-a pat step of two to three launches in 17-20 us; bench/NOTES.md, rounds 9 and 10), so folding
+a pat step of two to three launches in 17-20 us; bench/NOTES.md), so folding
 the fixed part into ``launch`` would charge a plan of several small launches that latency
 once per launch.  The
 timing mode picks ``(start, launch, gap, join)``: ``graph`` (default) uses ``graph_start_ns``/
@@ -243,7 +243,7 @@ def prepare(plan, gpu=None, l2_window_bytes: float | None = None) -> Workload:
     # more than it has).  Where the memory system is the bottleneck every request waits about as
     # long, so blocks move bytes in proportion to what they have in flight (Little's law): a
     # one-warp, one-stage block of one tile gets a quarter of what a 16x64 block of two stages
-    # gets (measured: bench/lab/block_timeline.py, bench/NOTES.md round 24).
+    # gets (measured: bench/lab/block_timeline.py, bench/NOTES.md).
     weight = np.ones(blk_l2.shape[0])
     weight[:nf] = np.minimum(f_stages, np.maximum(w.tiles[fc], 1)) * tile_bytes / WEIGHT_BYTES
     return Workload(gpu=gpu, launches=launches, need=need, blk_cfg=np.concatenate(cfg),

@@ -28,7 +28,7 @@ MERGE_REGISTERS = 40
 def smem_class(smem: int) -> int:
     """Which forward blocks may share an SM: ``1`` for a kernel loaded with its shared-memory
     maximum raised (more than ``SMEM_OPT_IN_BYTES``), ``0`` for one below it.  Measured (H100 and
-    H200, the driver's default carveout; bench/NOTES.md round 24): a block never joins an SM
+    H200, the driver's default carveout; bench/NOTES.md): a block never joins an SM
     that holds a forward block of the other class, however much room is left (a one-warp 16x32
     leaf waits for the 16x64 root blocks to leave), while the merge kernel's blocks (no shared
     memory) join either; the timeline takes the merge as compatible with both (class ``-1``)."""
