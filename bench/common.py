@@ -1,15 +1,29 @@
 """What every benchmark script shares: the code version, GPU event timing, the L2 flush and
 the device's copy bandwidth.  Torch is imported inside the GPU helpers so that CPU-only
-scripts (plan_loop.py, lab/plan_overhead.py) can use :func:`git_sha` without it.
+scripts (plan_loop.py, lab/plan_overhead.py) can use :func:`git_sha` and
+:func:`cpu_name` without it.
 """
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), for benchmark records."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def git_sha() -> str:

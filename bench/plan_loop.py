@@ -43,7 +43,7 @@ import numpy as np
 if __package__ in (None, ""):                  # run as a script: the checkout importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import git_sha  # noqa: E402
+from bench.common import cpu_name, git_sha  # noqa: E402
 
 import numba  # noqa: E402
 
@@ -54,17 +54,6 @@ from pat_core.workloads import SERVING_ORDERS, ServingLoop, build_tree_batch  # 
 TARGETS_MS = {128: 0.15, 512: 0.5, 2048: 1.5}
 TREE_TARGET_MS = 1.0
 DEFAULT_TREE = "1,4,16,64,1024_1024,512,256,128,100"
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def plans_equal(a, b) -> bool:

@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:     # run as a script: python bench/lab/plan_overhead.py
     sys.path.insert(0, ROOT)
 
-from bench.common import git_sha  # noqa: E402
+from bench.common import cpu_name, git_sha  # noqa: E402
 
 import numba  # noqa: E402
 
@@ -46,17 +46,6 @@ def median_time(fn, reps: int) -> float:
         fn()
         ts.append(time.perf_counter() - t0)
     return float(np.median(ts))
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main(argv=None):
