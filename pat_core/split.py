@@ -74,15 +74,8 @@ def one_wave_share(kv_len: np.ndarray, num_kv_heads: int, num_sms: int, min_part
     weights are not applied here.  Where even one part per cut pack would make more blocks than
     SMs, the share falls until nothing is cut."""
     kv_len = np.asarray(kv_len).astype(np.int64)
-    s = float(share)
-    for _ in range(200):
-        thr = split_threshold(kv_len, num_kv_heads, num_sms, min_part=min_part, share=s)
-        cut = kv_len > thr
-        parts, _ = _part_layout(kv_len[cut], np.full(int(cut.sum()), thr, dtype=np.int64))
-        if int(parts.sum()) * num_kv_heads <= num_sms:
-            break
-        s *= 0.97
-    return s
+    return float(_one_wave_nb(kv_len, float(kv_len.sum()), int(num_kv_heads), int(num_sms),
+                              int(min_part), float(share)))
 
 
 def auto_split_share(kv_len: np.ndarray, rows: np.ndarray, num_kv_heads: int, num_sms: int,
@@ -109,17 +102,11 @@ def auto_split_share(kv_len: np.ndarray, rows: np.ndarray, num_kv_heads: int, nu
       16:8).  On an H200 faster on 12 of 17 (geometric mean 0.962), up to 9% slower on the
       long prefixes, where one warpgroup block per SM does not keep up with its bandwidth.
     """
-    kv_len = np.asarray(kv_len)
+    kv_len = np.asarray(kv_len).astype(np.int64)
     if kv_len.size == 0:
         return DEFAULT_SPLIT_SHARE
-    thr = split_threshold(kv_len, num_kv_heads, num_sms, min_part=min_part,
-                          share=DEFAULT_SPLIT_SHARE)
-    cut = kv_len > thr
-    if not cut.any():
-        return DEFAULT_SPLIT_SHARE
-    if bool((np.asarray(rows)[cut] <= SHORT_ROWS).all()):
-        return SHORT_ROWS_SPLIT_SHARE
-    return one_wave_share(kv_len, num_kv_heads, num_sms, min_part=min_part)
+    return float(_auto_share_nb(kv_len, np.asarray(rows).astype(np.int64), float(kv_len.sum()),
+                                int(num_kv_heads), int(num_sms), int(min_part)))
 
 
 def split_long_kv(packs: Packs, threshold: int, weight: np.ndarray | None = None,
@@ -292,73 +279,6 @@ ITEM_NS = 1000.0
 MERGE_NS = 2000.0
 
 
-def split_time_ns(length: np.ndarray, rows: np.ndarray, threshold: int, *, num_kv_heads: int,
-                  head_dim: int, kv_bytes: int, gpu, selector) -> float:
-    """Predicted forward + merge time (ns) of cutting packs of ``length`` (int ``[K]``
-    tokens) and ``rows`` (int ``[K]`` query rows) at ``threshold`` tokens: the pull launch of
-    their parts (:func:`pull_makespan_ns`, longest first, each part's tile from ``selector``,
-    its blocks per SM from the kernel's resources and its in-flight KV from the kernel's
-    pipeline stages) plus, when a pack is cut, the merge (:data:`MERGE_NS` and its partial
-    reads).  A part's ``num_kv_heads`` blocks are priced as one item of their summed bytes,
-    in-flight bytes and SM share (they are adjacent in the launch's work order).  Beyond the
-    planner's own tile and resource rules, only :data:`LOADED_LATENCY`, :data:`ITEM_NS` and
-    :data:`MERGE_NS` are the model's."""
-    return _price_thresholds(length, rows, [int(threshold)], num_kv_heads=num_kv_heads,
-                             head_dim=head_dim, kv_bytes=kv_bytes, gpu=gpu,
-                             selector=selector)[0]
-
-
-def _price_thresholds(length, rows, thresholds, *, num_kv_heads, head_dim, kv_bytes, gpu,
-                      selector) -> list:
-    """:func:`split_time_ns` of each of ``thresholds``, with one tile lookup for all."""
-    from .cuda_compile import default_layout
-    from .tiles import estimate_resources, kernel_resources
-    length = np.asarray(length).astype(np.int64)
-    rows = np.asarray(rows).astype(np.int64)
-    K = length.shape[0]
-    layouts, toks, prows = [], [], []
-    for thr in thresholds:
-        parts, plen = _part_layout(length, np.full(K, max(int(thr), 1), dtype=np.int64))
-        tok = np.repeat(plen, parts)       # the parts split_long_kv makes, the last the rest
-        tok[np.cumsum(parts) - 1] = length - (parts - 1) * plen
-        layouts.append(parts)
-        toks.append(tok)
-        prows.append(np.repeat(rows, parts))
-    all_tok = np.concatenate(toks)
-    all_rows = np.concatenate(prows)
-    mn = selector.select(all_rows, all_tok)
-    key = mn[:, 0].astype(np.int64) * 65536 + mn[:, 1]
-    ukey, inv = np.unique(key, return_inverse=True)
-    inv = inv.reshape(-1)
-    slot = np.empty(ukey.shape[0])
-    inflight = np.empty(ukey.shape[0])
-    dtype = "float16" if kv_bytes == 2 else "float32"
-    for u, k in enumerate(ukey.tolist()):
-        m, n = k // 65536, k % 65536
-        res = kernel_resources(m, n, head_dim, dtype, gpu) or estimate_resources(m, n, head_dim)
-        slot[u] = num_kv_heads / max(res.ctas_per_sm(gpu), 1)
-        stages = default_layout(m, n, head_dim)[1]
-        inflight[u] = num_kv_heads * max(stages - 1, 1) * n * head_dim * 2 * kv_bytes
-    bandwidth = gpu.hbm_bandwidth * gpu.achieved_bw_fraction
-    latency = gpu.mem_latency_ns * LOADED_LATENCY
-    out, lo = [], 0
-    for parts, tok, prow in zip(layouts, toks, prows):
-        hi = lo + tok.shape[0]
-        cfg = inv[lo:hi]
-        lo = hi
-        cut = np.repeat(parts > 1, parts)
-        nbytes = num_kv_heads * (tok * (head_dim * 2 * kv_bytes) +
-                                 np.where(cut, prow * head_dim * 4, 0)).astype(np.float64)
-        order = np.argsort(-nbytes, kind="stable")
-        t = pull_makespan_ns(nbytes[order], inflight[cfg][order], slot[cfg][order],
-                             float(gpu.num_sms), bandwidth, latency, ITEM_NS)
-        if (parts > 1).any():
-            merge_bytes = float((parts * (parts > 1) * rows).sum()) * num_kv_heads * head_dim * 4
-            t += MERGE_NS + merge_bytes / bandwidth
-        out.append(t)
-    return out
-
-
 # The least predicted gain (fraction of the automatic share's time) for which the pull-launch
 # model overrides auto_split_share.  The model ranks shares it prices within a few percent of
 # each other no better than chance (1,4,16_128,256,1024: shares 3, 4, 6 priced 39.0/40.2/41.3 us,
@@ -366,46 +286,8 @@ def _price_thresholds(length, rows, thresholds, *, num_kv_heads, head_dim, kv_by
 MODEL_MARGIN = 0.04
 
 
-def choose_split_share(length: np.ndarray, rows: np.ndarray, *, num_kv_heads: int,
-                       head_dim: int, kv_bytes: int, gpu, selector, min_part: int = 256):
-    """``(share, predicted)``: the ``"sm"`` rule's share when the tuning leaves it open.
-
-    :func:`auto_split_share`'s share, unless another of :data:`CANDIDATE_SHARES` or
-    :func:`one_wave_share` has a :func:`split_time_ns` at least :data:`MODEL_MARGIN` below
-    its; then the fastest predicted.  ``predicted``: ``{share: ns}`` of the shares priced
-    (shares that cut exactly as an earlier one are left out; nothing is priced when every
-    share cuts alike)."""
-    length = np.asarray(length)
-    rows = np.asarray(rows)
-    auto = auto_split_share(length, rows, num_kv_heads, gpu.num_sms, min_part=min_part)
-    if length.size == 0:
-        return auto, {}
-    cands = [auto] + sorted({*CANDIDATE_SHARES, one_wave_share(
-        length, num_kv_heads, gpu.num_sms, min_part=min_part)} - {auto}, reverse=True)
-    lengths = length.astype(np.int64)
-    shares, thrs, seen = [], [], set()
-    for s in cands:
-        thr = split_threshold(length, num_kv_heads, gpu.num_sms, min_part=min_part, share=s)
-        parts, _ = _part_layout(lengths, np.full(lengths.shape[0], thr, dtype=np.int64))
-        key = parts.tobytes()
-        if key in seen:            # the same cuts as a share already listed
-            continue
-        seen.add(key)
-        shares.append(s)
-        thrs.append(thr)
-    if len(shares) == 1:
-        return auto, {}
-    times = _price_thresholds(length, rows, thrs, num_kv_heads=num_kv_heads,
-                              head_dim=head_dim, kv_bytes=kv_bytes, gpu=gpu, selector=selector)
-    predicted = dict(zip(shares, times))
-    best = min(predicted, key=predicted.get)
-    if predicted[best] < predicted[auto] * (1.0 - MODEL_MARGIN):
-        return best, predicted
-    return auto, predicted
-
-
 # ---------------------------------------------------------------------------------------------
-# The same choice compiled: one call per plan, no Python per candidate or per part
+# The choice, compiled: one call per plan, no Python per candidate or per part
 # ---------------------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True)
@@ -473,11 +355,15 @@ def _left(sorted_small, x):
 @njit(cache=True, nogil=True)
 def _price_nb(length, rows, parts, plen, num_kv_heads, head_dim, kv_bytes, num_sms, m_values,
               bounds, fid, cfg_slot, cfg_inflight, bandwidth, latency):
-    """:func:`split_time_ns` of the cut that makes ``parts`` parts of ``plen`` tokens of each
-    pack (int64 ``[K]``, :func:`_parts_of` at the threshold), with the selector as lookup
-    arrays (:meth:`pat_core.tiles.TileSelector.lookup`) and each config's SM share and
-    in-flight bytes (``cfg_slot``, ``cfg_inflight``, float64 ``[F]``); the same arithmetic, in
-    the same order."""
+    """Predicted forward + merge time (ns) of the cut that makes ``parts`` parts of ``plen``
+    tokens of each pack (int64 ``[K]``, :func:`_parts_of` at the threshold; ``rows`` int64
+    ``[K]`` query rows): the pull launch of the parts (:func:`pull_makespan_ns`, longest first,
+    a part's ``num_kv_heads`` blocks as one item of their summed bytes, in-flight bytes and SM
+    share; each part's tile from the selector's lookup arrays,
+    :meth:`pat_core.tiles.TileSelector.lookup`, with that config's SM share and in-flight bytes
+    ``cfg_slot``, ``cfg_inflight``, float64 ``[F]``) plus, when a pack is cut,
+    :data:`MERGE_NS` and the partial reads.  Beyond the planner's own tile and resource rules
+    only :data:`LOADED_LATENCY`, :data:`ITEM_NS` and :data:`MERGE_NS` are the model's."""
     K = length.shape[0]
     total = 0
     for p in range(K):
@@ -527,7 +413,7 @@ def _choose_share_nb(length, rows, num_kv_heads, num_sms, min_part, head_dim, kv
         return DEFAULT_SPLIT_SHARE
     auto = _auto_share_nb(length, rows, ftotal, num_kv_heads, num_sms, min_part)
     ow = _one_wave_nb(length, ftotal, num_kv_heads, num_sms, min_part, MANY_ROWS_SPLIT_SHARE)
-    # the candidates in choose_split_share's order: auto, then the others descending
+    # the candidates: auto, then the others descending
     cands = np.empty(6, dtype=np.float64)
     nc = 0
     cands[nc] = auto
@@ -611,7 +497,7 @@ _PRICE_MEMO: dict = {}   # (configs, head_dim, kv_bytes, num_kv_heads, gpu) -> (
 
 def _price_constants(selector, num_kv_heads: int, head_dim: int, kv_bytes: int, gpu):
     """``(slot, inflight)``: float64 ``[F]``, each selectable config's SM share and in-flight
-    bytes (:func:`_price_thresholds`' rule), kept on the selector (no hashing of the GPU spec
+    bytes (:func:`_price_nb`'s rule), kept on the selector (no hashing of the GPU spec
     per plan) and per configuration."""
     own = selector.__dict__.setdefault("_price_memo", {})
     hit = own.get((head_dim, kv_bytes, num_kv_heads))
@@ -636,11 +522,15 @@ def _price_constants(selector, num_kv_heads: int, head_dim: int, kv_bytes: int, 
     return hit
 
 
-def choose_split_share_fast(length: np.ndarray, rows: np.ndarray, *, num_kv_heads: int,
-                            head_dim: int, kv_bytes: int, gpu, selector,
-                            min_part: int = 256) -> float:
-    """The share :func:`choose_split_share` returns (same inputs, same float arithmetic), in
-    one compiled call.  ``length``, ``rows``: int ``[K]``."""
+def choose_split_share(length: np.ndarray, rows: np.ndarray, *, num_kv_heads: int,
+                       head_dim: int, kv_bytes: int, gpu, selector, min_part: int = 256) -> float:
+    """The ``"sm"`` rule's share when the tuning leaves it open: :func:`auto_split_share`'s,
+    unless another of :data:`CANDIDATE_SHARES` or :func:`one_wave_share` has a predicted pull
+    launch (:func:`_price_nb`: :func:`pull_makespan_ns` of the parts plus the merge) at least
+    :data:`MODEL_MARGIN` cheaper; then the cheapest.  Shares that cut exactly as an earlier one
+    are priced once; nothing is priced when every share cuts alike.  ``length``, ``rows``: int
+    ``[K]``, each pack's KV tokens and query rows.  One compiled call; the tests keep the
+    obvious NumPy version as its reference."""
     length = np.asarray(length).astype(np.int64)
     rows = np.asarray(rows).astype(np.int64)
     if length.size == 0:

@@ -1,0 +1,193 @@
+"""The long-KV split's share choice (``pat_core.split``) against its obvious version.
+
+The library runs the choice as one compiled call (``choose_split_share``,
+``choose_split_threshold_fast``; ``auto_split_share`` and ``one_wave_share`` through the same
+compiled rules).  The reference below is the NumPy version it was written from, step by step:
+the candidate shares, their cuts (``_part_layout``), each cut's parts priced as one pull launch
+(``pull_makespan_ns``) plus the merge.  The compiled choice must agree with it exactly.
+"""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pat_core import Planner
+from pat_core.gpus import get_gpu
+from pat_core.split import (CANDIDATE_SHARES, DEFAULT_SPLIT_SHARE, ITEM_NS, LOADED_LATENCY,
+                            MANY_ROWS_SPLIT_SHARE, MERGE_NS, MODEL_MARGIN, SHORT_ROWS,
+                            SHORT_ROWS_SPLIT_SHARE, _part_layout, auto_split_share,
+                            choose_split_share, choose_split_threshold_fast, one_wave_share,
+                            pull_makespan_ns, split_threshold)
+from pat_core.tiles import TileSelector
+
+
+def one_wave_share_reference(kv_len, num_kv_heads, num_sms, min_part=256,
+                             share=MANY_ROWS_SPLIT_SHARE) -> float:
+    """The largest ``share * 0.97**i`` whose cut packs make at most ``num_sms`` blocks."""
+    kv_len = np.asarray(kv_len).astype(np.int64)
+    s = float(share)
+    for _ in range(200):
+        thr = split_threshold(kv_len, num_kv_heads, num_sms, min_part=min_part, share=s)
+        cut = kv_len > thr
+        parts, _ = _part_layout(kv_len[cut], np.full(int(cut.sum()), thr, dtype=np.int64))
+        if int(parts.sum()) * num_kv_heads <= num_sms:
+            break
+        s *= 0.97
+    return s
+
+
+def auto_split_share_reference(kv_len, rows, num_kv_heads, num_sms, min_part=256) -> float:
+    """2 where nothing is cut; 3 where every cut pack has at most 16 rows; else one wave."""
+    kv_len = np.asarray(kv_len)
+    if kv_len.size == 0:
+        return DEFAULT_SPLIT_SHARE
+    thr = split_threshold(kv_len, num_kv_heads, num_sms, min_part=min_part,
+                          share=DEFAULT_SPLIT_SHARE)
+    cut = kv_len > thr
+    if not cut.any():
+        return DEFAULT_SPLIT_SHARE
+    if bool((np.asarray(rows)[cut] <= SHORT_ROWS).all()):
+        return SHORT_ROWS_SPLIT_SHARE
+    return one_wave_share_reference(kv_len, num_kv_heads, num_sms, min_part=min_part)
+
+
+def _price_thresholds_reference(length, rows, thresholds, *, num_kv_heads, head_dim, kv_bytes, gpu,
+                      selector) -> list:
+    """Predicted time (ns) of cutting the packs at each of ``thresholds``: the parts priced as
+    one pull launch (a part's KV-head blocks one item, longest first), plus the merge."""
+    from pat_core.cuda_compile import default_layout
+    from pat_core.tiles import estimate_resources, kernel_resources
+    length = np.asarray(length).astype(np.int64)
+    rows = np.asarray(rows).astype(np.int64)
+    K = length.shape[0]
+    layouts, toks, prows = [], [], []
+    for thr in thresholds:
+        parts, plen = _part_layout(length, np.full(K, max(int(thr), 1), dtype=np.int64))
+        tok = np.repeat(plen, parts)       # the parts split_long_kv makes, the last the rest
+        tok[np.cumsum(parts) - 1] = length - (parts - 1) * plen
+        layouts.append(parts)
+        toks.append(tok)
+        prows.append(np.repeat(rows, parts))
+    all_tok = np.concatenate(toks)
+    all_rows = np.concatenate(prows)
+    mn = selector.select(all_rows, all_tok)
+    key = mn[:, 0].astype(np.int64) * 65536 + mn[:, 1]
+    ukey, inv = np.unique(key, return_inverse=True)
+    inv = inv.reshape(-1)
+    slot = np.empty(ukey.shape[0])
+    inflight = np.empty(ukey.shape[0])
+    dtype = "float16" if kv_bytes == 2 else "float32"
+    for u, k in enumerate(ukey.tolist()):
+        m, n = k // 65536, k % 65536
+        res = kernel_resources(m, n, head_dim, dtype, gpu) or estimate_resources(m, n, head_dim)
+        slot[u] = num_kv_heads / max(res.ctas_per_sm(gpu), 1)
+        stages = default_layout(m, n, head_dim)[1]
+        inflight[u] = num_kv_heads * max(stages - 1, 1) * n * head_dim * 2 * kv_bytes
+    bandwidth = gpu.hbm_bandwidth * gpu.achieved_bw_fraction
+    latency = gpu.mem_latency_ns * LOADED_LATENCY
+    out, lo = [], 0
+    for parts, tok, prow in zip(layouts, toks, prows):
+        hi = lo + tok.shape[0]
+        cfg = inv[lo:hi]
+        lo = hi
+        cut = np.repeat(parts > 1, parts)
+        nbytes = num_kv_heads * (tok * (head_dim * 2 * kv_bytes) +
+                                 np.where(cut, prow * head_dim * 4, 0)).astype(np.float64)
+        order = np.argsort(-nbytes, kind="stable")
+        t = pull_makespan_ns(nbytes[order], inflight[cfg][order], slot[cfg][order],
+                             float(gpu.num_sms), bandwidth, latency, ITEM_NS)
+        if (parts > 1).any():
+            merge_bytes = float((parts * (parts > 1) * rows).sum()) * num_kv_heads * head_dim * 4
+            t += MERGE_NS + merge_bytes / bandwidth
+        out.append(t)
+    return out
+
+
+
+
+def choose_split_share_reference(length, rows, *, num_kv_heads, head_dim, kv_bytes, gpu,
+                                 selector, min_part=256):
+    """``(share, predicted)``: the automatic share, unless another candidate is priced at
+    least MODEL_MARGIN cheaper; ``predicted``: ``{share: ns}`` of the shares priced (shares
+    that cut as an earlier one are left out; nothing is priced when every share cuts alike)."""
+    length = np.asarray(length)
+    rows = np.asarray(rows)
+    auto = auto_split_share_reference(length, rows, num_kv_heads, gpu.num_sms, min_part=min_part)
+    if length.size == 0:
+        return auto, {}
+    cands = [auto] + sorted({*CANDIDATE_SHARES, one_wave_share_reference(
+        length, num_kv_heads, gpu.num_sms, min_part=min_part)} - {auto}, reverse=True)
+    lengths = length.astype(np.int64)
+    shares, thrs, seen = [], [], set()
+    for s in cands:
+        thr = split_threshold(length, num_kv_heads, gpu.num_sms, min_part=min_part, share=s)
+        parts, _ = _part_layout(lengths, np.full(lengths.shape[0], thr, dtype=np.int64))
+        key = parts.tobytes()
+        if key in seen:            # the same cuts as a share already listed
+            continue
+        seen.add(key)
+        shares.append(s)
+        thrs.append(thr)
+    if len(shares) == 1:
+        return auto, {}
+    times = _price_thresholds_reference(length, rows, thrs, num_kv_heads=num_kv_heads,
+                              head_dim=head_dim, kv_bytes=kv_bytes, gpu=gpu, selector=selector)
+    predicted = dict(zip(shares, times))
+    best = min(predicted, key=predicted.get)
+    if predicted[best] < predicted[auto] * (1.0 - MODEL_MARGIN):
+        return best, predicted
+    return auto, predicted
+
+
+
+
+GPUS = ("h100", "h200", "a100")
+
+
+@settings(max_examples=150, deadline=None)
+@given(lens=st.lists(st.integers(1, 40000), min_size=1, max_size=40),
+       rows=st.lists(st.sampled_from([1, 2, 4, 8, 16, 32, 64, 128]), min_size=40, max_size=40),
+       hk=st.sampled_from([1, 2, 8, 32]), d=st.sampled_from([64, 128]),
+       gpu=st.sampled_from(GPUS))
+def test_compiled_choice_equals_the_reference(lens, rows, hk, d, gpu):
+    spec = get_gpu(gpu)
+    sel = TileSelector(d, "float16", spec)
+    length = np.array(lens, dtype=np.int64)
+    r = np.array(rows[:len(lens)], dtype=np.int64)
+    kw = dict(num_kv_heads=hk, head_dim=d, kv_bytes=2, gpu=spec, selector=sel)
+    want, _ = choose_split_share_reference(length, r, **kw)
+    assert choose_split_share(length, r, **kw) == want
+    # the planner's per-step call: the threshold at that share, from packs as arrays
+    ind = np.concatenate(([0], np.cumsum(np.maximum(r // 4, 1)))).astype(np.int32)
+    start = np.zeros(length.shape[0], dtype=np.int32)
+    thr, most = choose_split_threshold_fast(ind, start, length.astype(np.int32), 4, **kw)
+    rows4 = np.diff(ind) * 4
+    want4, _ = choose_split_share_reference(length, rows4, **kw)
+    assert thr == split_threshold(length, hk, spec.num_sms, share=want4)
+    assert most == int(rows4.max())
+    assert auto_split_share(length, r, hk, spec.num_sms) == \
+        auto_split_share_reference(length, r, hk, spec.num_sms)
+    assert one_wave_share(length, hk, spec.num_sms) == \
+        one_wave_share_reference(length, hk, spec.num_sms)
+
+
+@pytest.mark.parametrize("spec", ["8_4096", "1,4,16_128,256,1024", "4_8192", "32_300",
+                                  "1,3,48_1024,6144,4096", "1,16_16384,16", "24_8192"])
+def test_choice_on_the_measured_batches(spec):
+    """Batches whose share the development set measured: the reference and the compiled
+    choice agree, and where the model overrides the automatic share it predicts at least
+    MODEL_MARGIN less time."""
+    from pat_core.workloads import build_tree_batch
+    b = build_tree_batch(spec, page_size=16)
+    planner = Planner("pat", "h100")
+    plan = planner.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16, split=False)
+    length = plan.cta_kv_len.astype(np.int64)
+    rows = np.diff(plan.cta_req_indptr).astype(np.int64) * 4
+    gpu = get_gpu("h100")
+    kw = dict(num_kv_heads=8, head_dim=128, kv_bytes=2, gpu=gpu,
+              selector=planner.tile_selector(128))
+    share, predicted = choose_split_share_reference(length, rows, **kw)
+    assert choose_split_share(length, rows, **kw) == share
+    auto = auto_split_share_reference(length, rows, 8, gpu.num_sms)
+    if share != auto:
+        assert predicted[share] < predicted[auto] * (1 - MODEL_MARGIN)
