@@ -58,16 +58,17 @@ import numpy as np
 
 from . import cuda_compile as cc
 from .cuda_launch import _launch_ex, _set_out, _torch_stream_handle
-from .cuda_launch import _Launch  # noqa: F401  (re-exported: kernel probes build launches)
 from .cuda_modules import _compile_in_workers, _raw_module, _variant_from
 from .cuda_state import StaticState
-from .cuda_views import _TORCH_ALLOC, _Dev, _data_ptr, _extent
+from .cuda_views import _Dev, _data_ptr, _extent
 from .gpus import detect_gpu_name
 from .inputs import refuse_overlap
 from .launch import merge_block_per_pair, merge_heads_per_warp
 from .plan import Plan, dtype_name
 
 log = logging.getLogger("pat_core.cuda")
+
+_TORCH_ALLOC: dict = {}    # canonical name -> torch dtype, for the arrays run() allocates
 
 
 @dataclass(frozen=True)

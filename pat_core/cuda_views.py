@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .inputs import byte_extent
-from .plan import dtype_name
+from .plan import DTYPE_BYTES, dtype_name
 
 
 class _Dev:
@@ -71,7 +71,6 @@ class _Dev:
 
 
 _TORCH_DTYPES: dict = {}   # torch dtype -> canonical name (filled on first sight)
-_TORCH_ALLOC: dict = {}    # canonical name -> torch dtype, for the arrays run() allocates
 
 
 def _data_ptr(a) -> int:
@@ -153,12 +152,6 @@ def _check_aligned(t: _Dev, name: str, axes):
                          f"pointer {t.ptr:#x}, element strides {t.strides}")
 
 
-# ---------------------------------------------------------------------------------- backend
-
-
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
-
-
 def _extent(t: _Dev) -> tuple:
     """Byte range of a device array (:func:`pat_core.inputs.byte_extent`)."""
-    return byte_extent(t.ptr, t.shape, t.strides, _ITEMSIZE.get(t.dtype, 8))
+    return byte_extent(t.ptr, t.shape, t.strides, DTYPE_BYTES.get(t.dtype, 8))

@@ -291,7 +291,7 @@ def host_overhead(backend=None, spec="1,4,64_256,1024,64", heads=(32, 8), calls=
     out = torch.empty_like(q)
     run_us, prof_backend = _host_cost(lambda: backend.run(plan, q, k, v, out=out), calls)
     # bare launches of the prepared forward kernel: packed cuLaunchKernel vs CuPy's generic call
-    from pat_core.cuda_backend import _Launch
+    from pat_core.cuda_launch import _Launch
     st = backend.state_for(plan)               # the plan's device state (run() wrote it)
     prep = next(iter(st.prepared.values()))
     ln = st.live_launches(prep)[0][0]          # the plan's first forward launch
