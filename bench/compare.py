@@ -71,29 +71,45 @@ FASTTREE_API = ("FastTreeParams", "KVTreeNode", "generate_tree", "fasttree_prepa
 
 
 # ---------------------------------------------------------------------------- GPU helpers
-def torch_attention(torch, q, k, v, table, seq_lens, page_size, dtype=None):
-    """Decode attention in torch on the GPU (NHD caches), one request at a time, computed in
+def torch_attention(torch, q, k, v, table, seq_lens, page_size, dtype=None, *, q_len: int = 1,
+                    k_scale: float = 1.0, v_scale: float = 1.0):
+    """Paged attention in torch on the GPU (NHD caches), one request at a time, computed in
     ``dtype`` throughout: ``torch.float64`` for the reference, ``None`` for q's own dtype (the
-    plain same-dtype implementation whose error sets the tolerance)."""
+    plain same-dtype implementation whose error sets the tolerance).
+
+    ``q`` is ``[B * q_len, hq, d]``: request ``r`` owns rows ``r * q_len : (r + 1) * q_len`` and
+    its token ``j`` sees KV positions ``< seq_len - q_len + 1 + j`` (causal; ``q_len = 1`` is
+    decode).  ``k``/``v`` may be FP8: their values times ``k_scale``/``v_scale`` are the keys and
+    values."""
     dtype = dtype or q.dtype
-    B, hq, d = q.shape
+    hq, d = q.shape[1], q.shape[2]
+    B = q.shape[0] // q_len
     hk = k.shape[2]
     g = hq // hk
-    out = torch.empty((B, hq, d), dtype=dtype, device="cuda")
+    out = torch.empty((B * q_len, hq, d), dtype=dtype, device="cuda")
     scale = 1.0 / math.sqrt(d)
     for r in range(B):
         L = int(seq_lens[r])
         pages = torch.as_tensor(table[r, : -(-L // page_size)], device="cuda", dtype=torch.long)
-        kk = k[pages].reshape(-1, hk, d)[:L].to(dtype).transpose(0, 1)      # [hk, L, d]
-        vv = v[pages].reshape(-1, hk, d)[:L].to(dtype).transpose(0, 1)
-        s = torch.matmul(q[r].to(dtype).reshape(hk, g, d), kk.transpose(1, 2)) * scale
-        out[r] = torch.matmul(torch.softmax(s, dim=-1), vv).reshape(hq, d)
+        kk = k[pages].reshape(-1, hk, d)[:L].to(dtype).transpose(0, 1) * k_scale   # [hk, L, d]
+        vv = v[pages].reshape(-1, hk, d)[:L].to(dtype).transpose(0, 1) * v_scale
+        qr = q[r * q_len:(r + 1) * q_len].to(dtype)                    # [q_len, hq, d]
+        qr = qr.reshape(q_len, hk, g, d).permute(1, 0, 2, 3).reshape(hk, q_len * g, d)
+        s = torch.matmul(qr, kk.transpose(1, 2)) * scale                # [hk, q_len * g, L]
+        if q_len > 1:
+            tok = torch.arange(q_len, device="cuda").repeat_interleave(g)[:, None]
+            pos = torch.arange(L, device="cuda")[None, :]
+            s = s.masked_fill(pos >= L - q_len + 1 + tok, float("-inf"))
+        o = torch.matmul(torch.softmax(s, dim=-1), vv)                  # [hk, q_len * g, d]
+        out[r * q_len:(r + 1) * q_len] = o.reshape(hk, q_len, g, d).permute(1, 0, 2, 3) \
+            .reshape(q_len, hq, d)
     return out
 
 
-def reference_fp64(torch, q, k, v, table, seq_lens, page_size):
-    """Float64 decode attention on the GPU: the ground truth of every check here."""
-    return torch_attention(torch, q, k, v, table, seq_lens, page_size, torch.float64)
+def reference_fp64(torch, q, k, v, table, seq_lens, page_size, **kw):
+    """Float64 attention on the GPU: the ground truth of every check here (``kw``: those of
+    :func:`torch_attention`)."""
+    return torch_attention(torch, q, k, v, table, seq_lens, page_size, torch.float64, **kw)
 
 
 def rel_err(torch, x, ref) -> float:
@@ -188,7 +204,9 @@ def make_ours(torch, pat_core, method, batch, hq, hk, d, ps, dtype_name):
     return w, plan
 
 
-def make_fi_decode(torch, flashinfer, batch, hq, hk, d, ps, dtype):
+def make_fi_decode(torch, flashinfer, batch, hq, hk, d, ps, dtype, kv_dtype=None):
+    """FlashInfer's batch decode wrapper planned for ``batch`` (``kv_dtype``: the cache's dtype
+    when it differs from ``dtype``, e.g. ``torch.float8_e4m3fn``)."""
     from pat_core.inputs import BlockTable
     bt = BlockTable.from_padded(batch.block_tables, batch.seq_lens, ps)
     indptr, indices, last = bt.to_csr()
@@ -197,8 +215,23 @@ def make_fi_decode(torch, flashinfer, batch, hq, hk, d, ps, dtype):
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
     w.plan(torch.as_tensor(indptr, device="cuda"), torch.as_tensor(indices, device="cuda"),
            torch.as_tensor(last, device="cuda"), hq, hk, d, ps, q_data_type=dtype,
-           kv_data_type=dtype)
+           kv_data_type=kv_dtype or dtype)
     return w, {"tensor_cores": tc}
+
+
+def make_fi_prefill(torch, flashinfer, batch, hq, hk, d, ps, dtype, q_len, kv_dtype=None):
+    """FlashInfer's paged prefill wrapper, causal, ``q_len`` query tokens per request: the
+    usual verify step of speculative decoding."""
+    from pat_core.inputs import BlockTable
+    bt = BlockTable.from_padded(batch.block_tables, batch.seq_lens, ps)
+    indptr, indices, last = bt.to_csr()
+    cu = lambda a: torch.as_tensor(a, device="cuda", dtype=torch.int32)  # noqa: E731
+    qo = cu(np.arange(len(batch.seq_lens) + 1) * q_len)
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+    w.plan(qo, cu(indptr), cu(indices), cu(last), hq, hk, d, ps, causal=True,
+           q_data_type=dtype, kv_data_type=kv_dtype or dtype)
+    return w, {}
 
 
 def make_fi_cascade(torch, flashinfer, batch, hq, hk, d, ps, dtype):

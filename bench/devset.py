@@ -180,17 +180,19 @@ def _geo(xs) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
-def step_floor_us(meta_step: dict, hq: int, hk: int, d: int, bw: float, dtype_bytes: int = 2):
+def step_floor_us(meta_step: dict, hq: int, hk: int, d: int, bw: float, dtype_bytes: int = 2,
+                  *, kv_bytes: int | None = None, q_len: int = 1):
     """Bandwidth floor of one step in us: its unique KV tokens once (K and V, every KV head),
     the queries read and the outputs written once, at the copy bandwidth ``bw`` (bytes/s)."""
-    kv = meta_step["unique_tokens"] * hk * 2 * d * dtype_bytes
-    qo = 2 * meta_step["batch"] * hq * d * dtype_bytes
+    kv = meta_step["unique_tokens"] * hk * 2 * d * (kv_bytes or dtype_bytes)
+    qo = 2 * meta_step["batch"] * q_len * hq * d * dtype_bytes
     return (kv + qo) / bw * 1e6
 
 
 def time_all(steps_dir, out_dir, *, heads=("32:8",), methods=("pat", "pat-graph-bucket",
                                                              "fi-decode"),
-             reps: int = 10, parts=PARTS, head_dim: int = 128) -> dict:
+             reps: int = 10, parts=PARTS, head_dim: int = 128, kv_dtype: str = "float16",
+             q_len: int = 1) -> dict:
     """Time every part of the development set (``bench/trace_replay.py time`` on each steps
     file, into ``out_dir/PART/``), then write ``out_dir/devset.json``: the copy bandwidth, one
     row per (part, step, heads, method) with its bandwidth floor, and per part and heads the
@@ -210,13 +212,15 @@ def time_all(steps_dir, out_dir, *, heads=("32:8",), methods=("pat", "pat-graph-
             raise SystemExit(f"{f}: missing (python bench/devset.py prepare --out {steps_dir})")
         trace_replay.main(["time", "--steps-file", str(f), "--out", str(out_dir / part),
                            "--heads", *heads, "--methods", *methods, "--reps", str(reps),
-                           "--head-dim", str(head_dim)])
+                           "--head-dim", str(head_dim), "--kv-dtype", kv_dtype,
+                           "--q-len", str(q_len)])
         res = json.loads((out_dir / part / "trace_replay.json").read_text())
         fi_version = res.get("versions", {}).get("flashinfer", fi_version)
         meta = {m["step"]: m for m in load_steps(f)[0]["steps"]}
         for r in res["rows"]:
             hq, hk = (int(x) for x in r["heads"].split(":"))
-            fl = step_floor_us(meta[r["step"]], hq, hk, res["head_dim"], bw)
+            fl = step_floor_us(meta[r["step"]], hq, hk, res["head_dim"], bw,
+                               kv_bytes=1 if kv_dtype == "float8_e4m3fn" else 2, q_len=q_len)
             rows.append(dict(part=part, step=r["step"], heads=r["heads"], method=r["method"],
                              batch=meta[r["step"]]["batch"], spec=meta[r["step"]].get("spec"),
                              floor_us=fl, graph_us=r.get("graph_us"),
@@ -235,18 +239,24 @@ def time_all(steps_dir, out_dir, *, heads=("32:8",), methods=("pat", "pat-graph-
                           if m in v and v[m].get(kind)]
                     if xs:
                         s[f"{m}_{kind[:-3]}_over_floor_geo"] = round(_geo(xs), 3)
+            fi = "fi-prefill" if q_len > 1 else "fi-decode"    # FlashInfer's path for it
             for kind in ("graph_us", "eager_us"):
-                sp = [v["fi-decode"][kind] / v["pat"][kind] for v in by.values()
-                      if "pat" in v and "fi-decode" in v and v["pat"].get(kind)
-                      and v["fi-decode"].get(kind)]
+                sp = [v[fi][kind] / v["pat"][kind] for v in by.values()
+                      if "pat" in v and fi in v and v["pat"].get(kind) and v[fi].get(kind)]
                 if sp:
                     s[f"fi_over_pat_{kind[:-3]}_geo"] = round(_geo(sp), 3)
                     s[f"fi_over_pat_{kind[:-3]}_min"] = round(min(sp), 3)
+            inv = [v["pat-invariant"]["graph_us"] / v["pat"]["graph_us"] for v in by.values()
+                   if "pat" in v and "pat-invariant" in v and v["pat"].get("graph_us")
+                   and v["pat-invariant"].get("graph_us")]
+            if inv:      # the price of batch_invariant=True (graph)
+                s["invariant_over_pat_graph_geo"] = round(_geo(inv), 3)
             summary[f"{part} {h}"] = s
     res = dict(benchmark="devset", device=torch.cuda.get_device_name(), git_sha=git_sha(),
                versions=dict(python=platform.python_version(), torch=torch.__version__,
                              pat=pat_core.__version__, flashinfer=fi_version),
                copy_bandwidth_Bps=bw, heads=list(heads), head_dim=head_dim,
+               kv_dtype=kv_dtype, q_len=q_len,
                methods=list(methods), reps=reps,
                method_note="bench/trace_replay.py time per part; floor = unique KV + q + out "
                            "at the copy bandwidth", rows=rows, summary=summary)
@@ -319,7 +329,9 @@ def main(argv=None) -> int:
     tm.add_argument("--methods", nargs="+", default=["pat", "pat-graph-bucket", "fi-decode"])
     tm.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     tm.add_argument("--reps", type=int, default=10)
-    tm.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
+    tm.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256))
+    tm.add_argument("--kv-dtype", default="float16", choices=("float16", "float8_e4m3fn"))
+    tm.add_argument("--q-len", type=int, default=1, help="query tokens per request (1..16)")
     se = sub.add_parser("sim-error", help="the simulator's error on a measured devset.json "
                                           "(CPU)")
     se.add_argument("--dir", default=str(DEFAULT_DIR), help="the prepared steps files")
@@ -331,7 +343,8 @@ def main(argv=None) -> int:
         return 0
     if args.cmd == "time":
         time_all(args.dir, args.out, heads=args.heads, methods=args.methods, reps=args.reps,
-                 parts=args.parts, head_dim=args.head_dim)
+                 parts=args.parts, head_dim=args.head_dim, kv_dtype=args.kv_dtype,
+                 q_len=args.q_len)
         return 0
     if args.cmd == "list":
         _print_rows(workloads(args.dir))

@@ -25,7 +25,12 @@ wrapper and ONE graph per head configuration, captured at the first step and rep
 later step after ``plan()`` (limits from the largest step; ``graph_us`` is that replay, what a
 serving loop sees), so its ratio to ``pat`` is the price of graph safety; ``pat-graph-bucket``:
 the same with one wrapper and graph per power-of-two batch bucket (``max_batch_size`` = the
-bucket), as serving engines capture decode per batch size.
+bucket), as serving engines capture decode per batch size; ``pat-invariant``: pat planned with
+``batch_invariant=True``.  ``--kv-dtype float8_e4m3fn`` stores the cache in FP8 with
+``--kv-scales`` (every method reads it; q and outputs stay float16); ``--q-len N`` gives every
+request N query tokens, causal among themselves (speculative decoding's verify step), where
+``fi-prefill`` (FlashInfer's paged prefill wrapper, causal) is the baseline instead of
+``fi-decode``.
 
 ``prepare-synthetic --specs SPEC ... --out STEPS.npz`` stores tree specs
 (:func:`pat_core.workloads.build_tree_batch`) in the same format, so the synthetic workloads go
@@ -51,7 +56,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):     # run as a script: python bench/trace_replay.py
     sys.path.insert(0, str(ROOT))
 
-METHODS = ("pat", "query", "fi-decode", "pat-graph", "pat-graph-bucket")
+METHODS = ("pat", "query", "fi-decode", "pat-graph", "pat-graph-bucket", "pat-invariant",
+           "fi-prefill")
 GRAPH_SAFE = ("pat-graph", "pat-graph-bucket")
 
 
@@ -172,7 +178,8 @@ def load_steps(path):
 def time_steps(args) -> int:
     import torch
     from bench.common import git_sha, graph_times, l2_flusher, time_events
-    from bench.compare import make_fi_decode, reference_fp64, rel_err, torch_attention
+    from bench.compare import (make_fi_decode, make_fi_prefill, reference_fp64, rel_err,
+                               torch_attention)
     import pat_core
 
     meta, steps = load_steps(args.steps_file)
@@ -180,9 +187,14 @@ def time_steps(args) -> int:
     n_pages = meta["config"]["kv_pages"]
     d = args.head_dim
     dtype = torch.float16
+    fp8 = args.kv_dtype == "float8_e4m3fn"
+    kv_dtype = torch.float8_e4m3fn if fp8 else dtype
+    ql = args.q_len
+    ks, vs = args.kv_scales if fp8 else (1.0, 1.0)
+    scales = dict(k_scale=ks, v_scale=vs) if fp8 else {}
     flashinfer = None
     fi_error = None
-    if "fi-decode" in args.methods:
+    if "fi-decode" in args.methods or "fi-prefill" in args.methods:
         os.environ.setdefault("NVCC_APPEND_FLAGS", "-static-global-template-stub=false")
         try:
             import flashinfer
@@ -195,14 +207,19 @@ def time_steps(args) -> int:
         g = torch.Generator(device="cuda").manual_seed(0)
         k = torch.randn((n_pages, ps, hk, d), generator=g, device="cuda", dtype=dtype)
         v = torch.randn(k.shape, generator=g, device="cuda", dtype=dtype)
+        if fp8:      # values spread over the format's range; the scales give them unit size
+            k, v = (k / ks).to(kv_dtype), (v / vs).to(kv_dtype)
         gs = {m: _GraphSafe(pat_core, torch, steps, hq, hk, d, ps, k, v,
-                            buckets=m == "pat-graph-bucket")
+                            buckets=m == "pat-graph-bucket",
+                            plan_kw=_pat_plan_kw(args, 0), run_kw=scales, q_len=ql)
               for m in GRAPH_SAFE if m in args.methods}
         for i, (m, table, lens) in enumerate(steps):
-            q = torch.randn((table.shape[0], hq, d), generator=g, device="cuda", dtype=dtype)
-            ref = reference_fp64(torch, q, k, v, table, lens, ps)
-            tol = max(2 * rel_err(torch, torch_attention(torch, q, k, v, table, lens, ps), ref),
-                      2.0 ** -11)
+            q = torch.randn((table.shape[0] * ql, hq, d), generator=g, device="cuda",
+                            dtype=dtype)
+            akw = dict(q_len=ql, **scales)
+            ref = reference_fp64(torch, q, k, v, table, lens, ps, **akw)
+            tol = max(2 * rel_err(torch, torch_attention(torch, q, k, v, table, lens, ps, **akw),
+                                  ref), 2.0 ** -11)
             # a throwaway run of one method first: on long steps the first method timed after
             # the reference got a slow graph replay (up to 18%; bench/NOTES.md, round 8)
             first = [x for x in args.methods if x not in GRAPH_SAFE][:1] if args.throwaway \
@@ -235,29 +252,40 @@ def time_steps(args) -> int:
                                   f"({row['rel_err']:.2e})")
                         rows.append(row)
                         continue
-                    if method == "fi-decode":
+                    if method in ("fi-decode", "fi-prefill"):
                         if flashinfer is None:
                             row["skipped"] = f"flashinfer unavailable: {fi_error}"
                             rows.append(row)
                             continue
+                        if (method == "fi-decode") != (ql == 1):
+                            row["skipped"] = f"{method} at --q-len {ql}"
+                            rows.append(row)
+                            continue
                         t0 = time.perf_counter()
-                        w, _ = make_fi_decode(torch, flashinfer, _Batch(table, lens, ps), hq,
-                                              hk, d, ps, dtype)
+                        b = _Batch(table, lens, ps)
+                        w, _ = (make_fi_decode(torch, flashinfer, b, hq, hk, d, ps, dtype,
+                                               kv_dtype) if ql == 1 else
+                                make_fi_prefill(torch, flashinfer, b, hq, hk, d, ps, dtype, ql,
+                                                kv_dtype))
                         row["plan_ms"] = (time.perf_counter() - t0) * 1e3
-                        fn = lambda: w.run(q, (k, v))  # noqa: E731
+                        fn = lambda: w.run(q, (k, v), **scales)  # noqa: E731
                     else:
                         packer, _, label = method.partition("@")
+                        if packer == "pat-invariant":
+                            packer = "pat"
                         w = pat_core.PrefixAttentionWrapper(backend="cuda", packer=packer)
                         if label:     # an ablation: one of the lab's planner tunings
                             from bench.lab.kernel_lab import apply_tuning
                             apply_tuning(label, w.planner)
                         t0 = time.perf_counter()
-                        plan = w.plan(table, lens, hq, hk, d, ps, kv_data_type="float16")
+                        plan = w.plan(table, lens, hq, hk, d, ps,
+                                      **_pat_plan_kw(args, len(lens),
+                                                     invariant=method == "pat-invariant"))
                         row["plan_ms"] = (time.perf_counter() - t0) * 1e3
                         st = plan.stats()
                         row.update(num_ctas=st["num_ctas"], total_bytes=st["total_bytes"],
                                    tiles=st["tiles"])
-                        fn = lambda: w.run(q, (k, v))  # noqa: E731
+                        fn = lambda: w.run(q, (k, v), **scales)  # noqa: E731
                     out = fn()
                     torch.cuda.synchronize()
                     row["rel_err"] = rel_err(torch, out, ref)
@@ -284,7 +312,8 @@ def time_steps(args) -> int:
                                                                    None),
                                                 pat=pat_core.__version__),
                trace=meta["trace"], trace_requests=meta["requests"], config=meta["config"],
-               head_dim=d, dtype="float16", reps=args.reps,
+               head_dim=d, dtype="float16", kv_dtype=args.kv_dtype, q_len=ql,
+               kv_scales=[ks, vs], reps=args.reps,
                method_note="CUDA events, L2 flushed before each run, median; graph = one "
                            "capture per step's plan", rows=rows, summary=summary)
     out = Path(args.out)
@@ -296,6 +325,19 @@ def time_steps(args) -> int:
     return 0 if all(r.get("correct", True) and "error" not in r for r in rows) else 1
 
 
+def _pat_plan_kw(args, batch: int, invariant: bool = False) -> dict:
+    """pat's ``plan()`` keywords for the run's KV dtype, query tokens per request (``batch``
+    requests; 0: the graph-safe probe, which sets it per step) and batch invariance."""
+    kw = dict(kv_data_type=args.kv_dtype)
+    if args.kv_dtype != "float16":
+        kw["q_data_type"] = "float16"
+    if args.q_len > 1 and batch:
+        kw["qo_indptr"] = np.arange(batch + 1, dtype=np.int32) * args.q_len
+    if invariant:
+        kw["batch_invariant"] = True
+    return kw
+
+
 class _GraphSafe:
     """pat's graph-safe mode over a run of steps: one wrapper sized for the largest step, one
     graph captured at the first plan and replayed for every later one.  With ``buckets``, as
@@ -303,13 +345,15 @@ class _GraphSafe:
     (``max_batch_size`` = the bucket, the other limits from the steps that fall in it), each
     captured at its first step."""
 
-    def __init__(self, pat_core, torch, steps, hq, hk, d, ps, k, v, buckets=False):
+    def __init__(self, pat_core, torch, steps, hq, hk, d, ps, k, v, buckets=False, *,
+                 plan_kw=None, run_kw=None, q_len: int = 1):
         from pat_core import Planner
         from pat_core.gpus import detect_gpu_name
         self.pat_core, self.torch, self.k, self.v = pat_core, torch, k, v
         self.hq, self.hk, self.d, self.ps = hq, hk, d, ps
+        self.plan_kw, self.run_kw, self.q_len = dict(plan_kw or {}), dict(run_kw or {}), q_len
         probe = Planner("pat", detect_gpu_name(torch.cuda.get_device_name()) or "h100")
-        plans = [probe.plan(t, ln, hq, hk, d, ps) for _, t, ln in steps]
+        plans = [probe.plan(t, ln, hq, hk, d, ps, **self._kw(len(ln))) for _, t, ln in steps]
         self.buckets = buckets
         self.limits = {}
         for p, (_, _, ln) in zip(plans, steps):
@@ -324,6 +368,12 @@ class _GraphSafe:
         self.batch = 0
         self.num_launches = None
 
+    def _kw(self, batch: int) -> dict:
+        kw = dict(self.plan_kw)
+        if self.q_len > 1:
+            kw["qo_indptr"] = np.arange(batch + 1, dtype=np.int32) * self.q_len
+        return kw
+
     def _bucket(self, batch: int) -> int:
         return 1 << max(0, int(batch) - 1).bit_length() if self.buckets else 0
 
@@ -332,14 +382,16 @@ class _GraphSafe:
         st = self.states.get(key)
         if st is None:
             max_b, entries, ctas, slots = self.limits[key]
+            extra = dict(max_num_qo_tokens=max_b * self.q_len) if self.q_len > 1 else {}
             w = self.pat_core.PrefixAttentionWrapper(
                 backend="cuda", packer="pat", use_cuda_graph=True, max_batch_size=max_b,
-                max_num_pages=entries, max_ctas=ctas, max_partials=slots)
-            q = self.torch.zeros((max_b, self.hq, self.d), dtype=self.k.dtype, device="cuda")
+                max_num_pages=entries, max_ctas=ctas, max_partials=slots, **extra)
+            q = self.torch.zeros((max_b * self.q_len, self.hq, self.d),
+                                 dtype=self.torch.float16, device="cuda")
             st = self.states[key] = [w, q, self.torch.zeros_like(q), None]
         self.cur = st
         plan = st[0].plan(table, lens, self.hq, self.hk, self.d, self.ps,
-                          kv_data_type="float16")
+                          **self._kw(len(lens)))
         self.batch = plan.batch_size
         if st[3] is None:
             torch = self.torch
@@ -358,13 +410,14 @@ class _GraphSafe:
 
     def eager(self):
         w, q, out, _ = self.cur
-        return w.run(q, (self.k, self.v), out=out)
+        return w.run(q, (self.k, self.v), out=out, **self.run_kw)
 
     def replay(self, q):
-        self.cur[1][:self.batch] = q
+        n = self.batch * self.q_len
+        self.cur[1][:n] = q
         self.cur[3].replay()
         self.torch.cuda.synchronize()
-        return self.cur[2][:self.batch].clone()
+        return self.cur[2][:n].clone()
 
 
 class _Batch:
@@ -401,9 +454,10 @@ def summarise(rows) -> dict:
             t = [v[method]["graph_us"] for v in by.values() if method in v]
             if t:
                 s[f"{method}_total_us"] = round(float(sum(t)), 1)
+        fi = "fi-prefill" if any("fi-prefill" in v for v in by.values()) else "fi-decode"
         for label, share in (("sharing", True), ("no_sharing", False)):
-            sp = [v["fi-decode"]["graph_us"] / v["pat"]["graph_us"] for v in by.values()
-                  if "pat" in v and "fi-decode" in v and v["pat"]["shares"] == share]
+            sp = [v[fi]["graph_us"] / v["pat"]["graph_us"] for v in by.values()
+                  if "pat" in v and fi in v and v["pat"]["shares"] == share]
             if sp:
                 s[f"{label}_steps"] = len(sp)
                 s[f"{label}_speedup_geomean"] = round(math.exp(float(np.mean(np.log(sp)))), 3)
@@ -412,6 +466,11 @@ def summarise(rows) -> dict:
                if "pat" in v and "query" in v]
         if spq:
             s["vs_query_geomean"] = round(math.exp(float(np.mean(np.log(spq)))), 3)
+        inv = [v["pat-invariant"]["graph_us"] / v["pat"]["graph_us"] for v in by.values()
+               if "pat" in v and "pat-invariant" in v]
+        if inv:      # the price of batch invariance (> 1: slower)
+            s["invariant_over_pat_geomean"] = round(math.exp(float(np.mean(np.log(inv)))), 3)
+            s["invariant_over_pat_max"] = round(float(max(inv)), 3)
         # graph-safe replay over the graph captured for each step's own plan (> 1: slower)
         for gm, tag in (("pat-graph", ""), ("pat-graph-bucket", "_bucket")):
             gsr = [v[gm]["graph_us"] / v["pat"]["graph_us"] for v in by.values()
@@ -457,6 +516,13 @@ def main(argv=None) -> int:
                    help=f"of {METHODS}; also pat@LABEL: pat with bench/lab/kernel_lab.py's planner "
                         "tuning LABEL (an ablation)")
     t.add_argument("--reps", type=int, default=10)
+    t.add_argument("--kv-dtype", default="float16", choices=("float16", "float8_e4m3fn"),
+                   help="the KV cache's dtype (queries and outputs stay float16)")
+    t.add_argument("--kv-scales", type=float, nargs=2, default=(0.5, 0.75),
+                   metavar=("K_SCALE", "V_SCALE"), help="the FP8 cache's scales")
+    t.add_argument("--q-len", type=int, default=1,
+                   help="query tokens per request, causal among themselves (speculative "
+                        "decoding's verify step); fi-prefill is FlashInfer's baseline there")
     t.add_argument("--no-throwaway", dest="throwaway", action="store_false",
                    help="time the methods without a throwaway run of the first one per step")
     args = ap.parse_args(argv)
@@ -477,6 +543,8 @@ def main(argv=None) -> int:
             if label not in TUNINGS:
                 ap.error(f"--methods {m!r}: no planner tuning {label!r} in bench/lab/kernel_lab.py "
                          f"(choose from {sorted(TUNINGS)})")
+    if not 1 <= args.q_len <= 16:
+        ap.error("--q-len must be in 1..16")
     for h in args.heads:
         parts = h.split(":")
         if len(parts) != 2 or not all(x.isdigit() and int(x) > 0 for x in parts) \
