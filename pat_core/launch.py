@@ -89,7 +89,13 @@ def merge_block_per_pair(plan, num_sms: int) -> bool:
     on ``1,16_16384,16`` (heads 32:8, 512 pairs of 33 slots) that merge took 18 us on an H100
     (ncu; 4 warps per SM, each walking 33 slots).  A block per pair puts four warps on the same
     pair's slots.  With many pairs (or few slots each) a warp per pair already fills the SMs and
-    the block's barrier and idle warps would only cost."""
+    the block's barrier and idle warps would only cost.
+
+    A batch-invariant plan (``plan.batch_invariant``) always takes a warp per pair: the block
+    splits a pair's slots over its warps and adds their sums in another order, and which
+    layout runs must not depend on the rest of the batch."""
+    if plan.batch_invariant:
+        return False
     pairs = plan.batch_size * plan.num_qo_heads
     if pairs == 0:
         return False

@@ -353,3 +353,82 @@ def pack(forest: PrefixForest, packer: str, group: int, max_rows: int, head_dim:
         f.start, f.end, f.lo, f.hi, f.child_indptr, f.children, f.order, f.level,
         f.req_node, _MODE[packer], group, max_req, kv_tok, row_slot)
     return Packs(req_indptr=ind, reqs=reqs, kv_start=s, kv_end=e, level=lv, leaf_pack=leaf)
+
+
+@njit(cache=True, nogil=True)
+def _chunk_packs_nb(order, lcp, lens, chunk, max_req):
+    """:func:`chunk_packs` on the forest's sorted order: int32 ``order [B]`` and ``lcp [B]``
+    (token LCP of sorted neighbours), int ``lens [B]`` (by request id)."""
+    B = order.shape[0]
+    total = 0
+    kmax = 0
+    for r in range(B):
+        k = (np.int64(lens[r]) + chunk - 1) // chunk
+        total += k
+        if k > kmax:
+            kmax = k
+    req_indptr = np.zeros(total + 1, dtype=np.int32)
+    reqs = np.empty(total, dtype=np.int32)
+    kv_start = np.empty(total, dtype=np.int32)
+    kv_end = np.empty(total, dtype=np.int32)
+    level = np.empty(total, dtype=np.int32)
+    npk = 0
+    nr = 0
+    big = np.int64(1) << 62
+    for k in range(kmax):
+        c0 = np.int64(k) * chunk
+        prev_end = np.int64(-1)
+        low = big          # smallest neighbour LCP since the last request that reads chunk k
+        cnt = 0
+        for i in range(B):
+            r = order[i]
+            if lens[r] > c0:
+                e = min(np.int64(lens[r]), c0 + chunk)
+                # the previous reader of this chunk reads exactly these tokens: the same end,
+                # and (sorted order: LCPs of non-neighbours are the minimum in between) the
+                # same pages up to it
+                if not (prev_end == e and low >= e and cnt < max_req):
+                    if cnt > 0:
+                        npk += 1
+                        req_indptr[npk] = nr
+                    kv_start[npk] = c0
+                    kv_end[npk] = e
+                    level[npk] = k
+                    cnt = 0
+                reqs[nr] = r
+                nr += 1
+                cnt += 1
+                prev_end = e
+                low = big
+            if i + 1 < B and lcp[i] < low:
+                low = lcp[i]
+        if cnt > 0:
+            npk += 1
+            req_indptr[npk] = nr
+    return (req_indptr[:npk + 1].copy(), reqs, kv_start[:npk].copy(), kv_end[:npk].copy(),
+            level[:npk].copy())
+
+
+def chunk_packs(forest: PrefixForest, chunk: int, group: int, max_rows: int) -> Packs:
+    """The batch-invariant packing: packs inside fixed KV chunks ``[k * chunk, (k + 1) *
+    chunk)`` of absolute token positions.
+
+    Each request reads chunk ``k`` (for every ``k < ceil(seq_len / chunk)``) from the chunk's
+    start to ``min((k + 1) * chunk, seq_len)``; requests that read exactly the same tokens of
+    a chunk (the same pages, the same end) share one pack, at most ``max_rows // group`` of
+    them (more make more packs over the same tokens).  So the forest is cut at chunk
+    boundaries, a node that ends inside a chunk is not shared for the rest of that chunk, and
+    every request's packs (their token ranges, hence its partials and their order) are a
+    function of its own ``seq_len`` alone, whatever else is in the batch.  ``level`` holds
+    the chunk index; ``leaf_pack`` is all ``-1`` (no length-only update in this mode).
+    """
+    if not isinstance(chunk, (int, np.integer)) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    if group > max_rows:
+        raise ValueError(f"num_qo_heads / num_kv_heads = {group} exceeds the tile's "
+                         f"{max_rows} rows: one request would not fit a CTA")
+    lens = forest.block_table.seq_lens
+    ind, reqs, s, e, lv = _chunk_packs_nb(forest.order, forest.lcp, lens, int(chunk),
+                                          max(1, max_rows // group))
+    return Packs(req_indptr=ind, reqs=reqs, kv_start=s, kv_end=e, level=lv,
+                 leaf_pack=np.full(lens.shape[0], -1, dtype=np.int32))

@@ -129,6 +129,9 @@ class Plan:
     version: int = 0
     extra: dict = field(default_factory=dict)
     q_dtype: str | None = None      # query/output dtype when it differs from kv_dtype
+    # made by plan(..., batch_invariant=True): every CTA reads inside one fixed KV chunk with
+    # one tile, and the merge must take its fixed layout (pat_core.launch.merge_block_per_pair)
+    batch_invariant: bool = False
 
     ARRAY_FIELDS = ("tile_configs", "group_indptr", "group_tile", "cta_tile", "cta_req_indptr",
                     "cta_req", "cta_slot", "cta_kv_start", "cta_kv_len", "cta_page_indptr",

@@ -11,6 +11,8 @@ little (``Planner.last_path`` says what a call did):
   order and LCPs are updated (:mod:`pat_core.incremental`), the forest is built from them
   without sorting, and packed again;
 * ``"full"``: the first step, most rows new, or input the checks must report.
+* ``"invariant"``: a batch-invariant plan (``batch_invariant=True``, :func:`invariant_plan`),
+  always planned from scratch.
 
 Every path gives the Plan a fresh planner gives for the same step, array for array
 (``tests/test_incremental_plan.py``).
@@ -29,11 +31,12 @@ from .gpus import get_gpu
 from .incremental import LOOKAHEAD, _match_rows, _next_order
 from .inputs import (INT32_MAX, BlockTable, _check_seq_lens, as_block_table, check_heads,
                      check_size)
-from .packers import (PACKERS, Packs, narrow_packing, narrow_wins, pack, request_packing,
-                      request_share, request_wins)
+from .packers import (PACKERS, Packs, chunk_packs, narrow_packing, narrow_wins, pack,
+                      request_packing, request_share, request_wins)
 from .plan import DTYPE_BYTES, Plan, dtype_name
-from .split import (_left, _split_parts, auto_split_share, choose_split_threshold_fast,
-                    split_long_kv, split_threshold)
+from .split import (INVARIANT_CHUNK_TOKENS, _left, _split_parts, auto_split_share,
+                    choose_split_threshold_fast, invariant_chunk, split_long_kv,
+                    split_threshold)
 from .tiles import TileSelector
 from .tuning import Tuning, _tuning_key  # noqa: F401  (Tuning: re-exported)
 
@@ -367,6 +370,48 @@ def _assemble_weighted(bt: BlockTable, packs: Packs, thr: int, weight: np.ndarra
 
 
 
+# A batch-invariant plan's tile rows: the smallest feasible m of at least this many rows (and
+# at least the GQA group).  One tile serves every CTA, so it must hold a shared chunk's
+# readers (more rows, fewer CTAs re-reading it) without making private requests' CTAs too
+# tall; the simulator's development-set sweep chose it (docs/design.md).
+INVARIANT_ROWS = 16
+
+
+def invariant_tile(selector: TileSelector, group: int) -> tuple:
+    """The one ``(m, n)`` of a batch-invariant plan: the smallest feasible ``m`` of at least
+    ``max(group, INVARIANT_ROWS)`` rows (the largest where none is), and the ``n`` the
+    selector picks for that ``m`` at a chunk's length.  A function of the plan's parameters
+    (head_dim, dtype, GPU, group), never of the batch."""
+    want = max(int(group), INVARIANT_ROWS)
+    ms = [int(m) for m in selector.m_values if m >= want]
+    m = ms[0] if ms else selector.max_rows
+    return m, selector.pick_n(m, INVARIANT_CHUNK_TOKENS)
+
+
+def invariant_plan(bt: BlockTable, forest: PrefixForest, *, num_qo_heads: int,
+                   num_kv_heads: int, head_dim: int, sm_scale: float, packer: str,
+                   selector: TileSelector, kv_dtype: str, serial: bool, tuning: Tuning,
+                   chunk: int) -> Plan:
+    """The batch-invariant Plan of ``forest`` (:func:`pat_core.packers.chunk_packs`): every
+    CTA reads inside one fixed ``chunk`` of absolute KV positions from its start, every CTA
+    has the selector's one tile, and no split.  A request's CTAs' token ranges, their order
+    (chunk order, hence its partial slots' order) and its tile are functions of its own
+    ``seq_len``; the kernels' rows do not depend on each other, so its output and LSE are
+    the same bits whatever else is in the batch."""
+    group = num_qo_heads // num_kv_heads
+    m = int(selector.max_rows)          # the selector holds the one fixed tile
+    if tuning.max_rows is not None:
+        m = max(group, min(m, int(tuning.max_rows)))
+    packs = chunk_packs(forest, chunk, group, m)
+    plan = assemble_plan(bt, packs, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                         head_dim=head_dim, sm_scale=sm_scale, packer=packer,
+                         selector=selector, kv_dtype=kv_dtype, serial=serial, split=False,
+                         tuning=tuning)
+    plan.batch_invariant = True
+    plan.extra["chunk"] = int(chunk)
+    return plan
+
+
 class Planner:
     """Plans decode batches for one packer and remembers the last one (incremental update,
     module docstring).
@@ -398,9 +443,15 @@ class Planner:
 
     def plan(self, block_tables, seq_lens, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              page_size: int, *, sm_scale: float | None = None, kv_data_type="float16",
-             q_data_type=None, tile=None, serial: bool = False, split=True) -> Plan:
+             q_data_type=None, tile=None, serial: bool = False, split=True,
+             batch_invariant: bool = False) -> Plan:
         """Make (or reuse) the Plan of one decode batch.  Arguments as
         :meth:`pat_core.PrefixAttentionWrapper.plan`."""
+        if not isinstance(batch_invariant, (bool, np.bool_)):
+            raise TypeError(f"batch_invariant must be a bool, got {batch_invariant!r}")
+        if batch_invariant and self.packer != "pat":
+            raise ValueError(f"batch_invariant=True packs by fixed KV chunks (its own packing); "
+                             f"it needs packer='pat', got packer={self.packer!r}")
         num_qo_heads, num_kv_heads, head_dim = check_heads(num_qo_heads, num_kv_heads, head_dim)
         page_size = check_size(page_size, "page_size")
         kv_dtype = dtype_name(kv_data_type, "kv_data_type")
@@ -424,6 +475,12 @@ class Planner:
         if hasattr(raw, "numpy") and hasattr(raw, "device") and str(raw.device) == "cpu":
             raw = raw.numpy()                   # CPU tensor: same memory, no copy
         raw = raw if isinstance(raw, np.ndarray) else None
+        if batch_invariant:
+            return self._plan_invariant(raw if raw is not None else block_tables, seq_lens,
+                                        page_size, tile, dict(
+                num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                sm_scale=sm_scale, packer=self.packer, kv_dtype=kv_dtype, serial=serial,
+                tuning=self.tuning), q_dtype)
         c = self._cache
         if c is not None and raw is not None and c["params"] == params and raw.ndim == 2 \
                 and raw.dtype in (np.int32, np.int64):
@@ -445,6 +502,29 @@ class Planner:
         self._cache = None
         plan = self._plan_forest(bt, PrefixForest(bt), kw, q_dtype, tile, params)
         self.last_path = "full"
+        return plan
+
+    def _plan_invariant(self, block_tables, seq_lens, page_size: int, tile, kw: dict,
+                        q_dtype: str) -> Plan:
+        """The batch-invariant plan (:func:`invariant_plan`), always from scratch: the
+        incremental paths reuse packings that depend on the batch."""
+        self._cache = None
+        bt = as_block_table(block_tables, seq_lens, page_size)
+        group = kw["num_qo_heads"] // kw["num_kv_heads"]
+        full = self.tile_selector(kw["head_dim"], kw["kv_dtype"])
+        if tile is None:
+            tile = invariant_tile(full, group)
+        selector = self.tile_selector(kw["head_dim"], kw["kv_dtype"], tile)
+        if group > selector.max_rows:
+            raise ValueError(f"tile={tuple(tile)}: its {selector.max_rows} rows cannot hold "
+                             f"one request's {group} query heads (num_qo_heads / "
+                             "num_kv_heads)")
+        n = int(selector.feasible[0][1])
+        chunk = invariant_chunk(bt.page_size, n, self.tuning.invariant_chunk)
+        plan = invariant_plan(bt, PrefixForest(bt), selector=selector, chunk=chunk, **kw)
+        plan.q_dtype = q_dtype
+        plan.extra["block_table"] = bt
+        self.last_path = "invariant"
         return plan
 
     def _plan_forest(self, bt: BlockTable, forest: PrefixForest, kw: dict, q_dtype: str, tile,

@@ -560,3 +560,25 @@ def choose_split_threshold_fast(req_indptr: np.ndarray, kv_start: np.ndarray,
         float(gpu.hbm_bandwidth * gpu.achieved_bw_fraction),
         float(gpu.mem_latency_ns * LOADED_LATENCY))
     return int(thr), int(most)
+
+
+# Batch-invariant plans (``plan(..., batch_invariant=True)``) replace the split by fixed KV
+# chunks of about this many tokens (rounded up to a multiple of the page size and of the tile's
+# n).  A request of L tokens has ceil(L / C) partials.  Long enough that a typical decode
+# request (a few thousand tokens) has one chunk, so it needs no merge and its output comes
+# straight from its CTA, as in the default plans; short enough that one 16k-token request
+# still spreads over several SMs.  The simulator's development-set sweep chose it
+# (CHANGELOG, docs/design.md).
+INVARIANT_CHUNK_TOKENS = 2048
+
+
+def invariant_chunk(page_size: int, n: int, tokens: int | None = None) -> int:
+    """Tokens of the fixed KV chunk of a batch-invariant plan: the smallest multiple of both
+    ``page_size`` and the tile's ``n`` that is at least ``tokens`` (default
+    :data:`INVARIANT_CHUNK_TOKENS`).  A function of the plan's parameters only, never of
+    the batch."""
+    tokens = INVARIANT_CHUNK_TOKENS if tokens is None else tokens
+    if not isinstance(tokens, (int, np.integer)) or tokens < 1:
+        raise ValueError(f"invariant_chunk must be a positive int, got {tokens!r}")
+    unit = math.lcm(int(page_size), int(n))
+    return unit * max(1, -(-int(tokens) // unit))

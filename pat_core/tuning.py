@@ -54,6 +54,11 @@ class Tuning:
     ``exclude_tiles``: ``(m, n)`` pairs the tile selector must not pick (``None``: none).
     Graph-safe mode sets it for a fused pull launch set
     (:func:`pat_core.static_plan.fused_pull_exclusions`).
+    ``invariant_chunk``: tokens of a batch-invariant plan's fixed KV chunks, before rounding
+    up to a multiple of the page size and of the tile's ``n``
+    (:func:`pat_core.split.invariant_chunk`; ``None``:
+    :data:`pat_core.split.INVARIANT_CHUNK_TOKENS`).  Changing it changes the bits: requests
+    are bit-identical across batches planned with the same value.
     """
 
     max_rows: int | None = None
@@ -66,6 +71,7 @@ class Tuning:
     exclude_tiles: tuple | None = None
     narrow_share: float = NARROW_SHARE
     request_share: float | None = None
+    invariant_chunk: int | None = None
 
     def __post_init__(self):
         if self.max_rows is not None and (not isinstance(self.max_rows, (int, np.integer))
@@ -85,6 +91,11 @@ class Tuning:
                 or not math.isfinite(self.request_share) or self.request_share < 0):
             raise ValueError(f"request_share must be None or a number >= 0, got "
                              f"{self.request_share!r}")
+        if self.invariant_chunk is not None and (
+                not isinstance(self.invariant_chunk, (int, np.integer))
+                or self.invariant_chunk < 1):
+            raise ValueError(f"invariant_chunk must be None or a positive int, got "
+                             f"{self.invariant_chunk!r}")
         if not isinstance(self.min_part, (int, np.integer)) or self.min_part < 1:
             raise ValueError(f"min_part must be a positive int, got {self.min_part!r}")
         if self.split_by not in ("tokens", "work"):
