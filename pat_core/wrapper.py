@@ -175,7 +175,7 @@ class PrefixAttentionWrapper:
              pos_encoding_mode: str = "NONE", window_left: int = -1, logits_soft_cap=None,
              rope_scale=None, rope_theta=None, non_blocking: bool = True,
              disable_split_kv: bool = False, data_type=None, o_data_type=None,
-             fixed_split_size=None, q_len_per_req=None) -> Plan:
+             fixed_split_size=None, q_len_per_req=None, batch_invariant: bool = False) -> Plan:
         """Pack the batch into CTAs and pick tiles.  Host arrays only; no device copies back.
 
         Parameters
@@ -201,6 +201,14 @@ class PrefixAttentionWrapper:
         split : long-KV split: ``True``/``"sm"`` (default: split CTAs longer than an SM's
             share of the work), ``"mean"`` (the PAT paper's mean rule) or ``False``.
         disable_split_kv : FlashInfer's switch; ``True`` means ``split=False``.
+        batch_invariant : ``True``: a request's output and LSE are the same bits whatever else
+            is in the batch (same q row, same KV pages and values, same seq_len), on either
+            backend.  Every CTA reads inside one fixed KV chunk of absolute positions
+            (:func:`pat_core.split.invariant_chunk`, 2048 tokens by default; requests share a
+            chunk only where they read exactly the same tokens of it), every CTA has one tile
+            (``tile`` if given, else :func:`pat_core.planner.invariant_tile`), ``split`` is
+            replaced by the chunks, and the merge takes one fixed layout.  Needs
+            ``packer="pat"``; refused with ``use_cuda_graph``.  See docs/design.md.
         non_blocking : accepted and ignored (planning is host work; the CUDA backend's copy
             of the plan is always an asynchronous copy on the current stream, ordered before
             the work enqueued after it).
@@ -250,11 +258,20 @@ class PrefixAttentionWrapper:
             if o_data_type is not None and dtype_name(o_data_type, "o_data_type") != q_dtype:
                 _not_supported("plan", "o_data_type", o_data_type, None)
             self._check_backend_limits(head_dim, kv_dtype)
+            if not isinstance(batch_invariant, (bool, np.bool_)):
+                raise TypeError(f"batch_invariant must be a bool, got {batch_invariant!r}")
+            if batch_invariant and self.use_cuda_graph:
+                # the graph-safe launch sets run other kernels (a fused pull launch, a merge
+                # captured with one layout) than the plain path: not checked bit for bit
+                raise ValueError("batch_invariant=True is not supported with use_cuda_graph=True "
+                                 "(graph-safe launch sets); plan it on a wrapper without CUDA "
+                                 "graphs")
             if self.use_cuda_graph and self._static is None:
                 self._graph_safe_tuning(num_qo_heads, num_kv_heads, head_dim, kv_dtype, tile)
             plan = self.planner.plan(block_tables, seq_lens, num_qo_heads, num_kv_heads, head_dim,
                                      page_size, sm_scale=sm_scale, kv_data_type=kv_dtype,
-                                     q_data_type=q_dtype, tile=tile, serial=serial, split=split)
+                                     q_data_type=q_dtype, tile=tile, serial=serial, split=split,
+                                     batch_invariant=bool(batch_invariant))
             if self.use_cuda_graph:
                 self._write_static(plan, tile)
             elif self._gpu_backend is not None:
