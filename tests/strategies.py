@@ -5,6 +5,7 @@ multiples of the page size (1 included), requests that end at internal nodes, id
 requests, and requests forked inside a shared page (listing a longer request's partly covered
 page).  Page ids are shuffled and padding columns hold junk.  :func:`assert_run_matches_dense`
 runs a planned CPU wrapper on such a batch against float64 dense attention.
+:func:`invariant_batches` draws one request and several batches around it (batch invariance).
 """
 from __future__ import annotations
 
@@ -112,3 +113,56 @@ def assert_run_matches_dense(w, b, hq: int, hk: int, d: int, tol: float = 1e-5) 
     out = w.run(q, (k, v))
     ref = dense_attention(q, (k, v), b.block_tables, b.seq_lens, b.page_size)
     assert relative_error(out, ref) < tol
+
+
+POOL = 400            # pages in the KV pool of one invariant_batches example
+
+
+@st.composite
+def invariant_batches(draw, page_sizes=(1, 2, 3, 4, 8, 16), max_len=12 * 16, pool_pages=POOL):
+    """``(page_size, target_pages, target_len, batches)``: one target request (at most
+    ``max_len`` tokens) and 2-4 batches, each a list of ``(pages, seq_len)`` rows holding the
+    target at ``pos`` (``(rows, pos)`` pairs); page ids below ``pool_pages``."""
+    ps = draw(st.sampled_from(page_sizes))
+    L = draw(st.integers(1, max_len))
+    npg = -(-L // ps)
+    pool = list(np.random.default_rng(draw(st.integers(0, 2**31 - 1))).permutation(pool_pages))
+    target = [int(pool.pop()) for _ in range(npg)]
+    batches = []
+    for _ in range(draw(st.integers(2, 4))):
+        rows = []
+        for _ in range(draw(st.integers(0, 7))):
+            kind = draw(st.sampled_from(("fork", "fork", "end_inside", "same", "other")))
+            if kind == "same":
+                rows.append((list(target), L))
+                continue
+            if kind == "other":
+                n = draw(st.integers(1, max(1, max_len * 2 // 3)))
+                if len(pool) < -(-n // ps):
+                    continue
+                rows.append(([int(pool.pop()) for _ in range(-(-n // ps))], n))
+                continue
+            f = draw(st.integers(1, L))                  # tokens shared with the target
+            if kind == "end_inside":                     # ends at f, on the target's pages
+                rows.append((target[:-(-f // ps)], f))
+                continue
+            extra = draw(st.integers(1, max(1, max_len // 2)))         # then tokens of its own
+            full = f // ps                               # whole shared pages
+            own = -(-(f + extra) // ps) - full           # the rest: copied / new pages
+            if len(pool) < own:
+                continue
+            rows.append((target[:full] + [int(pool.pop()) for _ in range(own)], f + extra))
+        pos = draw(st.integers(0, len(rows)))
+        rows.insert(pos, (list(target), L))
+        batches.append((rows, pos))
+    return ps, target, L, batches
+
+
+def invariant_table(rows):
+    """``(table int32 [B, W], seq_lens int32 [B])`` of ``(pages, seq_len)`` rows, junk
+    padding."""
+    width = max(len(p) for p, _ in rows)
+    t = np.full((len(rows), width + 1), -7, dtype=np.int32)   # junk padding
+    for i, (p, _) in enumerate(rows):
+        t[i, :len(p)] = p
+    return t, np.array([n for _, n in rows], dtype=np.int32)

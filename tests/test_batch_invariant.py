@@ -1,15 +1,13 @@
 """Batch invariance (``plan(..., batch_invariant=True)``): one request's output and LSE are the
 same bits whatever else is in its batch, and correct against the float64 reference.
 
-:func:`invariant_batches` draws one target request and many batches around it: partners that
+:func:`strategies.invariant_batches` draws one target request and many batches around it: partners that
 share a random part of its prefix (forked at a page boundary, inside a page with a copied
 page after, or ending inside its page), identical copies, unrelated requests, at a random
 position in the batch.  The KV pool (and so the target's pages and values) and the target's
 query row are fixed per example; every batch is planned and run on the CPU executor and the
 target's row compared bit for bit with the target run alone.
 """
-import dataclasses
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -24,56 +22,7 @@ from pat_core.planner import Tuning
 from pat_core.reference import dense_attention, relative_error
 from pat_core.split import invariant_chunk
 from pat_core.workloads import build_tree_batch, random_kv_cache
-
-POOL = 400            # pages in the KV pool of one example
-
-
-@st.composite
-def invariant_batches(draw):
-    """``(page_size, target_pages, target_len, batches)``: each batch a list of
-    ``(pages, seq_len)`` rows holding the target at ``pos`` (``(rows, pos)`` pairs)."""
-    ps = draw(st.sampled_from((1, 2, 3, 4, 8, 16)))
-    L = draw(st.integers(1, 12 * 16))
-    npg = -(-L // ps)
-    pool = list(np.random.default_rng(draw(st.integers(0, 2**31 - 1))).permutation(POOL))
-    target = [int(pool.pop()) for _ in range(npg)]
-    batches = []
-    for _ in range(draw(st.integers(2, 4))):
-        rows = []
-        for _ in range(draw(st.integers(0, 7))):
-            kind = draw(st.sampled_from(("fork", "fork", "end_inside", "same", "other")))
-            if kind == "same":
-                rows.append((list(target), L))
-                continue
-            if kind == "other":
-                n = draw(st.integers(1, 8 * 16))
-                if len(pool) < -(-n // ps):
-                    continue
-                rows.append(([int(pool.pop()) for _ in range(-(-n // ps))], n))
-                continue
-            f = draw(st.integers(1, L))                  # tokens shared with the target
-            if kind == "end_inside":                     # ends at f, on the target's pages
-                rows.append((target[:-(-f // ps)], f))
-                continue
-            extra = draw(st.integers(1, 6 * 16))         # then tokens of its own
-            full = f // ps                               # whole shared pages
-            own = -(-(f + extra) // ps) - full           # the rest: copied / new pages
-            if len(pool) < own:
-                continue
-            rows.append((target[:full] + [int(pool.pop()) for _ in range(own)], f + extra))
-        pos = draw(st.integers(0, len(rows)))
-        rows.insert(pos, (list(target), L))
-        batches.append((rows, pos))
-    return ps, target, L, batches
-
-
-def _table(rows):
-    width = max(len(p) for p, _ in rows)
-    t = np.full((len(rows), width + 1), -7, dtype=np.int32)   # junk padding
-    for i, (p, _) in enumerate(rows):
-        t[i, :len(p)] = p
-    return t, np.array([n for _, n in rows], dtype=np.int32)
-
+from strategies import POOL, invariant_batches, invariant_table as _table
 
 def _run(rows, q_target, pos, kv, ps, hq, hk, d, dtype, tuning, rng):
     """Plan ``rows`` batch-invariantly and run it; the target's ``(out, lse)`` rows.
