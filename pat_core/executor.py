@@ -17,6 +17,12 @@ or value, makes NaN (or infinite) output and LSE for exactly the rows that read 
 score is ``-inf`` gets weight 0, and a CTA whose keys all score ``-inf`` writes the empty state
 ``(0, -inf)``, as the CUDA kernel does.
 
+Each query row is computed by scalar loops of its own (scores, softmax, ``P . V``): its bits
+depend on its q row, the CTA's KV range and ``n``, never on the CTA's other rows or their
+number (no BLAS call whose code path changes with the row count), as on the GPU, where each
+row is an ``mma`` row with its own softmax state.  Batch-invariant plans rely on it
+(``tests/test_batch_invariant.py``).
+
 Padding rows of a tile (``rows < m``) are skipped rather than computed on zeros: they are never
 written on the GPU either, so the results are identical and the executor is faster.
 
