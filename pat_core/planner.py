@@ -439,7 +439,7 @@ class Planner:
         self.gpu = get_gpu(gpu)
         self.tuning = tuning or Tuning()
         self._cache = None
-        self.last_path = None   # "full", "reuse" or "lengths": what the last plan() did
+        self.last_path = None   # what the last plan() did (module docstring)
 
     def plan(self, block_tables, seq_lens, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              page_size: int, *, sm_scale: float | None = None, kv_data_type="float16",
@@ -521,8 +521,10 @@ class Planner:
                              "num_kv_heads)")
         n = int(selector.feasible[0][1])
         chunk = invariant_chunk(bt.page_size, n, self.tuning.invariant_chunk)
-        plan = invariant_plan(bt, PrefixForest(bt), selector=selector, chunk=chunk, **kw)
+        forest = PrefixForest(bt)
+        plan = invariant_plan(bt, forest, selector=selector, chunk=chunk, **kw)
         plan.q_dtype = q_dtype
+        plan.extra["forest"] = forest
         plan.extra["block_table"] = bt
         self.last_path = "invariant"
         return plan
