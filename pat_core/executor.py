@@ -36,8 +36,9 @@ import math
 import numpy as np
 from numba import njit
 
+from .fp8 import as_scale
 from .merge import merge_partials
-from .plan import Plan
+from .plan import KV_ONLY_DTYPES, Plan
 
 _ROUND = {"float32": (0, 0), "float16": (11, -14), "bfloat16": (8, -126)}
 
@@ -143,46 +144,64 @@ def nhd_view(cache: np.ndarray, kv_layout: str) -> np.ndarray:
     return cache if kv_layout == "NHD" else cache.transpose(0, 2, 1, 3)
 
 
+def mma_dtype(plan: Plan) -> str:
+    """The dtype the tensor cores multiply in for ``plan``: the KV dtype, except for an fp8
+    cache, which the kernels widen to the query's dtype before the MMAs."""
+    return (plan.q_dtype or "float16") if plan.kv_dtype in KV_ONLY_DTYPES else plan.kv_dtype
+
+
 def execute_partials(plan: Plan, q, k_cache, v_cache, kv_layout: str = "NHD",
-                     input_dtype: str | None = None):
+                     input_dtype: str | None = None, k_scale=None, v_scale=None):
     """Run every CTA of ``plan``; return fp32 ``(o_partial [S, Hq, d], lse_partial [S, Hq])``.
 
-    ``q``: ``[batch, num_qo_heads, head_dim]``; caches 4-D in ``kv_layout``.  ``input_dtype``
-    selects the rounding of P before P.V (default: the plan's ``kv_dtype``).  Every slot holds
-    its CTA's own partial, ready for :func:`~pat_core.merge.merge_partials`.
+    ``q``: ``[batch, num_qo_heads, head_dim]``; caches 4-D in ``kv_layout`` (a
+    ``float8_e4m3fn`` cache is decoded exactly to float32).  ``input_dtype`` selects the
+    rounding of P before P.V (default: :func:`mma_dtype`).  ``k_scale``/``v_scale``: the fp8
+    per-tensor scales (:func:`pat_core.fp8.as_scale`), applied as the kernels do: ``k_scale``
+    folded into the softmax scale on the host (one float32), ``v_scale`` multiplied into each
+    partial output (the LSE does not depend on it, and the merge is linear in the partials).
+    Every slot holds its CTA's own partial, ready for :func:`~pat_core.merge.merge_partials`.
     """
     plan.check_inputs(q, k_cache, v_cache, kv_layout)
+    k_scale, v_scale = as_scale(k_scale, "k_scale"), as_scale(v_scale, "v_scale")
     q32 = np.ascontiguousarray(_as_f32(q, "q"))
     kc = nhd_view(_as_f32(k_cache, "k_cache"), kv_layout)
     vc = nhd_view(_as_f32(v_cache, "v_cache"), kv_layout)
-    bits, min_exp = _ROUND[input_dtype or plan.kv_dtype]
+    bits, min_exp = _ROUND[input_dtype or mma_dtype(plan)]
     S = plan.num_slots
     o_part = np.full((S, plan.num_qo_heads, plan.head_dim), np.nan, dtype=np.float32)
     lse_part = np.full((S, plan.num_qo_heads), np.nan, dtype=np.float32)
     cta_n = plan.cta_mn()[:, 1].astype(np.int32)
     _run_ctas(q32, kc, vc, plan.cta_req_indptr, plan.cta_req, plan.cta_slot, plan.cta_kv_start,
               plan.cta_kv_len, plan.cta_page_indptr, plan.cta_pages, cta_n, plan.page_size,
-              plan.group_size, np.float32(plan.sm_scale), bits, min_exp, o_part, lse_part)
+              plan.group_size, np.float32(plan.sm_scale * k_scale), bits, min_exp, o_part,
+              lse_part)
+    if v_scale != 1.0:
+        o_part *= np.float32(v_scale)
     return o_part, lse_part
 
 
 def execute(plan: Plan, q, k_cache, v_cache, kv_layout: str = "NHD", return_lse: bool = False,
-            input_dtype: str | None = None, out_dtype=np.float32):
+            input_dtype: str | None = None, out_dtype=np.float32, k_scale=None, v_scale=None):
     """Forward + merge on the CPU.  Returns ``out [batch, Hq, d]`` (``out_dtype``) and, with
-    ``return_lse``, float32 ``lse [batch, Hq]`` (natural log)."""
-    o_part, lse_part = execute_partials(plan, q, k_cache, v_cache, kv_layout, input_dtype)
+    ``return_lse``, float32 ``lse [batch, Hq]`` (natural log).  Arguments as
+    :func:`execute_partials`."""
+    o_part, lse_part = execute_partials(plan, q, k_cache, v_cache, kv_layout, input_dtype,
+                                        k_scale, v_scale)
     out, lse = merge_partials(o_part, lse_part, plan.req_slot_indptr, out_dtype=out_dtype)
     return (out, lse) if return_lse else out
 
 
 def trace_cta(plan: Plan, c: int, q, k_cache, v_cache, kv_head: int = 0,
-              kv_layout: str = "NHD"):
+              kv_layout: str = "NHD", k_scale=None, v_scale=None):
     """Replay CTA ``c`` for one KV head tile by tile in NumPy; a list of dicts, one per tile:
     ``tokens (t0, t1)``, ``scores [rows, cols]``, ``m``, ``l`` ``[rows]``, ``o`` ``[rows, d]``
-    (the normalised running output ``acc / l`` after that tile)."""
+    (the normalised running output ``acc / l`` after that tile).  Scales as
+    :func:`execute_partials`."""
+    k_scale, v_scale = as_scale(k_scale, "k_scale"), as_scale(v_scale, "v_scale")
     q32 = _as_f32(q, "q")
-    kc = nhd_view(_as_f32(k_cache, "k_cache"), kv_layout)
-    vc = nhd_view(_as_f32(v_cache, "v_cache"), kv_layout)
+    kc = nhd_view(_as_f32(k_cache, "k_cache"), kv_layout) * np.float32(k_scale)
+    vc = nhd_view(_as_f32(v_cache, "v_cache"), kv_layout) * np.float32(v_scale)
     g, ps = plan.group_size, plan.page_size
     reqs = plan.cta_req[plan.cta_req_indptr[c]:plan.cta_req_indptr[c + 1]]
     n = int(plan.cta_mn()[c, 1])

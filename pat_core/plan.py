@@ -61,7 +61,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+# bytes of one element; float8_e4m3fn is a KV-cache dtype only (q and the output of an fp8
+# plan are float16 or bfloat16, pat_core.fp8)
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
+KV_ONLY_DTYPES = ("float8_e4m3fn",)
 PARTIAL_BYTES = 4  # partial outputs and LSEs are fp32
 
 
@@ -69,8 +72,9 @@ _DTYPE_NAMES: dict = {}   # dtype object -> canonical name (run() checks dtypes 
 
 
 def dtype_name(dtype, name: str = "dtype") -> str:
-    """Canonical name (``"float16"``, ``"bfloat16"``, ``"float32"``) of a NumPy/torch dtype, a
-    NumPy scalar type or a string; ``TypeError`` naming ``name`` otherwise."""
+    """Canonical name (``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float8_e4m3fn"``) of a
+    NumPy/torch/ml_dtypes dtype, a NumPy scalar type or a string; ``TypeError`` naming ``name``
+    otherwise.  (Where fp8 may stand, a KV cache only, is the caller's check.)"""
     try:
         hit = _DTYPE_NAMES.get(dtype)
     except TypeError:                       # unhashable: take the slow path
@@ -83,11 +87,11 @@ def dtype_name(dtype, name: str = "dtype") -> str:
     s = str(dtype).replace("torch.", "").replace("numpy.", "")
     aliases = {"half": "float16", "fp16": "float16", "f16": "float16", "bf16": "bfloat16",
                "float": "float32", "fp32": "float32", "f32": "float32", "<f2": "float16",
-               "<f4": "float32"}
+               "<f4": "float32", "fp8_e4m3fn": "float8_e4m3fn", "e4m3fn": "float8_e4m3fn"}
     s = aliases.get(s, s)
     if s not in DTYPE_BYTES:
-        raise TypeError(f"{name}: unsupported dtype {dtype!r}; expected float16, bfloat16 or "
-                        f"float32")
+        raise TypeError(f"{name}: unsupported dtype {dtype!r}; expected float16, bfloat16, "
+                        f"float32 or (KV caches only) float8_e4m3fn")
     try:
         _DTYPE_NAMES[key] = s
     except TypeError:
@@ -306,7 +310,18 @@ class Plan:
         qdt = dtype_name(getattr(q, "dtype", None), "q")
         kdt = dtype_name(getattr(k_cache, "dtype", None), "paged_kv_cache")
         vdt = dtype_name(getattr(v_cache, "dtype", None), "paged_kv_cache")
-        if not (qdt == kdt == vdt):
+        if kdt != vdt:
+            raise TypeError(f"paged_kv_cache: k_cache ({kdt}) and v_cache ({vdt}) must share a "
+                            "dtype")
+        if qdt in KV_ONLY_DTYPES:
+            raise TypeError(f"q is {qdt}, a KV-cache-only dtype; q must be float16 or bfloat16")
+        if kdt in KV_ONLY_DTYPES:
+            # the one mixed-precision case: an fp8 cache read by fp16/bf16 queries
+            want = self.q_dtype or "float16"
+            if qdt != want:
+                raise TypeError(f"q is {qdt} but the plan's q_data_type is {want!r} (fp8 KV "
+                                "cache)")
+        elif qdt != kdt:
             raise TypeError(f"q ({qdt}) and paged_kv_cache ({kdt}, {vdt}) must share a dtype")
         lo, hi = self.page_range()
         if hi >= num_pages:

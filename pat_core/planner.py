@@ -33,7 +33,7 @@ from .inputs import (INT32_MAX, BlockTable, _check_seq_lens, as_block_table, che
                      check_size)
 from .packers import (PACKERS, Packs, chunk_packs, narrow_packing, narrow_wins, pack,
                       request_packing, request_share, request_wins)
-from .plan import DTYPE_BYTES, Plan, dtype_name
+from .plan import DTYPE_BYTES, KV_ONLY_DTYPES, Plan, dtype_name
 from .split import (INVARIANT_CHUNK_TOKENS, _left, _split_parts, auto_split_share,
                     choose_split_threshold_fast, invariant_chunk, split_long_kv,
                     split_threshold)
@@ -412,6 +412,23 @@ def invariant_plan(bt: BlockTable, forest: PrefixForest, *, num_qo_heads: int,
     return plan
 
 
+def fp8_q_dtype(kv_dtype: str, q_data_type) -> str:
+    """The query/output dtype of a plan whose KV cache is ``kv_dtype`` (a canonical name):
+    ``q_data_type`` when given, else ``kv_dtype``, except that a KV-cache-only dtype (fp8)
+    defaults to ``"float16"`` queries and refuses fp8 ones (``TypeError`` naming
+    ``q_data_type``)."""
+    if q_data_type is None:
+        return "float16" if kv_dtype in KV_ONLY_DTYPES else kv_dtype
+    q_dtype = dtype_name(q_data_type, "q_data_type")
+    if q_dtype in KV_ONLY_DTYPES:
+        raise TypeError(f"q_data_type={q_dtype!r} is a KV-cache-only dtype; queries and the "
+                        "output are float16 or bfloat16")
+    if kv_dtype in KV_ONLY_DTYPES and q_dtype not in ("float16", "bfloat16"):
+        raise TypeError(f"q_data_type={q_dtype!r}: an fp8 KV cache is read by float16 or "
+                        "bfloat16 queries")
+    return q_dtype
+
+
 class Planner:
     """Plans decode batches for one packer and remembers the last one (incremental update,
     module docstring).
@@ -455,7 +472,7 @@ class Planner:
         num_qo_heads, num_kv_heads, head_dim = check_heads(num_qo_heads, num_kv_heads, head_dim)
         page_size = check_size(page_size, "page_size")
         kv_dtype = dtype_name(kv_data_type, "kv_data_type")
-        q_dtype = dtype_name(q_data_type or kv_dtype, "q_data_type")
+        q_dtype = fp8_q_dtype(kv_dtype, q_data_type)
         if sm_scale is None:
             sm_scale = 1.0 / math.sqrt(head_dim)
         try:

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from .fp8 import as_scale, decode_e4m3fn, is_fp8
 from .inputs import as_block_table
 
 
 def to_numpy_f32(x, name: str = "array") -> np.ndarray:
-    """Host float32 copy of a NumPy array or CPU torch tensor (bf16 included, exactly)."""
+    """Host float32 copy of a NumPy array or CPU torch tensor (bf16 and ``float8_e4m3fn``
+    included, exactly: fp8 bytes go through :func:`pat_core.fp8.decode_e4m3fn`)."""
+    if is_fp8(x):
+        return decode_e4m3fn(x)
     if hasattr(x, "detach") and hasattr(x, "float"):
         if str(x.device) != "cpu":
             x = x.cpu()
@@ -82,10 +86,13 @@ def _attend(q, k, v, scale, dtype):
 
 
 def _run_reference(q, paged_kv_cache, block_tables, seq_lens, page_size, kv_layout, sm_scale,
-                   dtype):
+                   dtype, k_scale=1.0, v_scale=1.0):
     k_cache, v_cache = split_kv_cache(paged_kv_cache, kv_layout)
     kc = to_numpy_f32(k_cache, "k_cache") if dtype is not np.float16 else np.asarray(k_cache)
     vc = to_numpy_f32(v_cache, "v_cache") if dtype is not np.float16 else np.asarray(v_cache)
+    if k_scale != 1.0 or v_scale != 1.0:     # FlashInfer's per-tensor scales, in float64
+        kc = kc.astype(np.float64) * k_scale
+        vc = vc.astype(np.float64) * v_scale
     qq = to_numpy_f32(q, "q") if dtype is not np.float16 else np.asarray(q)
     bt = as_block_table(block_tables, seq_lens, page_size)
     if qq.ndim != 3 or qq.shape[0] != bt.batch_size:
@@ -111,21 +118,27 @@ def _run_reference(q, paged_kv_cache, block_tables, seq_lens, page_size, kv_layo
 
 def dense_attention(q, paged_kv_cache, block_tables, seq_lens, page_size: int,
                     kv_layout: str = "NHD", sm_scale: float | None = None,
-                    return_lse: bool = False):
+                    return_lse: bool = False, k_scale=None, v_scale=None):
     """Float64 decode attention, the ground truth.
 
     Parameters
     ----------
     q : ``[batch, num_qo_heads, head_dim]`` NumPy array or CPU tensor (any float dtype).
     paged_kv_cache : ``(k_cache, v_cache)``, each ``[num_pages, page_size, num_kv_heads,
-        head_dim]`` (NHD) or ``[num_pages, num_kv_heads, page_size, head_dim]`` (HND).
+        head_dim]`` (NHD) or ``[num_pages, num_kv_heads, page_size, head_dim]`` (HND); any
+        float dtype, ``float8_e4m3fn`` included (NumPy ml_dtypes array or CPU torch tensor,
+        decoded exactly).
     block_tables, seq_lens : any form :func:`~pat_core.inputs.as_block_table` accepts.
+    k_scale, v_scale : per-tensor scales (:func:`pat_core.fp8.as_scale`; ``None`` is 1): the
+        scores are ``sm_scale * q . (k_scale * k)`` and the output ``softmax @ (v_scale * v)``,
+        in float64.
 
     Returns float64 ``[batch, num_qo_heads, head_dim]`` (and float64 ``[batch, num_qo_heads]``
     natural-log LSE of the scaled scores when ``return_lse``).
     """
     out, lse = _run_reference(q, paged_kv_cache, block_tables, seq_lens, page_size, kv_layout,
-                              sm_scale, np.float64)
+                              sm_scale, np.float64, as_scale(k_scale, "k_scale"),
+                              as_scale(v_scale, "v_scale"))
     return (out, lse) if return_lse else out
 
 

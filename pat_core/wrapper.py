@@ -40,8 +40,9 @@ import numpy as np
 
 from .inputs import BlockTable, byte_extent, check_heads, refuse_overlap
 from .packers import PACKERS
-from .plan import Plan, dtype_name
-from .planner import Planner
+from .fp8 import as_scale
+from .plan import KV_ONLY_DTYPES, Plan, dtype_name
+from .planner import Planner, fp8_q_dtype
 from .reference import split_kv_cache
 
 BACKENDS = ("cpu", "cuda")
@@ -250,11 +251,12 @@ class PrefixAttentionWrapper:
             q_dtype = dtype_name(q_data_type, "q_data_type") if q_data_type is not None else None
             kv_dtype = (dtype_name(kv_data_type, "kv_data_type") if kv_data_type is not None
                         else q_dtype or "float16")
-            q_dtype = q_dtype or kv_dtype
-            if q_dtype != kv_dtype:
+            q_dtype = fp8_q_dtype(kv_dtype, q_dtype)    # fp16 by default for an fp8 cache
+            if q_dtype != kv_dtype and kv_dtype not in KV_ONLY_DTYPES:
                 raise ValueError(f"q_data_type={q_dtype!r} differs from kv_data_type={kv_dtype!r}: "
                                  "mixed-precision attention is not supported (q and the KV cache "
-                                 "share one dtype)")
+                                 "share one dtype, except float16/bfloat16 q with a "
+                                 "float8_e4m3fn cache)")
             if o_data_type is not None and dtype_name(o_data_type, "o_data_type") != q_dtype:
                 _not_supported("plan", "o_data_type", o_data_type, None)
             self._check_backend_limits(head_dim, kv_dtype)
@@ -432,9 +434,16 @@ class PrefixAttentionWrapper:
             ``run()`` is not the one that made it (see Threading); it must be this wrapper's
             current plan.
 
-        FlashInfer's run options ``q_scale``, ``k_scale``, ``v_scale`` (only ``None``/``1``),
-        ``window_left`` (only ``None``/``-1``), ``enable_pdl`` (only ``None``/``False``) and
-        ``sinks`` (only ``None``) are accepted by name; other values raise
+        k_scale, v_scale : per-tensor scales of an fp8 (``float8_e4m3fn``) cache, as
+            FlashInfer: scores ``sm_scale * q . (k_scale * k)``, output ``softmax @ (v_scale *
+            v)``; the LSE is of those scores.  A Python float or int, a NumPy scalar, or a
+            one-element array/tensor (read once on the host; a device tensor waits for its
+            stream); finite and positive; ``None`` means 1.  Other forms raise ``TypeError`` /
+            ``ValueError`` naming the argument.  Caches of other dtypes take only ``None``/``1``.
+
+        FlashInfer's run options ``q_scale`` (only ``None``/``1``), ``window_left`` (only
+        ``None``/``-1``), ``enable_pdl`` (only ``None``/``False``) and ``sinks`` (only
+        ``None``) are accepted by name; other values raise
         ``ValueError("... is not supported ...")``.
 
         Returns ``out [batch, num_qo_heads, head_dim]`` in q's dtype and, with ``return_lse``
@@ -467,12 +476,19 @@ class PrefixAttentionWrapper:
              q_scale=None, k_scale=None, v_scale=None, window_left=None, enable_pdl=None,
              sinks=None):
         """The body of :meth:`run`, under its guard."""
-        for name, val in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
-            _check_off("run", name, val, (None, 1.0))
+        _check_off("run", "q_scale", q_scale, (None, 1.0))
+        plan = self.current_plan
+        if plan.kv_dtype in KV_ONLY_DTYPES:
+            scales = (as_scale(k_scale, "k_scale"), as_scale(v_scale, "v_scale"))
+        else:
+            # a 16/32-bit cache holds its values as they are: the kernels of those dtypes take
+            # no scales (their code stays as it was), so a scale other than 1 is refused
+            for name, val in (("k_scale", k_scale), ("v_scale", v_scale)):
+                _check_off("run", name, val, (None, 1.0))
+            scales = (1.0, 1.0)
         _check_off("run", "window_left", window_left, (None, -1))
         _check_off("run", "enable_pdl", enable_pdl, (None, False))
         _check_off("run", "sinks", sinks, (None,))
-        plan = self.current_plan
         _check_array(q, "q")
         k_cache, v_cache = split_kv_cache(paged_kv_cache, self.kv_layout)
         want_lse = bool(return_lse or lse is not None)
@@ -506,7 +522,8 @@ class PrefixAttentionWrapper:
         from .executor import execute             # checks its inputs against the plan
         out_dtype = np.float16 if qdt == "float16" else np.float32
         res, res_lse = execute(plan, q, k_cache, v_cache, kv_layout=self.kv_layout,
-                               return_lse=True, input_dtype=qdt, out_dtype=out_dtype)
+                               return_lse=True, input_dtype=qdt, out_dtype=out_dtype,
+                               k_scale=scales[0], v_scale=scales[1])
         torch_in = hasattr(q, "detach")
         if out is not None:
             _write_host(out, res)
