@@ -304,15 +304,19 @@ class MergeVariant:
         return f"template __global__ void {self.name_expression}(const __grid_constant__ pat::MergeParams);"
 
 
-def fwd_smem_bytes(m: int, n: int, head_dim: int, stages: int, rows_per_warp: int = 16) -> int:
+def fwd_smem_bytes(m: int, n: int, head_dim: int, stages: int, rows_per_warp: int = 16,
+                   kv_fp8: bool = False) -> int:
     """Dynamic shared memory of a forward variant (mirrors FwdTraits::SMEM_BYTES).
 
     Q tile (m x d, 2 bytes) + `stages` x (K tile + V tile) (n x d, 2 bytes each), plus 1024 bytes
     for the warpgroup layout, which aligns its tiles to the 1024-byte swizzle atom at run time.
-    The cross-warp combine buffer reuses the KV ring, so it adds nothing.
+    The cross-warp combine buffer reuses the KV ring, so it adds nothing.  ``kv_fp8``: an fp8
+    cache lands in a byte staging ring first (`stages` x (K + V) x n x d bytes) and is widened
+    into the 2-byte tiles above, which the MMA walks read unchanged.
     """
     pad = 1024 if rows_per_warp == WG_ROWS else 0
-    return m * head_dim * 2 + stages * 2 * n * head_dim * 2 + pad
+    staging = stages * 2 * n * head_dim if kv_fp8 else 0
+    return m * head_dim * 2 + stages * 2 * n * head_dim * 2 + pad + staging
 
 
 def fwd_variant_feasible(v: FwdVariant, smem_limit: int = SMEM_LIMIT["sm_90"]) -> bool:

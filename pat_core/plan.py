@@ -185,6 +185,14 @@ class Plan:
             m, n = (int(x) for x in self.tile_configs[self.group_tile[g]])
             yield g, (m, n), int(self.group_indptr[g]), int(self.group_indptr[g + 1])
 
+    @property
+    def io_dtype(self) -> str:
+        """Dtype of ``q`` and the output: ``q_dtype`` when set, else the KV dtype (``float16``
+        for an fp8 cache, whose queries are never fp8)."""
+        if self.q_dtype:
+            return self.q_dtype
+        return "float16" if self.kv_dtype in KV_ONLY_DTYPES else self.kv_dtype
+
     # ------------------------------------------------------------------ accounting
     def stats(self, kv_dtype=None, q_dtype=None) -> dict:
         """What this plan moves through HBM, for all heads, priced in ``kv_dtype`` / ``q_dtype``
@@ -205,7 +213,9 @@ class Plan:
         * ``tiles``: ``{"MxN": CTAs}``, the tile each CTA runs with.
         """
         kvb = DTYPE_BYTES[dtype_name(kv_dtype or self.kv_dtype)]
-        qb = DTYPE_BYTES[dtype_name(q_dtype or self.q_dtype or kv_dtype or self.kv_dtype)]
+        qb = DTYPE_BYTES[dtype_name(q_dtype or self.q_dtype or
+                                    (kv_dtype if kv_dtype not in KV_ONLY_DTYPES else None)
+                                    or self.io_dtype)]
         d, hq, hk = self.head_dim, self.num_qo_heads, self.num_kv_heads
         kv_tokens = int(self.cta_kv_len.astype(np.int64).sum())
         kv_bytes = kv_tokens * hk * 2 * d * kvb

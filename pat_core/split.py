@@ -508,12 +508,14 @@ def _price_constants(selector, num_kv_heads: int, head_dim: int, kv_bytes: int, 
         if hit is None:
             from .cuda_compile import default_layout
             from .tiles import estimate_resources, kernel_resources
-            dtype = "float16" if kv_bytes == 2 else "float32"
+            # the resources of the cache's element size: 1 byte is fp8 (its staging ring
+            # costs shared memory), 2 the 16-bit kernels, 4 the CPU-only float32
+            dtype = {1: "float8_e4m3fn", 2: "float16"}.get(int(kv_bytes), "float32")
             slot = np.empty(configs.shape[0])
             inflight = np.empty(configs.shape[0])
             for u, (m, n) in enumerate(configs.tolist()):
                 res = kernel_resources(m, n, head_dim, dtype, gpu) or \
-                    estimate_resources(m, n, head_dim)
+                    estimate_resources(m, n, head_dim, dtype)
                 slot[u] = num_kv_heads / max(res.ctas_per_sm(gpu), 1)
                 stages = default_layout(m, n, head_dim)[1]
                 inflight[u] = num_kv_heads * max(stages - 1, 1) * n * head_dim * 2 * kv_bytes

@@ -36,7 +36,7 @@ import numpy as np
 
 from . import cuda_compile as cc
 from .gpus import GPUSpec, get_gpu
-from .plan import DTYPE_BYTES, dtype_name
+from .plan import DTYPE_BYTES, KV_ONLY_DTYPES, dtype_name
 
 M_CANDIDATES = (16, 32, 64, 128)
 N_CANDIDATES = (16, 32, 64, 128)
@@ -71,14 +71,20 @@ def estimate_resources(m: int, n: int, head_dim: int, dtype: str = "float16") ->
 
     Threads and stages: the variant's layout (:func:`pat_core.cuda_compile.default_layout`, the
     one home of the variant rules).  Shared memory: Q tile (``m*d*b``) plus ``stages`` K and V
-    tiles (``2*stages*n*d*b``).  Registers per thread: the fp32 output accumulator and score tile
-    spread over the CTA's threads (``(m*d + m*n) / threads``), plus 40 for addresses, softmax
-    state and loop counters.
+    tiles (``2*stages*n*d*b``); for an fp8 cache the tiles are the 2-byte ones the kernel widens
+    into, plus its byte staging ring (:func:`pat_core.cuda_compile.fwd_smem_bytes`'s
+    ``kv_fp8``).  Registers per thread: the fp32 output accumulator and score tile spread over
+    the CTA's threads (``(m*d + m*n) / threads``), plus 40 for addresses, softmax state and loop
+    counters.
     """
-    b = DTYPE_BYTES[dtype_name(dtype)]
-    warps, stages, _ = cc.default_layout(m, n, head_dim)
+    dtype = dtype_name(dtype)
+    warps, stages, rw = cc.default_layout(m, n, head_dim)
     threads = 32 * warps
-    smem = m * head_dim * b + 2 * stages * n * head_dim * b
+    if dtype in KV_ONLY_DTYPES:
+        smem = cc.fwd_smem_bytes(m, n, head_dim, stages, rw, kv_fp8=True)
+    else:
+        b = DTYPE_BYTES[dtype]
+        smem = m * head_dim * b + 2 * stages * n * head_dim * b
     regs = int(math.ceil((m * head_dim + m * n) / threads)) + 40
     return TileResources(m=m, n=n, threads=threads, registers=regs, smem=smem, source="estimate",
                          stages=stages)

@@ -55,6 +55,7 @@ class BlockWork:
 def forward_work(plan) -> BlockWork:
     """Per-CTA work of one thread block (one KV head) of ``plan``."""
     b = DTYPE_BYTES[dtype_name(plan.kv_dtype)]
+    qb = DTYPE_BYTES[dtype_name(plan.io_dtype)]     # q and output (2 bytes for an fp8 cache)
     d = plan.head_dim
     mn = plan.cta_mn().astype(np.int64)
     rows = plan.cta_rows().astype(np.int64)
@@ -62,7 +63,7 @@ def forward_work(plan) -> BlockWork:
     tiles = -(-kv_len // mn[:, 1])
     w = BlockWork(head_dim=d, rows=rows, m=mn[:, 0], n=mn[:, 1], kv_len=kv_len, tiles=tiles,
                   kv_bytes=(kv_len * 2 * d * b).astype(np.float64),
-                  q_bytes=(rows * d * b).astype(np.float64),
+                  q_bytes=(rows * d * qb).astype(np.float64),
                   partial_write_bytes=(rows * (d + 1) * PARTIAL_BYTES).astype(np.float64),
                   out_bytes=np.zeros(kv_len.shape[0]))
     if plan.num_ctas:
@@ -70,7 +71,7 @@ def forward_work(plan) -> BlockWork:
         single = np.diff(plan.req_slot_indptr)[plan.cta_req] == 1
         cta_of = np.repeat(np.arange(plan.num_ctas), np.diff(plan.cta_req_indptr))
         direct = np.bincount(cta_of, weights=single, minlength=plan.num_ctas) * plan.group_size
-        w.out_bytes = direct * d * b
+        w.out_bytes = direct * d * qb
         w.partial_write_bytes = ((rows - direct) * (d + 1) * PARTIAL_BYTES).astype(np.float64)
     return w
 
@@ -90,7 +91,7 @@ def merge_work(plan) -> MergeWork:
     """Blocks of the merge kernel over the requests of more than one slot (a request of one
     slot got its output from its CTA): their pairs ``(r, h)`` in order, ``MERGE_WARPS`` to a
     block.  No blocks when every request has one slot."""
-    b = DTYPE_BYTES[dtype_name(plan.kv_dtype)]
+    b = DTYPE_BYTES[dtype_name(plan.io_dtype)]      # the output's element size
     d, hq = plan.head_dim, plan.num_qo_heads
     slots = np.diff(plan.req_slot_indptr).astype(np.int64)
     slots = slots[slots > 1]                     # one slot: its CTA wrote the output
