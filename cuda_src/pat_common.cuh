@@ -36,6 +36,51 @@ template <> struct ElemOps<__nv_bfloat16> {
 };
 
 // ---------------------------------------------------------------------------------------------
+// FP8 KV caches.  fp8_e4m3 names the element type of a float8_e4m3fn cache (1 sign, 4 exponent
+// bits of bias 7, 3 mantissa bits, no infinities, 0x7F / 0xFF NaN): the forward kernel gathers
+// its bytes into a staging ring and widens them to the query's type (T) before the MMAs.
+// ---------------------------------------------------------------------------------------------
+struct fp8_e4m3 {
+  unsigned char bits;
+};
+
+// Two e4m3 values (low byte first) -> two halves (low half first), exactly: every e4m3 value is
+// an fp16 value.  sm_89+ converts in one instruction; older GPUs place the 7 exponent+mantissa
+// bits under fp16's and rescale by 2^(15 - 7) (exact, subnormals included: fp16 arithmetic keeps
+// them), then restore the NaN code, which that rescale would make 480.
+__device__ __forceinline__ unsigned e4m3x2_to_half2(unsigned short v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  unsigned r;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(r) : "h"(v));
+  return r;
+#else
+  const unsigned x = v;
+  const unsigned bits = ((x & 0x80u) << 8) | ((x & 0x7Fu) << 7) |
+                        ((x & 0x8000u) << 16) | ((x & 0x7F00u) << 15);
+  __half2 h = *reinterpret_cast<const __half2*>(&bits);
+  h = __hmul2(h, __float2half2_rn(256.f));
+  unsigned r = *reinterpret_cast<unsigned*>(&h);
+  if ((x & 0x7Fu) == 0x7Fu) r |= 0x7FFFu;                 // NaN (sign kept)
+  if ((x & 0x7F00u) == 0x7F00u) r |= 0x7FFF0000u;
+  return r;
+#endif
+}
+
+// Four e4m3 values (one 32-bit word, lowest byte first) -> two 32-bit pairs of T, in order.
+template <typename T>
+__device__ __forceinline__ void e4m3x4_to(unsigned w, unsigned& lo, unsigned& hi) {
+  lo = e4m3x2_to_half2(static_cast<unsigned short>(w & 0xFFFFu));
+  hi = e4m3x2_to_half2(static_cast<unsigned short>(w >> 16));
+  if constexpr (ElemOps<T>::kIsBF16) {
+    // through fp32: exact (e4m3 values have 4 significant bits and fit bf16's range)
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
+    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+    lo = ElemOps<T>::pack2(a.x, a.y);
+    hi = ElemOps<T>::pack2(b.x, b.y);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Asynchronous global -> shared copies (sm_80+).  `src_bytes` is 16 or 0; with 0 nothing is read
 // and the 16 destination bytes are zero-filled, which is how out-of-range tokens and padded query
 // rows become zeros in shared memory (so 0 * garbage can never produce a NaN).

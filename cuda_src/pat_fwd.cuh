@@ -106,11 +106,11 @@ __device__ __forceinline__ void load_q_rows(const FwdParams& p, const CtaWork& w
 template <typename Tr>
 __device__ __forceinline__ KvTileLoader<Tr> kv_loader(const FwdParams& p, const CtaWork& w,
                                                       int kv_head) {
-  using T = typename Tr::T;
+  using KV = typename Tr::KV;
   const int page_size = p.page_size;
   const int page_shift = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
   // 32-bit strides: the host checks that they and every in-page offset fit (_check_offsets_32bit)
-  return KvTileLoader<Tr>{static_cast<const T*>(p.k_cache), static_cast<const T*>(p.v_cache),
+  return KvTileLoader<Tr>{static_cast<const KV*>(p.k_cache), static_cast<const KV*>(p.v_cache),
                           p.cta_pages + w.page_base, w.kv_start, w.kv_len, page_size, page_shift,
                           (int)p.k_sp, (int)p.k_st, kv_head * (int)p.k_sh,
                           (int)p.v_sp, (int)p.v_st, kv_head * (int)p.v_sh};
@@ -266,6 +266,17 @@ __device__ __forceinline__ void finish_item(const FwdParams& p, const CtaWork& w
   }
 
   if (wn != 0) return;
+  if constexpr (Tr::KV8) {
+    // an fp8 cache's v_scale: out = softmax @ (v_scale * v), the partials as the final output
+    // (the merge is linear in them; the LSE does not depend on V)
+    const float vs = p.v_scale;
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mi][dt][e] *= vs;
+  }
   // ---- Write the normalised partial output and its LSE for every real row -------------------
   // A request whose only partial slot this is gets its final output here, and the merge kernel
   // (direct_single) leaves it alone, so a step of private requests moves no partials at all.
@@ -370,6 +381,8 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
       loader.load(sK, sV, tn, tn % STAGES, slice_row0, stid);
     cp_async_commit();
     cp_async_wait<STAGES - 1>();
+    // fp8: widen this thread's copies of tile t into the stage's K/V tiles (a no-op otherwise)
+    loader.convert(sK, sV, t % STAGES, slice_row0, stid);
     // Slice barrier: every copy of this slice of tile t has landed (each thread waited for its
     // own); make them visible to the slice's warps before any of them reads the rows.
     slice_sync<Tr>(wn);
@@ -445,15 +458,19 @@ __device__ __forceinline__ bool run_if(int want, int& idx, const FwdParams& p, i
 // Kernel entry point.  Template arguments: head_dim, element type, m, n, warps, stages, rows per
 // warp; the Python side names each instantiation pat_fwd_d{D}_{dtype}_m{M}_n{N}_w{W}_s{S}_r{RW}.
 // Every argument is in pat::FwdParams (pat_params.cuh).
-template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES, int RW>
+// An fp8 cache adds the KV element type (pat::fp8_e4m3) as the last template argument and
+// "_kv8" to the name; every other variant leaves it at its default, T.
+template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES, int RW,
+          typename KV = T>
 __global__ void __launch_bounds__(
-    WARPS * 32, (pat::fwd_min_blocks<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW>>()))
+    WARPS * 32,
+    (pat::fwd_min_blocks<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW, KV>>()))
     pat_fwd_kernel(
     const __grid_constant__ pat::FwdParams p) {
   pat::BlockClock clock(0);
   // the next launch of the chain may place its blocks while these run
   pat::pdl_launch_dependents();
-  pat::run_items<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW>>(p);
+  pat::run_items<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW, KV>>(p);
   clock.end();
   pat::chain_exit(p.chain);  // chained launches: the last block waits for the launch before
 }

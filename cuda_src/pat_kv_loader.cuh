@@ -22,11 +22,17 @@ extern __shared__ __align__(128) unsigned char pat_dyn_smem[];
 // 32x32->64 multiply (page id x page stride) plus a 32-bit in-page offset; rows past the range
 // are clamped to the last token (a valid address) and copy 0 bytes (zero fill), so the loop has
 // no branches; power-of-two pages (the common case) get their own loop without a division.
+//
+// An fp8 cache (Tr::KV8) takes the same path with 16 elements per 16-byte chunk, into the byte
+// staging ring behind the KV tiles (load_rows8); once a thread's copies of a tile have landed it
+// widens the chunks it copied itself into the tile layout the MMA walks read (convert), before
+// the barrier that publishes the tile, so the walks run unchanged.
 template <typename Tr>
 struct KvTileLoader {
   using T = typename Tr::T;
-  const T* __restrict__ k_cache;
-  const T* __restrict__ v_cache;
+  using KV = typename Tr::KV;
+  const KV* __restrict__ k_cache;
+  const KV* __restrict__ v_cache;
   const int* __restrict__ pages;  // indexed by absolute page number (pos / page_size)
   int kv_start, kv_len, page_size, page_shift;  // page_shift: log2(page_size) or -1
   int k_sp, k_st, k_head, v_sp, v_st, v_head;   // element strides; *_head = kv_head x head stride
@@ -61,14 +67,91 @@ struct KvTileLoader {
     }
   }
 
+  // fp8: NW rows of 16-byte chunks (16 elements each) into the staging ring, rows of D bytes.
+  template <bool POW2>
+  __device__ __forceinline__ void load_rows8(unsigned char* dK, unsigned char* dV,
+                                             int tile_base, int row0, int tid) const {
+    constexpr int CHUNKS8 = Tr::CHUNKS8, THREADS = Tr::SLICE_THREADS, NW = Tr::NW;
+    const int ch = tid % CHUNKS8;
+    const int k_col = k_head + ch * 16;
+    const int v_col = v_head + ch * 16;
+    const int last = kv_len - 1;
+#pragma unroll Tr::LOAD_UNROLL
+    for (int it = 0; it < Tr::KV_LOADS8; ++it) {
+      const int id = tid + it * THREADS;
+      if ((NW * CHUNKS8) % THREADS == 0 || id < NW * CHUNKS8) {
+        const int row = row0 + id / CHUNKS8;
+        const int tok = tile_base + row;
+        const int bytes = tok <= last ? 16 : 0;
+        const int pos = kv_start + (tok <= last ? tok : last);
+        const int pidx = POW2 ? (pos >> page_shift) : pos / page_size;
+        const int slot = pos - pidx * page_size;
+        const int page = pages[pidx];
+        const KV* ks = k_cache + (mul_wide(page, k_sp) + (slot * k_st + k_col));
+        const KV* vs = v_cache + (mul_wide(page, v_sp) + (slot * v_st + v_col));
+        cp_async_16(smem_u32(dK + row * Tr::D + ch * 16), ks, bytes);
+        cp_async_16(smem_u32(dV + row * Tr::D + ch * 16), vs, bytes);
+      }
+    }
+  }
+
+  // The staging ring of an fp8 cache: right after the V tiles ([STAGES][N][D] each).
+  static __device__ __forceinline__ unsigned char* staging(T* sK) {
+    return reinterpret_cast<unsigned char*>(sK + 2 * Tr::STAGES * Tr::KV_TILE_ELEMS);
+  }
+
   __device__ __forceinline__ void load(T* sK, T* sV, int tile, int stage, int row0,
                                       int tid) const {
-    T* dK = sK + stage * Tr::KV_TILE_ELEMS;
-    T* dV = sV + stage * Tr::KV_TILE_ELEMS;
-    if (page_shift >= 0)
-      load_rows<true>(dK, dV, tile * Tr::N, row0, tid);
-    else
-      load_rows<false>(dK, dV, tile * Tr::N, row0, tid);
+    if constexpr (Tr::KV8) {
+      unsigned char* dK = staging(sK) + stage * 2 * Tr::KV_TILE_ELEMS;
+      unsigned char* dV = dK + Tr::KV_TILE_ELEMS;
+      if (page_shift >= 0)
+        load_rows8<true>(dK, dV, tile * Tr::N, row0, tid);
+      else
+        load_rows8<false>(dK, dV, tile * Tr::N, row0, tid);
+    } else {
+      T* dK = sK + stage * Tr::KV_TILE_ELEMS;
+      T* dV = sV + stage * Tr::KV_TILE_ELEMS;
+      if (page_shift >= 0)
+        load_rows<true>(dK, dV, tile * Tr::N, row0, tid);
+      else
+        load_rows<false>(dK, dV, tile * Tr::N, row0, tid);
+    }
+  }
+
+  // fp8: widen the chunks this thread copied into stage `stage` (the same rows and column as
+  // load_rows8: its own copies, which it has waited for, so no barrier comes before) into the
+  // K and V tiles of that stage, 16 elements -> two 16-byte chunks of T at the tile's swizzled
+  // offsets.  The caller's barrier then publishes the tile.  Zero-filled rows stay zero.
+  __device__ __forceinline__ void convert(T* sK, T* sV, int stage, int row0, int tid) const {
+    if constexpr (Tr::KV8) {
+      constexpr int N = Tr::N, CHUNKS8 = Tr::CHUNKS8, THREADS = Tr::SLICE_THREADS;
+      constexpr int NW = Tr::NW;
+      const unsigned char* src = staging(sK) + stage * 2 * Tr::KV_TILE_ELEMS;
+      T* dK = sK + stage * Tr::KV_TILE_ELEMS;
+      T* dV = sV + stage * Tr::KV_TILE_ELEMS;
+      const int ch = tid % CHUNKS8;
+#pragma unroll
+      for (int it = 0; it < Tr::KV_LOADS8; ++it) {
+        const int id = tid + it * THREADS;
+        if ((NW * CHUNKS8) % THREADS == 0 || id < NW * CHUNKS8) {
+          const int row = row0 + id / CHUNKS8;
+#pragma unroll
+          for (int kv = 0; kv < 2; ++kv) {
+            const uint4 raw = *reinterpret_cast<const uint4*>(src + kv * Tr::KV_TILE_ELEMS +
+                                                              row * Tr::D + ch * 16);
+            uint4 a, b;
+            e4m3x4_to<T>(raw.x, a.x, a.y);
+            e4m3x4_to<T>(raw.y, a.z, a.w);
+            e4m3x4_to<T>(raw.z, b.x, b.y);
+            e4m3x4_to<T>(raw.w, b.z, b.w);
+            T* dst = kv == 0 ? dK : dV;
+            *reinterpret_cast<uint4*>(dst + Tr::template off<N>(row, 2 * ch)) = a;
+            *reinterpret_cast<uint4*>(dst + Tr::template off<N>(row, 2 * ch + 1)) = b;
+          }
+        }
+      }
+    }
   }
 };
 

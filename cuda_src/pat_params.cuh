@@ -44,7 +44,8 @@ struct FwdParams {
   int group;                   // num_qo_heads / num_kv_heads
   int num_qo_heads;
   int page_size;
-  float scale_log2;            // sm_scale * log2(e)
+  float scale_log2;            // sm_scale * log2(e) (an fp8 cache: times k_scale)
+  float v_scale;               // an fp8 cache's V scale (read by fp8 variants only; 1 otherwise)
   MergeArgs merge;
 };
 

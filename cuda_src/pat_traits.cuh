@@ -60,9 +60,15 @@ constexpr bool kSmemOccupancy = PAT_SMEM_OCCUPANCY != 0;
 // registers for the whole KV walk) or 32 (two row blocks; every K/V fragment read from shared
 // memory by ldmatrix feeds two MMAs, halving shared-memory traffic per FLOP, and the Q fragments
 // are re-read from shared memory per k-step to keep the accumulators within the register budget).
-template <int HEAD_DIM_, typename T_, int M_, int N_, int WARPS_, int STAGES_, int RW_ = 16>
+//
+// KV_ is the KV cache's element type: T_ (the default), or fp8_e4m3, whose pages are gathered
+// into a byte staging ring behind the KV tiles and widened into those tiles (KV8 below).
+template <int HEAD_DIM_, typename T_, int M_, int N_, int WARPS_, int STAGES_, int RW_ = 16,
+          typename KV_ = T_>
 struct FwdTraits {
   using T = T_;
+  using KV = KV_;
+  static constexpr bool KV8 = sizeof(KV_) == 1;                   // an fp8 cache
   static constexpr int D = HEAD_DIM_;
   static constexpr int M = M_;
   static constexpr int N = N_;
@@ -94,7 +100,12 @@ struct FwdTraits {
   static constexpr int KV_BYTES = STAGES * 2 * KV_TILE_ELEMS * 2;
   // the warpgroup layout aligns its tiles to 1024 bytes (the swizzle atom) at run time
   static constexpr int SMEM_ALIGN_PAD = WG ? 1024 : 0;
-  static constexpr int SMEM_BYTES = Q_BYTES + KV_BYTES + SMEM_ALIGN_PAD;  // dynamic shared memory
+  // fp8: the staging ring, [STAGES][K, V][N][D] bytes after the KV tiles, 16 elements per
+  // 16-byte chunk (CHUNKS8 per row, KV_LOADS8 chunks per thread and stage)
+  static constexpr int CHUNKS8 = D / 16;
+  static constexpr int STAGE8_BYTES = KV8 ? STAGES * 2 * N * D : 0;
+  static constexpr int SMEM_BYTES =
+      Q_BYTES + KV_BYTES + SMEM_ALIGN_PAD + STAGE8_BYTES;  // dynamic shared memory
 
   // Element offset of 16-byte chunk `ch` of row `row` in a tile of R rows (Q: R = M, K/V: R = N).
   template <int R>
@@ -119,6 +130,7 @@ struct FwdTraits {
   static constexpr int SLICE_THREADS = WARPS_M * 32;
   static constexpr int Q_LOADS = (M * CHUNKS + THREADS - 1) / THREADS;
   static constexpr int KV_LOADS = (NW * CHUNKS + SLICE_THREADS - 1) / SLICE_THREADS;
+  static constexpr int KV_LOADS8 = (NW * CHUNKS8 + SLICE_THREADS - 1) / SLICE_THREADS;
 
   static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
   static_assert(RW == 16 || RW == 32 || RW == 64, "16 or 32 rows per warp, or 64 per warpgroup");
@@ -137,6 +149,7 @@ struct FwdTraits {
   // a short range costs one memory round trip; later tiles then load one at a time).
   static constexpr int PRE = STAGES > 1 ? STAGES - 1 : 1;
   static_assert(SLICE_THREADS % CHUNKS == 0, "a thread keeps one 16-byte column across rows");
+  static_assert(sizeof(KV_) == sizeof(T_) || sizeof(KV_) == 1, "KV: T or an fp8 type");
   static_assert(WARPS_N <= 15, "one named barrier per token slice");
   static_assert(WARPS_N == 1 || COMB_FIT >= 1,
                 "one token slice's state must fit in the shared memory it reuses");

@@ -211,8 +211,9 @@ class CudaBackend:
     def variants_for(self, plan: Plan, dtype: str | None = None) -> list:
         """Forward (pull) variants plus the merge variant a Plan needs (for ``dtype``,
         default the plan's)."""
-        dtype = dtype_name(dtype or plan.kv_dtype)
-        fwd = [cc.FwdVariant.make(v.m, v.n, v.head_dim, dtype, arch=self.arch)
+        dtype = dtype_name(dtype or plan.io_dtype)
+        fwd = [cc.FwdVariant.make(v.m, v.n, v.head_dim, dtype, arch=self.arch,
+                                  kv_dtype=v.kv_dtype or None)
                for v in cc.plan_fwd_variants(plan, self.arch)]
         nh = self._merge_layout(plan)[1]
         return fwd + [cc.MergeVariant(plan.head_dim, dtype, cc.MERGE_WARPS, nh)]
@@ -258,8 +259,9 @@ class CudaBackend:
         _check_plan_tiles(plan)
         dev = self.cp.cuda.runtime.getDevice()
         shape = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.page_size,
-                 dtype_name(plan.kv_dtype), float(plan.sm_scale))
-        key = (dev, shape)
+                 plan.io_dtype, float(plan.sm_scale))
+        kv_dtype = dtype_name(plan.kv_dtype)
+        key = (dev, shape, kv_dtype)
         st = self._states.get(key)
         tiles = {(int(m), int(n)) for m, n in plan.tile_configs.tolist()}
         need = (plan.batch_size, max(1, int(plan.cta_pages.shape[0]) - plan.num_ctas),
@@ -275,7 +277,7 @@ class CudaBackend:
             self.cp.cuda.Device(dev).synchronize()
         grow = [max(1, (n * 5 + 3) // 4) for n in need]
         layout = StaticLayout(StaticLimits(*grow), order_tiles(tiles))
-        st = StaticState(self, layout, *shape, fixed=False)
+        st = StaticState(self, layout, *shape, fixed=False, kv_dtype=kv_dtype)
         self._states[key] = st
         return st
 
@@ -290,7 +292,8 @@ class CudaBackend:
 
     # ------------------------------------------------------------------ run
     def run(self, plan: Plan, q, k_cache, v_cache, kv_layout: str = "NHD",
-            return_lse: bool = False, out=None, lse=None, check=None):
+            return_lse: bool = False, out=None, lse=None, check=None,
+            scales: tuple = (1.0, 1.0)):
         """Forward + merge for one batch.
 
         Parameters
@@ -306,6 +309,9 @@ class CudaBackend:
         lse : optional float32 ``[batch, num_qo_heads]`` (implies return_lse).
         check : optional callable run (before this method's own checks) whenever the inputs
             are validated, i.e. not on calls that reuse cached launch arguments.
+        scales : ``(k_scale, v_scale)`` of an fp8 cache (``float8_e4m3fn`` torch tensors or
+            CuPy ``uint8`` arrays of its bytes), host floats (``(1, 1)`` otherwise): k_scale is
+            folded into the softmax scale, v_scale multiplies the output.
 
         Returns ``out`` (same kind as q), and ``lse`` fp32 natural log when ``return_lse``.
 
@@ -322,7 +328,7 @@ class CudaBackend:
                 st = self.state_for(plan)
                 st.write(plan, self._caller_stream(qd))
             return self._run_state(st, qd, k_cache, v_cache, kv_layout, return_lse, out, lse,
-                                   check)
+                                   check, scales)
 
     def _merge_layout(self, plan: Plan) -> tuple:
         """``(block_per_pair, heads_per_warp)`` of the merge launch for ``plan``
@@ -441,40 +447,44 @@ class CudaBackend:
     # ------------------------------------------------------------------ graph-safe mode
     def static_state(self, layout, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                      page_size: int, dtype: str, sm_scale: float,
-                     fused: bool = False) -> "StaticState":
+                     fused: bool = False, kv_dtype: str | None = None) -> "StaticState":
         """Device buffers and kernels of graph-safe mode for one fixed launch set (``layout``,
         a :class:`~pat_core.static_plan.StaticLayout`) and problem shape; compiles the launch
         set's kernels now (never during a capture).  ``fused``: every tile of the launch set in
-        one pull launch (``pat_fwd_fused_pull_kernel``) instead of one launch per tile."""
+        one pull launch (``pat_fwd_fused_pull_kernel``) instead of one launch per tile.
+        ``dtype``: q's and the output's; ``kv_dtype``: the cache's when it differs (fp8)."""
         return StaticState(self, layout, num_qo_heads, num_kv_heads, head_dim, page_size,
-                           dtype, sm_scale, fused=fused, fixed=True)
+                           dtype, sm_scale, fused=fused, fixed=True, kv_dtype=kv_dtype)
 
     def run_static(self, state: "StaticState", q, k_cache, v_cache, kv_layout: str = "NHD",
-                   return_lse: bool = False, out=None, lse=None):
+                   return_lse: bool = False, out=None, lse=None, scales: tuple = (1.0, 1.0)):
         """Graph-safe run: the fixed launch set of ``state`` over whatever plan was last written
         into it (:meth:`StaticState.write`).  ``q``, ``out`` and ``lse`` may have more rows than
         the live batch (a captured graph's static buffers); rows past it are neither read nor
         written.  Every launch argument depends only on ``state`` and the buffers passed here,
-        so the sequence can be captured once and replayed for later plans."""
+        so the sequence can be captured once and replayed for later plans (``scales``, an fp8
+        cache's, are launch arguments too: a captured graph keeps those it was captured
+        with)."""
         qd = _Dev(q, "q")
         with self.cp.cuda.Device(state.device):
             return self._run_state(state, qd, k_cache, v_cache, kv_layout, return_lse, out,
-                                   lse, None)
+                                   lse, None, scales)
 
     def _run_state(self, st: "StaticState", qd: _Dev, k_cache, v_cache, kv_layout, return_lse,
-                   out, lse, check):
+                   out, lse, check, scales=(1.0, 1.0)):
         """The one launch path: the forward launches and merge of ``st`` (current device)."""
         kd = _Dev(k_cache, "k_cache")
         vd = _Dev(v_cache, "v_cache")
         want_lse = bool(return_lse or lse is not None)
         if st.batch is None:
             raise RuntimeError("write a plan (plan()) before run()")
-        sig = (kv_layout, qd.sig(), kd.sig(), vd.sig(), self.options)
+        scales = (float(scales[0]), float(scales[1]))
+        sig = (kv_layout, qd.sig(), kd.sig(), vd.sig(), self.options, scales)
         prep = st.prepared.get(sig)
         if prep is None:
             if check is not None:
                 check()
-            prep = st.prepare(qd, kd, vd, kv_layout)
+            prep = st.prepare(qd, kd, vd, kv_layout, scales)
             if len(st.prepared) >= (1 if st.fixed else 64):   # e.g. one per model layer
                 st.prepared.clear()
             st.prepared[sig] = prep
@@ -502,7 +512,8 @@ class CudaBackend:
 def _check_plan_tiles(plan: Plan) -> None:
     """Every launch group's tile has a kernel and every CTA's rows fit its tile's m."""
     for _, (m, n), b, e in plan.groups():
-        if e > b and not cc.fwd_variant_supported(m, n, plan.head_dim):
+        kv = plan.kv_dtype if plan.kv_dtype in cc.KV_CTYPE else None
+        if e > b and not cc.fwd_variant_supported(m, n, plan.head_dim, kv):
             raise ValueError(f"plan: no CUDA kernel for tile (m={m}, n={n}) at head_dim "
                              f"{plan.head_dim}")
     if plan.num_ctas:

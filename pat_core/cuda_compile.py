@@ -27,6 +27,11 @@ from .gpus import A100, H100
 
 DTYPE_CTYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 DTYPE_SHORT = {"float16": "f16", "bfloat16": "bf16"}
+# KV-cache-only element types: the forward kernel's last template argument (its default, the
+# query's type, for every other cache) and the key's suffix.  Queries and output of such a
+# variant are a DTYPE_CTYPE type.
+KV_CTYPE = {"float8_e4m3fn": "pat::fp8_e4m3"}
+KV_SHORT = {"float8_e4m3fn": "kv8"}
 HEAD_DIMS = (64, 128)
 TILE_MS = (16, 32, 64, 128)
 TILE_NS = (16, 32, 64, 128, 256)
@@ -189,6 +194,11 @@ VARIANT_OVERRIDES: dict = {}
 
 @dataclass(frozen=True, order=True)
 class FwdVariant:
+    """One forward kernel variant.  ``dtype``: the queries' and output's type (a
+    :data:`DTYPE_CTYPE` key); ``kv_dtype``: the cache's element type when it differs (a
+    :data:`KV_CTYPE` key, fp8), else ``""``, which keeps the key and kernel name of the 16-bit
+    variants as they were."""
+
     head_dim: int
     dtype: str
     m: int
@@ -196,29 +206,48 @@ class FwdVariant:
     warps: int
     stages: int
     rows_per_warp: int = 16
+    kv_dtype: str = ""
 
     @classmethod
     def make(cls, m: int, n: int, head_dim: int, dtype: str,
-             arch: str = "sm_90") -> "FwdVariant":
+             arch: str = "sm_90", kv_dtype: str | None = None) -> "FwdVariant":
         """The (m, n) variant in its default layout for ``arch`` ("sm_90", "sm_80", ...), or in
-        the layout VARIANT_OVERRIDES names."""
+        the layout VARIANT_OVERRIDES names.  An fp8 ``dtype`` alone (a cache dtype, as
+        ``Plan.kv_dtype``) names the variant of float16 queries over that cache (the same
+        layout and resources as the bfloat16 one)."""
+        if dtype in KV_CTYPE:
+            dtype, kv_dtype = "float16", dtype
+        kv = "" if kv_dtype is None or kv_dtype == dtype else str(kv_dtype)
         over = VARIANT_OVERRIDES.get((int(m), int(n)))
         if over is None:
             w, st, rw = default_layout(m, n, head_dim, arch)
         else:
             w, st = over[0], over[1]
             rw = over[2] if len(over) > 2 else default_rows_per_warp(m)
-        return cls(int(head_dim), str(dtype), int(m), int(n), int(w), int(st), int(rw))
+        if kv and over is None:
+            # the fp8 staging ring grows with the stages: drop to two where three overflow
+            while st > 2 and fwd_smem_bytes(m, n, head_dim, st, rw, True) > SMEM_LIMIT["sm_90"]:
+                st -= 1
+        return cls(int(head_dim), str(dtype), int(m), int(n), int(w), int(st), int(rw), kv)
 
     @property
     def key(self) -> str:
+        kv = f"_{KV_SHORT[self.kv_dtype]}" if self.kv_dtype else ""
         return (f"pat_fwd_d{self.head_dim}_{DTYPE_SHORT[self.dtype]}_m{self.m}_n{self.n}"
-                f"_w{self.warps}_s{self.stages}_r{self.rows_per_warp}")
+                f"_w{self.warps}_s{self.stages}_r{self.rows_per_warp}{kv}")
 
     @property
     def name_expression(self) -> str:
+        kv = f", {KV_CTYPE[self.kv_dtype]}" if self.kv_dtype else ""
         return (f"pat_fwd_kernel<{self.head_dim}, {DTYPE_CTYPE[self.dtype]}, {self.m}, {self.n}, "
-                f"{self.warps}, {self.stages}, {self.rows_per_warp}>")
+                f"{self.warps}, {self.stages}, {self.rows_per_warp}{kv}>")
+
+    @property
+    def traits(self) -> str:
+        """The variant's ``pat::FwdTraits`` (the fused kernel's template arguments)."""
+        kv = f", {KV_CTYPE[self.kv_dtype]}" if self.kv_dtype else ""
+        return (f"pat::FwdTraits<{self.head_dim}, {DTYPE_CTYPE[self.dtype]}, {self.m}, "
+                f"{self.n}, {self.warps}, {self.stages}, {self.rows_per_warp}{kv}>")
 
     @property
     def threads(self) -> int:
@@ -226,7 +255,8 @@ class FwdVariant:
 
     @property
     def smem_bytes(self) -> int:
-        return fwd_smem_bytes(self.m, self.n, self.head_dim, self.stages, self.rows_per_warp)
+        return fwd_smem_bytes(self.m, self.n, self.head_dim, self.stages, self.rows_per_warp,
+                              kv_fp8=bool(self.kv_dtype))
 
     @property
     def warpgroup(self) -> bool:
@@ -263,15 +293,15 @@ class FusedVariant:
 
     @property
     def key(self) -> str:
+        kv = self.members[0].kv_dtype if self.members else ""
         return (f"pat_fwd_fused_d{self.head_dim}_"
-                f"{DTYPE_SHORT[self.dtype]}_" + "_".join(
+                f"{DTYPE_SHORT[self.dtype]}_" + (f"{KV_SHORT[kv]}_" if kv else "") + "_".join(
                     f"m{v.m}n{v.n}w{v.warps}s{v.stages}r{v.rows_per_warp}" for v in self.members))
 
     @property
     def name_expression(self) -> str:
         ct = DTYPE_CTYPE[self.dtype]
-        tr = ", ".join(f"pat::FwdTraits<{v.head_dim}, {ct}, {v.m}, {v.n}, {v.warps}, {v.stages}, "
-                       f"{v.rows_per_warp}>" for v in self.members)
+        tr = ", ".join(v.traits for v in self.members)
         return f"pat_fwd_fused_pull_kernel<{self.head_dim}, {ct}, {self.threads}, {tr}>"
 
 
@@ -323,16 +353,18 @@ def fwd_variant_feasible(v: FwdVariant, smem_limit: int = SMEM_LIMIT["sm_90"]) -
     return v.smem_bytes <= smem_limit
 
 
-def all_fwd_variants(head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_CTYPE), ms=TILE_MS, ns=TILE_NS):
+def all_fwd_variants(head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_CTYPE), ms=TILE_MS, ns=TILE_NS,
+                     kv_dtype: str | None = None):
     """Every forward variant that fits the sm_90 shared-memory limit (n = 256 only at d = 64),
-    in the default layouts of sm_90 and of sm_80."""
+    in the default layouts of sm_90 and of sm_80.  ``kv_dtype``: the variants over a cache of
+    that KV-only dtype (fp8) instead of the 16-bit ones."""
     out = []
     for d in head_dims:
         for dt in dtypes:
             for m in ms:
                 for n in ns:
                     for arch in ("sm_90", "sm_80"):   # their default layouts may differ
-                        v = FwdVariant.make(m, n, d, dt, arch)
+                        v = FwdVariant.make(m, n, d, dt, arch, kv_dtype=kv_dtype)
                         if fwd_variant_feasible(v) and v not in out:
                             out.append(v)
     return out
@@ -350,7 +382,8 @@ def plan_fwd_variants(plan, arch: str = "sm_90") -> list:
     for _, (m, n), b, e in plan.groups():
         if e <= b:
             continue
-        v = FwdVariant.make(m, n, plan.head_dim, plan.kv_dtype, arch=arch)
+        v = FwdVariant.make(m, n, plan.head_dim, plan.io_dtype, arch=arch,
+                            kv_dtype=plan.kv_dtype)
         if v not in seen:
             seen.append(v)
     return seen
@@ -380,11 +413,12 @@ def nvrtc_options(src_dir: Path | None = None, defines: tuple = ()) -> tuple:
             "--use_fast_math") + tuple(f"-D{d}" for d in defines)
 
 
-def fwd_variant_supported(m: int, n: int, head_dim: int) -> bool:
-    """Whether a forward kernel variant exists (and fits sm_90 shared memory) for (m, n, d)."""
+def fwd_variant_supported(m: int, n: int, head_dim: int, kv_dtype: str | None = None) -> bool:
+    """Whether a forward kernel variant exists (and fits sm_90 shared memory) for (m, n, d)
+    (``kv_dtype``: over a cache of that KV-only dtype, fp8)."""
     if head_dim not in HEAD_DIMS or m not in TILE_MS or n not in TILE_NS:
         return False
-    return fwd_variant_feasible(FwdVariant.make(m, n, head_dim, "float16"))
+    return fwd_variant_feasible(FwdVariant.make(m, n, head_dim, "float16", kv_dtype=kv_dtype))
 
 
 def nvcc_source(variants) -> str:

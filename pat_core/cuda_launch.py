@@ -148,9 +148,12 @@ def _set_out(p, out_args) -> None:
     p.out, p.lse_out, p.out_sb, p.out_sh, p.lse_sb, p.lse_sh = out_args
 
 
-def _fwd_params(qd, kd, vd, axes, o_part, l_part, arrays, group, Hq, Hk, page_size, sm_scale):
+def _fwd_params(qd, kd, vd, axes, o_part, l_part, arrays, group, Hq, Hk, page_size, sm_scale,
+                k_scale: float = 1.0, v_scale: float = 1.0):
     """The forward parameters every launch of a step shares (CTA range and variant left 0).
-    ``arrays`` maps each Plan array name to its device address (int) or CuPy array."""
+    ``arrays`` maps each Plan array name to its device address (int) or CuPy array.
+    ``k_scale``/``v_scale``: an fp8 cache's scales; k_scale is folded into the softmax scale
+    here, on the host (one float), v_scale is read by the fp8 variants only."""
     def addr(name):
         v = arrays[name]
         return v if isinstance(v, int) else _ptr(v)
@@ -162,7 +165,8 @@ def _fwd_params(qd, kd, vd, axes, o_part, l_part, arrays, group, Hq, Hk, page_si
         cta_kv_len=addr("cta_kv_len"), cta_page_indptr=addr("cta_page_indptr"),
         cta_pages=addr("cta_pages"),
         num_kv_heads=Hk, head_minor=1, group=group, num_qo_heads=Hq,
-        page_size=page_size, scale_log2=float(sm_scale * _LOG2E))
+        page_size=page_size, scale_log2=float(sm_scale * k_scale * _LOG2E),
+        v_scale=float(v_scale))
     if qd is not None:
         _set_inputs(prm, _input_fields(qd, kd, vd, axes))
     return prm

@@ -45,19 +45,26 @@ class StaticState:
     _MERGE_BLOCKS_PER_SM = 12      # the merge kernel's launch bounds: 48 warps of 4-warp blocks
 
     def __init__(self, backend, layout, num_qo_heads, num_kv_heads, head_dim,
-                 page_size, dtype, sm_scale, fused: bool = False, fixed: bool = True):
+                 page_size, dtype, sm_scale, fused: bool = False, fixed: bool = True,
+                 kv_dtype: str | None = None):
         cp = backend.cp
         self.backend, self.cp = backend, cp
         self.layout = layout
         self.fixed = bool(fixed)
         self.num_qo_heads, self.num_kv_heads = int(num_qo_heads), int(num_kv_heads)
         self.head_dim, self.page_size = int(head_dim), int(page_size)
+        # dtype: q's and the output's; kv_dtype: the cache's (fp8, or the same as dtype)
         self.dtype = dtype_name(dtype)
+        self.kv_dtype = dtype_name(kv_dtype) if kv_dtype is not None else self.dtype
         self.sm_scale = float(sm_scale)
         if self.dtype not in cc.DTYPE_CTYPE:
             raise ValueError(f"the CUDA kernels take float16 or bfloat16, got {self.dtype}")
+        if self.kv_dtype != self.dtype and self.kv_dtype not in cc.KV_CTYPE:
+            raise ValueError(f"the CUDA kernels read a {self.dtype} or float8_e4m3fn cache with "
+                             f"{self.dtype} queries, got {self.kv_dtype}")
+        kv = self.kv_dtype if self.kv_dtype != self.dtype else None
         for m, n in layout.tiles:
-            if not cc.fwd_variant_supported(m, n, self.head_dim):
+            if not cc.fwd_variant_supported(m, n, self.head_dim, kv):
                 raise ValueError(f"no CUDA kernel for tile ({m}, {n}) at head_dim "
                                  f"{self.head_dim}")
         self.device = cp.cuda.runtime.getDevice()
@@ -73,8 +80,8 @@ class StaticState:
         self.staging = np.frombuffer(self._pinned, dtype=np.int32, count=layout.total)
         self.copied = cp.cuda.Event(disable_timing=True)
         self.copied.record()
-        self.variants = [cc.FwdVariant.make(m, n, self.head_dim, self.dtype, arch=backend.arch)
-                         for m, n in layout.tiles]
+        self.variants = [cc.FwdVariant.make(m, n, self.head_dim, self.dtype, arch=backend.arch,
+                                            kv_dtype=kv) for m, n in layout.tiles]
         self.merge_variant = cc.MergeVariant(self.head_dim, self.dtype)
         self.fused = bool(fused) and self.fixed
         if self.fused:
@@ -108,10 +115,12 @@ class StaticState:
         """``ValueError`` unless ``plan`` fits this state: its shape and, in graph-safe mode,
         the inputs the launches were built for.  (The layout's limits are checked by
         :meth:`~pat_core.static_plan.StaticLayout.pack`, which every written plan goes through.)"""
-        want = (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype)
+        want = (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                self.kv_dtype, self.dtype)
         have = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.page_size,
-                dtype_name(plan.kv_dtype))
-        names = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "kv_data_type")
+                dtype_name(plan.kv_dtype), plan.io_dtype)
+        names = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "kv_data_type",
+                 "q_data_type")
         for nm, w, h in zip(names, want, have):
             if w != h:
                 raise ValueError(f"graph-safe mode: {nm}={h!r} differs from {w!r} of the first "
@@ -173,8 +182,10 @@ class StaticState:
         self.needs_merge = merge_needed(plan, per_sm_of_tile, self.num_sms)
         self.merge_key = self.backend._merge_layout(plan)
 
-    def prepare(self, qd: _Dev, kd: _Dev, vd: _Dev, kv_layout: str) -> dict:
-        """Check the inputs and build the launches for them."""
+    def prepare(self, qd: _Dev, kd: _Dev, vd: _Dev, kv_layout: str,
+                scales: tuple = (1.0, 1.0)) -> dict:
+        """Check the inputs and build the launches for them (``scales``: an fp8 cache's
+        ``(k_scale, v_scale)``, host floats)."""
         Hq, Hk, D = self.num_qo_heads, self.num_kv_heads, self.head_dim
         if kv_layout not in ("NHD", "HND"):
             raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
@@ -183,9 +194,16 @@ class StaticState:
             raise ValueError(f"q has shape {qd.shape}; the plan needs [batch, {Hq}, {D}]")
         if qd.dtype not in cc.DTYPE_CTYPE:
             raise TypeError(f"q: the CUDA kernels take float16 or bfloat16, got {qd.dtype}")
-        if not (qd.dtype == kd.dtype == vd.dtype == self.dtype):
-            raise TypeError(f"q ({qd.dtype}) and paged_kv_cache ({kd.dtype}, {vd.dtype}) must be "
-                            f"{self.dtype}, the plan's dtype")
+        if self.kv_dtype == self.dtype:
+            if not (qd.dtype == kd.dtype == vd.dtype == self.dtype):
+                raise TypeError(f"q ({qd.dtype}) and paged_kv_cache ({kd.dtype}, {vd.dtype}) "
+                                f"must be {self.dtype}, the plan's dtype")
+        else:
+            # an fp8 cache: torch float8_e4m3fn tensors, or CuPy uint8 arrays of its bytes
+            ok = {self.kv_dtype, "uint8"}
+            if qd.dtype != self.dtype or kd.dtype not in ok or vd.dtype != kd.dtype:
+                raise TypeError(f"q ({qd.dtype}) must be {self.dtype} and paged_kv_cache "
+                                f"({kd.dtype}, {vd.dtype}) {self.kv_dtype} (or its uint8 bytes)")
         num_pages, axes = _check_cache(qd, kd, vd, kv_layout, self.page_size, Hk, D)
         devs = {t.device for t in (qd, kd, vd) if t.device is not None}
         if devs and devs != {self.device}:
@@ -202,7 +220,7 @@ class StaticState:
         arrays = {name: base_ptr + 4 * lay.offset[name] for name in lay.offset}
         group = Hq // Hk
         base = _fwd_params(qd, kd, vd, axes, self.o_part, self.l_part, arrays, group, Hq, Hk,
-                           self.page_size, self.sm_scale)
+                           self.page_size, self.sm_scale, *scales)
         # single-slot requests: the forward item writes the output (out set per call)
         base.merge.req_slot_indptr = arrays["req_slot_indptr"]
         ctr, chain = int(self.counters.data.ptr), int(self.chain.data.ptr)
@@ -247,7 +265,7 @@ class StaticState:
         if not self.needs_merge:
             return launches, None
         per_block, nh = self.merge_key
-        mv = cc.MergeVariant(self.head_dim, self.dtype, cc.MERGE_WARPS, nh)
+        mv = cc.MergeVariant(self.head_dim, self.dtype, cc.MERGE_WARPS, nh)   # q's dtype
         pairs = self.batch * self.num_qo_heads
         grid = pairs if per_block else (pairs // nh + mv.warps - 1) // mv.warps
         key = (per_block, nh, grid)

@@ -90,6 +90,8 @@ def _np_dtype_name(dt) -> str:
     s = str(dt)
     if s in ("bfloat16", "|V2") or "bfloat16" in s:
         return "bfloat16"
+    if s == "uint8":        # CuPy has no fp8 dtype: an fp8 cache comes as its bytes
+        return "uint8"
     return dtype_name(np.dtype(dt).name)
 
 
@@ -145,13 +147,21 @@ def _check_offsets_32bit(t: _Dev, name: str, outer: int, inner: tuple):
 
 
 def _check_aligned(t: _Dev, name: str, axes):
-    """cp.async moves 16-byte chunks: row starts must be 16-byte aligned (8 fp16/bf16)."""
-    if t.ptr % 16 != 0 or any(t.strides[a] % 8 != 0 for a in axes if t.shape[a] > 1):
+    """cp.async moves 16-byte chunks: row starts must be 16-byte aligned (8 fp16/bf16, 16 fp8
+    elements)."""
+    per = 16 // _itemsize(t)
+    if t.ptr % 16 != 0 or any(t.strides[a] % per != 0 for a in axes if t.shape[a] > 1):
         raise ValueError(f"{name}: the kernels need 16-byte aligned rows (data pointer and the "
-                         f"strides of the non-head_dim axes multiples of 8 elements); got "
+                         f"strides of the non-head_dim axes multiples of {per} elements); got "
                          f"pointer {t.ptr:#x}, element strides {t.strides}")
+
+
+def _itemsize(t: _Dev) -> int:
+    """Bytes of one element (uint8: an fp8 cache's bytes); 8 for anything unknown (the
+    overlap check then errs on the wide side)."""
+    return 1 if t.dtype == "uint8" else DTYPE_BYTES.get(t.dtype, 8)
 
 
 def _extent(t: _Dev) -> tuple:
     """Byte range of a device array (:func:`pat_core.inputs.byte_extent`)."""
-    return byte_extent(t.ptr, t.shape, t.strides, DTYPE_BYTES.get(t.dtype, 8))
+    return byte_extent(t.ptr, t.shape, t.strides, _itemsize(t))

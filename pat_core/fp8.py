@@ -47,6 +47,16 @@ def is_fp8(x) -> bool:
     return str(dt).replace("torch.", "") == FP8_DTYPE
 
 
+def kv_cache_dtype(x, name: str = "paged_kv_cache") -> str:
+    """Canonical dtype name of a KV cache array.  CuPy has no fp8 dtype, so a CuPy ``uint8``
+    array counts as the bytes of a ``float8_e4m3fn`` cache (the CUDA backend reads them as
+    such); every other array goes through :func:`pat_core.plan.dtype_name`."""
+    if type(x).__module__.startswith("cupy") and str(getattr(x, "dtype", "")) == "uint8":
+        return FP8_DTYPE
+    from .plan import dtype_name
+    return dtype_name(getattr(x, "dtype", None), name)
+
+
 def fp8_bytes(x) -> np.ndarray:
     """The raw bytes of an fp8 host array as a ``uint8`` NumPy array of the same shape (a view
     where the input's memory allows: NumPy ml_dtypes arrays and CPU torch tensors)."""

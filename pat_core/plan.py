@@ -318,8 +318,8 @@ class Plan:
             raise ValueError(f"paged_kv_cache has {hk} KV heads of dim {d}, the plan expects "
                              f"{self.num_kv_heads} of dim {self.head_dim}")
         qdt = dtype_name(getattr(q, "dtype", None), "q")
-        kdt = dtype_name(getattr(k_cache, "dtype", None), "paged_kv_cache")
-        vdt = dtype_name(getattr(v_cache, "dtype", None), "paged_kv_cache")
+        from .fp8 import kv_cache_dtype
+        kdt, vdt = kv_cache_dtype(k_cache), kv_cache_dtype(v_cache)
         if kdt != vdt:
             raise TypeError(f"paged_kv_cache: k_cache ({kdt}) and v_cache ({vdt}) must share a "
                             "dtype")

@@ -78,13 +78,14 @@ def estimate_resources(m: int, n: int, head_dim: int, dtype: str = "float16") ->
     counters.
     """
     dtype = dtype_name(dtype)
-    warps, stages, rw = cc.default_layout(m, n, head_dim)
-    threads = 32 * warps
-    if dtype in KV_ONLY_DTYPES:
-        smem = cc.fwd_smem_bytes(m, n, head_dim, stages, rw, kv_fp8=True)
+    if dtype in KV_ONLY_DTYPES:          # the fp8 variant's own layout (its ring may be shorter)
+        v = cc.FwdVariant.make(m, n, head_dim, dtype)
+        warps, stages, smem = v.warps, v.stages, v.smem_bytes
     else:
+        warps, stages, _ = cc.default_layout(m, n, head_dim)
         b = DTYPE_BYTES[dtype]
         smem = m * head_dim * b + 2 * stages * n * head_dim * b
+    threads = 32 * warps
     regs = int(math.ceil((m * head_dim + m * n) / threads)) + 40
     return TileResources(m=m, n=n, threads=threads, registers=regs, smem=smem, source="estimate",
                          stages=stages)

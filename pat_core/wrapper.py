@@ -40,7 +40,7 @@ import numpy as np
 
 from .inputs import BlockTable, byte_extent, check_heads, refuse_overlap
 from .packers import PACKERS
-from .fp8 import as_scale
+from .fp8 import as_scale, kv_cache_dtype
 from .plan import KV_ONLY_DTYPES, Plan, dtype_name
 from .planner import Planner, fp8_q_dtype
 from .reference import split_kv_cache
@@ -356,7 +356,7 @@ class PrefixAttentionWrapper:
                                      self._graph_fused_mode())
             self._static = self._gpu_backend.static_state(
                 layout, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.page_size,
-                plan.kv_dtype, plan.sm_scale, fused=fused)
+                plan.io_dtype, plan.sm_scale, fused=fused, kv_dtype=plan.kv_dtype)
         self._static.write(plan, self._current_stream())
 
     def _current_stream(self) -> int:
@@ -370,10 +370,11 @@ class PrefixAttentionWrapper:
 
     def _check_backend_limits(self, head_dim, kv_dtype: str) -> None:
         if self.backend == "cuda":
-            from .cuda_compile import DTYPE_CTYPE, HEAD_DIMS     # the compiled kernel families
-            if kv_dtype not in DTYPE_CTYPE:
+            from .cuda_compile import DTYPE_CTYPE, HEAD_DIMS, KV_CTYPE   # the kernel families
+            if kv_dtype not in DTYPE_CTYPE and kv_dtype not in KV_CTYPE:
                 raise ValueError(f"kv_data_type={kv_dtype!r} is not supported by the CUDA "
-                                 f"backend (its kernels take {', '.join(DTYPE_CTYPE)})")
+                                 f"backend (its kernels take "
+                                 f"{', '.join(tuple(DTYPE_CTYPE) + tuple(KV_CTYPE))})")
             if isinstance(head_dim, (int, np.integer)) and head_dim not in HEAD_DIMS:
                 raise ValueError(f"head_dim={head_dim} is not supported by the CUDA backend "
                                  f"(kernels exist for head_dim {', '.join(map(str, HEAD_DIMS))})")
@@ -485,7 +486,9 @@ class PrefixAttentionWrapper:
             # no scales (their code stays as it was), so a scale other than 1 is refused
             for name, val in (("k_scale", k_scale), ("v_scale", v_scale)):
                 _check_off("run", name, val, (None, 1.0))
-            scales = (1.0, 1.0)
+            scales = None
+        # the GPU backend gets the scales of an fp8 cache only (its other calls are unchanged)
+        gpu_kw = {} if scales is None else {"scales": scales}
         _check_off("run", "window_left", window_left, (None, -1))
         _check_off("run", "enable_pdl", enable_pdl, (None, False))
         _check_off("run", "sinks", sinks, (None,))
@@ -499,7 +502,8 @@ class PrefixAttentionWrapper:
                 self._check_run_dtypes(plan, q, k_cache, v_cache)
                 plan.check_inputs(q, k_cache, v_cache, self.kv_layout)
             return self._gpu_backend.run(plan, q, k_cache, v_cache, kv_layout=self.kv_layout,
-                                         return_lse=want_lse, out=out, lse=lse, check=check)
+                                         return_lse=want_lse, out=out, lse=lse, check=check,
+                                         **gpu_kw)
         if self._gpu_backend is None:
             for t, name in ((q, "q"), (k_cache, "paged_kv_cache"), (v_cache, "paged_kv_cache")):
                 _check_cpu_array(t, name)
@@ -507,7 +511,7 @@ class PrefixAttentionWrapper:
         if self.use_cuda_graph:
             return self._gpu_backend.run_static(self._static, q, k_cache, v_cache,
                                                 kv_layout=self.kv_layout, return_lse=want_lse,
-                                                out=out, lse=lse)
+                                                out=out, lse=lse, **gpu_kw)
         qdt = _dtype_of(q)
         B, Hq, D = plan.batch_size, plan.num_qo_heads, plan.head_dim
         # check the caller's buffers before the work, so a bad one costs nothing
@@ -523,7 +527,8 @@ class PrefixAttentionWrapper:
         out_dtype = np.float16 if qdt == "float16" else np.float32
         res, res_lse = execute(plan, q, k_cache, v_cache, kv_layout=self.kv_layout,
                                return_lse=True, input_dtype=qdt, out_dtype=out_dtype,
-                               k_scale=scales[0], v_scale=scales[1])
+                               **({} if scales is None else
+                                  {"k_scale": scales[0], "v_scale": scales[1]}))
         torch_in = hasattr(q, "detach")
         if out is not None:
             _write_host(out, res)
@@ -552,7 +557,7 @@ class PrefixAttentionWrapper:
                             f"with q_data_type={qdt!r} (stats() prices bytes in the plan's "
                             "dtypes)")
         for t in (k_cache, v_cache):
-            kdt = dtype_name(getattr(t, "dtype", None), "paged_kv_cache")
+            kdt = kv_cache_dtype(t)
             if kdt != plan.kv_dtype:
                 raise TypeError(f"paged_kv_cache is {kdt} but plan() fixed "
                                 f"kv_data_type={plan.kv_dtype!r}; plan again with "

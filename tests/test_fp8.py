@@ -183,11 +183,14 @@ def test_stats_price_one_byte_per_kv_element(batch):
 
 def test_fp8_tiles_pay_for_the_staging_ring():
     for m, n in ((16, 64), (64, 128), (128, 64)):
-        r16 = estimate_resources(m, n, 128, "float16")
         r8 = estimate_resources(m, n, 128, "float8_e4m3fn")
-        w, st_, rw = cc.default_layout(m, n, 128)
-        assert r8.smem == cc.fwd_smem_bytes(m, n, 128, st_, rw) + st_ * 2 * n * 128
-        assert r8.smem > r16.smem and r8.stages == r16.stages
+        v = cc.FwdVariant.make(m, n, 128, "float8_e4m3fn")
+        assert (v.dtype, v.kv_dtype) == ("float16", "float8_e4m3fn")
+        st_, rw = v.stages, v.rows_per_warp
+        assert r8.smem == v.smem_bytes == cc.fwd_smem_bytes(m, n, 128, st_, rw) + st_ * 2 * n * 128
+        assert r8.stages == st_ and r8.threads == v.threads
+        # the 16-bit variant of the same tile has the same layout, or one more stage
+        assert cc.FwdVariant.make(m, n, 128, "float16").stages in (st_, st_ + 1)
 
 
 def test_simulator_prices_fp8_kv_bytes(batch):
