@@ -355,7 +355,8 @@ class CudaBackend:
         elif per_sm < 1:
             from .gpus import get_gpu
             from .tiles import check_tile
-            chk = check_tile(v.m, v.n, v.head_dim, v.dtype, get_gpu(self.gpu_name))
+            chk = check_tile(v.m, v.n, v.head_dim, v.kv_dtype or v.dtype,
+                             get_gpu(self.gpu_name))
             per_sm = max(1, chk.ctas_per_sm)
         return per_sm
 

@@ -7,7 +7,8 @@ attention computed entirely in fp16/bf16) on the same inputs.
 
 Covered: every compiled forward variant (the planner's ``tile=(m, n)`` override forces it), every
 packer on Hypothesis-drawn prefix forests, fp16 and bf16, head_dim 64 and 128, page sizes 1, 16
-and 32, NHD and HND caches, strided views, the caller's stream, CuPy inputs, outputs and partial
+and 32, NHD and HND caches, strided views, the caller's stream, CuPy inputs, fp8 (e4m3fn) caches
+with scales (every fp8 variant, random forests, CuPy uint8 bytes), outputs and partial
 buffers poisoned with NaN before each run, and bit-identical repeated runs.
 """
 from __future__ import annotations
@@ -513,3 +514,117 @@ def test_changing_launch_options_prepares_the_launches_again():
     out = w.run(q, (k, v))
     assert fast_flags(be.options) and not any(fast_flags(be.options))
     assert torch.equal(out, ref)
+
+
+# ----------------------------------------------------------------------------- fp8 KV caches
+FP8_VARIANTS = cc.all_fwd_variants(kv_dtype="float8_e4m3fn")
+
+
+def make_fp8_cache(num_pages, page_size, hk, d, layout, seed):
+    """A random float8_e4m3fn cache (torch CUDA tensors) spread over e4m3fn's range."""
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shape = ((num_pages, page_size, hk, d) if layout == "NHD" else (num_pages, hk, page_size, d))
+    out = []
+    for _ in range(2):
+        x = torch.randn(shape, generator=g, device="cuda", dtype=torch.float32)
+        mag = torch.exp2(torch.randint(-6, 5, shape, generator=g, device="cuda").float())
+        out.append((x * mag).to(torch.float8_e4m3fn))
+    return out
+
+
+def check_fp8_case(backend, packer, block_tables, seq_lens, num_pages, page_size, hq, hk, d,
+                   q_dtype, layout="NHD", seed=0, tile=None, k_scale=0.7, v_scale=1.9,
+                   cupy_bytes=False):
+    """An fp8 cache through the wrapper's CUDA path (outputs and partials poisoned) against
+    float64 attention on the decoded values times the scales, within twice the error of a
+    plain implementation in q's dtype on the same values; then a bit-identical rerun."""
+    import torch
+    from pat_core import PrefixAttentionWrapper, dense_attention
+    from pat_core.inputs import as_block_table
+
+    w = PrefixAttentionWrapper(backend="cuda", packer=packer, kv_layout=layout)
+    w._gpu_backend = backend
+    plan = w.plan(block_tables, seq_lens, hq, hk, d, page_size,
+                  kv_data_type=torch.float8_e4m3fn, q_data_type=q_dtype, tile=tile)
+    plan.validate()
+    bt = as_block_table(block_tables, seq_lens, page_size)
+    B = bt.batch_size
+    tdt = _torch_dtype(q_dtype)
+    k, v = make_fp8_cache(num_pages, page_size, hk, d, layout, seed)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    q = (torch.randn((B, hq, d), generator=g, device="cuda") / (4 * k_scale)).to(tdt)
+    if cupy_bytes:
+        import cupy
+        cache = tuple(cupy.asarray(t.view(torch.uint8)) for t in (k, v))
+    else:
+        cache = (k, v)
+
+    def run_once():
+        st = backend.state_for(plan)
+        st.o_part.fill(float("nan"))
+        st.l_part.fill(float("nan"))
+        out = torch.full((B, hq, d), float("nan"), dtype=tdt, device=q.device)
+        lse = torch.full((B, hq), float("nan"), dtype=torch.float32, device=q.device)
+        w.run(q, cache, out=out, lse=lse, k_scale=k_scale, v_scale=v_scale)
+        torch.cuda.synchronize()
+        return out, lse
+
+    out, lse = run_once()
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "output not fully written"
+    kd, vd = _np64(k), _np64(v)          # the exact decoded values
+    ref, ref_lse = dense_attention(_np64(q), (kd, vd), block_tables, seq_lens, page_size,
+                                   kv_layout=layout, sm_scale=plan.sm_scale, return_lse=True,
+                                   k_scale=k_scale, v_scale=v_scale)
+    low, low_lse = plain_attention(q, k.to(tdt) * k_scale, v.to(tdt) * v_scale, bt, page_size,
+                                   layout, plan.sm_scale)
+    err, err_plain = _rel(_np64(out), ref), _rel(_np64(low), ref)
+    assert err <= 2 * err_plain + 1e-6, (
+        f"{plan.summary()}: fp8 kernel error {err:.3e} > 2 x plain {q_dtype} {err_plain:.3e}")
+    lerr = float(np.abs(_np64(lse) - ref_lse).max())
+    lerr_plain = float(np.abs(_np64(low_lse) - ref_lse).max())
+    assert lerr <= 2 * lerr_plain + 1e-5, f"lse error {lerr:.3e} vs plain {lerr_plain:.3e}"
+    out2, lse2 = run_once()
+    assert torch.equal(out, out2) and torch.equal(lse, lse2), "repeated runs differ"
+    return plan
+
+
+@requires_gpu
+@pytest.mark.parametrize("variant", FP8_VARIANTS, ids=lambda v: v.key)
+def test_every_fp8_variant(backend, variant):
+    """Every fp8 forward variant, forced onto a two-level tree, with q in the variant's dtype."""
+    from pat_core.workloads import build_tree_batch
+    ps = 16
+    b = build_tree_batch(_variant_case(variant.m), page_size=ps, seed=variant.n)
+    plan = check_fp8_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages, ps, 8, 2,
+                          variant.head_dim, variant.dtype, seed=variant.m,
+                          tile=(variant.m, variant.n))
+    assert set(plan.stats()["tiles"]) == {f"{variant.m}x{variant.n}"}
+    assert all(v.kv_dtype == "float8_e4m3fn" for v in backend.variants_for(plan)
+               if isinstance(v, cc.FwdVariant))
+
+
+@requires_gpu
+@settings(deadline=None, max_examples=int(os.environ.get("PAT_GPU_EXAMPLES", 40)) // 2)
+@given(batch=prefix_batches(max_requests=16, page_sizes=(1, 16, 32)), heads=head_configs(),
+       d=st.sampled_from((64, 128)), q_dtype=st.sampled_from(("float16", "bfloat16")),
+       packer=st.sampled_from(PACKERS), layout=st.sampled_from(("NHD", "HND")),
+       k_scale=st.floats(0.05, 20), v_scale=st.floats(0.05, 20), seed=st.integers(0, 2**16))
+def test_fp8_random_forests(backend, batch, heads, d, q_dtype, packer, layout, k_scale,
+                            v_scale, seed):
+    hq, hk = heads
+    check_fp8_case(backend, packer, batch.block_tables, batch.seq_lens, batch.num_pages,
+                   batch.page_size, hq, hk, d, q_dtype, layout=layout, seed=seed,
+                   k_scale=k_scale, v_scale=v_scale)
+
+
+@requires_gpu
+@pytest.mark.parametrize("q_dtype", ("float16", "bfloat16"))
+def test_fp8_cupy_bytes_and_scale_changes(backend, q_dtype):
+    """CuPy uint8 arrays as the fp8 cache's bytes; new scales on the same inputs take effect
+    (they are part of the cached launch arguments)."""
+    from pat_core.workloads import build_tree_batch
+    b = build_tree_batch("1,4,8_300,70,33", page_size=16, seed=3)
+    for ks, vs, cp_ in ((1.0, 1.0, True), (0.3, 2.5, True), (0.3, 2.5, False)):
+        check_fp8_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages, 16, 32, 8, 128,
+                       q_dtype, seed=5, k_scale=ks, v_scale=vs, cupy_bytes=cp_)
