@@ -19,7 +19,8 @@ def _variant_from(v):
     if isinstance(v, (cc.FwdVariant, cc.MergeVariant, cc.FusedVariant)):
         return v
     if isinstance(v, str):
-        for cand in cc.all_fwd_variants() + cc.all_merge_variants():
+        for cand in (cc.all_fwd_variants() + cc.all_fwd_variants(kv_dtype="float8_e4m3fn")
+                     + cc.all_merge_variants()):
             if cand.key == v:
                 return cand
         raise ValueError(f"variants: unknown kernel variant {v!r}")
@@ -102,8 +103,8 @@ def _compile_in_workers(variants, jobs: int, defines: tuple = (), cache_dir=None
     from concurrent.futures import ProcessPoolExecutor
     def fields_of(v):
         if isinstance(v, cc.FwdVariant):
-            return ("fwd", (v.head_dim, v.dtype, v.m, v.n, v.warps, v.stages, v.rows_per_warp),
-                    defines, cache_dir)
+            return ("fwd", (v.head_dim, v.dtype, v.m, v.n, v.warps, v.stages, v.rows_per_warp,
+                            v.kv_dtype), defines, cache_dir)
         return "merge", (v.head_dim, v.dtype, v.warps, v.heads), defines, cache_dir
     fields = [fields_of(v) for v in variants]
     ctx = mp.get_context("spawn")
