@@ -24,12 +24,17 @@ backend     dtypes (``q`` and the KV cache alike)        ``head_dim``
             bfloat16 needs torch or ``out=``)            per head_dim)
 ==========  ==========================================  =====================================
 
+FP8 caches: ``kv_data_type="float8_e4m3fn"`` with float16 or bfloat16 queries (the one mixed
+case), ``run(..., k_scale=, v_scale=)``.  CPU: ml_dtypes ``float8_e4m3fn`` arrays or CPU torch
+float8 tensors (bfloat16 queries as CPU torch tensors); CUDA: torch ``float8_e4m3fn`` tensors
+or CuPy ``uint8`` arrays holding the e4m3fn bytes.
+
 The CPU executor runs the very tiles the GPU would, so both backends share the planner's
 limits: the GQA ratio ``num_qo_heads / num_kv_heads`` may be at most the largest tile's rows
 (128 for head_dim 64 and 128; fewer for large head_dims), and ``page_size``, ``seq_lens`` and
 page ids must fit in int32.  :meth:`PrefixAttentionWrapper.plan` names the limit it hits.  Any
-page size within that works.  ``q`` and the KV cache share one dtype, fixed at
-:meth:`PrefixAttentionWrapper.plan`.
+page size within that works.  ``q`` and the KV cache share one dtype (except an fp8 cache),
+fixed at :meth:`PrefixAttentionWrapper.plan`.
 """
 from __future__ import annotations
 
@@ -188,13 +193,16 @@ class PrefixAttentionWrapper:
         num_qo_heads, num_kv_heads : head counts; ``num_qo_heads % num_kv_heads == 0``.
         head_dim, page_size : ints (CUDA backend: head_dim 64 or 128).
         sm_scale : softmax scale, default ``1 / sqrt(head_dim)``.
-        kv_data_type : dtype of the KV cache (``"float16"``, ``"bfloat16"``, ``"float32"``, or a
-            NumPy/torch dtype).  Default: ``q_data_type``, else ``"float16"``.  Fixed for the
-            plan: :meth:`stats` prices bytes in it and :meth:`run` refuses a cache of another
-            dtype.  ``data_type`` is FlashInfer's older name for it.
-        q_data_type : dtype of ``q`` and the output; default ``kv_data_type``.  Both
-            executors need it equal to ``kv_data_type`` (mixed precision is refused; the
-            :class:`~pat_core.planner.Planner` alone accepts it, for byte accounting).
+        kv_data_type : dtype of the KV cache (``"float16"``, ``"bfloat16"``, ``"float32"``,
+            ``"float8_e4m3fn"``, or a NumPy/torch/ml_dtypes dtype).  Default: ``q_data_type``,
+            else ``"float16"``.  Fixed for the plan: :meth:`stats` prices bytes in it (one byte
+            per fp8 element) and :meth:`run` refuses a cache of another dtype.  ``data_type``
+            is FlashInfer's older name for it.
+        q_data_type : dtype of ``q`` and the output; default ``kv_data_type`` (``"float16"``
+            for an fp8 cache).  Both executors need it equal to ``kv_data_type``, except that
+            an fp8 cache takes ``"float16"`` or ``"bfloat16"`` queries (other mixed precision
+            is refused; the :class:`~pat_core.planner.Planner` alone accepts it, for byte
+            accounting; fp8 queries are refused everywhere).
         tile : force one ``(m, n)`` for every CTA (the fixed-tile ablation).
         serial : mark the plan level by level (``Plan.serial``, as the ``cascade`` packer
             does; the ``pat`` packer's per-request rule is then off).  No executor launches it
