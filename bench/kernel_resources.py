@@ -68,6 +68,8 @@ def variant_record(v) -> dict:
            "threads": v.threads}
     if isinstance(v, cc.FwdVariant):
         rec = {"m": v.m, "n": v.n, **rec, "stages": v.stages, "rows_per_warp": v.rows_per_warp}
+        if v.kv_dtype:                  # an fp8 cache's variant (dtype is q's)
+            rec["kv_dtype"] = v.kv_dtype
     return rec
 
 

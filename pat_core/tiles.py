@@ -30,6 +30,7 @@ import functools
 import json
 import math
 import os
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,7 +133,11 @@ _RESOURCE_MEMO: dict = {}   # path -> (the loaded file, {(m, n, head_dim, dtype,
 def _kernel_resources(data, m: int, n: int, head_dim: int, dtype: str, gpu: GPUSpec):
     forward = [v for v in (data or {}).get("variants", {}).values()
                if v.get("kind", "forward") == "forward" and "m" in v]
-    family = [v for v in forward if (v["head_dim"], v["dtype"]) == (head_dim, dtype)]
+    # a record's cache dtype: its kv_dtype (fp8 variants, whose dtype is the query's), else dtype
+    family = [v for v in forward
+              if (v["head_dim"], v.get("kv_dtype") or v["dtype"]) == (head_dim, dtype)]
+    if not family and dtype in KV_ONLY_DTYPES:
+        return _fp8_from_16bit(data, m, n, head_dim, dtype, gpu)
     if not family:
         # no compiled kernels for this head_dim/dtype (no data file yet, or a shape only the
         # CPU executor runs, such as float32): the estimate stands in
@@ -148,6 +153,22 @@ def _kernel_resources(data, m: int, n: int, head_dim: int, dtype: str, gpu: GPUS
     smem = int(rep.get("smem_static", 0)) + int(rep.get("smem_dynamic", 0))
     return TileResources(m=m, n=n, threads=int(v["threads"]), registers=int(rep["registers"]),
                          smem=smem, source="nvcc", stages=int(v.get("stages", STAGES)))
+
+
+def _fp8_from_16bit(data, m: int, n: int, head_dim: int, dtype: str, gpu: GPUSpec):
+    """Resources of an fp8 variant the data file does not list: its own layout, threads and
+    shared memory (the formula, staging ring included), with the registers the compiler
+    reported for the float16 variant of the same layout (the fp8 gather and widening changed
+    them by -16..+14 across the variants when compiled), else :func:`estimate_resources`."""
+    arch = _arch_of(gpu)
+    v8 = cc.FwdVariant.make(m, n, head_dim, dtype, arch=arch)
+    twin = (data or {}).get("variants", {}).get(dataclasses.replace(v8, kv_dtype="").key)
+    if twin is None or twin.get(arch) is None:
+        return estimate_resources(m, n, head_dim, dtype)
+    rep = twin[arch]
+    return TileResources(m=m, n=n, threads=v8.threads, registers=int(rep["registers"]),
+                         smem=int(rep.get("smem_static", 0)) + v8.smem_bytes,
+                         source="nvcc-16bit", stages=v8.stages)
 
 
 @dataclass(frozen=True)
