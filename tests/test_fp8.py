@@ -249,3 +249,41 @@ def test_fp8_run_refusals(batch):
     w.plan(batch.block_tables, batch.seq_lens, HQ, HK, D, PS, kv_data_type="float16")
     with pytest.raises(ValueError, match=r"run\(\): k_scale=0.5 is not supported"):
         w.run(q, (k.astype(np.float16), v.astype(np.float16)), k_scale=0.5)
+
+
+# ----------------------------------------------------------------------------- CUDA variants
+def test_fp8_variant_keys_and_names():
+    """fp8 variants add a KV type; the 16-bit keys and kernel names stay as they were."""
+    v16 = cc.FwdVariant.make(16, 64, 128, "float16")
+    w, s, r = v16.warps, v16.stages, v16.rows_per_warp
+    assert v16.key == f"pat_fwd_d128_f16_m16_n64_w{w}_s{s}_r{r}"
+    assert v16.name_expression == f"pat_fwd_kernel<128, __half, 16, 64, {w}, {s}, {r}>"
+    v8 = cc.FwdVariant.make(16, 64, 128, "bfloat16", kv_dtype="float8_e4m3fn")
+    assert v8.key == f"pat_fwd_d128_bf16_m16_n64_w{w}_s{s}_r{r}_kv8"
+    assert v8.name_expression.endswith(", pat::fp8_e4m3>")
+    assert v8.smem_bytes == v16.smem_bytes + 2 * 2 * 64 * 128
+    assert cc.FwdVariant.make(16, 64, 128, "float16", kv_dtype="float16") == v16
+    from pat_core.cuda_modules import _variant_from
+    assert _variant_from(v8.key) == v8
+    keys8 = {v.key for v in cc.all_fwd_variants(kv_dtype="float8_e4m3fn")}
+    assert len(keys8) == len(cc.all_fwd_variants()) and all(k.endswith("_kv8") for k in keys8)
+    assert all(cc.fwd_variant_feasible(v) for v in cc.all_fwd_variants(kv_dtype="float8_e4m3fn"))
+
+
+def test_fp8_resources_from_the_16bit_twin():
+    from pat_core.gpus import get_gpu
+    from pat_core.tiles import kernel_resources
+    gpu = get_gpu("h100")
+    r16 = kernel_resources(16, 64, 128, "float16", gpu)
+    r8 = kernel_resources(16, 64, 128, "float8_e4m3fn", gpu)
+    assert r16.source == "nvcc" and r8.source == "nvcc-16bit"
+    assert r8.registers == r16.registers and r8.smem == r16.smem + 2 * 2 * 64 * 128
+
+
+def test_fp8_plans_for_the_cuda_kernels(batch):
+    """An fp8 plan's launch variants are fp8 ones in the query dtype, and fit."""
+    p = Planner().plan(batch.block_tables, batch.seq_lens, 32, 8, 128, PS,
+                       kv_data_type="float8_e4m3fn", q_data_type="bfloat16")
+    vs = cc.plan_fwd_variants(p)
+    assert vs and all((v.dtype, v.kv_dtype) == ("bfloat16", "float8_e4m3fn") for v in vs)
+    assert all(cc.fwd_variant_supported(v.m, v.n, 128, "float8_e4m3fn") for v in vs)
