@@ -227,8 +227,10 @@ def check_fixed_tile(tile, head_dim: int, dtype: str) -> tuple:
     if m not in cc.TILE_MS or n not in cc.TILE_NS:
         raise ValueError(f"tile={tile!r}: m must be one of {cc.TILE_MS} and n one of "
                          f"{cc.TILE_NS} (the kernels' tile shapes)")
-    if head_dim in cc.HEAD_DIMS and dtype_name(dtype) in cc.DTYPE_CTYPE \
-            and not cc.fwd_variant_supported(m, n, head_dim):
+    dtype = dtype_name(dtype)
+    kv = dtype if dtype in cc.KV_CTYPE else None        # fp8: its own (larger) shared memory
+    if head_dim in cc.HEAD_DIMS and (dtype in cc.DTYPE_CTYPE or kv) \
+            and not cc.fwd_variant_supported(m, n, head_dim, kv):
         raise ValueError(f"tile={tile!r}: no kernel for ({m}, {n}) at head_dim {head_dim} "
                          "(its shared memory does not fit)")
     return m, n
