@@ -235,3 +235,66 @@ def test_limits_and_inputs_are_checked():
     w.plan(b.block_tables, b.seq_lens, 32, 8, 128, PAGE)
     with pytest.raises(ValueError, match="rows"):
         w.run(q[:3], (k, k))
+
+
+@requires_gpu
+@pytest.mark.parametrize("fused", ("off", "on"))
+def test_fp8_cache_under_one_capture(fused):
+    """An fp8 cache (float8_e4m3fn) with scales in graph-safe mode: one capture replayed over
+    changing steps, each against float64 on the decoded values times the scales."""
+    import torch
+    from pat_core import PrefixAttentionWrapper, dense_attention
+    from pat_core.inputs import as_block_table
+
+    hq, hk, d, qdt, k_scale, v_scale = 32, 8, 128, torch.bfloat16, 0.4, 3.0
+    num_pages, max_batch = 512, 12
+    rng = np.random.default_rng(5)
+    torch.manual_seed(5)
+    cache = PagedCache(num_pages, hk, d, torch.float8_e4m3fn, rng, torch)
+    root = cache.join(200)
+    for _ in range(4):
+        cache.join(int(rng.integers(20, 150)), parent=root)
+    w = PrefixAttentionWrapper(backend="cuda", use_cuda_graph=True, max_batch_size=max_batch,
+                               max_num_pages=num_pages)
+    w._gpu_backend.graph_fused = fused
+    q_buf = torch.zeros((max_batch, hq, d), dtype=qdt, device="cuda")
+    out_buf = torch.zeros_like(q_buf)
+    lse_buf = torch.zeros((max_batch, hq), dtype=torch.float32, device="cuda")
+    stream = torch.cuda.Stream()
+    graph = None
+    for step in range(12):
+        with torch.cuda.stream(stream):
+            if step:
+                if len(cache.reqs) < max_batch and rng.random() < 0.5:
+                    cache.join(int(rng.integers(1, 200)), parent=root)
+                cache.grow()
+            bt, lens = cache.table()
+            B = bt.shape[0]
+            plan = w.plan(bt, lens, hq, hk, d, PAGE, kv_data_type=torch.float8_e4m3fn,
+                          q_data_type=torch.bfloat16)
+            q = (torch.randn((B, hq, d), device="cuda") / 4).to(qdt)
+            q_buf[:B] = q
+            if graph is None:
+                w.run(q_buf, (cache.k, cache.v), out=out_buf, lse=lse_buf, k_scale=k_scale,
+                      v_scale=v_scale)
+                stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream):
+                    w.run(q_buf, (cache.k, cache.v), out=out_buf, lse=lse_buf,
+                          k_scale=k_scale, v_scale=v_scale)
+            out_buf[:B] = float("nan")
+            lse_buf[:B] = float("nan")
+            graph.replay()
+        stream.synchronize()
+        assert not torch.isnan(out_buf[:B]).any(), f"step {step}: output rows not written"
+        ref, ref_lse = dense_attention(_np64(q), (_np64(cache.k), _np64(cache.v)), bt, lens,
+                                       PAGE, sm_scale=plan.sm_scale, return_lse=True,
+                                       k_scale=k_scale, v_scale=v_scale)
+        blk = as_block_table(bt, lens, PAGE)
+        low, _ = plain_attention(q, cache.k.to(qdt) * k_scale, cache.v.to(qdt) * v_scale, blk,
+                                 PAGE, "NHD", plan.sm_scale)
+        err, err_plain = _rel(_np64(out_buf[:B]), ref), _rel(_np64(low), ref)
+        assert err <= 2 * err_plain + 1e-6, f"step {step}: error {err:.3e} > 2 x {err_plain:.3e}"
+        lerr = float(np.abs(_np64(lse_buf[:B]) - ref_lse).max())
+        assert lerr < 1e-2, f"step {step}: lse error {lerr:.3e}"
+    assert all(v.kv_dtype == "float8_e4m3fn" for v in w._static.variants)
