@@ -1,6 +1,7 @@
 """Small plans run once each on the GPU, for compute-sanitizer (memcheck, racecheck):
 
-    compute-sanitizer --tool=memcheck python3 bench/device/sanitize_case.py [--warpgroup-only]
+    compute-sanitizer --tool=memcheck python3 bench/device/sanitize_case.py [--warpgroup-only |
+        --features]
 
 Each case prints its plan's shape and whether the output is finite; the sanitizer's SUMMARY
 line is the verdict.  Run from the repository root (bench/device/device_session.sh and
@@ -96,11 +97,58 @@ def sanitize_case(warpgroup_only: bool = False):
                   f"finite={bool(cupy.isfinite(out[:b.batch_size]).all())}")
 
 
+def features_case():
+    """The engine features' kernels, one small plan each: an FP8 cache (random e4m3 bytes, no
+    NaN codes, scales), a batch-invariant plan over several chunks, head_dim 256, and
+    multi-token queries (mixed 1..5 tokens per request, causal)."""
+    import dataclasses
+    import cupy
+    import numpy as np
+    from pat_core import PrefixAttentionWrapper
+    from pat_core.workloads import build_tree_batch
+    rng = np.random.default_rng(4)
+    spec = "1,4,12_300,70,45"
+    b = build_tree_batch(spec, page_size=16, seed=5)
+    B = b.batch_size
+    qo = np.concatenate([[0], np.cumsum(rng.integers(1, 6, B))]).astype(np.int32)
+    cases = [("fp8", 128, dict(kv_data_type="float8_e4m3fn", q_data_type="float16"),
+              dict(k_scale=0.5, v_scale=1.5), B),
+             ("invariant", 128, dict(kv_data_type="float16", batch_invariant=True), {}, B),
+             ("hd256", 256, dict(kv_data_type="float16"), {}, B),
+             ("qo_indptr", 128, dict(kv_data_type="float16", qo_indptr=qo), {}, int(qo[-1]))]
+    for name, d, pkw, rkw, rows in cases:
+        w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+        if name == "invariant":                         # several chunks per request
+            w.planner.tuning = dataclasses.replace(w.planner.tuning, invariant_chunk=64)
+        plan = w.plan(b.block_tables, b.seq_lens, 32, 8, d, 16, **pkw)
+        shape = (b.num_pages, 16, 8, d)
+        if name == "fp8":
+            k, v = (rng.integers(0, 256, shape, dtype=np.uint8) for _ in range(2))
+            for x in (k, v):
+                x[(x & 0x7F) == 0x7F] = 0                  # no NaN codes
+            k, v = cupy.asarray(k), cupy.asarray(v)
+        else:
+            k, v = (cupy.asarray(rng.standard_normal(shape).astype(np.float16))
+                    for _ in range(2))
+        q = cupy.asarray(rng.standard_normal((rows, 32, d)).astype(np.float16))
+        out = w.run(q, (k, v), **rkw)
+        cupy.cuda.Device().synchronize()
+        print(f"feature {name} {spec}: ctas={plan.num_ctas} slots={plan.num_slots} "
+              f"tiles={plan.stats()['tiles']} finite={bool(cupy.isfinite(out).all())}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--warpgroup-only", action="store_true",
                     help="just the forced warpgroup tiles (a quick racecheck of their KV walk)")
-    sanitize_case(ap.parse_args(argv).warpgroup_only)
+    ap.add_argument("--features", action="store_true",
+                    help="the engine features' kernels instead (FP8 KV, batch-invariant plans, "
+                         "head_dim 256, multi-token queries)")
+    args = ap.parse_args(argv)
+    if args.features:
+        features_case()
+    else:
+        sanitize_case(args.warpgroup_only)
     return 0
 
 
