@@ -271,7 +271,8 @@ def time_steps(args) -> int:
                         fn = lambda: w.run(q, (k, v), **scales)  # noqa: E731
                     else:
                         packer, _, label = method.partition("@")
-                        if packer == "pat-invariant":
+                        invariant = packer == "pat-invariant"
+                        if invariant:
                             packer = "pat"
                         w = pat_core.PrefixAttentionWrapper(backend="cuda", packer=packer)
                         if label:     # an ablation: one of the lab's planner tunings
@@ -280,7 +281,7 @@ def time_steps(args) -> int:
                         t0 = time.perf_counter()
                         plan = w.plan(table, lens, hq, hk, d, ps,
                                       **_pat_plan_kw(args, len(lens),
-                                                     invariant=method == "pat-invariant"))
+                                                     invariant=invariant))
                         row["plan_ms"] = (time.perf_counter() - t0) * 1e3
                         st = plan.stats()
                         row.update(num_ctas=st["num_ctas"], total_bytes=st["total_bytes"],

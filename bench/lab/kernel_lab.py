@@ -125,6 +125,10 @@ TUNINGS = {
     "rows32": {"max_rows": 32},
     "rows16": {"max_rows": 16},
     "narrow-off": {"narrow_share": 0.0},
+    # batch-invariant plans' fixed KV chunk (tokens; bench/trace_replay.py pat-invariant@LABEL)
+    "chunk256": {"invariant_chunk": 256},
+    "chunk512": {"invariant_chunk": 512},
+    "chunk1024": {"invariant_chunk": 1024},
     "wg": {"layouts": WG_LAYOUTS},
     "share3": {"split_share": 3.0},
     # the per-request rule off (the planner keeps its shared packing)

@@ -31,6 +31,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tuning", default="default", help="planner tuning label (kernel_lab)")
     ap.add_argument("--fasttree", metavar="DIR", default=None)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--kv-dtype", default="float16", choices=("float16", "float8_e4m3fn"),
+                    help="the cache's dtype (FP8: scales 0.5 and 0.75; q stays float16)")
+    ap.add_argument("--tile", default=None, help="M,N: force pat's tile")
     ap.add_argument("--timeline", action="store_true",
                     help="also capture a CUDA graph and print the device timeline of its "
                          "median replay (each kernel's start and duration, L2 flushed)")
@@ -50,6 +53,10 @@ def main(argv=None) -> int:
     g = torch.Generator(device="cuda").manual_seed(0)
     k = torch.randn((b.num_pages, ps, hk, d), generator=g, device="cuda", dtype=torch.float16)
     v = torch.randn(k.shape, generator=g, device="cuda", dtype=torch.float16)
+    fp8 = args.kv_dtype != "float16"
+    sc = dict(k_scale=0.5, v_scale=0.75) if fp8 else {}
+    if fp8:
+        k, v = (k / 0.5).to(torch.float8_e4m3fn), (v / 0.75).to(torch.float8_e4m3fn)
     q = torch.randn((b.batch_size, hq, d), generator=g, device="cuda", dtype=torch.float16)
     if args.method == "fasttree":
         if not args.fasttree:
@@ -64,20 +71,23 @@ def main(argv=None) -> int:
         import os
         os.environ.setdefault("NVCC_APPEND_FLAGS", "-static-global-template-stub=false")
         import flashinfer
-        fw, info = make_fi_decode(torch, flashinfer, b, hq, hk, d, ps, torch.float16)
+        fw, info = make_fi_decode(torch, flashinfer, b, hq, hk, d, ps, torch.float16, k.dtype)
         print(f"flashinfer {getattr(flashinfer, '__version__', '?')} decode {info}")
-        fn = lambda: fw.run(q, (k, v))  # noqa: E731
+        fn = lambda: fw.run(q, (k, v), **sc)  # noqa: E731
     else:
         w = PrefixAttentionWrapper(backend="cuda", packer=args.method)
         apply_tuning(args.tuning, w.planner)
-        plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type="float16")
+        tile = tuple(int(x) for x in args.tile.split(",")) if args.tile else None
+        plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type=args.kv_dtype,
+                      q_data_type="float16", tile=tile)
         st = plan.stats()
         print(f"{st['num_ctas']} CTAs, tiles {st['tiles']}, {st['total_bytes'] / 1e6:.1f} MB")
-        fn = lambda: w.run(q, (k, v))  # noqa: E731
+        fn = lambda: w.run(q, (k, v), **sc)  # noqa: E731
     out = fn()
-    ref = reference_fp64(torch, q, k, v, b.block_tables, b.seq_lens, ps)
+    ref = reference_fp64(torch, q, k, v, b.block_tables, b.seq_lens, ps, **sc)
     err = rel_err(torch, out, ref)
-    plain = rel_err(torch, torch_attention(torch, q, k, v, b.block_tables, b.seq_lens, ps), ref)
+    plain = rel_err(torch, torch_attention(torch, q, k, v, b.block_tables, b.seq_lens, ps, **sc),
+                    ref)
     print(f"rel err {err:.2e} (plain torch {plain:.2e})")
     if err > max(2 * plain, 2.0 ** -11):
         print("WRONG OUTPUT: not profiling")
