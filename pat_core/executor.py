@@ -59,9 +59,13 @@ def _round_mantissa(x, bits, min_exp):
 @njit(cache=True)
 def _run_ctas(q, kc, vc, cta_req_indptr, cta_req, cta_slot, cta_kv_start, cta_kv_len,
               cta_page_indptr, cta_pages, cta_n, page_size, group, sm_scale, round_bits,
-              round_min_exp, o_part, lse_part):
-    """Forward pass of every CTA for every KV head.  ``kc``/``vc``: float32 NHD views
-    ``[num_pages, page_size, num_kv_heads, head_dim]``; writes ``o_part``/``lse_part``."""
+              round_min_exp, cta_kv_limit, cta_causal, o_part, lse_part):
+    """Forward pass of every CTA for every KV head, over a plan's :class:`~pat_core.plan.
+    TokenView` (``cta_req``: each pair's query token, ``cta_slot``: its partial row).
+    ``kc``/``vc``: float32 NHD views ``[num_pages, page_size, num_kv_heads, head_dim]``; ``q``
+    float32 ``[N, Hq, d]``; writes ``o_part [num_partial_rows, Hq, d]`` / ``lse_part
+    [num_partial_rows, Hq]``.  In a CTA with ``cta_causal`` set, a token scores the positions
+    past its ``cta_kv_limit`` (counted from the CTA's start) ``-inf``."""
     C = cta_kv_len.shape[0]
     num_kv_heads = kc.shape[2]
     d = kc.shape[3]
@@ -69,6 +73,7 @@ def _run_ctas(q, kc, vc, cta_req_indptr, cta_req, cta_slot, cta_kv_start, cta_kv
         r0 = cta_req_indptr[c]
         nreq = cta_req_indptr[c + 1] - r0
         rows = nreq * group
+        masked = cta_causal[c] != 0
         n = cta_n[c]
         start = cta_kv_start[c]
         end = start + cta_kv_len[c]
@@ -82,12 +87,16 @@ def _run_ctas(q, kc, vc, cta_req_indptr, cta_req, cta_slot, cta_kv_start, cta_kv
             for t0 in range(start, end, n):
                 t1 = min(t0 + n, end)
                 cols = t1 - t0
-                # S = scale * Q K^T for this tile (fp32 accumulation)
+                # S = scale * Q K^T for this tile (fp32 accumulation); positions at or past a
+                # token's causal limit score -inf (weight 0), as the masked kernel does
                 for j in range(cols):
                     t = t0 + j
                     page = cta_pages[pbase + t // page_size - first_page]
                     slot = t % page_size
                     for i in range(rows):
+                        if masked and t - start >= cta_kv_limit[r0 + i // group]:
+                            s[i, j] = -np.inf
+                            continue
                         r = cta_req[r0 + i // group]
                         hq = h * group + i % group
                         dot = np.float32(0.0)
@@ -109,28 +118,33 @@ def _run_ctas(q, kc, vc, cta_req_indptr, cta_req, cta_slot, cta_kv_start, cta_kv
                     l_run[i] *= alpha
                     for x in range(d):
                         acc[i, x] *= alpha
+                    lim = cta_kv_limit[r0 + i // group] if masked else cols + t0 - start
                     for j in range(cols):
+                        t = t0 + j
+                        if t - start >= lim:
+                            # a position this token may not see: no weight, and its value is
+                            # not read (a non-finite one must not reach the output)
+                            continue
                         p = np.float32(math.exp(s[i, j] - m_use))
                         l_run[i] += p
                         pr = _round_mantissa(p, round_bits, round_min_exp)
-                        t = t0 + j
                         page = cta_pages[pbase + t // page_size - first_page]
                         slot = t % page_size
                         for x in range(d):
                             acc[i, x] += pr * vc[page, slot, h, x]
                     m_run[i] = mx
             for i in range(rows):
-                slot_id = cta_slot[r0 + i // group]
+                row = cta_slot[r0 + i // group]
                 hq = h * group + i % group
                 if l_run[i] == 0.0:           # every key scored -inf: the empty state
                     for x in range(d):
-                        o_part[slot_id, hq, x] = 0.0
-                    lse_part[slot_id, hq] = -np.inf
+                        o_part[row, hq, x] = 0.0
+                    lse_part[row, hq] = -np.inf
                     continue
                 inv = np.float32(1.0) / l_run[i]
                 for x in range(d):
-                    o_part[slot_id, hq, x] = acc[i, x] * inv
-                lse_part[slot_id, hq] = m_run[i] + np.float32(math.log(l_run[i])) \
+                    o_part[row, hq, x] = acc[i, x] * inv
+                lse_part[row, hq] = m_run[i] + np.float32(math.log(l_run[i])) \
                     if l_run[i] == l_run[i] else np.float32(np.nan)
 
 
@@ -152,15 +166,18 @@ def mma_dtype(plan: Plan) -> str:
 
 def execute_partials(plan: Plan, q, k_cache, v_cache, kv_layout: str = "NHD",
                      input_dtype: str | None = None, k_scale=None, v_scale=None):
-    """Run every CTA of ``plan``; return fp32 ``(o_partial [S, Hq, d], lse_partial [S, Hq])``.
+    """Run every CTA of ``plan``; return fp32 ``(o_partial [P, Hq, d], lse_partial [P, Hq])``,
+    ``P = plan.num_partial_rows`` (one row per slot and query token; ``P`` = the slots with
+    one token per request).
 
-    ``q``: ``[batch, num_qo_heads, head_dim]``; caches 4-D in ``kv_layout`` (a
+    ``q``: ``[plan.num_qo_tokens, num_qo_heads, head_dim]``; caches 4-D in ``kv_layout`` (a
     ``float8_e4m3fn`` cache is decoded exactly to float32).  ``input_dtype`` selects the
     rounding of P before P.V (default: :func:`mma_dtype`).  ``k_scale``/``v_scale``: the fp8
     per-tensor scales (:func:`pat_core.fp8.as_scale`), applied as the kernels do: ``k_scale``
     folded into the softmax scale on the host (one float32), ``v_scale`` multiplied into each
     partial output (the LSE does not depend on it, and the merge is linear in the partials).
-    Every slot holds its CTA's own partial, ready for :func:`~pat_core.merge.merge_partials`.
+    Every partial row holds its CTA's own partial, ready for
+    :func:`~pat_core.merge.merge_partials` with ``plan.token_slot_indptr``.
     """
     plan.check_inputs(q, k_cache, v_cache, kv_layout)
     k_scale, v_scale = as_scale(k_scale, "k_scale"), as_scale(v_scale, "v_scale")
@@ -168,14 +185,15 @@ def execute_partials(plan: Plan, q, k_cache, v_cache, kv_layout: str = "NHD",
     kc = nhd_view(_as_f32(k_cache, "k_cache"), kv_layout)
     vc = nhd_view(_as_f32(v_cache, "v_cache"), kv_layout)
     bits, min_exp = _ROUND[input_dtype or mma_dtype(plan)]
-    S = plan.num_slots
-    o_part = np.full((S, plan.num_qo_heads, plan.head_dim), np.nan, dtype=np.float32)
-    lse_part = np.full((S, plan.num_qo_heads), np.nan, dtype=np.float32)
+    P = plan.num_partial_rows
+    o_part = np.full((P, plan.num_qo_heads, plan.head_dim), np.nan, dtype=np.float32)
+    lse_part = np.full((P, plan.num_qo_heads), np.nan, dtype=np.float32)
     cta_n = plan.cta_mn()[:, 1].astype(np.int32)
-    _run_ctas(q32, kc, vc, plan.cta_req_indptr, plan.cta_req, plan.cta_slot, plan.cta_kv_start,
+    tv = plan.token_view()          # one token per request: the plan's own arrays
+    _run_ctas(q32, kc, vc, tv.cta_req_indptr, tv.cta_req, tv.cta_slot, plan.cta_kv_start,
               plan.cta_kv_len, plan.cta_page_indptr, plan.cta_pages, cta_n, plan.page_size,
-              plan.group_size, np.float32(plan.sm_scale * k_scale), bits, min_exp, o_part,
-              lse_part)
+              plan.group_size, np.float32(plan.sm_scale * k_scale), bits, min_exp,
+              tv.cta_kv_limit, tv.cta_causal, o_part, lse_part)
     if v_scale != 1.0:
         o_part *= np.float32(v_scale)
     return o_part, lse_part
@@ -183,31 +201,35 @@ def execute_partials(plan: Plan, q, k_cache, v_cache, kv_layout: str = "NHD",
 
 def execute(plan: Plan, q, k_cache, v_cache, kv_layout: str = "NHD", return_lse: bool = False,
             input_dtype: str | None = None, out_dtype=np.float32, k_scale=None, v_scale=None):
-    """Forward + merge on the CPU.  Returns ``out [batch, Hq, d]`` (``out_dtype``) and, with
-    ``return_lse``, float32 ``lse [batch, Hq]`` (natural log).  Arguments as
-    :func:`execute_partials`."""
+    """Forward + merge on the CPU.  Returns ``out [N, Hq, d]`` (``out_dtype``) and, with
+    ``return_lse``, float32 ``lse [N, Hq]`` (natural log); ``N = plan.num_qo_tokens``, the
+    batch size with one token per request.  Arguments as :func:`execute_partials`."""
     o_part, lse_part = execute_partials(plan, q, k_cache, v_cache, kv_layout, input_dtype,
                                         k_scale, v_scale)
-    out, lse = merge_partials(o_part, lse_part, plan.req_slot_indptr, out_dtype=out_dtype)
+    out, lse = merge_partials(o_part, lse_part, plan.token_slot_indptr, out_dtype=out_dtype)
     return (out, lse) if return_lse else out
 
 
 def trace_cta(plan: Plan, c: int, q, k_cache, v_cache, kv_head: int = 0,
               kv_layout: str = "NHD", k_scale=None, v_scale=None):
     """Replay CTA ``c`` for one KV head tile by tile in NumPy; a list of dicts, one per tile:
-    ``tokens (t0, t1)``, ``scores [rows, cols]``, ``m``, ``l`` ``[rows]``, ``o`` ``[rows, d]``
-    (the normalised running output ``acc / l`` after that tile).  Scales as
+    ``tokens (t0, t1)``, ``scores [rows, cols]`` (``-inf`` past a query token's causal
+    limit), ``m``, ``l`` ``[rows]``, ``o`` ``[rows, d]`` (the normalised running output
+    ``acc / l`` after that tile; NaN for a row that has seen no key yet).  Scales as
     :func:`execute_partials`."""
     k_scale, v_scale = as_scale(k_scale, "k_scale"), as_scale(v_scale, "v_scale")
     q32 = _as_f32(q, "q")
     kc = nhd_view(_as_f32(k_cache, "k_cache"), kv_layout) * np.float32(k_scale)
     vc = nhd_view(_as_f32(v_cache, "v_cache"), kv_layout) * np.float32(v_scale)
     g, ps = plan.group_size, plan.page_size
-    reqs = plan.cta_req[plan.cta_req_indptr[c]:plan.cta_req_indptr[c + 1]]
     n = int(plan.cta_mn()[c, 1])
     start, end = int(plan.cta_kv_start[c]), int(plan.cta_kv_start[c] + plan.cta_kv_len[c])
     pages = plan.cta_pages[plan.cta_page_indptr[c]:plan.cta_page_indptr[c + 1]]
-    qrows = np.stack([q32[r, kv_head * g + j] for r in reqs for j in range(g)])
+    tv = plan.token_view()
+    pairs = slice(tv.cta_req_indptr[c], tv.cta_req_indptr[c + 1])
+    qrows = np.stack([q32[r, kv_head * g + j] for r in tv.cta_req[pairs] for j in range(g)])
+    # each row's first unseen position (its token's causal limit)
+    row_limit = start + np.repeat(tv.cta_kv_limit[pairs].astype(np.int64), g)
     m = np.full(qrows.shape[0], -np.inf, dtype=np.float32)
     l = np.zeros(qrows.shape[0], dtype=np.float32)
     acc = np.zeros((qrows.shape[0], plan.head_dim), dtype=np.float32)
@@ -219,12 +241,15 @@ def trace_cta(plan: Plan, c: int, q, k_cache, v_cache, kv_head: int = 0,
         k = kc[pg, toks % ps, kv_head]
         v = vc[pg, toks % ps, kv_head]
         s = (qrows @ k.T) * np.float32(plan.sm_scale)
+        s = np.where(toks[None, :] >= row_limit[:, None], np.float32(-np.inf), s)
         m_new = np.maximum(m, s.max(axis=1))
-        alpha = np.where(np.isneginf(m), 0.0, np.exp(m - m_new)).astype(np.float32)
-        p = np.exp(s - m_new[:, None]).astype(np.float32)
+        m_use = np.where(np.isneginf(m_new), np.float32(0), m_new)   # rows fully masked so far
+        alpha = np.where(np.isneginf(m), 0.0, np.exp(m - m_use)).astype(np.float32)
+        p = np.exp(s - m_use[:, None]).astype(np.float32)
         l = l * alpha + p.sum(axis=1)
         acc = acc * alpha[:, None] + p @ v
         m = m_new
-        out.append(dict(tokens=(t0, t1), scores=s, m=m.copy(), l=l.copy(),
-                        o=acc / l[:, None]))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            o = acc / l[:, None]
+        out.append(dict(tokens=(t0, t1), scores=s, m=m.copy(), l=l.copy(), o=o))
     return out

@@ -246,6 +246,50 @@ def _check_seq_lens(seq_lens, batch: int) -> np.ndarray:
     return sl.astype(np.int32)
 
 
+MAX_QO_LEN = 16   # query tokens per request (speculative decoding verifies 2-8 drafts)
+
+
+def check_qo_indptr(qo_indptr, seq_lens: np.ndarray) -> np.ndarray:
+    """Validate FlashInfer's ragged query layout against the batch; int32 ``[batch + 1]``.
+
+    ``qo_indptr``: int ``[batch + 1]``, ``qo_indptr[0] == 0``, request ``r`` owning query rows
+    ``qo_indptr[r]:qo_indptr[r + 1]``, between 1 and :data:`MAX_QO_LEN` of them.
+    ``seq_lens`` (int ``[batch]``, already checked) include the new tokens, so each request
+    needs ``seq_len >= q_len`` (its first query token sees ``seq_len - q_len + 1 >= 1`` keys).
+    Every error names ``qo_indptr``.
+    """
+    arr = _to_numpy(qo_indptr, "qo_indptr")
+    if arr.dtype == object or arr.dtype == np.bool_ or (
+            arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise TypeError(f"qo_indptr must be an integer array, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"qo_indptr must be 1-D [batch + 1], got shape {arr.shape}")
+    batch = int(seq_lens.shape[0])
+    if arr.shape[0] != batch + 1:
+        raise ValueError(f"qo_indptr has {arr.shape[0]} entries; the batch of {batch} requests "
+                         f"needs batch + 1 = {batch + 1}")
+    a = _int64(arr, "qo_indptr")
+    if a[0] != 0:
+        raise ValueError(f"qo_indptr[0] = {int(a[0])}; it must start at 0")
+    qlen = np.diff(a)
+    if qlen.size and qlen.min() < 1:
+        bad = int(np.argmin(qlen))
+        raise ValueError(f"qo_indptr gives request {bad} {int(qlen[bad])} query tokens "
+                         f"(qo_indptr must increase: every request has 1.."
+                         f"{MAX_QO_LEN} tokens)")
+    if qlen.size and qlen.max() > MAX_QO_LEN:
+        bad = int(np.argmax(qlen))
+        raise ValueError(f"qo_indptr gives request {bad} {int(qlen[bad])} query tokens; the "
+                         f"limit is {MAX_QO_LEN}")
+    short = np.flatnonzero(qlen > seq_lens)
+    if short.size:
+        bad = int(short[0])
+        raise ValueError(f"qo_indptr gives request {bad} {int(qlen[bad])} query tokens but "
+                         f"seq_lens[{bad}] = {int(seq_lens[bad])}: seq_lens include the new "
+                         "tokens, so each request needs seq_len >= its query tokens")
+    return a.astype(np.int32)
+
+
 def as_block_table(block_tables, seq_lens, page_size: int) -> BlockTable:
     """Normalise any accepted form (see module docstring) to a :class:`BlockTable`."""
     if isinstance(block_tables, BlockTable):

@@ -75,7 +75,7 @@ def merge_needed(plan, blocks_per_sm, num_sms: int) -> bool:
     has more than one partial slot, or some forward launch has more items than blocks (a block
     drew a second item, and the merge resets the work counters).  ``blocks_per_sm``: resident
     blocks per SM of each tile config's kernel (indexable by the tile index ``k``)."""
-    if plan.num_slots > plan.batch_size:
+    if plan.num_slots > plan.batch_size:        # (per token row alike: same requests)
         return True
     hk = plan.num_kv_heads
     return any(len(ctas) * hk > launch_grid(len(ctas) * hk, blocks_per_sm[k], num_sms)
@@ -96,10 +96,10 @@ def merge_block_per_pair(plan, num_sms: int) -> bool:
     layout runs must not depend on the rest of the batch."""
     if plan.batch_invariant:
         return False
-    pairs = plan.batch_size * plan.num_qo_heads
-    if pairs == 0:
+    pairs = plan.num_qo_tokens * plan.num_qo_heads       # (query token, head): batch x heads
+    if pairs == 0:                                       # with one token per request
         return False
-    mean_slots = plan.num_slots / max(plan.batch_size, 1)
+    mean_slots = plan.num_partial_rows / max(plan.num_qo_tokens, 1)
     return pairs <= MERGE_BLOCK_MAX_PAIRS_PER_SM * num_sms and mean_slots >= MERGE_BLOCK_MIN_SLOTS
 
 
@@ -114,7 +114,7 @@ def merge_heads_per_warp(plan, num_sms: int) -> int:
     warps (else the warps already run in one wave, and fewer slots per round means more
     rounds): NH = the largest of 4, 2 that divides num_qo_heads and is at most pairs / resident
     warps."""
-    pairs = plan.batch_size * plan.num_qo_heads
+    pairs = plan.num_qo_tokens * plan.num_qo_heads       # (query token, head) pairs
     waves = pairs / max(MERGE_WARPS_PER_SM * num_sms, 1)
     for nh in (4, 2):
         if plan.num_qo_heads % nh == 0 and waves >= nh:

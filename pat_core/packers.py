@@ -22,7 +22,9 @@ keeps ``c``'s requests; each of them gets one more partial result to merge).
 ``query``    always merge, one request per CTA: the query-centric baseline.
 
 A CTA never holds more requests than ``max_rows // group`` (the largest tile's rows): larger
-sets are cut into chunks, each re-reading the range.
+sets are cut into chunks, each re-reading the range.  With multi-token queries a request counts
+``q_len x group`` rows (every rule above prices rows, so a shared range is read once for every
+token below it), and a chunk holds requests while their rows fit ``max_rows``.
 """
 from __future__ import annotations
 
@@ -54,7 +56,9 @@ class Packs:
     range.  ``level [K]``: forest level of the node that emitted the pack (for cascade groups).
     ``leaf_pack [B]``: the pack holding each request's last token when that pack holds only
     this request and the request has a leaf node of its own, else ``-1`` (the lazy length
-    update may extend exactly those packs).
+    update may extend exactly those packs).  ``rows [K]`` (int64, or ``None`` with one query
+    token per request, when a pack's rows are its requests x the GQA group): each pack's query
+    rows, its requests' ``q_len x group`` summed.
     """
 
     req_indptr: np.ndarray
@@ -63,6 +67,7 @@ class Packs:
     kv_end: np.ndarray
     level: np.ndarray
     leaf_pack: np.ndarray
+    rows: np.ndarray | None = None
 
     @property
     def num_packs(self) -> int:
@@ -70,7 +75,14 @@ class Packs:
 
     def copy(self) -> "Packs":
         return Packs(*(getattr(self, f).copy() for f in
-                       ("req_indptr", "reqs", "kv_start", "kv_end", "level", "leaf_pack")))
+                       ("req_indptr", "reqs", "kv_start", "kv_end", "level", "leaf_pack")),
+                     rows=None if self.rows is None else self.rows.copy())
+
+    def pack_rows(self, group: int) -> np.ndarray:
+        """Query rows of every pack, int64 ``[K]`` (requests x ``group`` without ``rows``)."""
+        if self.rows is not None:
+            return self.rows
+        return np.diff(self.req_indptr).astype(np.int64) * group
 
 
 @njit(cache=True, nogil=True)
@@ -90,11 +102,13 @@ def _pad_rows(rows, max_rows):
 
 @njit(cache=True, nogil=True)
 def _tree_heuristic(start, end, lo, hi, child_indptr, children, order, level,
-                    req_node, mode, group, max_req, kv_tok_bytes, row_slot_bytes):
-    """TreeHeuristic over every tree of the forest (iterative DFS).  See module docstring."""
+                    req_node, mode, rpre, max_rows, max_req, kv_tok_bytes, row_slot_bytes):
+    """TreeHeuristic over every tree of the forest (iterative DFS).  See module docstring.
+    ``rpre``: int64 ``[B + 1]``, query rows of the requests in sorted order, prefix-summed (a
+    node's rows are ``rpre[hi] - rpre[lo]``); a CTA holds at most ``max_rows`` rows and
+    ``max_req`` requests."""
     B = order.shape[0]
     n = start.shape[0]
-    max_rows = max_req * group
     # output buffers, grown on demand
     cap_p = 2 * n + 16
     cap_r = 4 * B + 16
@@ -121,7 +135,7 @@ def _tree_heuristic(start, end, lo, hi, child_indptr, children, order, level,
         nrem = 0
         pos = lo[u]
         # compute model: rows u's CTA would hold if every child split; shrinks as children merge
-        rows_u = (hi[u] - lo[u]) * group
+        rows_u = rpre[hi[u]] - rpre[lo[u]]
         pos = lo[u]
         for k in range(child_indptr[u], child_indptr[u + 1]):
             c = children[k]
@@ -129,8 +143,7 @@ def _tree_heuristic(start, end, lo, hi, child_indptr, children, order, level,
                 rem[nrem] = pos
                 nrem += 1
                 pos += 1
-            s_c = hi[c] - lo[c]
-            rows_c = s_c * group
+            rows_c = rpre[hi[c]] - rpre[lo[c]]
             if mode == 0:       # pat: bytes of partials saved vs bytes of KV re-read
                 chunks = (rows_c + max_rows - 1) // max_rows
                 merge = rows_c * row_slot_bytes > L * kv_tok_bytes * chunks
@@ -156,10 +169,18 @@ def _tree_heuristic(start, end, lo, hi, child_indptr, children, order, level,
             rem[nrem] = pos
             nrem += 1
             pos += 1
-        # emit the node's pack, cut into chunks of at most max_req requests
+        # emit the node's pack, cut into chunks of at most max_req requests and max_rows rows
+        # (always one request at least: the caller checked each request's rows fit)
         q0 = 0
         while q0 < nrem:
-            q1 = min(nrem, q0 + max_req)
+            q1 = q0 + 1
+            used = rpre[rem[q0] + 1] - rpre[rem[q0]]
+            while q1 < nrem and q1 - q0 < max_req:
+                r_rows = rpre[rem[q1] + 1] - rpre[rem[q1]]
+                if used + r_rows > max_rows:
+                    break
+                used += r_rows
+                q1 += 1
             if np_ + 1 >= cap_p:
                 cap_p *= 2
                 p_ind = _grow64(p_ind, cap_p + 1)
@@ -224,7 +245,7 @@ NARROW_SHARE = 0.02
 
 def narrow_packing(forest: PrefixForest, packs: Packs, group: int, narrow_rows: int,
                    share: float, head_dim: int, kv_bytes: int = 2, q_bytes: int = 2,
-                   partial_weight: float = PARTIAL_WEIGHT):
+                   partial_weight: float = PARTIAL_WEIGHT, q_lens=None):
     """``(packs', tokens)``: ``packs`` (a ``pat`` packing), or ``forest`` packed again with at
     most ``narrow_rows`` query rows per CTA when some pack is wider and the narrow packing
     reads at most ``share`` more KV tokens than ``packs`` (:func:`narrow_wins`, tokens
@@ -232,6 +253,7 @@ def narrow_packing(forest: PrefixForest, packs: Packs, group: int, narrow_rows: 
     KV tokens, or ``None`` when no pack is wider than ``narrow_rows`` (or ``share`` is 0, or a
     request's rows exceed ``narrow_rows``).  Growing leaves add the same tokens to both
     packings, so the lazy length update re-checks the choice from ``tokens`` alone.
+    ``q_lens``: int ``[B]`` query tokens per request, as :func:`pack`'s.
 
     Why: on a batch of long private leaves under a short shared prefix (a system prompt), the
     few wide CTAs of the prefix run as a second tile variant, in a launch of their own whose
@@ -243,10 +265,12 @@ def narrow_packing(forest: PrefixForest, packs: Packs, group: int, narrow_rows: 
     than ``share`` and ``packs`` stays.  Measured in ``bench/NOTES.md`` ;
     ``share = 0`` turns the rule off.
     """
-    rows = np.diff(packs.req_indptr) * group
-    if share <= 0 or group > narrow_rows or rows.size == 0 or int(rows.max()) <= narrow_rows:
+    rows = packs.pack_rows(group)
+    one = group if q_lens is None else group * int(np.max(q_lens))   # a request's most rows
+    if share <= 0 or one > narrow_rows or rows.size == 0 or int(rows.max()) <= narrow_rows:
         return packs, None
-    alt = pack(forest, "pat", group, narrow_rows, head_dim, kv_bytes, q_bytes, partial_weight)
+    alt = pack(forest, "pat", group, narrow_rows, head_dim, kv_bytes, q_bytes, partial_weight,
+               q_lens=q_lens)
     kv = int((packs.kv_end.astype(np.int64) - packs.kv_start).sum())
     kv_alt = int((alt.kv_end.astype(np.int64) - alt.kv_start).sum())
     return (alt if narrow_wins(kv, kv_alt, share) else packs), (kv, kv_alt)
@@ -291,7 +315,8 @@ def shared_tokens(forest: PrefixForest) -> int:
 
 
 def request_packing(forest: PrefixForest, packs: Packs, share: float, group: int,
-                    head_dim: int, num_kv_heads: int, l2_bytes: int, kv_bytes: int = 2):
+                    head_dim: int, num_kv_heads: int, l2_bytes: int, kv_bytes: int = 2,
+                    q_lens=None):
     """``(packs', tokens)``: the per-request (``query``) packing of ``forest`` when it is a
     candidate to replace ``packs`` (a ``pat`` packing), else ``None``; ``tokens``:
     ``(pat, per_request)``, the two packings' KV tokens (``sum(kv_end - kv_start)``), or
@@ -303,7 +328,7 @@ def request_packing(forest: PrefixForest, packs: Packs, share: float, group: int
     only where, split and tiled, it needs no merge (every request one CTA, which writes its
     request's output directly), while ``packs`` does.
 
-    ``share``: see :func:`request_share`.
+    ``share``: see :func:`request_share`.  ``q_lens``: as :func:`pack`'s.
 
     Why: on a batch of long private leaves under short shared levels, sharing the levels costs
     a partial result per request and level, a merge launch, and the shared CTAs' own blocks,
@@ -319,7 +344,8 @@ def request_packing(forest: PrefixForest, packs: Packs, share: float, group: int
     foot = shared_tokens(forest) * num_kv_heads * 2 * head_dim * kv_bytes
     if foot > REQUEST_L2_SHARE * l2_bytes:
         return None, None
-    alt = pack(forest, "query", group, group, head_dim, kv_bytes)
+    one = group if q_lens is None else group * int(np.max(q_lens))   # a request's most rows
+    alt = pack(forest, "query", group, one, head_dim, kv_bytes, q_lens=q_lens)
     kv = int((packs.kv_end.astype(np.int64) - packs.kv_start).sum())
     kv_alt = int((alt.kv_end.astype(np.int64) - alt.kv_start).sum())
     return (alt if request_wins(kv, kv_alt, share) else None), (kv, kv_alt)
@@ -333,26 +359,49 @@ def request_wins(kv_pat: int, kv_request: int, share: float) -> bool:
 
 def pack(forest: PrefixForest, packer: str, group: int, max_rows: int, head_dim: int,
          kv_bytes: int = 2, q_bytes: int = 2,
-         partial_weight: float = PARTIAL_WEIGHT) -> Packs:
+         partial_weight: float = PARTIAL_WEIGHT, q_lens=None) -> Packs:
     """Run one packer over ``forest``.
 
     ``group``: query heads per KV head.  ``max_rows``: the largest tile's ``m``; a CTA holds at
     most ``max_rows // group`` requests (``query`` holds exactly one).  ``partial_weight``
-    scales the partial-result bytes of the ``pat`` profit model.
+    scales the partial-result bytes of the ``pat`` profit model.  ``q_lens``: int ``[B]``,
+    query tokens of each request (``None``: one each); request ``r`` is then
+    ``q_lens[r] x group`` rows, a CTA holds requests while their rows fit ``max_rows``, and
+    the packs carry their rows (:attr:`Packs.rows`).
     """
     if packer not in PACKERS:
         raise ValueError(f"packer must be one of {PACKERS}, got {packer!r}")
-    if group > max_rows:
-        raise ValueError(f"num_qo_heads / num_kv_heads = {group} exceeds the largest tile "
-                         f"({max_rows} rows): one request would not fit a CTA")
-    max_req = 1 if packer == "query" else max(1, max_rows // group)
+    f = forest
+    B = f.order.shape[0]
+    if q_lens is None:
+        one = group
+        req_rows = None
+        max_req = 1 if packer == "query" else max(1, max_rows // group)
+        cap = max_req * group
+        rpre = np.arange(B + 1, dtype=np.int64) * group
+    else:
+        req_rows = np.asarray(q_lens, dtype=np.int64) * group
+        one = int(req_rows.max()) if B else group
+        max_req = 1 if packer == "query" else max(1, B)
+        cap = max_rows
+        rpre = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(req_rows[f.order], out=rpre[1:])
+    if one > max_rows:
+        what = ("num_qo_heads / num_kv_heads" if q_lens is None
+                else "a request's query tokens x num_qo_heads / num_kv_heads")
+        raise ValueError(f"{what} = {one} exceeds the largest tile ({max_rows} rows): one "
+                         "request would not fit a CTA")
     kv_tok, row_slot = cost_constants(head_dim, kv_bytes, q_bytes)
     row_slot = int(round(row_slot * float(partial_weight)))
-    f = forest
     ind, reqs, s, e, lv, leaf = _tree_heuristic(
         f.start, f.end, f.lo, f.hi, f.child_indptr, f.children, f.order, f.level,
-        f.req_node, _MODE[packer], group, max_req, kv_tok, row_slot)
-    return Packs(req_indptr=ind, reqs=reqs, kv_start=s, kv_end=e, level=lv, leaf_pack=leaf)
+        f.req_node, _MODE[packer], rpre, cap, max_req, kv_tok, row_slot)
+    rows = None
+    if req_rows is not None:
+        rows = (np.add.reduceat(req_rows[reqs], ind[:-1].astype(np.int64)) if ind.shape[0] > 1
+                else np.zeros(0, dtype=np.int64))
+    return Packs(req_indptr=ind, reqs=reqs, kv_start=s, kv_end=e, level=lv, leaf_pack=leaf,
+                 rows=rows)
 
 
 @njit(cache=True, nogil=True)

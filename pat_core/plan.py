@@ -9,17 +9,33 @@ Terminology
 * **request** ``r`` (``0 <= r < batch_size``): one decode query; its KV cache is the token
   positions ``[0, seq_lens[r])``, token ``t`` stored at page ``block_table[r][t // page_size]``,
   slot ``t % page_size``.
+* **query token**: a request brings ``q_len = qo_indptr[r + 1] - qo_indptr[r]`` query tokens
+  (1 for plain decode; up to 16 for speculative decoding's draft verification), rows
+  ``qo_indptr[r]:qo_indptr[r + 1]`` of ``q`` and of the output (FlashInfer's ragged layout).
+  ``seq_lens`` include them; token ``j`` of the request sees the positions
+  ``< seq_len - q_len + 1 + j`` (causal among the new tokens).
 * **CTA**: one unit of work of the forward kernel for *one KV head*: a set of requests that share
   a contiguous token range ``[kv_start, kv_start + kv_len)`` (same page ids for all of them).  The
   kernel launches ``num_kv_heads`` thread blocks per Plan CTA (a 1-D grid, the KV heads of one
   CTA adjacent, so blocks reading the same pages run close together).  Its query rows are
-  ``len(requests) * group`` where ``group = num_qo_heads // num_kv_heads``; row
-  ``i * group + j`` is request ``i`` of the CTA, query head ``kv_head * group + j``.
+  ``sum(q_len of its requests) * group`` where ``group = num_qo_heads // num_kv_heads``
+  (:meth:`Plan.cta_rows`): the CTA's requests in order, each request's tokens in order, each
+  token's ``group`` query heads in order; row ``(a + t) * group + j`` is token ``t`` of the
+  CTA's request whose tokens start at ``a`` (``a`` = the q_lens of the CTA's earlier requests
+  summed), query head ``kv_head * group + j``.  With one token per request that is row
+  ``i * group + j`` for request ``i`` of the CTA.
 * **partial slot**: one fp32 partial result of one request from one CTA: ``o_partial[slot, h, :]``
   (``[num_slots, num_qo_heads, head_dim]``, already normalised by its own softmax sum) and
   ``lse_partial[slot, h]`` (``[num_slots, num_qo_heads]``, natural-log LSE of the scaled scores,
   ``-inf`` when the CTA saw no key).  Slots are numbered request by request, so request ``r``
   owns slots ``req_slot_indptr[r] : req_slot_indptr[r + 1]``; each is written by exactly one CTA.
+  A slot holds one partial *row* per query token of its request: the partial arrays are
+  ``o_partial [num_partial_rows, num_qo_heads, head_dim]`` and ``lse_partial
+  [num_partial_rows, num_qo_heads]``, and query token ``k`` (a row of ``q``) owns the partial
+  rows ``token_slot_indptr[k]:token_slot_indptr[k + 1]``, one per slot of its request, in slot
+  order: slot ``s`` of request ``r`` writes token ``j``'s partial to row
+  ``token_slot_indptr[qo_indptr[r] + j] + s - req_slot_indptr[r]``
+  (:meth:`Plan.partial_row`).  With one token per request, partial row = slot.
 * **launch group**: CTAs that share a tile config ``(m, n)``.  CTAs are stored sorted by group;
   group ``g`` is ``group_indptr[g] : group_indptr[g + 1]`` and uses
   ``tile_configs[group_tile[g]]``.  The CUDA backend runs a plan as one pull-mode forward launch
@@ -52,7 +68,12 @@ cta_page_indptr       [C + 1]         CTA ``c``'s pages are ``cta_pages[cta_page
 cta_pages             [P]             page ids for token positions ``kv_start // page_size`` ..
                                       ``(kv_start + kv_len - 1) // page_size``, in order
 req_slot_indptr       [B + 1]         request ``r``'s partial slots (contiguous range)
-seq_lens              [B]             KV length of each request
+seq_lens              [B]             KV length of each request (including its query tokens)
+qo_indptr             [B + 1]         request ``r``'s query tokens: rows
+                                      ``qo_indptr[r]:qo_indptr[r + 1]`` of ``q`` / output
+                                      (``arange(B + 1)`` for one token per request)
+token_slot_indptr     [N + 1]         query token ``k``'s partial rows (``N = qo_indptr[-1]``;
+                                      equals ``req_slot_indptr`` with one token per request)
 ====================  ==============  ======================================================
 """
 from __future__ import annotations
@@ -99,6 +120,32 @@ def dtype_name(dtype, name: str = "dtype") -> str:
     return s
 
 
+@dataclass(frozen=True)
+class TokenView:
+    """A plan's CTAs with every query token as a request of its own (``Plan.token_view``):
+    the same CTAs, KV ranges, pages and tiles, one (CTA, token) pair per query token of each
+    of the CTA's requests (the Plan's row order: requests in order, each request's tokens in
+    order).  With one token per request these are the Plan's own arrays.  All ``np.int32``;
+    ``C`` CTAs, ``T`` pairs, ``N`` query tokens.
+
+    * ``cta_req_indptr [C + 1]``: CTA ``c``'s pairs.
+    * ``cta_req [T]``: the pair's query token, its row of ``q`` and of the output.
+    * ``cta_slot [T]``: the pair's partial row (``o_partial`` / ``lse_partial`` row).
+    * ``req_slot_indptr [N + 1]``: each token's partial rows (``Plan.token_slot_indptr``).
+    * ``cta_kv_limit [T]``: positions of the CTA's range the token may see, from its start
+      (``kv_len`` when it sees all; fewer where its causal limit falls inside the range).
+    * ``cta_causal [C]``: 1 where some pair of the CTA sees fewer than ``kv_len`` positions
+      (only those CTAs mask; the others run the one-token computation unchanged).
+    """
+
+    cta_req_indptr: np.ndarray
+    cta_req: np.ndarray
+    cta_slot: np.ndarray
+    req_slot_indptr: np.ndarray
+    cta_kv_limit: np.ndarray
+    cta_causal: np.ndarray
+
+
 @dataclass
 class Plan:
     """Execution plan of one decode batch.  See the module docstring for every array."""
@@ -136,10 +183,90 @@ class Plan:
     # made by plan(..., batch_invariant=True): every CTA reads inside one fixed KV chunk with
     # one tile, and the merge must take its fixed layout (pat_core.launch.merge_block_per_pair)
     batch_invariant: bool = False
+    # ragged query tokens (module docstring); None: one token per request, filled in below
+    qo_indptr: np.ndarray | None = None
+    token_slot_indptr: np.ndarray | None = None
 
     ARRAY_FIELDS = ("tile_configs", "group_indptr", "group_tile", "cta_tile", "cta_req_indptr",
                     "cta_req", "cta_slot", "cta_kv_start", "cta_kv_len", "cta_page_indptr",
-                    "cta_pages", "req_slot_indptr", "seq_lens")
+                    "cta_pages", "req_slot_indptr", "seq_lens", "qo_indptr",
+                    "token_slot_indptr")
+
+    def __post_init__(self):
+        if self.qo_indptr is None:
+            self.qo_indptr = np.arange(self.batch_size + 1, dtype=np.int32)
+        if self.token_slot_indptr is None:
+            self.token_slot_indptr = token_slot_indptr(self.qo_indptr, self.req_slot_indptr)
+
+    # ------------------------------------------------------------------ query tokens
+    @property
+    def num_qo_tokens(self) -> int:
+        """Query tokens of the batch, ``qo_indptr[-1]``: the rows of ``q`` and the output."""
+        return int(self.qo_indptr[-1])
+
+    @property
+    def multi_token(self) -> bool:
+        """Some request brings more than one query token."""
+        return self.num_qo_tokens != self.batch_size
+
+    @property
+    def num_partial_rows(self) -> int:
+        """Rows of the partial arrays: one per (slot, query token of the slot's request)."""
+        return int(self.token_slot_indptr[-1])
+
+    def q_lens(self) -> np.ndarray:
+        """Query tokens of every request, int32 ``[B]``."""
+        return np.diff(self.qo_indptr).astype(np.int32)
+
+    def token_view(self) -> "TokenView":
+        """This plan with every query token as a request of its own (:class:`TokenView`):
+        what an executor reads to run a multi-token plan with one-token code plus a causal
+        mask.  Computed once per plan and kept (the arrays are never written in place)."""
+        cached = self.extra.get("_token_view")
+        if cached is not None and cached[0] is self.cta_req and cached[1] is self.qo_indptr:
+            return cached[2]
+        C = self.num_ctas
+        qlen = self.q_lens().astype(np.int64)
+        if not self.multi_token:
+            tv = TokenView(cta_req_indptr=self.cta_req_indptr, cta_req=self.cta_req,
+                           cta_slot=self.cta_slot, req_slot_indptr=self.req_slot_indptr,
+                           cta_kv_limit=np.repeat(self.cta_kv_len,
+                                                  np.diff(self.cta_req_indptr)),
+                           cta_causal=np.zeros(C, dtype=np.int32))
+        else:
+            pair_n = qlen[self.cta_req]                              # tokens of each pair
+            cta_of = np.repeat(np.arange(C), np.diff(self.cta_req_indptr))
+            tok_ptr = np.zeros(C + 1, dtype=np.int64)
+            np.cumsum(np.bincount(cta_of, weights=pair_n, minlength=C).astype(np.int64),
+                      out=tok_ptr[1:])
+            pair = np.repeat(np.arange(pair_n.shape[0]), pair_n)     # pair of each entry
+            first = np.cumsum(pair_n) - pair_n
+            j = np.arange(pair.shape[0]) - first[pair]               # token within request
+            r = self.cta_req[pair].astype(np.int64)
+            k = self.qo_indptr[r].astype(np.int64) + j               # the token's q row
+            slot = self.cta_slot[pair].astype(np.int64)
+            prow = self.token_slot_indptr[k].astype(np.int64) + slot - self.req_slot_indptr[r]
+            c = cta_of[pair]
+            # positions of the CTA's range the token sees: its causal limit, relative, clipped
+            lim = self.seq_lens[r].astype(np.int64) - qlen[r] + 1 + j - self.cta_kv_start[c]
+            kv_len = self.cta_kv_len[c].astype(np.int64)
+            lim = np.clip(lim, 0, kv_len)
+            causal = np.zeros(C, dtype=np.int32)
+            causal[np.unique(c[lim < kv_len])] = 1
+            tv = TokenView(cta_req_indptr=tok_ptr.astype(np.int32), cta_req=k.astype(np.int32),
+                           cta_slot=prow.astype(np.int32),
+                           req_slot_indptr=self.token_slot_indptr,
+                           cta_kv_limit=lim.astype(np.int32), cta_causal=causal)
+        self.extra["_token_view"] = (self.cta_req, self.qo_indptr, tv)
+        return tv
+
+    def partial_row(self, slot, token) -> np.ndarray:
+        """Partial row of query token ``token`` (0-based within its request) in slot ``slot``
+        (int arrays of one shape, the slot's request owning at least ``token + 1`` tokens)."""
+        slot = np.asarray(slot, dtype=np.int64)
+        owner = np.searchsorted(self.req_slot_indptr, slot, side="right") - 1
+        k = self.qo_indptr[owner].astype(np.int64) + token
+        return self.token_slot_indptr[k].astype(np.int64) + slot - self.req_slot_indptr[owner]
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -160,8 +287,12 @@ class Plan:
         return int(self.group_tile.shape[0])
 
     def cta_rows(self) -> np.ndarray:
-        """Query rows of every CTA (requests x group), int32 ``[C]``."""
-        return (np.diff(self.cta_req_indptr) * self.group_size).astype(np.int32)
+        """Query rows of every CTA (its requests' query tokens x group), int32 ``[C]``."""
+        if not self.multi_token:
+            return (np.diff(self.cta_req_indptr) * self.group_size).astype(np.int32)
+        tok = np.add.reduceat(self.q_lens()[self.cta_req].astype(np.int64),
+                              self.cta_req_indptr[:-1].astype(np.int64))
+        return (tok * self.group_size).astype(np.int32)
 
     def cta_mn(self) -> np.ndarray:
         """Tile ``(m, n)`` of every CTA, int32 ``[C, 2]``."""
@@ -203,10 +334,11 @@ class Plan:
         * ``kv_tokens``: KV tokens the CTAs read, summed over CTAs, for one KV head.
         * ``kv_bytes``: K and V bytes the CTAs read, all KV heads
           (``kv_tokens x num_kv_heads x 2 x head_dim x`` the KV element size).
-        * ``q_bytes``: query rows read by every CTA, all query heads.
+        * ``q_bytes``: query rows read by every CTA, all query heads (each of its requests'
+          query tokens).
         * ``partial_bytes``: fp32 partial outputs and LSEs, written by the forward kernels and
           read back by the merge kernel (both directions counted), for requests of more than
-          one slot.
+          one slot (one partial row per slot and query token).
         * ``out_bytes``: the final output, written by the merge kernel or, for a request of one
           slot, by its CTA.
         * ``total_bytes``: the sum of the four byte counts.
@@ -219,11 +351,14 @@ class Plan:
         d, hq, hk = self.head_dim, self.num_qo_heads, self.num_kv_heads
         kv_tokens = int(self.cta_kv_len.astype(np.int64).sum())
         kv_bytes = kv_tokens * hk * 2 * d * kvb
-        q_bytes = self.num_slots * hq * d * qb
+        qlen = self.q_lens().astype(np.int64)
+        nslot = np.diff(self.req_slot_indptr).astype(np.int64)
+        q_rows = int((qlen * nslot).sum())          # (slot, token) pairs: query rows read
+        q_bytes = q_rows * hq * d * qb
         # a request of one slot gets its output from that CTA (no partial written)
-        written = self.num_slots - self.direct_requests()
+        written = q_rows - int(qlen[nslot == 1].sum())
         partial_bytes = 2 * written * hq * (d + 1) * PARTIAL_BYTES
-        out_bytes = self.batch_size * hq * d * qb
+        out_bytes = self.num_qo_tokens * hq * d * qb
         tiles: dict = {}
         mn = self.cta_mn()
         for (m, n) in map(tuple, mn.tolist()):
@@ -259,6 +394,12 @@ class Plan:
         assert np.all(self.cta_kv_len >= 1), "every CTA reads at least one token"
         assert self.req_slot_indptr.shape == (B + 1,) and self.req_slot_indptr[0] == 0
         assert self.req_slot_indptr[-1] == self.num_slots
+        assert self.qo_indptr.shape == (B + 1,) and self.qo_indptr[0] == 0
+        assert np.all(np.diff(self.qo_indptr) >= 1), "every request has a query token"
+        assert np.all(np.diff(self.qo_indptr) <= self.seq_lens), "query tokens within seq_len"
+        assert np.array_equal(self.token_slot_indptr,
+                              token_slot_indptr(self.qo_indptr, self.req_slot_indptr)), \
+            "token_slot_indptr"
         # slots: a permutation, and each slot lies in the range of the request it serves
         assert np.array_equal(np.sort(self.cta_slot), np.arange(self.num_slots)), "slots unique"
         owner = np.repeat(np.arange(B), np.diff(self.req_slot_indptr))
@@ -301,11 +442,13 @@ class Plan:
         plan reads inside the cache.  Every executor calls it before it runs: the CPU executor on
         every run, the CUDA backend once per new input set (it caches validated inputs)."""
         if len(q.shape) != 3:
-            raise ValueError(f"q must be [batch, num_qo_heads, head_dim], got shape "
+            raise ValueError(f"q must be [num_qo_tokens, num_qo_heads, head_dim], got shape "
                              f"{tuple(q.shape)}")
-        want = (self.batch_size, self.num_qo_heads, self.head_dim)
+        want = (self.num_qo_tokens, self.num_qo_heads, self.head_dim)
         if tuple(int(x) for x in q.shape) != want:
-            raise ValueError(f"q has shape {tuple(q.shape)}, the plan expects {want}")
+            rows = "qo_indptr[-1]" if self.multi_token else "batch"
+            raise ValueError(f"q has shape {tuple(q.shape)}, the plan expects {want} "
+                             f"({rows} rows)")
         if len(k_cache.shape) != 4 or tuple(k_cache.shape) != tuple(v_cache.shape):
             raise ValueError("paged_kv_cache: k_cache and v_cache must be 4-D with equal shapes, "
                              f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -370,3 +513,14 @@ class Plan:
                 f"total={st['total_bytes'] / 1e6:.2f} MB)")
 
     __repr__ = summary
+
+
+def token_slot_indptr(qo_indptr: np.ndarray, req_slot_indptr: np.ndarray) -> np.ndarray:
+    """Each query token's partial rows: int32 ``[N + 1]`` (``N = qo_indptr[-1]``) from the
+    requests' tokens (``qo_indptr`` int ``[B + 1]``) and slots (``req_slot_indptr`` int
+    ``[B + 1]``); every token of a request gets as many rows as the request has slots."""
+    qlen = np.diff(qo_indptr).astype(np.int64)
+    per_tok = np.repeat(np.diff(req_slot_indptr).astype(np.int64), qlen)
+    out = np.zeros(per_tok.shape[0] + 1, dtype=np.int64)
+    np.cumsum(per_tok, out=out[1:])
+    return out.astype(np.int32)

@@ -30,10 +30,10 @@ from .forest import PrefixForest
 from .gpus import get_gpu
 from .incremental import LOOKAHEAD, _match_rows, _next_order
 from .inputs import (INT32_MAX, BlockTable, _check_seq_lens, as_block_table, check_heads,
-                     check_size)
+                     check_qo_indptr, check_size)
 from .packers import (PACKERS, Packs, chunk_packs, narrow_packing, narrow_wins, pack,
                       request_packing, request_share, request_wins)
-from .plan import DTYPE_BYTES, KV_ONLY_DTYPES, Plan, dtype_name
+from .plan import DTYPE_BYTES, KV_ONLY_DTYPES, Plan, dtype_name, token_slot_indptr
 from .split import (INVARIANT_CHUNK_TOKENS, _left, _split_parts, auto_split_share,
                     choose_split_threshold_fast, invariant_chunk, split_long_kv,
                     split_threshold)
@@ -105,11 +105,11 @@ def _lexsort_nb(keys):
 
 
 @njit(cache=True, nogil=True)
-def _tail_nb(req_indptr, kv_start, kv_end, level, thr, group, m_values, bounds, fid, cfg_m,
+def _tail_nb(req_indptr, kv_start, kv_end, level, thr, pack_rows, m_values, bounds, fid, cfg_m,
              order_mode, page_size):
     """Split, tile and order the packs in one pass (what :func:`assemble_plan` does with NumPy
-    calls, same results).  ``order_mode``: 0 ``"tile"``, 1 ``"work"``, 2 ``"shared"``, 3
-    cascade.  Returns the split CTAs (``src``, ``kv_start``, ``kv_len``, int32 ``[C]``), the
+    calls, same results).  ``pack_rows``: int64 ``[K]``, each pack's query rows.
+    ``order_mode``: 0 ``"tile"``, 1 ``"work"``, 2 ``"shared"``, 3 cascade.  Returns the split CTAs (``src``, ``kv_start``, ``kv_len``, int32 ``[C]``), the
     launch order (int32 ``[C]``), the used configs (bool ``[F]``), each CTA's tile index in
     launch order, the groups (``group_indptr``, ``group_tile``) and the plan's page-entry and
     (CTA, request) pair counts (int64, for the int32 check)."""
@@ -125,7 +125,7 @@ def _tail_nb(req_indptr, kv_start, kv_end, level, thr, group, m_values, bounds, 
     for i in range(C):
         p = src[i]
         nreq[i] = req_indptr[p + 1] - req_indptr[p]
-        f[i] = fid[_left(m_values, nreq[i] * group), _left(bounds, np.int64(ln[i]))]
+        f[i] = fid[_left(m_values, pack_rows[p]), _left(bounds, np.int64(ln[i]))]
         used[f[i]] = True
         n_pages += (np.int64(start[i]) + ln[i] - 1) // page_size - start[i] // page_size + 1
         n_pairs += nreq[i]
@@ -199,11 +199,11 @@ def _grown(packs: Packs, which: np.ndarray, end: np.ndarray) -> Packs:
     kv_end = packs.kv_end.copy()
     kv_end[which] = end
     return Packs(req_indptr=packs.req_indptr, reqs=packs.reqs, kv_start=packs.kv_start,
-                 kv_end=kv_end, level=packs.level, leaf_pack=packs.leaf_pack)
+                 kv_end=kv_end, level=packs.level, leaf_pack=packs.leaf_pack, rows=packs.rows)
 
 
 @njit(cache=True, nogil=True)
-def _tail_layout_nb(req_indptr, reqs, kv_start, kv_end, level, thr, group, m_values, bounds,
+def _tail_layout_nb(req_indptr, reqs, kv_start, kv_end, level, thr, pack_rows, m_values, bounds,
                     fid, cfg_m, order_mode, table, page_size, batch):
     """:func:`_tail_nb` then :func:`_layout` in one call: the plan's arrays in launch order.
     Returns ``(used, cta_tile, group_indptr, group_tile, cta_kv_start, cta_kv_len,
@@ -211,8 +211,8 @@ def _tail_layout_nb(req_indptr, reqs, kv_start, kv_end, level, thr, group, m_val
     n_pairs)``; past int32 (``max(n_pages, n_pairs) > 2^31 - 1``) the layout arrays are empty
     and the caller refuses the batch."""
     (src, start, ln, order, used, cta_tile, group_indptr, group_tile, n_pages,
-     n_pairs) = _tail_nb(req_indptr, kv_start, kv_end, level, thr, group, m_values, bounds,
-                         fid, cfg_m, order_mode, page_size)
+     n_pairs) = _tail_nb(req_indptr, kv_start, kv_end, level, thr, pack_rows, m_values,
+                         bounds, fid, cfg_m, order_mode, page_size)
     C = order.shape[0]
     cta_kv_start = np.empty(C, dtype=np.int32)
     cta_kv_len = np.empty(C, dtype=np.int32)
@@ -237,9 +237,11 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
                   kv_dtype: str, serial: bool = False, split=True,
                   tuning: Tuning | None = None) -> Plan:
     """Split, tile and lay out ``packs`` as a :class:`Plan` (no per-CTA Python: two compiled
-    passes, :func:`_tail_nb` and :func:`_layout`, unless the tuning splits by work)."""
+    passes, :func:`_tail_nb` and :func:`_layout`, unless the tuning splits by work).  A pack's
+    query rows are :meth:`Packs.pack_rows` (its requests' query tokens x the GQA group)."""
     tuning = tuning or Tuning()
     group = num_qo_heads // num_kv_heads
+    pack_rows = packs.pack_rows(group)
     gpu = selector.gpu
     weight = None
     rule = (split if isinstance(split, str) else "sm") if split else None
@@ -248,13 +250,13 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
         thr, most = choose_split_threshold_fast(
             packs.req_indptr, packs.kv_start, packs.kv_end, group, num_kv_heads=num_kv_heads,
             head_dim=head_dim, kv_bytes=DTYPE_BYTES[kv_dtype], gpu=gpu, selector=selector,
-            min_part=tuning.min_part)
+            min_part=tuning.min_part, rows=packs.rows)
         if most > selector.max_rows:
             raise ValueError(f"a CTA has {most} rows; the largest tile has "
                              f"{selector.max_rows}")
     else:
         length = packs.kv_end - packs.kv_start
-        rows = np.diff(packs.req_indptr) * group
+        rows = pack_rows
         if rows.size and int(rows.max()) > selector.max_rows:
             raise ValueError(f"a CTA has {int(rows.max())} rows; the largest tile has "
                              f"{selector.max_rows}")
@@ -284,7 +286,7 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
     (used, cta_tile, group_indptr, group_tile, cta_kv_start, cta_kv_len, req_ptr, cta_req,
      cta_slot, page_ptr, pages, req_slot_indptr, n_pages, n_pairs) = _tail_layout_nb(
         packs.req_indptr, packs.reqs, packs.kv_start, packs.kv_end, packs.level, int(thr),
-        group, m_values, bounds, fid, np.ascontiguousarray(configs[:, 0]), mode, bt.table,
+        pack_rows, m_values, bounds, fid, np.ascontiguousarray(configs[:, 0]), mode, bt.table,
         bt.page_size, B)
     # the Plan's arrays are int32: refuse a batch whose lists would not fit rather than wrap
     if max(n_pages, n_pairs) > INT32_MAX:
@@ -312,7 +314,7 @@ def _assemble_weighted(bt: BlockTable, packs: Packs, thr: int, weight: np.ndarra
     gpu = selector.gpu
     src, kv_start, kv_len = split_long_kv(packs, thr, weight, min_part=tuning.min_part)
     nreq = np.diff(packs.req_indptr)[src]
-    mn = selector.select(nreq * group, kv_len)
+    mn = selector.select(packs.pack_rows(group)[src], kv_len)
     # distinct tile configs, then launch groups (cascade: one group per level and config)
     tkey = mn[:, 0].astype(np.int64) * 65536 + mn[:, 1]
     ukey, tile_idx = np.unique(tkey, return_inverse=True)
@@ -461,14 +463,21 @@ class Planner:
     def plan(self, block_tables, seq_lens, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              page_size: int, *, sm_scale: float | None = None, kv_data_type="float16",
              q_data_type=None, tile=None, serial: bool = False, split=True,
-             batch_invariant: bool = False) -> Plan:
+             batch_invariant: bool = False, qo_indptr=None) -> Plan:
         """Make (or reuse) the Plan of one decode batch.  Arguments as
-        :meth:`pat_core.PrefixAttentionWrapper.plan`."""
+        :meth:`pat_core.PrefixAttentionWrapper.plan`.
+
+        With ``qo_indptr`` (int ``[batch + 1]``, several query tokens per request) every call
+        plans from scratch (``last_path == "full"``) and the next call does too: the
+        incremental paths keep one token per request."""
         if not isinstance(batch_invariant, (bool, np.bool_)):
             raise TypeError(f"batch_invariant must be a bool, got {batch_invariant!r}")
         if batch_invariant and self.packer != "pat":
             raise ValueError(f"batch_invariant=True packs by fixed KV chunks (its own packing); "
                              f"it needs packer='pat', got packer={self.packer!r}")
+        if batch_invariant and qo_indptr is not None:
+            raise ValueError("qo_indptr with batch_invariant=True is not supported: the "
+                             "invariant packing runs one query token per request")
         num_qo_heads, num_kv_heads, head_dim = check_heads(num_qo_heads, num_kv_heads, head_dim)
         page_size = check_size(page_size, "page_size")
         kv_dtype = dtype_name(kv_data_type, "kv_data_type")
@@ -499,12 +508,16 @@ class Planner:
                 sm_scale=sm_scale, packer=self.packer, kv_dtype=kv_dtype, serial=serial,
                 tuning=self.tuning), q_dtype)
         c = self._cache
+        if qo_indptr is not None:
+            c = self._cache = None     # ragged queries: the full path (docstring)
         if c is not None and raw is not None and c["params"] == params and raw.ndim == 2 \
                 and raw.dtype in (np.int32, np.int64):
             step = self._incremental(c, raw, _check_seq_lens(seq_lens, raw.shape[0]))
             if step is not None:
                 return step
         bt = as_block_table(raw if raw is not None else block_tables, seq_lens, page_size)
+        qo = None if qo_indptr is None else check_qo_indptr(qo_indptr, bt.seq_lens)
+        q_rows = 1 if qo is None else int(np.diff(qo).max())
         selector = self.tile_selector(head_dim, kv_dtype, tile)
         group = num_qo_heads // num_kv_heads
         if group > selector.max_rows:
@@ -513,11 +526,27 @@ class Planner:
                 f"({selector.max_rows} rows for head_dim={head_dim}, {kv_dtype} on "
                 f"{self.gpu.name}): the limit is {selector.max_rows}, as one request's query "
                 "heads must fit one CTA (the CPU backend runs the same tiles)")
+        if group * q_rows > selector.max_rows:
+            raise ValueError(
+                f"qo_indptr gives a request {q_rows} query tokens: x {group} query heads per "
+                f"KV head = {group * q_rows} rows, more than the largest tile's "
+                f"{selector.max_rows} (head_dim={head_dim}, {kv_dtype} on {self.gpu.name}); "
+                "one request's query rows must fit one CTA")
         kw = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                   sm_scale=sm_scale, packer=self.packer, selector=selector, kv_dtype=kv_dtype,
                   serial=serial, split=split, tuning=self.tuning)
         self._cache = None
-        plan = self._plan_forest(bt, PrefixForest(bt), kw, q_dtype, tile, params)
+        q_lens = None if qo is None or q_rows == 1 else np.diff(qo)
+        plan = self._plan_forest(bt, PrefixForest(bt), kw, q_dtype, tile, params, q_lens)
+        if qo is not None:
+            self._cache = None
+            # the int32 Plan: refuse partial rows (slots x tokens) past 2^31 - 1, not wrap
+            rows = int(np.diff(qo).astype(np.int64) @ np.diff(plan.req_slot_indptr))
+            if rows > INT32_MAX:
+                raise ValueError(f"qo_indptr: the plan would hold {rows} partial rows (slots x "
+                                 "query tokens); the int32 Plan holds at most 2^31 - 1")
+            plan.qo_indptr = qo
+            plan.token_slot_indptr = token_slot_indptr(qo, plan.req_slot_indptr)
         self.last_path = "full"
         return plan
 
@@ -547,24 +576,26 @@ class Planner:
         return plan
 
     def _plan_forest(self, bt: BlockTable, forest: PrefixForest, kw: dict, q_dtype: str, tile,
-                     params) -> Plan:
+                     params, q_lens=None) -> Plan:
         """Pack ``forest``, split, tile and lay out; remember the step (the rest of
-        :meth:`plan` after the forest)."""
+        :meth:`plan` after the forest).  ``q_lens``: int ``[B]`` query tokens per request
+        (``None``: one each); a request is ``q_len x group`` rows of its CTAs."""
         group = kw["num_qo_heads"] // kw["num_kv_heads"]
+        one = group if q_lens is None else group * int(q_lens.max())   # a request's most rows
         selector, kv_dtype = kw["selector"], kw["kv_dtype"]
         head_dim = kw["head_dim"]
         max_rows = selector.max_rows
         if self.tuning.max_rows is not None:
-            max_rows = max(group, min(max_rows, int(self.tuning.max_rows)))
+            max_rows = max(one, min(max_rows, int(self.tuning.max_rows)))
         packs = pack(forest, self.packer, group, max_rows,
                      head_dim, DTYPE_BYTES[kv_dtype], DTYPE_BYTES[q_dtype],
-                     partial_weight=self.tuning.partial_weight)
+                     partial_weight=self.tuning.partial_weight, q_lens=q_lens)
         narrow = None
         if self.packer == "pat" and self.tuning.max_rows is None and tile is None:
             packs, narrow = narrow_packing(forest, packs, group, int(selector.m_values[0]),
                                            self.tuning.narrow_share, head_dim,
                                            DTYPE_BYTES[kv_dtype], DTYPE_BYTES[q_dtype],
-                                           self.tuning.partial_weight)
+                                           self.tuning.partial_weight, q_lens=q_lens)
         pat_packs = packs
         plan = assemble_plan(bt, packs, **kw)
         tried, tokens, query = False, None, None
@@ -574,7 +605,7 @@ class Planner:
             tried = True
             query, tokens = request_packing(forest, packs, self._request_share(group), group,
                                             head_dim, kw["num_kv_heads"], self.gpu.l2_bytes,
-                                            DTYPE_BYTES[kv_dtype])
+                                            DTYPE_BYTES[kv_dtype], q_lens=q_lens)
             if query is not None:
                 alt_plan = assemble_plan(bt, query, **kw)
                 if alt_plan.num_slots == alt_plan.batch_size:   # every request one slot

@@ -1,6 +1,7 @@
 """Dense attention references on the CPU: the ground truth every executor is checked against.
 
-* :func:`dense_attention`: float64, one request at a time over its gathered KV.
+* :func:`dense_attention`: float64, one request at a time over its gathered KV; with
+  ``qo_indptr``, several query tokens per request, causal among themselves.
 * :func:`lowp_attention`: the same computation carried out entirely in the input's low
   precision (fp16 products, sums and softmax), the "plain same-dtype implementation" whose
   error sets the tolerance for fp16 kernels (a kernel may be at most twice as wrong).
@@ -86,7 +87,7 @@ def _attend(q, k, v, scale, dtype):
 
 
 def _run_reference(q, paged_kv_cache, block_tables, seq_lens, page_size, kv_layout, sm_scale,
-                   dtype, k_scale=1.0, v_scale=1.0):
+                   dtype, k_scale=1.0, v_scale=1.0, qo_indptr=None):
     k_cache, v_cache = split_kv_cache(paged_kv_cache, kv_layout)
     kc = to_numpy_f32(k_cache, "k_cache") if dtype is not np.float16 else np.asarray(k_cache)
     vc = to_numpy_f32(v_cache, "v_cache") if dtype is not np.float16 else np.asarray(v_cache)
@@ -95,8 +96,13 @@ def _run_reference(q, paged_kv_cache, block_tables, seq_lens, page_size, kv_layo
         vc = vc.astype(np.float64) * v_scale
     qq = to_numpy_f32(q, "q") if dtype is not np.float16 else np.asarray(q)
     bt = as_block_table(block_tables, seq_lens, page_size)
-    if qq.ndim != 3 or qq.shape[0] != bt.batch_size:
-        raise ValueError(f"q must be [batch={bt.batch_size}, num_qo_heads, head_dim], got "
+    if qo_indptr is None:
+        qo = np.arange(bt.batch_size + 1, dtype=np.int64)
+    else:
+        from .inputs import check_qo_indptr
+        qo = check_qo_indptr(qo_indptr, bt.seq_lens).astype(np.int64)
+    if qq.ndim != 3 or qq.shape[0] != qo[-1]:
+        raise ValueError(f"q must be [qo_indptr[-1]={int(qo[-1])}, num_qo_heads, head_dim], got "
                          f"{tuple(qq.shape)}")
     from .inputs import check_heads
     check_heads(int(qq.shape[1]), int(kc.shape[2] if kv_layout == "NHD" else kc.shape[1]),
@@ -110,20 +116,26 @@ def _run_reference(q, paged_kv_cache, block_tables, seq_lens, page_size, kv_layo
         L = int(bt.seq_lens[r])
         k = gather_kv(kc, pages, L, kv_layout)
         v = gather_kv(vc, pages, L, kv_layout)
-        o, l = _attend(qq[r], k, v, scale, dtype)
-        out[r] = o
-        lse[r] = l
+        n = int(qo[r + 1] - qo[r])
+        for j in range(n):
+            # causal: token j of n sees the positions before it and itself, the last n - 1 - j
+            # new tokens not (seq_lens include the new tokens)
+            lim = L - n + 1 + j
+            o, l = _attend(qq[qo[r] + j], k[:lim], v[:lim], scale, dtype)
+            out[qo[r] + j] = o
+            lse[qo[r] + j] = l
     return out, lse
 
 
 def dense_attention(q, paged_kv_cache, block_tables, seq_lens, page_size: int,
                     kv_layout: str = "NHD", sm_scale: float | None = None,
-                    return_lse: bool = False, k_scale=None, v_scale=None):
+                    return_lse: bool = False, k_scale=None, v_scale=None, qo_indptr=None):
     """Float64 decode attention, the ground truth.
 
     Parameters
     ----------
-    q : ``[batch, num_qo_heads, head_dim]`` NumPy array or CPU tensor (any float dtype).
+    q : ``[N, num_qo_heads, head_dim]`` NumPy array or CPU tensor (any float dtype), ``N`` the
+        batch size, or ``qo_indptr[-1]`` with ``qo_indptr``.
     paged_kv_cache : ``(k_cache, v_cache)``, each ``[num_pages, page_size, num_kv_heads,
         head_dim]`` (NHD) or ``[num_pages, num_kv_heads, page_size, head_dim]`` (HND); any
         float dtype, ``float8_e4m3fn`` included (NumPy ml_dtypes array or CPU torch tensor,
@@ -132,25 +144,30 @@ def dense_attention(q, paged_kv_cache, block_tables, seq_lens, page_size: int,
     k_scale, v_scale : per-tensor scales (:func:`pat_core.fp8.as_scale`; ``None`` is 1): the
         scores are ``sm_scale * q . (k_scale * k)`` and the output ``softmax @ (v_scale * v)``,
         in float64.
+    qo_indptr : optional int ``[batch + 1]`` (FlashInfer's ragged queries): request ``r`` owns
+        query rows ``qo_indptr[r]:qo_indptr[r + 1]`` (``n`` tokens, 1..16), its
+        ``seq_len`` includes them, and its token ``j`` sees the positions
+        ``< seq_len - n + 1 + j`` (causal).  ``None``: one token per request.
 
-    Returns float64 ``[batch, num_qo_heads, head_dim]`` (and float64 ``[batch, num_qo_heads]``
+    Returns float64 ``[N, num_qo_heads, head_dim]`` (and float64 ``[N, num_qo_heads]``
     natural-log LSE of the scaled scores when ``return_lse``).
     """
     out, lse = _run_reference(q, paged_kv_cache, block_tables, seq_lens, page_size, kv_layout,
                               sm_scale, np.float64, as_scale(k_scale, "k_scale"),
-                              as_scale(v_scale, "v_scale"))
+                              as_scale(v_scale, "v_scale"), qo_indptr)
     return (out, lse) if return_lse else out
 
 
 def lowp_attention(q, paged_kv_cache, block_tables, seq_lens, page_size: int,
-                   kv_layout: str = "NHD", sm_scale: float | None = None):
-    """Decode attention computed in float16 throughout (NumPy), returned as float64."""
+                   kv_layout: str = "NHD", sm_scale: float | None = None, qo_indptr=None):
+    """Decode attention computed in float16 throughout (NumPy), returned as float64
+    (``qo_indptr`` as :func:`dense_attention`'s)."""
     q16 = np.asarray(to_numpy_f32(q, "q")).astype(np.float16)
     k, v = split_kv_cache(paged_kv_cache, kv_layout)
     kv16 = (to_numpy_f32(k, "k_cache").astype(np.float16),
             to_numpy_f32(v, "v_cache").astype(np.float16))
     out, _ = _run_reference(q16, kv16, block_tables, seq_lens, page_size, kv_layout, sm_scale,
-                            np.float16)
+                            np.float16, qo_indptr=qo_indptr)
     return out
 
 

@@ -469,12 +469,14 @@ def _choose_share_nb(length, rows, num_kv_heads, num_sms, min_part, head_dim, kv
 
 
 @njit(cache=True, nogil=True)
-def _choose_threshold_nb(req_indptr, kv_start, kv_end, group, num_kv_heads, num_sms, min_part,
-                         head_dim, kv_bytes, m_values, bounds, fid, cfg_slot, cfg_inflight,
-                         bandwidth, latency):
+def _choose_threshold_nb(req_indptr, kv_start, kv_end, group, pack_rows, num_kv_heads, num_sms,
+                         min_part, head_dim, kv_bytes, m_values, bounds, fid, cfg_slot,
+                         cfg_inflight, bandwidth, latency):
     """``(threshold, max_rows)`` of packs given as arrays (``req_indptr [K+1]``, ``kv_start``,
     ``kv_end [K]``): the ``"sm"`` rule's threshold at :func:`_choose_share_nb`'s share, and the
-    most query rows of a pack (the caller checks them against the largest tile)."""
+    most query rows of a pack (the caller checks them against the largest tile).  A pack's
+    rows: ``pack_rows[p]`` (int64 ``[K]``), or requests x ``group`` when ``pack_rows`` is
+    empty."""
     K = kv_start.shape[0]
     length = np.empty(K, dtype=np.int64)
     rows = np.empty(K, dtype=np.int64)
@@ -482,7 +484,10 @@ def _choose_threshold_nb(req_indptr, kv_start, kv_end, group, num_kv_heads, num_
     most = 0
     for p in range(K):
         length[p] = kv_end[p] - kv_start[p]
-        rows[p] = (req_indptr[p + 1] - req_indptr[p]) * group
+        if pack_rows.shape[0] == K:
+            rows[p] = pack_rows[p]
+        else:
+            rows[p] = (req_indptr[p + 1] - req_indptr[p]) * group
         total += length[p]
         most = max(most, rows[p])
     if K == 0:
@@ -549,15 +554,19 @@ def choose_split_share(length: np.ndarray, rows: np.ndarray, *, num_kv_heads: in
 def choose_split_threshold_fast(req_indptr: np.ndarray, kv_start: np.ndarray,
                                 kv_end: np.ndarray, group: int, *, num_kv_heads: int,
                                 head_dim: int, kv_bytes: int, gpu, selector,
-                                min_part: int = 256) -> tuple:
+                                min_part: int = 256, rows=None) -> tuple:
     """``(threshold, max_rows)``: :func:`split_threshold` (``"sm"``) at
     :func:`choose_split_share`'s share for packs given as arrays (``req_indptr`` int
-    ``[K+1]``, ``kv_start``, ``kv_end`` int ``[K]``; ``group`` query rows per request), and
-    the most query rows of a pack: the planner's per-step call."""
+    ``[K+1]``, ``kv_start``, ``kv_end`` int ``[K]``; ``group`` query rows per request, or
+    ``rows`` int ``[K]`` each pack's query rows (multi-token queries)), and the most query
+    rows of a pack: the planner's per-step call."""
     m_values, bounds, fid, _ = selector.lookup()
     slot, inflight = _price_constants(selector, num_kv_heads, head_dim, kv_bytes, gpu)
+    pack_rows = (np.zeros(0, dtype=np.int64) if rows is None
+                 else np.asarray(rows, dtype=np.int64))
     thr, most = _choose_threshold_nb(
-        req_indptr, kv_start, kv_end, int(group), int(num_kv_heads), int(gpu.num_sms),
+        req_indptr, kv_start, kv_end, int(group), pack_rows, int(num_kv_heads),
+        int(gpu.num_sms),
         int(min_part), int(head_dim), int(kv_bytes), m_values, bounds, fid, slot, inflight,
         float(gpu.hbm_bandwidth * gpu.achieved_bw_fraction),
         float(gpu.mem_latency_ns * LOADED_LATENCY))

@@ -34,7 +34,9 @@ limits: the GQA ratio ``num_qo_heads / num_kv_heads`` may be at most the largest
 (128 for head_dim 64 and 128; fewer for large head_dims), and ``page_size``, ``seq_lens`` and
 page ids must fit in int32.  :meth:`PrefixAttentionWrapper.plan` names the limit it hits.  Any
 page size within that works.  ``q`` and the KV cache share one dtype (except an fp8 cache),
-fixed at :meth:`PrefixAttentionWrapper.plan`.
+fixed at :meth:`PrefixAttentionWrapper.plan`.  Multi-token queries (``plan(..., qo_indptr=...)``,
+1 to 16 query tokens per request, causal among themselves) run on the CPU backend; the CUDA
+backend refuses a batch with more than one token in a request.
 """
 from __future__ import annotations
 
@@ -181,7 +183,8 @@ class PrefixAttentionWrapper:
              pos_encoding_mode: str = "NONE", window_left: int = -1, logits_soft_cap=None,
              rope_scale=None, rope_theta=None, non_blocking: bool = True,
              disable_split_kv: bool = False, data_type=None, o_data_type=None,
-             fixed_split_size=None, q_len_per_req=None, batch_invariant: bool = False) -> Plan:
+             fixed_split_size=None, q_len_per_req=None, batch_invariant: bool = False,
+             qo_indptr=None) -> Plan:
         """Pack the batch into CTAs and pick tiles.  Host arrays only; no device copies back.
 
         Parameters
@@ -209,6 +212,16 @@ class PrefixAttentionWrapper:
             differently: the CUDA backend runs every plan as the same chained launches.
         split : long-KV split: ``True``/``"sm"`` (default: split CTAs longer than an SM's
             share of the work), ``"mean"`` (the PAT paper's mean rule) or ``False``.
+        qo_indptr : several query tokens per request (speculative decoding's draft
+            verification; FlashInfer's ragged layout): int ``[batch + 1]`` host array,
+            ``qo_indptr[0] == 0``, request ``r`` owning rows ``qo_indptr[r]:qo_indptr[r + 1]``
+            of ``q`` and the output, 1 to 16 of them (mixed in a batch).  ``seq_lens`` include
+            the new tokens; token ``j`` (0-based) of a request of ``n`` tokens sees the KV
+            positions ``< seq_len - n + 1 + j`` (causal among the new tokens).  ``q``, the
+            output and the LSE then have ``qo_indptr[-1]`` rows.  A request's tokens share
+            its CTAs as the GQA group's heads do (``n x group`` rows, at most the largest
+            tile's).  ``None`` (default): one token per request.  CPU backend only for now:
+            the CUDA backend refuses a batch with more than one token in a request.
         disable_split_kv : FlashInfer's switch; ``True`` means ``split=False``.
         batch_invariant : ``True``: a request's output and LSE are the same bits whatever else
             is in the batch (same q row, same KV pages and values, same seq_len), on either
@@ -227,8 +240,9 @@ class PrefixAttentionWrapper:
         ``pos_encoding_mode`` (only ``"NONE"``: apply RoPE before calling), ``window_left``
         (only ``-1``), ``logits_soft_cap`` (only ``None``/``0``), ``rope_scale``,
         ``rope_theta``, ``fixed_split_size`` (only ``None``), ``q_len_per_req`` (only
-        ``None``/``1``: decode is one query token per request) and ``o_data_type`` (only
-        ``None`` or ``q_data_type``).
+        ``None``/``1``; several tokens per request go through ``qo_indptr``, as in
+        FlashInfer's prefill wrappers, whose decode wrapper has no such argument) and
+        ``o_data_type`` (only ``None`` or ``q_data_type``).
 
         Returns the :class:`~pat_core.plan.Plan` (also kept for :meth:`run`).  A call that
         raises leaves the wrapper with no runnable plan: :meth:`run` and :meth:`stats` raise,
@@ -281,7 +295,12 @@ class PrefixAttentionWrapper:
             plan = self.planner.plan(block_tables, seq_lens, num_qo_heads, num_kv_heads, head_dim,
                                      page_size, sm_scale=sm_scale, kv_data_type=kv_dtype,
                                      q_data_type=q_dtype, tile=tile, serial=serial, split=split,
-                                     batch_invariant=bool(batch_invariant))
+                                     batch_invariant=bool(batch_invariant),
+                                     qo_indptr=qo_indptr)
+            if plan.multi_token and self.backend == "cuda":
+                raise ValueError("qo_indptr gives a request several query tokens: the CUDA "
+                                 "backend's kernels run one token per request so far "
+                                 "(backend='cpu' runs multi-token plans)")
             if self.use_cuda_graph:
                 self._write_static(plan, tile)
             elif self._gpu_backend is not None:
@@ -430,7 +449,8 @@ class PrefixAttentionWrapper:
 
         Parameters
         ----------
-        q : ``[batch, num_qo_heads, head_dim]`` in the plan's ``q_data_type``.
+        q : ``[batch, num_qo_heads, head_dim]`` in the plan's ``q_data_type``
+            (``[qo_indptr[-1], num_qo_heads, head_dim]`` with ``qo_indptr``).
         paged_kv_cache : ``(k_cache, v_cache)`` 4-D in ``kv_layout``, or the 5-D single tensor
             ``[num_pages, 2, ...]``, in the plan's ``kv_data_type``.
         return_lse : also return the log-sum-exp.
@@ -457,7 +477,8 @@ class PrefixAttentionWrapper:
 
         Returns ``out [batch, num_qo_heads, head_dim]`` in q's dtype and, with ``return_lse``
         (or ``lse``), float32 ``lse [batch, num_qo_heads]`` (natural log of the sum of
-        exponentials of the scaled scores).
+        exponentials of the scaled scores); ``qo_indptr[-1]`` rows instead of ``batch`` with
+        ``qo_indptr`` (the ``out``/``lse`` buffers too).
 
         Threading: a wrapper serves one thread at a time.  A call that overlaps another
         thread's ``plan()`` or ``run()`` raises ``RuntimeError``, and so does ``run()`` of a
@@ -521,7 +542,7 @@ class PrefixAttentionWrapper:
                                                 kv_layout=self.kv_layout, return_lse=want_lse,
                                                 out=out, lse=lse, **gpu_kw)
         qdt = _dtype_of(q)
-        B, Hq, D = plan.batch_size, plan.num_qo_heads, plan.head_dim
+        B, Hq, D = plan.num_qo_tokens, plan.num_qo_heads, plan.head_dim
         # check the caller's buffers before the work, so a bad one costs nothing
         if out is not None:
             _check_host_buffer(out, "out", (B, Hq, D), qdt)

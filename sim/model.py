@@ -199,7 +199,8 @@ def prepare(plan, gpu=None, l2_window_bytes: float | None = None) -> Workload:
     m_bytes, m_read, m_slots = mw.bytes, mw.read_bytes_per_block, mw.max_slots
     if m_bytes.shape[0] == 0 and merge_needed(plan, [o.ctas_per_sm for o in occ],
                                               gpu.num_sms):
-        pairs = plan.batch_size * plan.num_qo_heads // merge_heads_per_warp(plan, gpu.num_sms)
+        pairs = plan.num_qo_tokens * plan.num_qo_heads // merge_heads_per_warp(plan,
+                                                                              gpu.num_sms)
         nreset = max(1, -(-pairs // MERGE_WARPS))
         m_bytes = m_read = np.zeros(nreset)
         m_slots = np.zeros(nreset, np.int64)

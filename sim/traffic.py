@@ -68,9 +68,11 @@ def forward_work(plan) -> BlockWork:
                   out_bytes=np.zeros(kv_len.shape[0]))
     if plan.num_ctas:
         # a request of one partial slot gets its output from its CTA (no partial written)
+        # (each of its query tokens' rows: the request's q_len x the GQA group)
         single = np.diff(plan.req_slot_indptr)[plan.cta_req] == 1
+        tokens = single * plan.q_lens()[plan.cta_req]
         cta_of = np.repeat(np.arange(plan.num_ctas), np.diff(plan.cta_req_indptr))
-        direct = np.bincount(cta_of, weights=single, minlength=plan.num_ctas) * plan.group_size
+        direct = np.bincount(cta_of, weights=tokens, minlength=plan.num_ctas) * plan.group_size
         w.out_bytes = direct * d * qb
         w.partial_write_bytes = ((rows - direct) * (d + 1) * PARTIAL_BYTES).astype(np.float64)
     return w
@@ -89,11 +91,12 @@ class MergeWork:
 
 def merge_work(plan) -> MergeWork:
     """Blocks of the merge kernel over the requests of more than one slot (a request of one
-    slot got its output from its CTA): their pairs ``(r, h)`` in order, ``MERGE_WARPS`` to a
-    block.  No blocks when every request has one slot."""
+    slot got its output from its CTA): their pairs ``(query token, h)`` in order (one token
+    per request unless the plan has ``qo_indptr``), ``MERGE_WARPS`` to a block.  No blocks
+    when every request has one slot."""
     b = DTYPE_BYTES[dtype_name(plan.io_dtype)]      # the output's element size
     d, hq = plan.head_dim, plan.num_qo_heads
-    slots = np.diff(plan.req_slot_indptr).astype(np.int64)
+    slots = np.diff(plan.token_slot_indptr).astype(np.int64)     # per query token
     slots = slots[slots > 1]                     # one slot: its CTA wrote the output
     pair_slots = np.repeat(slots, hq)
     pair_bytes = pair_slots * (d + 1) * PARTIAL_BYTES + d * b

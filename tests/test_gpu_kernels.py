@@ -322,6 +322,34 @@ def test_bad_inputs(backend):
 
 
 @requires_gpu
+@pytest.mark.parametrize("q_len", (1, 2, 4, 8, 16))
+def test_multitoken_qo_indptr(backend, q_len):
+    """``qo_indptr``: one token per request runs exactly as ``qo_indptr=None`` (same plan,
+    bit-identical output); more tokens are refused by the CUDA backend, naming ``qo_indptr``,
+    and leave no runnable plan (the CUDA kernels run one token per request so far)."""
+    import torch
+    from pat_core import PrefixAttentionWrapper
+    from pat_core.workloads import build_tree_batch
+    b = build_tree_batch("1,4,16_100,37,61", page_size=16, seed=0)
+    qo = np.arange(b.batch_size + 1, dtype=np.int32) * q_len
+    w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+    w._gpu_backend = backend
+    if q_len > 1:
+        with pytest.raises(ValueError, match="qo_indptr"):
+            w.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16, qo_indptr=qo)
+        with pytest.raises(RuntimeError, match="failed"):
+            w.stats()
+        return
+    q, k, v = make_inputs(b.num_pages, 16, b.batch_size, 32, 8, 128, "float16", "NHD", 0)
+    w.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16, qo_indptr=qo)
+    out, lse = w.run(q, (k, v), return_lse=True)
+    w.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
+    out0, lse0 = w.run(q, (k, v), return_lse=True)
+    torch.cuda.synchronize()
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)
+
+
+@requires_gpu
 def test_wrapper_checks_once_per_input_set(backend, monkeypatch):
     """The wrapper's checks run when the backend validates a new input set, not on calls that
     reuse its cached launch arguments; a new q (other pointer or dtype) is checked again, and a
