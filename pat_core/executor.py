@@ -23,6 +23,12 @@ number (no BLAS call whose code path changes with the row count), as on the GPU,
 row is an ``mma`` row with its own softmax state.  Batch-invariant plans rely on it
 (``tests/test_batch_invariant.py``).
 
+A multi-token plan (``qo_indptr``) runs through its :meth:`~pat_core.plan.Plan.token_view`:
+every query token is a row set of its own (``group`` rows), reading the q row and writing the
+partial row the view names; in a CTA the view flags, a position at or past a token's causal
+limit scores ``-inf`` and its value is not read, so a non-finite value there reaches only the
+tokens that may see it.
+
 Padding rows of a tile (``rows < m``) are skipped rather than computed on zeros: they are never
 written on the GPU either, so the results are identical and the executor is faster.
 
