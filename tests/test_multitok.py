@@ -345,3 +345,20 @@ def test_qo_indptr_with_batch_invariant_refused():
     w = PrefixAttentionWrapper(backend="cpu")
     with pytest.raises(ValueError, match="qo_indptr with batch_invariant"):
         w.plan(_T, _S, 4, 2, 64, 16, qo_indptr=[0, 3, 5], batch_invariant=True)
+
+
+def test_plan_csr_takes_qo_indptr():
+    """FlashInfer's CSR form with ``qo_indptr`` gives the padded form's plan and output."""
+    from pat_core.inputs import BlockTable
+    bt = BlockTable.from_padded(_T, _S, 16)
+    indptr, indices, last = bt.to_csr()
+    qo = [0, 3, 5]
+    a = PrefixAttentionWrapper(backend="cpu")
+    pa = a.plan(_T, _S, 4, 2, 64, 16, kv_data_type="float32", qo_indptr=qo)
+    b = PrefixAttentionWrapper(backend="cpu")
+    pb = b.plan_csr(indptr, indices, last, 4, 2, 64, 16, kv_data_type="float32", qo_indptr=qo)
+    for f in pa.ARRAY_FIELDS:
+        assert np.array_equal(getattr(pa, f), getattr(pb, f)), f
+    k, v = random_kv_cache(8, 16, 2, 64)
+    q = np.random.default_rng(0).standard_normal((5, 4, 64)).astype(np.float32)
+    assert np.array_equal(a.run(q, (k, v)), b.run(q, (k, v)))
