@@ -362,3 +362,25 @@ def test_plan_csr_takes_qo_indptr():
     k, v = random_kv_cache(8, 16, 2, 64)
     q = np.random.default_rng(0).standard_normal((5, 4, 64)).astype(np.float32)
     assert np.array_equal(a.run(q, (k, v)), b.run(q, (k, v)))
+
+
+def test_multitoken_fp8_cache_with_scales():
+    """Multi-token queries on an fp8 cache with scales: the float64 reference on the decoded
+    values with the same scales and causal rule, to fp16 accuracy."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from pat_core.workloads import build_tree_batch
+    b = build_tree_batch("1,3,4_40,33,20", page_size=16)
+    rng = np.random.default_rng(5)
+    ql = rng.integers(1, 6, size=b.batch_size)
+    qo = np.concatenate([[0], np.cumsum(ql)]).astype(np.int32)
+    k, v = random_kv_cache(b.num_pages, 16, 2, 64, seed=3)
+    k, v = k.astype(ml_dtypes.float8_e4m3fn), v.astype(ml_dtypes.float8_e4m3fn)
+    q = (rng.standard_normal((int(qo[-1]), 8, 64)) / 16).astype(np.float16)
+    w = PrefixAttentionWrapper(backend="cpu")
+    w.plan(b.block_tables, b.seq_lens, 8, 2, 64, 16, kv_data_type="float8_e4m3fn",
+           q_data_type="float16", qo_indptr=qo)
+    out = w.run(q, (k, v), k_scale=2.0, v_scale=0.5)
+    ref = dense_attention(q, (k, v), b.block_tables, b.seq_lens, 16, k_scale=2.0, v_scale=0.5,
+                          qo_indptr=qo)
+    assert out.shape == (qo[-1], 8, 64)
+    assert relative_error(out, ref) < 4e-3
