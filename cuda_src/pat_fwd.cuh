@@ -350,8 +350,8 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
   }
 // </tutorial:prologue>
 
-  // Q fragments of the 16-row warps stay in registers for the whole KV walk; 32-row warps
-  // re-read theirs from shared memory per k-step (FlashAttention-2's layout).
+  // Q fragments of the 16-row warps stay in registers for the whole KV walk; 32-row warps and
+  // head_dim 256 re-read theirs from shared memory per k-step (FlashAttention-2's layout).
   unsigned qf[Tr::QF_MI][Tr::QF_K][4];
   float acc[Tr::MI][Tr::D / 8][4];
   float m_run[Tr::MI][2];  // running max of the scaled scores (log2 domain), rows g and g + 8

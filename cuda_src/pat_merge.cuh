@@ -16,6 +16,13 @@
 
 namespace pat {
 
+// Slots per round of a warp merging NH heads: 8 / NH at head_dim 64 and 128, so a lane keeps 8
+// output vectors (16 or 32 floats) in flight.  At head_dim 256 a vector is 8 floats a lane: 2
+// slots per head for NH = 1 and 2 and 1 for NH = 4 (16, 32 and 32 floats), within the NH = 1
+// kernel's 64 registers (4 slots spill there) and the others' 128.
+template <int HEAD_DIM, int NH>
+constexpr int kMergeRoundSlots = HEAD_DIM > 128 ? (NH == 4 ? 1 : 2) : 8 / NH;
+
 // Merge the partial states of request r, query head h (slots s0 .. s1 - 1) into out / lse_out.
 // One warp; each lane owns HEAD_DIM / 32 consecutive elements.  Partials are read through L2
 // (ld.global.cg): they may have been written by other CTAs of the same launch, and an earlier
@@ -30,7 +37,12 @@ namespace pat {
 // dst[0 .. VEC) = src[0 .. VEC), one vector load through L2.
 template <int VEC>
 __device__ __forceinline__ void load_vec(float (&dst)[VEC], const float* src) {
-  if constexpr (VEC == 4) {
+  if constexpr (VEC == 8) {  // head_dim 256: two 16-byte loads
+    const float4 a = __ldcg(reinterpret_cast<const float4*>(src));
+    const float4 b = __ldcg(reinterpret_cast<const float4*>(src) + 1);
+    dst[0] = a.x; dst[1] = a.y; dst[2] = a.z; dst[3] = a.w;
+    dst[4] = b.x; dst[5] = b.y; dst[6] = b.z; dst[7] = b.w;
+  } else if constexpr (VEC == 4) {
     const float4 v = __ldcg(reinterpret_cast<const float4*>(src));
     dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
   } else {
@@ -82,7 +94,7 @@ __device__ __forceinline__ void merge_accumulate(const float* __restrict__ o_par
                                                  int s1, int h0, int num_qo_heads, int part,
                                                  int nparts, MergeState<HEAD_DIM / 32> (&st)[NH],
                                                  int lane) {
-  constexpr int VEC = HEAD_DIM / 32;  // elements per lane: 2 or 4
+  constexpr int VEC = HEAD_DIM / 32;  // elements per lane: 2, 4 or 8
   static_assert(CH >= 1 && CH <= 8 && (CH & (CH - 1)) == 0, "1, 2, 4 or 8 slots per round");
   static_assert(NH >= 1 && NH * CH <= 32, "one LSE per lane");
   constexpr unsigned FULL = 0xffffffffu;
@@ -176,7 +188,8 @@ __device__ __forceinline__ void merge_pair(const float* __restrict__ o_partial,
                                            float* __restrict__ lse_out, long long out_sb,
                                            long long out_sh, long long lse_sb, long long lse_sh,
                                            int lane) {
-  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head_dim must be 64 or 128");
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256,
+                "head_dim must be 64, 128 or 256");
   MergeState<HEAD_DIM / 32> st[NH];
 #pragma unroll
   for (int hh = 0; hh < NH; ++hh) st[hh].init();
@@ -208,8 +221,8 @@ __device__ __forceinline__ void merge_pair_block(const float* __restrict__ o_par
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   MergeState<VEC> sts[1];
   sts[0].init();
-  merge_accumulate<HEAD_DIM, 8, 1>(o_partial, lse_partial, s0, s1, h, num_qo_heads, warp, WARPS,
-                                   sts, lane);
+  merge_accumulate<HEAD_DIM, kMergeRoundSlots<HEAD_DIM, 1>, 1>(
+      o_partial, lse_partial, s0, s1, h, num_qo_heads, warp, WARPS, sts, lane);
   MergeState<VEC>& st = sts[0];
   if (warp > 0) {
 #pragma unroll
@@ -275,8 +288,8 @@ __device__ __forceinline__ void pat_merge_body(const MergeParams& p) {
     }
     return;
   }
-  // NH heads per warp (the launcher checks num_qo_heads % NH == 0); 8 / NH slots per round
-  merge_warps<HEAD_DIM, TO, WARPS, 8 / NH, NH>(p, pairs / NH, lane);
+  // NH heads per warp (the launcher checks num_qo_heads % NH == 0)
+  merge_warps<HEAD_DIM, TO, WARPS, kMergeRoundSlots<HEAD_DIM, NH>, NH>(p, pairs / NH, lane);
 }
 
 }  // namespace pat
@@ -285,10 +298,11 @@ __device__ __forceinline__ void pat_merge_body(const MergeParams& p) {
 // warp in warp mode (NH: 1, 2 or 4).  The Python side names each instantiation
 // pat_merge_d{D}_{dtype}_w{W}, with an _h{NH} suffix for NH > 1.
 // Registers: NH = 1 asks for 32 resident warps per SM (50% occupancy), room for 64 registers
-// (8 output vectors in flight per lane; with the thread count alone ptxas aims at full
-// occupancy on sm_80, 32 registers, and spills).  NH heads keep NH x 8 / NH vectors plus NH
-// merge states per lane: 2 and 4 heads spill at 64 and 80 registers, so they ask for 16 warps
-// (128 registers); each of their warps has NH times the loads in flight.
+// (8 output vectors in flight per lane, 2 at head_dim 256: kMergeRoundSlots; with the thread
+// count alone ptxas aims at full occupancy on sm_80, 32 registers, and spills).  NH heads keep
+// NH x kMergeRoundSlots vectors plus NH merge states per lane: 2 and 4 heads spill at 64 and
+// 80 registers, so they ask for 16 warps (128 registers); each of their warps has NH times the
+// loads in flight.
 namespace pat {
 constexpr int merge_min_blocks(int warps, int nh) { return (nh == 1 ? 32 : 16) / warps; }
 }  // namespace pat

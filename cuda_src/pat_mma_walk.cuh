@@ -11,7 +11,8 @@ namespace pat {
 // ldmatrix row of this lane for an A operand (16 x 16 fragment).
 __device__ __forceinline__ int a_frag_row(int lane) { return (lane & 7) + ((lane >> 3) & 1) * 8; }
 
-// Q fragments of a 16-row warp (row group wm), kept in registers for the whole KV walk.
+// Q fragments of a 16-row warp (row group wm), kept in registers for the whole KV walk (head_dim
+// 64 and 128; Tr::Q_IN_REGS, else nothing: sync_tile re-reads them per k-step).
 template <typename Tr>
 __device__ __forceinline__ void load_q_frags(const typename Tr::T* sQ, int wm, int lane,
                                              unsigned (&qf)[Tr::QF_MI][Tr::QF_K][4]) {

@@ -60,6 +60,9 @@ constexpr bool kSmemOccupancy = PAT_SMEM_OCCUPANCY != 0;
 // registers for the whole KV walk) or 32 (two row blocks; every K/V fragment read from shared
 // memory by ldmatrix feeds two MMAs, halving shared-memory traffic per FLOP, and the Q fragments
 // are re-read from shared memory per k-step to keep the accumulators within the register budget).
+// At head_dim 256 a 16-row warp's accumulators alone are 128 fp32 registers per thread, as many
+// as a 32-row warp's at head_dim 128: it takes that layout's register plan (Q re-read from shared
+// memory per k-step, gather and softmax loops rolled), and 32-row warps do not exist there.
 //
 // KV_ is the KV cache's element type: T_ (the default), or fp8_e4m3, whose pages are gathered
 // into a byte staging ring behind the KV tiles and widened into those tiles (KV8 below).
@@ -84,7 +87,7 @@ struct FwdTraits {
   // and softmax where one block fills an SM), their states combined at the end.
   static constexpr bool WG = RW == 64;
   static constexpr int MI = WG ? 1 : RW / 16;                     // 16-row MMA blocks per warp
-  static constexpr bool Q_IN_REGS = !WG && MI == 1;
+  static constexpr bool Q_IN_REGS = !WG && MI == 1 && D <= 128;
   // Q fragments a warp keeps in registers ([QF_MI][QF_K][4]; a 1 x 1 dummy when Q stays in smem)
   static constexpr int QF_MI = Q_IN_REGS ? MI : 1;
   static constexpr int QF_K = Q_IN_REGS ? D / 16 : 1;
@@ -132,8 +135,10 @@ struct FwdTraits {
   static constexpr int KV_LOADS = (NW * CHUNKS + SLICE_THREADS - 1) / SLICE_THREADS;
   static constexpr int KV_LOADS8 = (NW * CHUNKS8 + SLICE_THREADS - 1) / SLICE_THREADS;
 
-  static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
+  static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
   static_assert(RW == 16 || RW == 32 || RW == 64, "16 or 32 rows per warp, or 64 per warpgroup");
+  static_assert(D <= 128 || RW == 16,
+                "head_dim 256: 16 rows per warp (32 rows' accumulators would be 256 registers)");
   static_assert(!WG || (D == 128 && M % 64 == 0 && (WARPS == M / 16 || WARPS == 2 * M / 16)),
                 "warpgroup layout: head_dim 128, 64 or 128 rows, one warp per 16 rows of each "
                 "of one or two token slices");
@@ -154,10 +159,12 @@ struct FwdTraits {
   static_assert(WARPS_N == 1 || COMB_FIT >= 1,
                 "one token slice's state must fit in the shared memory it reuses");
 
-  // Unroll of a thread's gather loop: full for 16-row warps; 2 for 32-row warps, whose
-  // accumulators leave no room for many live 64-bit gather addresses (full unroll spills).
+  // Unroll of a thread's gather loop: full for 16-row warps; 2 for 32-row warps and head_dim
+  // 256, whose accumulators leave no room for many live 64-bit gather addresses (full unroll
+  // spills).
   static constexpr int LOAD_UNROLL = Q_IN_REGS ? kLoadUnroll : 2;
-  // Softmax steps of a tile are unrolled for 16-row warps; rolled for 32-row warps (registers).
+  // Softmax steps of a tile are unrolled for 16-row warps; rolled for 32-row warps and head_dim
+  // 256 (registers).
   static constexpr int STEP_UNROLL = Q_IN_REGS ? 8 : 1;
   static_assert(SMEM_BYTES <= 227 * 1024, "exceeds the per-block shared-memory limit");
   static_assert(ACC_REGS + (Q_IN_REGS ? MI * (D / 16) * 4 : 0) + MI * (KC / 8) * 4 <= 200,

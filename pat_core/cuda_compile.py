@@ -32,7 +32,7 @@ DTYPE_SHORT = {"float16": "f16", "bfloat16": "bf16"}
 # variant are a DTYPE_CTYPE type.
 KV_CTYPE = {"float8_e4m3fn": "pat::fp8_e4m3"}
 KV_SHORT = {"float8_e4m3fn": "kv8"}
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 TILE_MS = (16, 32, 64, 128)
 TILE_NS = (16, 32, 64, 128, 256)
 # the most dynamic shared memory one block may opt in to, per architecture (gpus.py's limits)
@@ -96,27 +96,35 @@ def source_hash(src_dir: Path | None = None) -> str:
 # rows_per_warp value that selects the Hopper warpgroup (wgmma) layout: 64 rows per group of four
 # warps, one warp per 16 rows (cuda_src/pat_wgmma.cuh); head_dim 128, m 64 or 128, sm_90a only.
 WG_ROWS = 64
-def default_rows_per_warp(m: int) -> int:
-    """Query rows one warp owns: 32 for tiles of 64 rows or more, else 16.
+def default_rows_per_warp(m: int, head_dim: int = 128) -> int:
+    """Query rows one warp owns: 32 for tiles of 64 rows or more, else 16; always 16 at
+    head_dim 256.
 
     Large-row tiles are the compute-heavy ones (a 128-row tile does 128 FLOP per KV byte): with
     32 rows per warp every K/V fragment read from shared memory by ``ldmatrix`` feeds two MMAs,
     halving shared-memory reads per FLOP (FlashAttention-2's layout).  Small tiles are memory
-    bound and keep 16 rows per warp with Q in registers.
+    bound and keep 16 rows per warp with Q in registers.  At head_dim 256 a 16-row warp's fp32
+    output accumulators already take 128 registers per thread (32 rows would take all 256), so
+    every tile keeps 16 rows per warp and re-reads Q from shared memory
+    (``cuda_src/pat_traits.cuh``).
     """
+    if head_dim > 128:
+        return 16
     return 32 if m >= 64 else 16
 
 
-def rule_warps(m: int, n: int) -> int:
+def rule_warps(m: int, n: int, head_dim: int = 128) -> int:
     """Warps of the (m, n) variant by rule (before any measured layout, see default_warps).
 
     ``m / rows_per_warp`` warps split the rows; while that leaves fewer than 8 warps, extra warps
     split each KV tile's tokens, down to 16 tokens per warp for 16-row warps and 32 for 32-row
     warps (fewer tokens would make the per-k-step Q re-read as costly as the K read it saves).
     More warps per CTA means more threads issuing the tile's cp.async gathers and computing in
-    parallel: with the large tiles only one CTA fits an SM.
+    parallel: with the large tiles only one CTA fits an SM.  At head_dim 256 (16-row warps that
+    re-read Q per k-step) the split goes down to 16 tokens as well: an SM there holds one to four
+    blocks, and the warps, not the Q reads, are what it is short of.
     """
-    rw = default_rows_per_warp(m)
+    rw = default_rows_per_warp(m, head_dim)
     wm = m // rw
     min_tokens = 16 if rw == 16 else min(32, n)
     wn = max(1, min(n // min_tokens, 8 // wm))
@@ -129,7 +137,7 @@ def rule_stages(m: int, n: int, head_dim: int = 128) -> int:
     for stages in (3, 2):
         if fwd_smem_bytes(m, n, head_dim, stages) <= SMEM_LIMIT["sm_90"]:
             return stages
-    return 2
+    return 2   # fits nowhere (n >= 128 at head_dim 256): fwd_variant_feasible leaves it out
 
 
 def variant_speed_path() -> Path:
@@ -157,7 +165,8 @@ def default_layout(m: int, n: int, head_dim: int = 128, arch: str = "sm_90") -> 
     layout (:func:`variant_speed`, head_dim 128, where it fits this head_dim's shared memory;
     where that is the warpgroup layout, which only sm_90 runs, other GPUs take the fastest
     measured mma.sync layout, the record's ``sync``), else the rules (:func:`rule_warps`,
-    :func:`rule_stages`, :func:`default_rows_per_warp`)."""
+    :func:`rule_stages`, :func:`default_rows_per_warp`; the only source at head_dim 64 and
+    256)."""
     rec = variant_speed().get((int(m), int(n)))
     if rec is not None and head_dim == 128:
         if int(rec["rows_per_warp"]) == WG_ROWS and arch != "sm_90":
@@ -166,7 +175,8 @@ def default_layout(m: int, n: int, head_dim: int = 128, arch: str = "sm_90") -> 
         w, st, rw = int(rec["warps"]), int(rec["stages"]), int(rec["rows_per_warp"])
         if fwd_smem_bytes(m, n, head_dim, st, rw) <= SMEM_LIMIT["sm_90"]:
             return w, st, rw
-    return rule_warps(m, n), rule_stages(m, n, head_dim), default_rows_per_warp(m)
+    return (rule_warps(m, n, head_dim), rule_stages(m, n, head_dim),
+            default_rows_per_warp(m, head_dim))
 
 
 # Architectures whose kernels the resource file describes: sm_90 (Hopper, the primary target)
@@ -223,7 +233,7 @@ class FwdVariant:
             w, st, rw = default_layout(m, n, head_dim, arch)
         else:
             w, st = over[0], over[1]
-            rw = over[2] if len(over) > 2 else default_rows_per_warp(m)
+            rw = over[2] if len(over) > 2 else default_rows_per_warp(m, head_dim)
         if kv and over is None:
             # the fp8 staging ring grows with the stages: drop to two where three overflow
             while st > 2 and fwd_smem_bytes(m, n, head_dim, st, rw, True) > SMEM_LIMIT["sm_90"]:
@@ -350,14 +360,22 @@ def fwd_smem_bytes(m: int, n: int, head_dim: int, stages: int, rows_per_warp: in
 
 
 def fwd_variant_feasible(v: FwdVariant, smem_limit: int = SMEM_LIMIT["sm_90"]) -> bool:
+    """Whether ``v`` compiles: its shared memory fits ``smem_limit`` and its layout is one the
+    kernel's traits accept (``cuda_src/pat_traits.cuh``: 16 rows per warp at head_dim 256, the
+    warpgroup layout at head_dim 128 only)."""
+    if v.head_dim > 128 and v.rows_per_warp != 16:
+        return False
+    if v.warpgroup and v.head_dim != 128:
+        return False
     return v.smem_bytes <= smem_limit
 
 
 def all_fwd_variants(head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_CTYPE), ms=TILE_MS, ns=TILE_NS,
                      kv_dtype: str | None = None):
-    """Every forward variant that fits the sm_90 shared-memory limit (n = 256 only at d = 64),
-    in the default layouts of sm_90 and of sm_80.  ``kv_dtype``: the variants over a cache of
-    that KV-only dtype (fp8) instead of the 16-bit ones."""
+    """Every forward variant that fits the sm_90 shared-memory limit (n = 256 only at d = 64;
+    n <= 64 at d = 256, whose K and V rows are twice as long), in the default layouts of sm_90
+    and of sm_80.  ``kv_dtype``: the variants over a cache of that KV-only dtype (fp8) instead
+    of the 16-bit ones."""
     out = []
     for d in head_dims:
         for dt in dtypes:
