@@ -196,8 +196,8 @@ def cascade_levels(batch):
 
 # ---------------------------------------------------------------------------- methods
 def make_ours(torch, pat_core, method, batch, hq, hk, d, ps, dtype_name):
-    from sim.methods import METHODS          # method -> (packer, planner keywords)
-    packer, kw = METHODS[method]
+    from sim.methods import method_options   # method -> (packer, planner keywords)
+    packer, kw = method_options(method, d)
     w = pat_core.PrefixAttentionWrapper(backend="cuda", packer=packer)
     plan = w.plan(batch.block_tables, batch.seq_lens, hq, hk, d, ps, kv_data_type=dtype_name,
                   **kw)

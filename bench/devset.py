@@ -329,7 +329,8 @@ def main(argv=None) -> int:
     tm.add_argument("--methods", nargs="+", default=["pat", "pat-graph-bucket", "fi-decode"])
     tm.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     tm.add_argument("--reps", type=int, default=10)
-    tm.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256))
+    tm.add_argument("--head-dim", type=int, default=128, choices=cc.HEAD_DIMS,
+                    help="head_dim of the timed model (one of the CUDA kernels' head_dims)")
     tm.add_argument("--kv-dtype", default="float16", choices=("float16", "float8_e4m3fn"))
     tm.add_argument("--q-len", type=int, default=1, help="query tokens per request (1..16)")
     se = sub.add_parser("sim-error", help="the simulator's error on a measured devset.json "

@@ -20,8 +20,8 @@ backend     dtypes (``q`` and the KV cache alike)        ``head_dim``
             bfloat16 (CPU torch tensors only; NumPy      the plan is made for (``gpu=``; H100:
             bfloat16 from ml_dtypes is refused)          4..807 in 16-bit dtypes, 2..414 in
                                                          float32)
-``"cuda"``  float16, bfloat16 (torch CUDA or CuPy;       64 or 128 (one compiled kernel family
-            bfloat16 needs torch or ``out=``)            per head_dim)
+``"cuda"``  float16, bfloat16 (torch CUDA or CuPy;       64, 128 or 256 (one compiled kernel
+            bfloat16 needs torch or ``out=``)            family per head_dim)
 ==========  ==========================================  =====================================
 
 FP8 caches: ``kv_data_type="float8_e4m3fn"`` with float16 or bfloat16 queries (the one mixed
@@ -194,7 +194,7 @@ class PrefixAttentionWrapper:
             FlashInfer's CSR form use :meth:`plan_csr`).
         seq_lens : int ``[batch]``, every entry ``>= 1``.
         num_qo_heads, num_kv_heads : head counts; ``num_qo_heads % num_kv_heads == 0``.
-        head_dim, page_size : ints (CUDA backend: head_dim 64 or 128).
+        head_dim, page_size : ints (CUDA backend: head_dim 64, 128 or 256).
         sm_scale : softmax scale, default ``1 / sqrt(head_dim)``.
         kv_data_type : dtype of the KV cache (``"float16"``, ``"bfloat16"``, ``"float32"``,
             ``"float8_e4m3fn"``, or a NumPy/torch/ml_dtypes dtype).  Default: ``q_data_type``,

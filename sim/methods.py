@@ -7,7 +7,8 @@ can be simulated::
     {"block_tables": [[0, 1, 2], [0, 1, 3, 4]], "seq_lens": [40, 61], "page_size": 16}
 
 A *method* is a packer plus planner options: the five packers of :data:`pat_core.PACKERS` and
-one ablation of ``pat``: ``pat-fixed`` (one tile config, 64 x 128, for every CTA).  (Files
+one ablation of ``pat``: ``pat-fixed`` (one tile config, 64 x 128, for every CTA; 64 x 64 at
+head_dim 256, where no kernel has n = 128: :func:`fixed_tile`).  (Files
 measured before the one launch path also hold ``pat-serial``, tile groups launched one after
 another, which no executor runs any more: :mod:`sim.calibration` skips those records.)
 """
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pat_core import Planner
+from pat_core import cuda_compile as cc
 from pat_core.workloads import build_tree_batch
 
 FIXED_TILE = (64, 128)
@@ -122,12 +124,32 @@ def save_batch(batch: Batch, path: str) -> None:
                    "page_size": batch.page_size}, fh)
 
 
-def make_plan(batch: Batch, method: str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-              gpu="h100", kv_data_type: str = "float16"):
-    """Plan ``batch`` with ``method`` through :class:`pat_core.Planner`."""
+def fixed_tile(head_dim: int) -> tuple:
+    """The ``pat-fixed`` tile at ``head_dim``: :data:`FIXED_TILE`, or where the CUDA kernels of
+    that head_dim have no such variant (head_dim 256: K and V stages of 128 tokens do not fit
+    shared memory), the widest ``n`` below it that they have, at the same ``m``."""
+    m, n = FIXED_TILE
+    if int(head_dim) not in cc.HEAD_DIMS:   # a CPU-only head_dim: no kernel family to match
+        return FIXED_TILE
+    ns = [x for x in cc.TILE_NS if x <= n and cc.fwd_variant_supported(m, x, int(head_dim))]
+    return (m, max(ns))
+
+
+def method_options(method: str, head_dim: int) -> tuple:
+    """``(packer, planner keyword arguments)`` of ``method`` at ``head_dim`` (:data:`METHODS`,
+    with ``pat-fixed``'s tile from :func:`fixed_tile`)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {sorted(METHODS)}, got {method!r}")
     packer, kw = METHODS[method]
+    if "tile" in kw:
+        kw = dict(kw, tile=fixed_tile(head_dim))
+    return packer, kw
+
+
+def make_plan(batch: Batch, method: str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+              gpu="h100", kv_data_type: str = "float16"):
+    """Plan ``batch`` with ``method`` through :class:`pat_core.Planner`."""
+    packer, kw = method_options(method, head_dim)
     return Planner(packer, gpu).plan(batch.block_tables, batch.seq_lens, num_qo_heads,
                                      num_kv_heads, head_dim, batch.page_size,
                                      kv_data_type=kv_data_type, **kw)

@@ -37,7 +37,7 @@ from pat_core.gpus import get_gpu
 from pat_core.trace import ReplayConfig, ReplayStats, load_trace, replay
 
 from .constants import load_constants
-from .methods import METHODS
+from .methods import METHODS, method_options
 from .model import simulate
 
 DEFAULT_METHODS = ("pat", "query", "cascade")
@@ -211,7 +211,7 @@ def replay_report(requests, config: ReplayConfig, methods, *, heads=(32, 8), hea
     hq, hk = heads
     consts = load_constants(gpu, constants)
     planners = {m: Planner(METHODS[m][0], gpu) for m in methods}
-    kws = {m: dict(METHODS[m][1], kv_data_type=dtype) for m in methods}
+    kws = {m: dict(method_options(m, head_dim)[1], kv_data_type=dtype) for m in methods}
     st = ReplayStats()
     cols = {k: [] for k in ("step", "time_s", "batch", "queued", "read_tokens",
                             "unique_tokens", "used_pages")}

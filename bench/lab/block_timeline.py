@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     from pat_core.workloads import build_tree_batch
     from sim import simulate
     from sim.constants import load_constants
-    from sim.methods import METHODS
+    from sim.methods import method_options
 
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
@@ -205,7 +205,7 @@ def main(argv=None) -> int:
         v = torch.randn(k.shape, generator=g, device="cuda", dtype=torch.float16)
         q = torch.randn((batch.batch_size, hq, d), generator=g, device="cuda",
                         dtype=torch.float16)
-        packer, kw = METHODS[method]
+        packer, kw = method_options(method, d)
         w = pat_core.PrefixAttentionWrapper(backend="cuda", packer=packer, gpu=gpu)
         w._gpu_backend = clocked            # every kernel compiled with the clock records
         plan = w.plan(batch.block_tables, batch.seq_lens, hq, hk, d, ps, kv_data_type="float16",
