@@ -96,20 +96,22 @@ class PagedCache:
 
 
 @requires_gpu
-@pytest.mark.parametrize("packer,max_batch,fused", (("pat", 24, "off"), ("cascade", 24, "off"),
-                                                   ("pat", 4, "off"), ("pat", 24, "on"),
-                                                   ("cascade", 24, "on")))
-def test_one_capture_fifty_changing_steps(packer, max_batch, fused):
+@pytest.mark.parametrize("packer,max_batch,fused,d", (
+    ("pat", 24, "off", 128), ("cascade", 24, "off", 128), ("pat", 4, "off", 128),
+    ("pat", 24, "on", 128), ("cascade", 24, "on", 128),
+    ("pat", 24, "off", 256), ("pat", 4, "off", 256), ("pat", 24, "on", 256)))
+def test_one_capture_fifty_changing_steps(packer, max_batch, fused, d):
     """max_batch 4 at group 4: every CTA fits one 16-row tile, so the wrapper plans with one
     KV tile width and its launch set is one forward launch (static_plan.graph_safe_tile_table).
     fused "on": the launch set's tiles run in one fused pull launch, planned without the tiles
     that would cut its blocks per SM; "off": one launch per tile (the default "auto" fuses
-    buckets of at most 16 requests)."""
+    buckets of at most 16 requests).  head_dim 256: the same, on its kernels (whose 64-token
+    tiles hold one block per SM, so the fused set's exclusions differ from head_dim 128's)."""
     import torch
     from pat_core import PrefixAttentionWrapper, dense_attention
     from pat_core.inputs import as_block_table
 
-    hq, hk, d, dtype = 32, 8, 128, torch.float16
+    hq, hk, dtype = 32, 8, torch.float16
     num_pages = 1024
     rng = np.random.default_rng(11)
     torch.manual_seed(11)
@@ -189,7 +191,11 @@ def test_one_capture_fifty_changing_steps(packer, max_batch, fused):
     assert not excluded & set(w._static.layout.tiles)
     if fused == "on" and w.planner.gpu.name.startswith("H"):
         assert (32, 64) in excluded, w.planner.tuning.exclude_tiles
-    if fused == "on":
+    if fused == "on" and d != 128:
+        from pat_core.static_plan import FUSED_TILE_TABLE
+        assert w.planner.tuning.kv_tile_table == FUSED_TILE_TABLE
+        assert w._static.grids[0] >= w._static.num_sms, (w._static.grids, tiles)
+    elif fused == "on":
         from pat_core.static_plan import FUSED_TILE_TABLE
         assert w.planner.tuning.kv_tile_table == FUSED_TILE_TABLE
         # one n per m (64), (32, 64)'s CTAs taking (32, 32) on Hopper

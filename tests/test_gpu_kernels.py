@@ -6,9 +6,10 @@ the float64 reference may be at most twice the error of a plain same-dtype imple
 attention computed entirely in fp16/bf16) on the same inputs.
 
 Covered: every compiled forward variant (the planner's ``tile=(m, n)`` override forces it), every
-packer on Hypothesis-drawn prefix forests, fp16 and bf16, head_dim 64 and 128, page sizes 1, 16
-and 32, NHD and HND caches, strided views, the caller's stream, CuPy inputs, fp8 (e4m3fn) caches
-with scales (every fp8 variant, random forests, CuPy uint8 bytes), outputs and partial
+packer on Hypothesis-drawn prefix forests, fp16 and bf16, head_dim 64, 128 and 256 (every
+head_dim-256 variant also on a split shared root), page sizes 1, 16 and 32, NHD and HND caches,
+strided views, the caller's stream, CuPy inputs, fp8 (e4m3fn) caches with scales (every fp8
+variant, random forests, CuPy uint8 bytes), outputs and partial
 buffers poisoned with NaN before each run, and bit-identical repeated runs.
 """
 from __future__ import annotations
@@ -216,6 +217,41 @@ def test_warpgroup_two_slices(backend, n, stages, root, ps, dtype):
         cc.VARIANT_OVERRIDES.pop((64, n), None)
 
 
+@requires_gpu
+@pytest.mark.parametrize("variant", cc.all_fwd_variants(head_dims=(256,)), ids=lambda v: v.key)
+@pytest.mark.parametrize("ps", (1, 16))
+def test_head_dim_256_sharing_and_split(backend, variant, ps):
+    """Every head_dim-256 variant (16-row warps re-reading Q from shared memory) on a shared
+    2100-token root that the long-KV split cuts into 256-token parts, with ragged private
+    leaves: several partial slots per request, merged by the head_dim-256 merge kernel."""
+    from pat_core.tuning import Tuning
+    from pat_core.workloads import build_tree_batch
+    m, n = variant.m, variant.n
+    reqs = max(1, m // 4)                # GQA group 4: the root CTA holds about m rows
+    b = build_tree_batch(f"1,{reqs}_2100,{37 + m}", page_size=ps, seed=m + n)
+    tuning = Tuning(split_share=64.0, min_part=256, narrow_share=0.0, request_share=0.0)
+    plan, err, plain = check_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages, ps,
+                                  8, 2, 256, variant.dtype, seed=n, tile=(m, n), tuning=tuning)
+    assert set(plan.stats()["tiles"]) == {f"{m}x{n}"}
+    assert plan.num_slots > b.batch_size, "no request has several partials: nothing merged"
+    assert variant in backend.variants_for(plan)
+
+
+@requires_gpu
+@pytest.mark.parametrize("heads,nh", (((16, 4), 1), ((32, 4), 2), ((64, 8), 4)))
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+def test_head_dim_256_merge_heads_per_warp(backend, heads, nh, dtype):
+    """The head_dim-256 merge in warp mode with 1, 2 and 4 heads per warp (fewer slots per
+    round than at head_dim 128: pat_merge.cuh, kMergeRoundSlots): 512 requests under one
+    shared root, two partials each, enough (request, head) pairs for each layout."""
+    from pat_core.workloads import build_tree_batch
+    b = build_tree_batch("1,512_300,20", page_size=16, seed=1)
+    plan, err, plain = check_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages, 16,
+                                  heads[0], heads[1], 256, dtype, seed=nh)
+    merge = backend.variants_for(plan)[-1]
+    assert isinstance(merge, cc.MergeVariant) and merge.head_dim == 256 and merge.heads == nh
+
+
 # ----------------------------------------------------------------------------- random forests
 from strategies import head_configs, prefix_batches  # noqa: E402  (tests/strategies.py)
 
@@ -223,7 +259,7 @@ from strategies import head_configs, prefix_batches  # noqa: E402  (tests/strate
 @requires_gpu
 @settings(deadline=None, max_examples=int(os.environ.get("PAT_GPU_EXAMPLES", 40)))
 @given(batch=prefix_batches(max_requests=16, page_sizes=(1, 16, 32)), heads=head_configs(),
-       d=st.sampled_from((64, 128)), dtype=st.sampled_from(("float16", "bfloat16")),
+       d=st.sampled_from(cc.HEAD_DIMS), dtype=st.sampled_from(("float16", "bfloat16")),
        packer=st.sampled_from(PACKERS), layout=st.sampled_from(("NHD", "HND")),
        seed=st.integers(0, 2**16))
 def test_random_forests(backend, batch, heads, d, dtype, packer, layout, seed):

@@ -26,11 +26,22 @@ def data():
     return json.loads(path.read_text())
 
 
+def _families(keys) -> set:
+    """``(kind, head_dim, dtype)`` of variant keys (``pat_fwd_d128_f16_...``)."""
+    return {tuple(k.split("_")[1:4]) for k in keys}
+
+
 def test_schema_and_completeness(data):
     assert data["generator"] == "bench/kernel_resources.py"
     assert data["nvcc"] and data["source_hash"]
     want = {v.key: v for v in cc.all_fwd_variants() + cc.all_merge_variants()}
-    assert set(data["variants"]) == set(want), "variant list differs from pat_core.cuda_compile"
+    listed = set(want)
+    if data["source_hash"] != cc.source_hash():
+        # a file older than the sources (test_source_hash_current fails for that) may lack a
+        # kernel family added since (head_dim, dtype); the tile solver estimates those
+        # (pat_core.tiles.kernel_resources), and every family it does list must be complete
+        listed = {k for k in want if _families([k]) <= _families(data["variants"])}
+    assert set(data["variants"]) == listed, "variant list differs from pat_core.cuda_compile"
     for key, rec in data["variants"].items():
         v = want[key]
         assert rec["head_dim"] == v.head_dim and rec["dtype"] == v.dtype
@@ -68,9 +79,11 @@ def test_source_hash_current(data):
         "run python3 bench/kernel_resources.py")
 
 
-# a few variants spanning the shapes: smallest, the decode hot path, largest, merge
+# a few variants spanning the shapes: smallest, the decode hot path, largest, merge, and
+# head_dim 256's largest-ring 16-row tile, its largest tile and its merge
 _SUBSET = ("pat_fwd_d64_f16_m16_n16", "pat_fwd_d128_f16_m16_n64", "pat_fwd_d128_bf16_m16_n128",
-           "pat_fwd_d128_f16_m128_n128", "pat_merge_d128_bf16")
+           "pat_fwd_d128_f16_m128_n128", "pat_merge_d128_bf16", "pat_fwd_d256_f16_m16_n64",
+           "pat_fwd_d256_bf16_m128_n64", "pat_merge_d256_f16")
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
@@ -86,7 +99,7 @@ def test_recompile_subset_matches(data):
         assert (r["spill_stores"] == 0 and r["spill_loads"] == 0) \
             or kr.spill_allowed(kr.variant_record(v), arch, r), (v.key, arch, r)
         assert r["smem_dynamic"] + r["smem_static"] <= cc.SMEM_LIMIT["sm_90"]
-        if same_nvcc:
+        if same_nvcc and v.key in data["variants"]:   # (a stale file may lack a family)
             rec = data["variants"][v.key][arch]
             assert r["registers"] == rec["registers"], (v.key, arch, r, rec)
 
