@@ -31,12 +31,12 @@ or CuPy ``uint8`` arrays holding the e4m3fn bytes.
 
 The CPU executor runs the very tiles the GPU would, so both backends share the planner's
 limits: the GQA ratio ``num_qo_heads / num_kv_heads`` may be at most the largest tile's rows
-(128 for head_dim 64 and 128; fewer for large head_dims), and ``page_size``, ``seq_lens`` and
-page ids must fit in int32.  :meth:`PrefixAttentionWrapper.plan` names the limit it hits.  Any
-page size within that works.  ``q`` and the KV cache share one dtype (except an fp8 cache),
-fixed at :meth:`PrefixAttentionWrapper.plan`.  Multi-token queries (``plan(..., qo_indptr=...)``,
-1 to 16 query tokens per request, causal among themselves) run on the CPU backend; the CUDA
-backend refuses a batch with more than one token in a request.
+(128 for head_dim 64, 128 and 256; fewer for large head_dims), and ``page_size``, ``seq_lens``
+and page ids must fit in int32.  :meth:`PrefixAttentionWrapper.plan` names the limit it hits.
+Any page size within that works.  ``q`` and the KV cache share one dtype (except an fp8
+cache), fixed at :meth:`PrefixAttentionWrapper.plan`.  Multi-token queries
+(``plan(..., qo_indptr=...)``, 1 to 16 query tokens per request, causal among themselves) run on
+the CPU backend; the CUDA backend refuses a batch with more than one token in a request.
 """
 from __future__ import annotations
 
