@@ -49,6 +49,7 @@ if __package__ in (None, ""):     # run as a script: python bench/devset.py
     sys.path.insert(0, str(ROOT))
 
 from bench.trace_replay import load_steps, prepare_steps, prepare_synthetic_steps  # noqa: E402
+from pat_core.cuda_compile import HEAD_DIMS  # noqa: E402
 
 STEPS = 12
 PAGE_SIZE = 16
@@ -329,7 +330,7 @@ def main(argv=None) -> int:
     tm.add_argument("--methods", nargs="+", default=["pat", "pat-graph-bucket", "fi-decode"])
     tm.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     tm.add_argument("--reps", type=int, default=10)
-    tm.add_argument("--head-dim", type=int, default=128, choices=cc.HEAD_DIMS,
+    tm.add_argument("--head-dim", type=int, default=128, choices=HEAD_DIMS,
                     help="head_dim of the timed model (one of the CUDA kernels' head_dims)")
     tm.add_argument("--kv-dtype", default="float16", choices=("float16", "float8_e4m3fn"))
     tm.add_argument("--q-len", type=int, default=1, help="query tokens per request (1..16)")
