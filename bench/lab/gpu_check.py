@@ -53,6 +53,7 @@ def step_compile(jobs):
 
 def step_smoke(be):
     from test_gpu_kernels import check_case
+    from pat_core.cuda_compile import HEAD_DIMS
     from pat_core.workloads import build_tree_batch
     rows = []
     cases = [("1,4,16_100,37,61", 16, 32, 8), ("1,3,24_300,45,7", 1, 12, 4),
@@ -61,7 +62,7 @@ def step_smoke(be):
         b = build_tree_batch(spec, page_size=ps, seed=1)
         for packer in ("pat", "query", "node", "compute", "cascade"):
             for dtype in ("float16", "bfloat16"):
-                for d in (64, 128):
+                for d in HEAD_DIMS:
                     for layout in ("NHD", "HND"):
                         rec = {"spec": spec, "page_size": ps, "heads": f"{hq}:{hk}",
                                "packer": packer, "dtype": dtype, "head_dim": d,
