@@ -242,10 +242,10 @@ def test_head_dim_256_sharing_and_split(backend, variant, ps):
 @pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
 def test_head_dim_256_merge_heads_per_warp(backend, heads, nh, dtype):
     """The head_dim-256 merge in warp mode with 1, 2 and 4 heads per warp (fewer slots per
-    round than at head_dim 128: pat_merge.cuh, kMergeRoundSlots): 512 requests under one
+    round than at head_dim 128: pat_merge.cuh, kMergeRoundSlots): 272 requests under one
     shared root, two partials each, enough (request, head) pairs for each layout."""
     from pat_core.workloads import build_tree_batch
-    b = build_tree_batch("1,512_300,20", page_size=16, seed=1)
+    b = build_tree_batch("1,272_128,17", page_size=16, seed=1)
     plan, err, plain = check_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages, 16,
                                   heads[0], heads[1], 256, dtype, seed=nh)
     merge = backend.variants_for(plan)[-1]
