@@ -575,12 +575,12 @@ def choose_split_threshold_fast(req_indptr: np.ndarray, kv_start: np.ndarray,
 
 # Batch-invariant plans (``plan(..., batch_invariant=True)``) replace the split by fixed KV
 # chunks of about this many tokens (rounded up to a multiple of the page size and of the tile's
-# n).  A request of L tokens has ceil(L / C) partials.  Long enough that a typical decode
-# request (a few thousand tokens) has one chunk, so it needs no merge and its output comes
-# straight from its CTA, as in the default plans; short enough that one 16k-token request
-# still spreads over several SMs.  The simulator's development-set sweep chose it
-# (CHANGELOG, docs/design.md).
-INVARIANT_CHUNK_TOKENS = 2048
+# n).  A request of L tokens has ceil(L / C) partials.  Measured over the development set (H200,
+# graph replay, heads 32:8, head_dim 128; docs/design.md): 256 / 512 / 1024 / 2048 tokens cost
+# 1.24 / 1.16 / 1.15 / 1.17x the default plans' time in geometric mean.  Shorter chunks share
+# more of a prefix that ends mid-chunk and spread a long request over more SMs; longer ones
+# write fewer partials.
+INVARIANT_CHUNK_TOKENS = 1024
 
 
 def invariant_chunk(page_size: int, n: int, tokens: int | None = None) -> int:

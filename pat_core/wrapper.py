@@ -226,7 +226,7 @@ class PrefixAttentionWrapper:
         batch_invariant : ``True``: a request's output and LSE are the same bits whatever else
             is in the batch (same q row, same KV pages and values, same seq_len), on either
             backend.  Every CTA reads inside one fixed KV chunk of absolute positions
-            (:func:`pat_core.split.invariant_chunk`, 2048 tokens by default; requests share a
+            (:func:`pat_core.split.invariant_chunk`, 1024 tokens by default; requests share a
             chunk only where they read exactly the same tokens of it), every CTA has one tile
             (``tile`` if given, else :func:`pat_core.planner.invariant_tile`), ``split`` is
             replaced by the chunks, and the merge takes one fixed layout.  Needs

@@ -87,7 +87,7 @@ def _same_bits(a, b):
 def test_request_bits_do_not_depend_on_batch(backend, heads, dtype, chunk, data):
     """Random partners sharing parts of the target's prefix (forks at and inside pages,
     identical copies, unrelated requests), random batch sizes and positions; several chunks
-    per request (chunk 64 / 256, or the default 2048 with targets up to 5000 tokens)."""
+    per request (chunk 64 / 256, or the default 1024 with targets up to 5000 tokens)."""
     hq, hk, d = heads
     max_len = 5000 if chunk is None else 4 * chunk
     ps, target, L, batches = data.draw(invariant_batches(page_sizes=(16, 3), max_len=max_len,
@@ -108,7 +108,7 @@ def test_request_bits_do_not_depend_on_batch(backend, heads, dtype, chunk, data)
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_long_shared_prefix_in_large_batches(backend, dtype):
-    """A target behind an 8192-token shared prefix (four 2048-token chunks) plus 300 tokens
+    """A target behind an 8192-token shared prefix (eight 1024-token chunks) plus 300 tokens
     of its own: alone, with 15 and with 255 partners on the same prefix (a fork mid-chunk,
     each with its own suffix).  The default plans of these batches differ in split, packing
     and merge layout (block per pair, heads per warp); the invariant plan's bits stay."""
