@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-dtype", default="float16", choices=("float16", "float8_e4m3fn"),
                     help="the cache's dtype (FP8: scales 0.5 and 0.75; q stays float16)")
     ap.add_argument("--tile", default=None, help="M,N: force pat's tile")
+    ap.add_argument("--layout", default=None,
+                    help="WARPS,STAGES,ROWS_PER_WARP: the forced tile's kernel layout")
     ap.add_argument("--timeline", action="store_true",
                     help="also capture a CUDA graph and print the device timeline of its "
                          "median replay (each kernel's start and duration, L2 flushed)")
@@ -78,6 +80,11 @@ def main(argv=None) -> int:
         w = PrefixAttentionWrapper(backend="cuda", packer=args.method)
         apply_tuning(args.tuning, w.planner)
         tile = tuple(int(x) for x in args.tile.split(",")) if args.tile else None
+        if args.layout:
+            from pat_core import cuda_compile as cc
+            if tile is None:
+                ap.error("--layout needs --tile")
+            cc.VARIANT_OVERRIDES[tile] = tuple(int(x) for x in args.layout.split(","))
         plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type=args.kv_dtype,
                       q_data_type="float16", tile=tile)
         st = plan.stats()
