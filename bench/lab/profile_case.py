@@ -33,6 +33,7 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--kv-dtype", default="float16", choices=("float16", "float8_e4m3fn"),
                     help="the cache's dtype (FP8: scales 0.5 and 0.75; q stays float16)")
+    ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--tile", default=None, help="M,N: force pat's tile")
     ap.add_argument("--layout", default=None,
                     help="WARPS,STAGES,ROWS_PER_WARP: the forced tile's kernel layout")
@@ -50,7 +51,7 @@ def main(argv=None) -> int:
     from pat_core.workloads import build_tree_batch
 
     hq, hk = (int(x) for x in args.heads.split(":"))
-    d, ps = 128, 16
+    d, ps = args.head_dim, 16
     b = build_tree_batch(args.spec, page_size=ps, seed=0)
     g = torch.Generator(device="cuda").manual_seed(0)
     k = torch.randn((b.num_pages, ps, hk, d), generator=g, device="cuda", dtype=torch.float16)
