@@ -5,7 +5,8 @@
 #
 #   gpu_tests.log       every GPU test (the features' parametrisations included)
 #   feat_hd256.json     synthetic part at head_dim 256: pat, FlashInfer decode
-#   feat_fp16.json      synthetic part, fp16 KV: pat (the same run's base for the next two)
+#   feat_fp16.json      synthetic part, fp16 KV, one token: pat (the same call's base for the
+#                       FP8 and multi-token steps)
 #   feat_fp8.json       synthetic part, FP8 KV (e4m3, per-tensor scales): pat, FlashInfer decode
 #   feat_qlen4.json     synthetic part, 4 query tokens per request: pat, FlashInfer paged prefill
 #   feat_invariant.json every part: pat and pat-invariant (batch_invariant=True)
@@ -52,7 +53,10 @@ if want fp8; then
     dev fp16 --parts synthetic --methods pat
     dev fp8 --parts synthetic --kv-dtype float8_e4m3fn --methods pat fi-decode
 fi
-want qlen && dev qlen4 --parts synthetic --q-len 4 --methods pat fi-prefill
+if want qlen; then
+    want fp8 || dev fp16 --parts synthetic --methods pat      # the one-token base, same call
+    dev qlen4 --parts synthetic --q-len 4 --methods pat fi-prefill
+fi
 want invariant && dev invariant --methods pat pat-invariant
 if want sanitize; then
     for tool in memcheck racecheck; do
