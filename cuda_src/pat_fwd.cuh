@@ -116,6 +116,31 @@ __device__ __forceinline__ KvTileLoader<Tr> kv_loader(const FwdParams& p, const 
                           (int)p.v_sp, (int)p.v_st, kv_head * (int)p.v_sh};
 }
 
+// Multi-token variants (Tr::CAUSAL): the causal limits of this thread's accumulator rows (those
+// of for_each_row), positions of the CTA's range counted from its start, and lim_lo, the
+// smallest.  In a CTA the plan flags (cta_causal), a live row takes its token's limit
+// (cta_kv_limit of its (CTA, token) pair); every other row, and every row of an unflagged CTA,
+// takes kv_len, which masks nothing mask_past_end does not.
+template <typename Tr>
+__device__ __forceinline__ void row_limits(const FwdParams& p, int cta, const CtaWork& w,
+                                           int wm, int lane, int (&lim)[Tr::MI][2],
+                                           int& lim_lo) {
+  const bool flagged = p.cta_causal[cta] != 0;
+  const float inv_group = 1.f / (float)p.group;
+  int lo = w.kv_len;
+#pragma unroll
+  for (int mi = 0; mi < Tr::MI; ++mi)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int row = (wm * Tr::MI + mi) * 16 + (lane >> 2) + hr * 8;
+      int l = w.kv_len;
+      if (flagged && row < w.n_rows) l = p.cta_kv_limit[w.req_begin + div_rows(row, inv_group)];
+      lim[mi][hr] = l;
+      lo = l < lo ? l : lo;
+    }
+  lim_lo = lo;
+}
+
 // The online-softmax state of a warp's rows: accumulator, running max (log2 domain) and running
 // sum (this thread's columns only until finish_item reduces it over the quad), set to empty.
 template <typename Tr>
@@ -335,6 +360,10 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
 
   load_q_rows<Tr>(p, w, kv_head, sQ, tid);
   const KvTileLoader<Tr> loader = kv_loader<Tr>(p, w, kv_head);
+  // causal limits of this thread's rows (multi-token variants; never read by the others)
+  int lim[Tr::MI][2];
+  int lim_lo = kv_len;
+  if constexpr (Tr::CAUSAL) row_limits<Tr>(p, cta, w, wm, lane, lim, lim_lo);
 
   const int slice_row0 = wn * NW;  // this warp's token slice within every tile
   const int stid = wm * 32 + lane;  // thread index within the slice group
@@ -367,7 +396,7 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
 
   if constexpr (Tr::WG) {
     pat_wg_loop<Tr>(sQ, sK, sV, loader, num_tiles, kv_len, p.scale_log2, wn, wm, lane, tid,
-                    stid, acc, m_run, l_run);
+                    stid, acc, m_run, l_run, lim, lim_lo);
   } else {
   for (int t = 0; t < num_tiles; ++t) {
 // <tutorial:loop-top>
@@ -390,7 +419,7 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
 
     sync_tile<Tr>(sQ, qf, sK + (t % STAGES) * Tr::KV_TILE_ELEMS,
                   sV + (t % STAGES) * Tr::KV_TILE_ELEMS, kv_len - t * N, wn, wm, lane,
-                  p.scale_log2, acc, m_run, l_run);
+                  p.scale_log2, acc, m_run, l_run, t * N, lim, lim_lo);
 // <tutorial:loop-end>
     // Slice barrier: the slice's warps are done reading their rows of stage t % STAGES before
     // iteration t + 1 issues cp.async into the stage it frees.
@@ -458,19 +487,20 @@ __device__ __forceinline__ bool run_if(int want, int& idx, const FwdParams& p, i
 // Kernel entry point.  Template arguments: head_dim, element type, m, n, warps, stages, rows per
 // warp; the Python side names each instantiation pat_fwd_d{D}_{dtype}_m{M}_n{N}_w{W}_s{S}_r{RW}.
 // Every argument is in pat::FwdParams (pat_params.cuh).
-// An fp8 cache adds the KV element type (pat::fp8_e4m3) as the last template argument and
-// "_kv8" to the name; every other variant leaves it at its default, T.
+// An fp8 cache adds the KV element type (pat::fp8_e4m3) as a template argument and "_kv8" to
+// the name; every other variant leaves it at its default, T.  A multi-token variant (CAUSAL =
+// true, "_mt" in the name) runs a plan's token view with its causal limits (FwdTraits).
 template <int HEAD_DIM, typename T, int M, int N, int WARPS, int STAGES, int RW,
-          typename KV = T>
+          typename KV = T, bool CAUSAL = false>
 __global__ void __launch_bounds__(
     WARPS * 32,
-    (pat::fwd_min_blocks<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW, KV>>()))
+    (pat::fwd_min_blocks<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW, KV, CAUSAL>>()))
     pat_fwd_kernel(
     const __grid_constant__ pat::FwdParams p) {
   pat::BlockClock clock(0);
   // the next launch of the chain may place its blocks while these run
   pat::pdl_launch_dependents();
-  pat::run_items<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW, KV>>(p);
+  pat::run_items<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW, KV, CAUSAL>>(p);
   clock.end();
   pat::chain_exit(p.chain);  // chained launches: the last block waits for the launch before
 }

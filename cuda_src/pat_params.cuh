@@ -19,7 +19,8 @@ struct MergeArgs {
 // One forward launch.  The Plan arrays are those of pat_core/plan.py (int32, device memory,
 // written by plan() into the state's fixed buffer, each tile variant's CTAs contiguous).
 struct FwdParams {
-  const void* q;               // [batch, num_qo_heads, head_dim] (element strides q_sb, q_sh)
+  const void* q;               // [batch, num_qo_heads, head_dim] (element strides q_sb, q_sh);
+                               // [num_qo_tokens, ...] for a multi-token plan
   const void* k_cache;         // paged K (element strides k_sp page, k_st token, k_sh head)
   const void* v_cache;         // paged V (v_sp, v_st, v_sh)
   float* o_partial;            // [num_slots, num_qo_heads, head_dim] fp32
@@ -47,6 +48,13 @@ struct FwdParams {
   float scale_log2;            // sm_scale * log2(e) (an fp8 cache: times k_scale)
   float v_scale;               // an fp8 cache's V scale (read by fp8 variants only; 1 otherwise)
   MergeArgs merge;
+  // Multi-token queries (read by the causal variants only, FwdTraits::CAUSAL; nullptr for the
+  // others).  In such a launch the request tables above are the plan's token view
+  // (Plan.token_view): cta_req holds each (CTA, query token) pair's q row, cta_slot its partial
+  // row, merge.req_slot_indptr each token's partial rows.  Last in the struct, so the fields
+  // above keep their offsets.
+  const int* cta_kv_limit;     // [num_pairs] positions of the CTA's range the pair's token sees
+  const int* cta_causal;       // [C] 1: some pair of the CTA sees fewer than kv_len positions
 };
 
 // One merge launch: request r's slots req_slot_indptr[r] .. req_slot_indptr[r + 1] - 1 combine
@@ -69,7 +77,7 @@ struct MergeParams {
 
 // The host mirror (pat_core/kernel_params.py) checks its sizes against these.
 static_assert(sizeof(MergeArgs) == 56, "MergeArgs layout changed: update kernel_params.py");
-static_assert(sizeof(FwdParams) == 264, "FwdParams layout changed: update kernel_params.py");
+static_assert(sizeof(FwdParams) == 280, "FwdParams layout changed: update kernel_params.py");
 static_assert(sizeof(MergeParams) == 112, "MergeParams layout changed: update kernel_params.py");
 
 }  // namespace pat

@@ -66,12 +66,17 @@ constexpr bool kSmemOccupancy = PAT_SMEM_OCCUPANCY != 0;
 //
 // KV_ is the KV cache's element type: T_ (the default), or fp8_e4m3, whose pages are gathered
 // into a byte staging ring behind the KV tiles and widened into those tiles (KV8 below).
+//
+// CAUSAL_ makes a multi-token variant: it reads the plan's token view and masks, in a CTA the
+// plan flags (FwdParams::cta_causal), the positions past each query token's causal limit
+// (FwdParams::cta_kv_limit).  The default, false, compiles none of that.
 template <int HEAD_DIM_, typename T_, int M_, int N_, int WARPS_, int STAGES_, int RW_ = 16,
-          typename KV_ = T_>
+          typename KV_ = T_, bool CAUSAL_ = false>
 struct FwdTraits {
   using T = T_;
   using KV = KV_;
   static constexpr bool KV8 = sizeof(KV_) == 1;                   // an fp8 cache
+  static constexpr bool CAUSAL = CAUSAL_;                         // multi-token queries
   static constexpr int D = HEAD_DIM_;
   static constexpr int M = M_;
   static constexpr int N = N_;

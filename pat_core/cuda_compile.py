@@ -207,7 +207,10 @@ class FwdVariant:
     """One forward kernel variant.  ``dtype``: the queries' and output's type (a
     :data:`DTYPE_CTYPE` key); ``kv_dtype``: the cache's element type when it differs (a
     :data:`KV_CTYPE` key, fp8), else ``""``, which keeps the key and kernel name of the 16-bit
-    variants as they were."""
+    variants as they were.  ``causal``: the multi-token variant (the kernel's ``CAUSAL``
+    template argument, key suffix ``_mt``), which runs a plan's token view and masks each query
+    token's positions past its causal limit; the same layout and shared memory as the
+    one-token variant of its tile."""
 
     head_dim: int
     dtype: str
@@ -217,10 +220,12 @@ class FwdVariant:
     stages: int
     rows_per_warp: int = 16
     kv_dtype: str = ""
+    causal: bool = False
 
     @classmethod
     def make(cls, m: int, n: int, head_dim: int, dtype: str,
-             arch: str = "sm_90", kv_dtype: str | None = None) -> "FwdVariant":
+             arch: str = "sm_90", kv_dtype: str | None = None,
+             causal: bool = False) -> "FwdVariant":
         """The (m, n) variant in its default layout for ``arch`` ("sm_90", "sm_80", ...), or in
         the layout VARIANT_OVERRIDES names.  An fp8 ``dtype`` alone (a cache dtype, as
         ``Plan.kv_dtype``) names the variant of float16 queries over that cache (the same
@@ -238,26 +243,35 @@ class FwdVariant:
             # the fp8 staging ring grows with the stages: drop to two where three overflow
             while st > 2 and fwd_smem_bytes(m, n, head_dim, st, rw, True) > SMEM_LIMIT["sm_90"]:
                 st -= 1
-        return cls(int(head_dim), str(dtype), int(m), int(n), int(w), int(st), int(rw), kv)
+        return cls(int(head_dim), str(dtype), int(m), int(n), int(w), int(st), int(rw), kv,
+                   bool(causal))
 
     @property
     def key(self) -> str:
         kv = f"_{KV_SHORT[self.kv_dtype]}" if self.kv_dtype else ""
+        mt = "_mt" if self.causal else ""
         return (f"pat_fwd_d{self.head_dim}_{DTYPE_SHORT[self.dtype]}_m{self.m}_n{self.n}"
-                f"_w{self.warps}_s{self.stages}_r{self.rows_per_warp}{kv}")
+                f"_w{self.warps}_s{self.stages}_r{self.rows_per_warp}{kv}{mt}")
+
+    def _tail_args(self) -> str:
+        """The template arguments after rows-per-warp: the KV type when it is not the default
+        (or when CAUSAL follows it), then ``true`` for a causal variant."""
+        if self.causal:
+            kv = KV_CTYPE[self.kv_dtype] if self.kv_dtype else DTYPE_CTYPE[self.dtype]
+            return f", {kv}, true"
+        return f", {KV_CTYPE[self.kv_dtype]}" if self.kv_dtype else ""
 
     @property
     def name_expression(self) -> str:
-        kv = f", {KV_CTYPE[self.kv_dtype]}" if self.kv_dtype else ""
         return (f"pat_fwd_kernel<{self.head_dim}, {DTYPE_CTYPE[self.dtype]}, {self.m}, {self.n}, "
-                f"{self.warps}, {self.stages}, {self.rows_per_warp}{kv}>")
+                f"{self.warps}, {self.stages}, {self.rows_per_warp}{self._tail_args()}>")
 
     @property
     def traits(self) -> str:
         """The variant's ``pat::FwdTraits`` (the fused kernel's template arguments)."""
-        kv = f", {KV_CTYPE[self.kv_dtype]}" if self.kv_dtype else ""
         return (f"pat::FwdTraits<{self.head_dim}, {DTYPE_CTYPE[self.dtype]}, {self.m}, "
-                f"{self.n}, {self.warps}, {self.stages}, {self.rows_per_warp}{kv}>")
+                f"{self.n}, {self.warps}, {self.stages}, {self.rows_per_warp}"
+                f"{self._tail_args()}>")
 
     @property
     def threads(self) -> int:
@@ -304,9 +318,11 @@ class FusedVariant:
     @property
     def key(self) -> str:
         kv = self.members[0].kv_dtype if self.members else ""
+        mt = "mt_" if self.members and self.members[0].causal else ""
         return (f"pat_fwd_fused_d{self.head_dim}_"
-                f"{DTYPE_SHORT[self.dtype]}_" + (f"{KV_SHORT[kv]}_" if kv else "") + "_".join(
-                    f"m{v.m}n{v.n}w{v.warps}s{v.stages}r{v.rows_per_warp}" for v in self.members))
+                f"{DTYPE_SHORT[self.dtype]}_" + (f"{KV_SHORT[kv]}_" if kv else "") + mt +
+                "_".join(f"m{v.m}n{v.n}w{v.warps}s{v.stages}r{v.rows_per_warp}"
+                         for v in self.members))
 
     @property
     def name_expression(self) -> str:

@@ -35,7 +35,8 @@ class FwdParams(ctypes.Structure):
                 ("v_sp", _I64), ("v_st", _I64), ("v_sh", _I64),
                 ("num_kv_heads", _I32), ("group", _I32), ("num_qo_heads", _I32),
                 ("page_size", _I32), ("scale_log2", ctypes.c_float),
-                ("v_scale", ctypes.c_float), ("merge", MergeArgs)]
+                ("v_scale", ctypes.c_float), ("merge", MergeArgs),
+                ("cta_kv_limit", _P), ("cta_causal", _P)]
 
 
 class MergeParams(ctypes.Structure):
