@@ -213,7 +213,7 @@ class CudaBackend:
         default the plan's)."""
         dtype = dtype_name(dtype or plan.io_dtype)
         fwd = [cc.FwdVariant.make(v.m, v.n, v.head_dim, dtype, arch=self.arch,
-                                  kv_dtype=v.kv_dtype or None)
+                                  kv_dtype=v.kv_dtype or None, causal=v.causal)
                for v in cc.plan_fwd_variants(plan, self.arch)]
         nh = self._merge_layout(plan)[1]
         return fwd + [cc.MergeVariant(plan.head_dim, dtype, cc.MERGE_WARPS, nh)]
@@ -254,7 +254,9 @@ class CudaBackend:
         """The device state that holds ``plan`` on the current device: the one of its problem
         shape (heads, head_dim, page size, dtype, ``sm_scale``) when the plan fits its limits
         and tiles, else a new one sized for it (limits 1.25x the plan's, tiles the union of the
-        old state's and the plan's), which replaces the old one once the device is idle."""
+        old state's and the plan's), which replaces the old one once the device is idle.  A
+        multi-token plan needs a state with ``max_num_qo_tokens`` (the causal limits and the
+        multi-token kernels); once made, it serves the one-token plans too."""
         from .static_plan import StaticLayout, StaticLimits, order_tiles
         _check_plan_tiles(plan)
         dev = self.cp.cuda.runtime.getDevice()
@@ -265,18 +267,24 @@ class CudaBackend:
         st = self._states.get(key)
         tiles = {(int(m), int(n)) for m, n in plan.tile_configs.tolist()}
         need = (plan.batch_size, max(1, int(plan.cta_pages.shape[0]) - plan.num_ctas),
-                max(1, plan.num_ctas), max(1, plan.num_slots))
+                max(1, plan.num_ctas), max(1, plan.num_partial_rows), plan.num_qo_tokens)
+        multi = plan.multi_token
         if st is not None:
             lim = st.layout.limits
-            have = (lim.max_batch_size, lim.max_num_pages, lim.max_ctas, lim.max_partials)
-            if tiles <= set(st.layout.tiles) and all(n <= h for n, h in zip(need, have)):
+            have = (lim.max_batch_size, lim.max_num_pages, lim.max_ctas, lim.max_partials,
+                    lim.max_tokens)
+            if tiles <= set(st.layout.tiles) and all(n <= h for n, h in zip(need, have)) \
+                    and (lim.multi_token or not multi):
                 return st
             tiles |= set(st.layout.tiles)
             need = tuple(max(n, h) for n, h in zip(need, have))
+            multi = multi or lim.multi_token
             # kernels of the old state's last run may still read its buffers
             self.cp.cuda.Device(dev).synchronize()
         grow = [max(1, (n * 5 + 3) // 4) for n in need]
-        layout = StaticLayout(StaticLimits(*grow), order_tiles(tiles))
+        grow[4] = max(grow[4], grow[0])
+        limits = StaticLimits(*grow[:4], max_num_qo_tokens=grow[4] if multi else None)
+        layout = StaticLayout(limits, order_tiles(tiles))
         st = StaticState(self, layout, *shape, fixed=False, kv_dtype=kv_dtype)
         self._states[key] = st
         return st
@@ -300,7 +308,8 @@ class CudaBackend:
         ----------
         plan : the batch's :class:`~pat_core.plan.Plan` (written into its device state here,
             on the caller's stream, unless :meth:`upload` already did).
-        q : ``[batch, num_qo_heads, head_dim]`` float16/bfloat16, torch CUDA tensor or CuPy
+        q : ``[batch, num_qo_heads, head_dim]`` float16/bfloat16 (``[qo_indptr[-1], ...]``
+            for a multi-token plan; out and lse likewise), torch CUDA tensor or CuPy
             array (any strides with a contiguous last dimension and 16-byte aligned rows).
         k_cache, v_cache : ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD) or
             ``[num_pages, num_kv_heads, page_size, head_dim]`` (HND), q's dtype; strided views

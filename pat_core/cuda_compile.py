@@ -411,13 +411,13 @@ def all_merge_variants(head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_CTYPE)):
 
 def plan_fwd_variants(plan, arch: str = "sm_90") -> list:
     """Forward variants a Plan launches on ``arch`` (one per distinct tile config of its launch
-    groups)."""
+    groups; the multi-token variants for a plan with several tokens in a request)."""
     seen = []
     for _, (m, n), b, e in plan.groups():
         if e <= b:
             continue
         v = FwdVariant.make(m, n, plan.head_dim, plan.io_dtype, arch=arch,
-                            kv_dtype=plan.kv_dtype)
+                            kv_dtype=plan.kv_dtype, causal=plan.multi_token)
         if v not in seen:
             seen.append(v)
     return seen

@@ -7,6 +7,7 @@ they are compiled here with NVRTC and their cubins kept in the backend's ``cache
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -19,10 +20,12 @@ def _variant_from(v):
     if isinstance(v, (cc.FwdVariant, cc.MergeVariant, cc.FusedVariant)):
         return v
     if isinstance(v, str):
+        # a multi-token variant's key is its one-token variant's plus "_mt"
+        base, causal = (v[:-3], True) if v.endswith("_mt") else (v, False)
         for cand in (cc.all_fwd_variants() + cc.all_fwd_variants(kv_dtype="float8_e4m3fn")
-                     + cc.all_merge_variants()):
-            if cand.key == v:
-                return cand
+                     + ([] if causal else cc.all_merge_variants())):
+            if cand.key == base:
+                return dataclasses.replace(cand, causal=True) if causal else cand
         raise ValueError(f"variants: unknown kernel variant {v!r}")
     raise TypeError(f"variants: expected FwdVariant, MergeVariant, FusedVariant "
                     f"or key, got {type(v).__name__}")
@@ -104,7 +107,7 @@ def _compile_in_workers(variants, jobs: int, defines: tuple = (), cache_dir=None
     def fields_of(v):
         if isinstance(v, cc.FwdVariant):
             return ("fwd", (v.head_dim, v.dtype, v.m, v.n, v.warps, v.stages, v.rows_per_warp,
-                            v.kv_dtype), defines, cache_dir)
+                            v.kv_dtype, v.causal), defines, cache_dir)
         return "merge", (v.head_dim, v.dtype, v.warps, v.heads), defines, cache_dir
     fields = [fields_of(v) for v in variants]
     ctx = mp.get_context("spawn")

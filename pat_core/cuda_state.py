@@ -38,6 +38,14 @@ class StaticState:
     when every request has one partial slot (its forward item wrote the output) and no block
     drew a second item (no work counter to reset).
 
+    Multi-token queries: a layout with ``max_num_qo_tokens`` (:class:`~pat_core.static_plan.
+    StaticLimits`) also holds each plan's causal limits, and the state has a second kernel set,
+    the multi-token (causal) variants of the same tiles.  A plain state runs them for the plans
+    that give a request several tokens (the one-token variants for the others, unchanged); a
+    graph-safe state runs them for every step, since a captured graph may replay any mix.  Either
+    way the request tables in the buffer are the plan's token view, so "batch" below counts query
+    tokens (q rows) and "slots" partial rows.
+
     ``backend``: the :class:`pat_core.cuda_backend.CudaBackend` that compiles and launches the
     kernels (not imported here: the backend module imports this one).
     """
@@ -80,27 +88,21 @@ class StaticState:
         self.staging = np.frombuffer(self._pinned, dtype=np.int32, count=layout.total)
         self.copied = cp.cuda.Event(disable_timing=True)
         self.copied.record()
-        self.variants = [cc.FwdVariant.make(m, n, self.head_dim, self.dtype, arch=backend.arch,
-                                            kv_dtype=kv) for m, n in layout.tiles]
         self.merge_variant = cc.MergeVariant(self.head_dim, self.dtype)
         self.fused = bool(fused) and self.fixed
-        if self.fused:
-            # one kernel holds every tile (warmup compiles it in this process)
-            self.launch_variants = [cc.FusedVariant(self.head_dim, self.dtype,
-                                                    tuple(self.variants))]
-            backend.warmup(variants=self.launch_variants + [self.merge_variant], jobs=1)
-        else:
-            self.launch_variants = list(self.variants)
-            backend.warmup(variants=self.variants + [self.merge_variant],
-                           jobs=min(len(self.variants), os.cpu_count() or 1))
         props = cp.cuda.runtime.getDeviceProperties(self.device)
         self.num_sms = int(props["multiProcessorCount"])
-        self.per_sm = [backend._blocks_per_sm(v) for v in self.launch_variants]
-        # every block that can be resident at once, at most one per item the limits allow
-        self.grids = [launch_grid(lim.max_ctas * self.num_kv_heads, b, self.num_sms)
-                      for b in self.per_sm]
+        # kernel sets by causal flag: the one-token variants, and for a multi-token layout the
+        # multi-token ones (graph-safe: those alone, every step may hold several tokens)
+        if lim.multi_token:
+            causal_sets = (True,) if self.fixed else (False, True)
+        else:
+            causal_sets = (False,)
+        self._sets = {c: self._kernel_set(c, kv) for c in causal_sets}
+        self.causal = False
+        self._use(causal_sets[-1] if self.fixed else False)
         self.prepared: dict = {}
-        self.batch = None           # live batch of the last plan written
+        self.batch = None           # live query tokens (q rows) of the last plan written
         self.plan = None
         self.plan_version = None
         self.live = None            # [V, 2] first CTA and count per variant of that plan
@@ -110,6 +112,36 @@ class StaticState:
         self.merge_key = (False, 1)
         self.max_rows = None        # graph-safe: q rows and KV pages of the inputs the
         self.num_pages = None       # launches were built for (a later plan must fit them)
+
+    def _kernel_set(self, causal: bool, kv) -> dict:
+        """Compile the launch set's forward kernels (``causal``: the multi-token variants) and
+        size their grids: ``{"variants", "launch_variants", "per_sm", "grids"}``."""
+        backend = self.backend
+        variants = [cc.FwdVariant.make(m, n, self.head_dim, self.dtype, arch=backend.arch,
+                                       kv_dtype=kv, causal=causal)
+                    for m, n in self.layout.tiles]
+        if self.fused:
+            # one kernel holds every tile (warmup compiles it in this process)
+            launch_variants = [cc.FusedVariant(self.head_dim, self.dtype, tuple(variants))]
+            backend.warmup(variants=launch_variants + [self.merge_variant], jobs=1)
+        else:
+            launch_variants = list(variants)
+            backend.warmup(variants=variants + [self.merge_variant],
+                           jobs=min(len(variants), os.cpu_count() or 1))
+        per_sm = [backend._blocks_per_sm(v) for v in launch_variants]
+        # every block that can be resident at once, at most one per item the limits allow
+        grids = [launch_grid(self.layout.limits.max_ctas * self.num_kv_heads, b, self.num_sms)
+                 for b in per_sm]
+        return {"variants": variants, "launch_variants": launch_variants, "per_sm": per_sm,
+                "grids": grids}
+
+    def _use(self, causal: bool) -> None:
+        """Make the kernel set of ``causal`` the current one (:attr:`variants`,
+        :attr:`launch_variants`, :attr:`per_sm`, :attr:`grids`)."""
+        ks = self._sets[causal]
+        self.causal = causal
+        self.variants, self.launch_variants = ks["variants"], ks["launch_variants"]
+        self.per_sm, self.grids = ks["per_sm"], ks["grids"]
 
     def check_plan(self, plan: Plan) -> None:
         """``ValueError`` unless ``plan`` fits this state: its shape and, in graph-safe mode,
@@ -136,10 +168,13 @@ class StaticState:
 
     def check_inputs(self, plan: Plan, rows: int, num_pages: int) -> None:
         """``ValueError`` unless ``plan`` fits inputs of ``rows`` q rows and ``num_pages`` KV
-        pages (graph-safe: at least the batch's rows; plain: exactly)."""
-        if plan.batch_size > rows or (not self.fixed and plan.batch_size != rows):
+        pages (graph-safe: at least the batch's query tokens; plain: exactly)."""
+        need = plan.num_qo_tokens
+        if need > rows or (not self.fixed and need != rows):
             what = "the q buffer the launches were built for has" if self.fixed else "q has"
-            raise ValueError(f"the plan has {plan.batch_size} requests but {what} {rows} rows")
+            toks = (f"{need} query tokens (qo_indptr[-1])" if plan.multi_token
+                    else f"{need} requests")
+            raise ValueError(f"the plan has {toks} but {what} {rows} rows")
         if plan.cta_pages.size and int(plan.cta_pages.max()) >= num_pages:
             raise ValueError(f"the KV cache (paged_kv_cache) holds {num_pages} pages but the "
                              f"plan reads page {int(plan.cta_pages.max())}")
@@ -158,11 +193,13 @@ class StaticState:
                                         packed.shape[0] * 4, cp.cuda.runtime.memcpyHostToDevice,
                                         stream_ptr)
             self.copied.record(_external_stream(cp, stream_ptr, self.device))
-        self.batch = plan.batch_size
+        self.batch = plan.num_qo_tokens
         self.plan, self.plan_version = plan, plan.version
         off = self.layout.offset["live"]
         self.live = packed[off:off + 2 * self.layout.num_variants].reshape(-1, 2).copy()
         if not self.fixed:
+            # plain: the multi-token variants only for a plan that needs them
+            self._use(plan.multi_token)
             self._plain_schedule(plan)
 
     def _plain_schedule(self, plan: Plan) -> None:
@@ -224,22 +261,31 @@ class StaticState:
         # single-slot requests: the forward item writes the output (out set per call)
         base.merge.req_slot_indptr = arrays["req_slot_indptr"]
         ctr, chain = int(self.counters.data.ptr), int(self.chain.data.ptr)
-        launches = []
+        by_set = {}
         be = self.backend
         with self.cp.cuda.Device(self.device):
-            for i, v in enumerate(self.launch_variants):
-                prm = _copy_params(base)
-                # the fused kernel reads the whole live table (one {first, count} per tile)
-                prm.live = arrays["live"] + 8 * i
-                prm.work_counter = ctr + 4 * i
-                prm.chain = chain + 4 * i
-                launches.append(_Launch(be._function(v), (self.grids[i], 1, 1),
-                                        (v.threads, 1, 1), prm, v.smem_bytes, be.options.fast))
-            prep = {"launches": launches, "merges": {}, "rows": rows,
+            for causal, ks in self._sets.items():
+                launches = []
+                for i, v in enumerate(ks["launch_variants"]):
+                    prm = _copy_params(base)
+                    # the fused kernel reads the whole live table (one {first, count} per tile)
+                    prm.live = arrays["live"] + 8 * i
+                    prm.work_counter = ctr + 4 * i
+                    prm.chain = chain + 4 * i
+                    if causal:          # the causal limits (the one-token variants: nullptr)
+                        prm.cta_kv_limit = arrays["cta_kv_limit"]
+                        prm.cta_causal = arrays["cta_causal"]
+                    launches.append(_Launch(be._function(v), (ks["grids"][i], 1, 1),
+                                            (v.threads, 1, 1), prm, v.smem_bytes,
+                                            be.options.fast))
+                by_set[causal] = launches
+            # "launches": the graph-safe set (its only one), or the plain one-token set
+            prep = {"launches": by_set[self.causal if self.fixed else False],
+                    "launches_by_set": by_set, "merges": {}, "rows": rows,
                     "num_pages": int(num_pages), "checked": self.plan, "arrays": arrays}
             if self.fixed:
                 mv = self.merge_variant
-                pairs = lay.limits.max_batch_size * Hq
+                pairs = lay.limits.max_tokens * Hq      # (query token, head) pairs
                 grid = max(1, min((pairs + mv.warps - 1) // mv.warps,
                                   self.num_sms * self._MERGE_BLOCKS_PER_SM))
                 prep["merge"] = self._merge_launch(arrays, mv, grid, False)
@@ -259,7 +305,7 @@ class StaticState:
     def live_launches(self, prep: dict) -> tuple:
         """Plain plans: the written plan's forward launches (in :attr:`order`) and its merge
         (``None`` when it needs none)."""
-        launches = [prep["launches"][v] for v in self.order]
+        launches = [prep["launches_by_set"][self.causal][v] for v in self.order]
         for v, ln in zip(self.order, launches):
             ln.set_grid(self.plan_grids[v])
         if not self.needs_merge:

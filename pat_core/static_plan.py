@@ -10,27 +10,36 @@ only the *contents* of device memory:
   (read from device memory) is reached;
 * every Plan array at a fixed offset of one int32 buffer sized for the limits below;
 * fp32 partial buffers sized for ``max_partials``;
+* with ``max_num_qo_tokens`` (multi-token queries), each (CTA, query token) pair's causal limit
+  and each CTA's causal flag (:meth:`pat_core.plan.Plan.token_view`), read by the multi-token
+  kernel variants;
 * a merge launch over a fixed grid that reads the live batch size from device memory.
 
 This module is the pure-NumPy half (no CuPy): the limits, the buffer layout and the packing of a
 Plan into it, shared by the CUDA backend and the CPU tests.
 
-Buffer layout (int32; ``V`` variants, limits ``B`` batch, ``C`` CTAs, ``S`` partial slots,
-``P = max_num_pages + max_ctas`` page entries)::
+Buffer layout (int32; ``V`` variants, limits ``C`` CTAs, ``S`` partial rows, ``N`` query
+tokens (``max_num_qo_tokens``, else ``max_batch_size``), ``P = max_num_pages + max_ctas`` page
+entries; ``M = S`` and ``K = C`` with ``max_num_qo_tokens``, else 0)::
 
     live             [V, 2]   first CTA and CTA count of each variant's launch
-    live_batch       [1]      batch size (the merge kernel's)
+    live_batch       [1]      query tokens of the batch (the merge kernel's rows)
     cta_req_indptr   [C + 1]
     cta_kv_start     [C]
     cta_kv_len       [C]
     cta_page_indptr  [C + 1]
-    req_slot_indptr  [B + 1]
+    req_slot_indptr  [N + 1]
     cta_req          [S]
     cta_slot         [S]
+    cta_kv_limit     [M]      multi-token layouts: each pair's causal limit
+    cta_causal       [K]      multi-token layouts: each CTA's causal flag
     cta_pages        [P]      last, so a plan copies only up to its last page entry
 
-CTAs are reordered so that each variant's CTAs are contiguous (a cascade plan interleaves them
-by level); within a variant the Plan's order is kept.
+The request tables are the plan's token view (:meth:`pat_core.plan.Plan.token_view`): every
+query token a request of its own, ``cta_req`` its q row, ``cta_slot`` its partial row,
+``req_slot_indptr`` each token's partial rows (with one token per request, the Plan's own
+arrays).  CTAs are reordered so that each variant's CTAs are contiguous (a cascade plan
+interleaves them by level); within a variant the Plan's order is kept.
 """
 from __future__ import annotations
 
@@ -43,7 +52,8 @@ from .plan import Plan
 
 MAX_VARIANTS = 64    # work counters one merge block zeroes (it has 128 threads)
 FIELDS = ("live", "live_batch", "cta_req_indptr", "cta_kv_start", "cta_kv_len",
-          "cta_page_indptr", "req_slot_indptr", "cta_req", "cta_slot", "cta_pages")
+          "cta_page_indptr", "req_slot_indptr", "cta_req", "cta_slot", "cta_kv_limit",
+          "cta_causal", "cta_pages")
 
 
 @dataclass(frozen=True)
@@ -55,43 +65,69 @@ class StaticLimits:
         ``ceil(seq_len / page_size)``); the plan's page list holds at most this plus one entry
         per CTA (a page cut by a split is listed by both parts).
     max_ctas : Plan CTAs (work items per KV head) per step.
-    max_partials : partial results per step, ``Plan.num_slots`` (one per (CTA, request) pair).
+    max_partials : partial result rows per step, ``Plan.num_partial_rows`` (one per (CTA,
+        request) pair and query token of the request; ``Plan.num_slots`` with one token each).
+    max_num_qo_tokens : query tokens per step (``Plan.num_qo_tokens``, the rows of ``q``), for
+        multi-token queries (``qo_indptr``).  ``None`` (default): one token per request (a
+        multi-token plan is refused); given, the layout also holds the causal limits and the
+        launches run the multi-token kernel variants, for every step.
     """
 
     max_batch_size: int
     max_num_pages: int
     max_ctas: int
     max_partials: int
+    max_num_qo_tokens: int | None = None
 
     def __post_init__(self):
-        for name in ("max_batch_size", "max_num_pages", "max_ctas", "max_partials"):
+        names = ("max_batch_size", "max_num_pages", "max_ctas", "max_partials") + \
+            (("max_num_qo_tokens",) if self.max_num_qo_tokens is not None else ())
+        for name in names:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
             if v > 2**30:
                 raise ValueError(f"{name}={v} is too large (int32 device arrays)")
             object.__setattr__(self, name, int(v))
+        if self.max_num_qo_tokens is not None and self.max_num_qo_tokens < self.max_batch_size:
+            raise ValueError(f"max_num_qo_tokens={self.max_num_qo_tokens} is less than "
+                             f"max_batch_size={self.max_batch_size} (every request has a token)")
 
     @classmethod
-    def make(cls, max_batch_size, max_num_pages, max_ctas=None, max_partials=None):
+    def make(cls, max_batch_size, max_num_pages, max_ctas=None, max_partials=None,
+             max_num_qo_tokens=None):
         """Limits with the documented defaults: ``max_ctas = 4 * max_batch_size + 256`` and
-        ``max_partials = 4 * max_batch_size + max_ctas``."""
+        ``max_partials = 4 * max_tokens + max_ctas`` (``max_tokens``: ``max_num_qo_tokens``,
+        or ``max_batch_size`` without it)."""
         if max_batch_size is None or max_num_pages is None:
             raise ValueError("use_cuda_graph=True needs max_batch_size and max_num_pages")
         if max_ctas is None:
             max_ctas = 4 * int(max_batch_size) + 256
         if max_partials is None:
-            max_partials = 4 * int(max_batch_size) + int(max_ctas)
-        return cls(max_batch_size, max_num_pages, max_ctas, max_partials)
+            tokens = max_num_qo_tokens if max_num_qo_tokens is not None else max_batch_size
+            max_partials = 4 * int(tokens) + int(max_ctas)
+        return cls(max_batch_size, max_num_pages, max_ctas, max_partials, max_num_qo_tokens)
+
+    @property
+    def multi_token(self) -> bool:
+        """Sized for multi-token steps (``max_num_qo_tokens`` given)."""
+        return self.max_num_qo_tokens is not None
+
+    @property
+    def max_tokens(self) -> int:
+        """Query tokens (q rows) a step may hold: ``max_num_qo_tokens``, else one per
+        request."""
+        return self.max_num_qo_tokens if self.max_num_qo_tokens is not None \
+            else self.max_batch_size
 
     @property
     def page_entries(self) -> int:
         return self.max_num_pages + self.max_ctas
 
     def max_cta_rows(self, group: int) -> int:
-        """The most query rows one CTA can hold under these limits: every request of the
+        """The most query rows one CTA can hold under these limits: every query token of the
         batch x the GQA ``group`` (the ``max_rows`` of :func:`reachable_tiles`)."""
-        return self.max_batch_size * int(group)
+        return self.max_tokens * int(group)
 
 
 class StaticLayout:
@@ -110,11 +146,14 @@ class StaticLayout:
             raise ValueError(f"tiles: repeated entries in {self.tiles}")
         if len(self.tiles) > MAX_VARIANTS:     # the merge kernel's first block resets them
             raise ValueError(f"tiles: at most {MAX_VARIANTS} variants, got {len(self.tiles)}")
-        B, C, S, P = limits.max_batch_size, limits.max_ctas, limits.max_partials, \
+        N, C, S, P = limits.max_tokens, limits.max_ctas, limits.max_partials, \
             limits.page_entries
+        mt = limits.multi_token
         self.size = {"live": 2 * len(self.tiles), "live_batch": 1, "cta_req_indptr": C + 1,
                      "cta_kv_start": C, "cta_kv_len": C, "cta_page_indptr": C + 1,
-                     "req_slot_indptr": B + 1, "cta_req": S, "cta_slot": S, "cta_pages": P}
+                     "req_slot_indptr": N + 1, "cta_req": S, "cta_slot": S,
+                     "cta_kv_limit": S if mt else 0, "cta_causal": C if mt else 0,
+                     "cta_pages": P}
         self.offset = {}
         at = 0
         for name in FIELDS:
@@ -129,11 +168,18 @@ class StaticLayout:
     def check(self, plan: Plan) -> None:
         """``ValueError`` naming the limit a plan exceeds (or the tile outside the launch set)."""
         lim = self.limits
+        if plan.multi_token and not lim.multi_token:
+            raise ValueError("the plan gives a request several query tokens (qo_indptr), but "
+                             "this graph-safe wrapper was sized for one token per request; "
+                             "create it with max_num_qo_tokens")
         checks = (("max_batch_size", plan.batch_size, "requests"),
+                  ("max_num_qo_tokens" if lim.multi_token else "max_batch_size",
+                   plan.num_qo_tokens, "query tokens"),
                   ("max_ctas", plan.num_ctas, "CTAs"),
-                  ("max_partials", plan.num_slots, "partial results (CTA, request pairs)"))
+                  ("max_partials", plan.num_partial_rows,
+                   "partial result rows (CTA, request pairs x query tokens)"))
         for name, have, what in checks:
-            if have > getattr(lim, name):
+            if have > getattr(lim, "max_tokens" if name == "max_num_qo_tokens" else name):
                 raise ValueError(f"the plan has {have} {what}, more than {name}="
                                  f"{getattr(lim, name)} of this graph-safe wrapper; create it "
                                  f"with a larger {name}")
@@ -151,8 +197,8 @@ class StaticLayout:
     def pack(self, plan: Plan, out: np.ndarray | None = None) -> np.ndarray:
         """The buffer's contents for ``plan``: int32 ``[n]`` with ``n <= total`` (everything up to
         the plan's last page entry; the rest of the buffer is never read for this plan), each
-        array at its offset, CTAs grouped by launch-set variant (stable), the unused tail of
-        every array zeroed.  ``out``: int32 ``[>= n]`` to write into (pinned staging memory,
+        array at its offset, the request tables those of the plan's token view, CTAs grouped by
+        launch-set variant (stable), the unused tail of every array zeroed.  ``out``: int32 ``[>= n]`` to write into (pinned staging memory,
         say); the returned array is then ``out[:n]``."""
         self.check(plan)
         n = self.offset["cta_pages"] + plan.cta_pages.shape[0]
@@ -164,14 +210,19 @@ class StaticLayout:
         tile_v = np.array([vidx[(int(m), int(n_))] for m, n_ in plan.tile_configs.tolist()],
                           dtype=np.int64)
         off = np.array([self.offset[f] for f in FIELDS], dtype=np.int64)
-        _pack_nb(out, off, tile_v, self.num_variants, int(plan.batch_size),
-                 plan.cta_tile, plan.cta_req_indptr, plan.cta_req, plan.cta_slot,
+        tv = plan.token_view()            # one token per request: the plan's own arrays
+        _pack_nb(out, off, tile_v, self.num_variants, int(plan.num_qo_tokens),
+                 plan.cta_tile, tv.cta_req_indptr, tv.cta_req, tv.cta_slot,
                  plan.cta_kv_start, plan.cta_kv_len, plan.cta_page_indptr, plan.cta_pages,
-                 plan.req_slot_indptr)
+                 tv.req_slot_indptr, tv.cta_kv_limit, tv.cta_causal,
+                 self.limits.multi_token)
         return out[:n]
 
     def unpack(self, buf: np.ndarray) -> dict:
-        """The live arrays back out of a packed buffer (for tests and debugging)."""
+        """The live arrays back out of a packed buffer (for tests and debugging);
+        ``batch_size`` is the live query tokens (the batch with one token per request), the
+        request tables the token view's, ``cta_kv_limit`` / ``cta_causal`` empty unless the
+        layout is multi-token."""
         live = buf[self.offset["live"]:self.offset["live"] + 2 * self.num_variants]
         live = live.reshape(-1, 2)
         C = int(live[:, 1].sum())
@@ -183,7 +234,10 @@ class StaticLayout:
 
         req_ptr = seg("cta_req_indptr", C + 1)
         page_ptr = seg("cta_page_indptr", C + 1)
-        return {"live": live.copy(), "batch_size": B, "cta_req_indptr": req_ptr,
+        mt = self.limits.multi_token
+        causal = {"cta_kv_limit": seg("cta_kv_limit", int(req_ptr[-1]) if mt else 0),
+                  "cta_causal": seg("cta_causal", C if mt else 0)}
+        return {"live": live.copy(), "batch_size": B, "cta_req_indptr": req_ptr, **causal,
                 "cta_kv_start": seg("cta_kv_start", C), "cta_kv_len": seg("cta_kv_len", C),
                 "cta_page_indptr": page_ptr, "req_slot_indptr": seg("req_slot_indptr", B + 1),
                 "cta_req": seg("cta_req", int(req_ptr[-1])),
@@ -193,11 +247,17 @@ class StaticLayout:
 
 @njit(cache=True, nogil=True)
 def _pack_nb(out, off, tile_v, nvar, batch, cta_tile, cta_req_indptr, cta_req, cta_slot,
-             cta_kv_start, cta_kv_len, cta_page_indptr, cta_pages, req_slot_indptr):
-    """:meth:`StaticLayout.pack` into ``out`` in one pass; ``off``: int64 ``[10]``, the offsets
-    of :data:`FIELDS` in order.  Every element from 0 to the last page entry is written."""
-    o_live, o_lb, o_rip, o_kvs, o_kvl, o_pip, o_rsi, o_req, o_slot, o_pages = \
-        off[0], off[1], off[2], off[3], off[4], off[5], off[6], off[7], off[8], off[9]
+             cta_kv_start, cta_kv_len, cta_page_indptr, cta_pages, req_slot_indptr,
+             cta_kv_limit, cta_causal, causal):
+    """:meth:`StaticLayout.pack` into ``out`` in one pass; ``off``: int64 ``[12]``, the offsets
+    of :data:`FIELDS` in order; ``batch``: the query tokens; the request tables (int32
+    ``cta_req_indptr [C + 1]``, ``cta_req`` / ``cta_slot`` / ``cta_kv_limit [T]``,
+    ``req_slot_indptr [batch + 1]``, ``cta_causal [C]``) are a token view's.  ``causal``: the
+    layout holds ``cta_kv_limit`` / ``cta_causal`` (else they are not written).  Every element
+    from 0 to the last page entry is written."""
+    o_live, o_lb, o_rip, o_kvs, o_kvl, o_pip, o_rsi, o_req, o_slot, o_lim, o_caus, o_pages = \
+        off[0], off[1], off[2], off[3], off[4], off[5], off[6], off[7], off[8], off[9], \
+        off[10], off[11]
     C = cta_tile.shape[0]
     counts = np.zeros(nvar, dtype=np.int64)
     for c in range(C):
@@ -223,9 +283,13 @@ def _pack_nb(out, off, tile_v, nvar, batch, cta_tile, cta_req_indptr, cta_req, c
         c = order[i]
         out[o_kvs + i] = cta_kv_start[c]
         out[o_kvl + i] = cta_kv_len[c]
+        if causal:
+            out[o_caus + i] = cta_causal[c]
         for k in range(cta_req_indptr[c], cta_req_indptr[c + 1]):
             out[o_req + r] = cta_req[k]
             out[o_slot + r] = cta_slot[k]
+            if causal:
+                out[o_lim + r] = cta_kv_limit[k]
             r += 1
         out[o_rip + i + 1] = r
         for k in range(cta_page_indptr[c], cta_page_indptr[c + 1]):
@@ -236,9 +300,11 @@ def _pack_nb(out, off, tile_v, nvar, batch, cta_tile, cta_req_indptr, cta_req, c
     for b in range(nb):
         out[o_rsi + b] = req_slot_indptr[b]
     # the unused tail of every array up to the page list (never read; zeroed, not stale)
+    nl = r if causal else 0
+    nc = C if causal else 0
     ends = np.array([o_live + 2 * nvar, o_lb + 1, o_rip + C + 1, o_kvs + C, o_kvl + C,
-                     o_pip + C + 1, o_rsi + nb, o_req + r, o_slot + r])
-    for j in range(9):
+                     o_pip + C + 1, o_rsi + nb, o_req + r, o_slot + r, o_lim + nl, o_caus + nc])
+    for j in range(11):
         for x in range(ends[j], off[j + 1]):
             out[x] = 0
     return o_pages + pg

@@ -36,7 +36,8 @@ and page ids must fit in int32.  :meth:`PrefixAttentionWrapper.plan` names the l
 Any page size within that works.  ``q`` and the KV cache share one dtype (except an fp8
 cache), fixed at :meth:`PrefixAttentionWrapper.plan`.  Multi-token queries
 (``plan(..., qo_indptr=...)``, 1 to 16 query tokens per request, causal among themselves) run on
-the CPU backend; the CUDA backend refuses a batch with more than one token in a request.
+both backends (the CUDA backend through its multi-token kernel variants; graph-safe wrappers
+need ``max_num_qo_tokens``).
 """
 from __future__ import annotations
 
@@ -120,15 +121,20 @@ class PrefixAttentionWrapper:
     max_batch_size, max_num_pages : graph-safe limits (required with ``use_cuda_graph``):
         requests per step, and block-table entries per step (the sum over requests of
         ``ceil(seq_len / page_size)``).
-    max_ctas, max_partials : graph-safe limits on the plan's CTAs and partial results
-        (defaults ``4 * max_batch_size + 256`` and ``4 * max_batch_size + max_ctas``; see
+    max_ctas, max_partials : graph-safe limits on the plan's CTAs and partial result rows
+        (defaults ``4 * max_batch_size + 256`` and ``4 * max_num_qo_tokens + max_ctas``; see
         :class:`~pat_core.static_plan.StaticLimits`).
+    max_num_qo_tokens : graph-safe limit on the query tokens (q rows) of a step, for
+        multi-token queries (``plan(..., qo_indptr=)``).  Default ``None``: one token per
+        request, and a multi-token plan is refused.  Given, every replay runs the multi-token
+        kernel variants (a captured graph may replay any mix of query lengths up to it).
     """
 
     def __init__(self, backend: str = "cuda", packer: str = "pat", kv_layout: str = "NHD",
                  gpu: str | None = None, *, use_cuda_graph: bool = False,
                  max_batch_size: int | None = None, max_num_pages: int | None = None,
-                 max_ctas: int | None = None, max_partials: int | None = None):
+                 max_ctas: int | None = None, max_partials: int | None = None,
+                 max_num_qo_tokens: int | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if packer not in PACKERS:
@@ -170,11 +176,12 @@ class PrefixAttentionWrapper:
                                  "buffers and kernel launches for CUDA graph replay)")
             from .static_plan import StaticLimits
             self.static_limits = StaticLimits.make(max_batch_size, max_num_pages, max_ctas,
-                                                   max_partials)
+                                                   max_partials, max_num_qo_tokens)
         elif any(x is not None for x in (max_batch_size, max_num_pages, max_ctas,
-                                         max_partials)):
-            raise ValueError("max_batch_size, max_num_pages, max_ctas and max_partials are "
-                             "graph-safe limits: pass them with use_cuda_graph=True")
+                                         max_partials, max_num_qo_tokens)):
+            raise ValueError("max_batch_size, max_num_pages, max_ctas, max_partials and "
+                             "max_num_qo_tokens are graph-safe limits: pass them with "
+                             "use_cuda_graph=True")
 
     # ------------------------------------------------------------------ plan
     def plan(self, block_tables, seq_lens, num_qo_heads: int, num_kv_heads: int, head_dim: int,
@@ -220,8 +227,8 @@ class PrefixAttentionWrapper:
             positions ``< seq_len - n + 1 + j`` (causal among the new tokens).  ``q``, the
             output and the LSE then have ``qo_indptr[-1]`` rows.  A request's tokens share
             its CTAs as the GQA group's heads do (``n x group`` rows, at most the largest
-            tile's).  ``None`` (default): one token per request.  CPU backend only for now:
-            the CUDA backend refuses a batch with more than one token in a request.
+            tile's).  ``None`` (default): one token per request.  Both backends (a graph-safe
+            wrapper needs ``max_num_qo_tokens``).
         disable_split_kv : FlashInfer's switch; ``True`` means ``split=False``.
         batch_invariant : ``True``: a request's output and LSE are the same bits whatever else
             is in the batch (same q row, same KV pages and values, same seq_len), on either
@@ -297,10 +304,6 @@ class PrefixAttentionWrapper:
                                      q_data_type=q_dtype, tile=tile, serial=serial, split=split,
                                      batch_invariant=bool(batch_invariant),
                                      qo_indptr=qo_indptr)
-            if plan.multi_token and self.backend == "cuda":
-                raise ValueError("qo_indptr gives a request several query tokens: the CUDA "
-                                 "backend's kernels run one token per request so far "
-                                 "(backend='cpu' runs multi-token plans)")
             if self.use_cuda_graph:
                 self._write_static(plan, tile)
             elif self._gpu_backend is not None:
