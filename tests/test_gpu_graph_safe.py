@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_gpu_kernels import _available, _np64, _rel, plain_attention
+from test_gpu_kernels import _available, _np64, _rel, plain_attention, plain_attention_mt
 
 pytestmark = pytest.mark.gpu
 requires_gpu = pytest.mark.skipif(not _available(), reason="needs CuPy, torch and a CUDA device")
@@ -304,3 +304,111 @@ def test_fp8_cache_under_one_capture(fused):
         lerr = float(np.abs(_np64(lse_buf[:B]) - ref_lse).max())
         assert lerr < 1e-2, f"step {step}: lse error {lerr:.3e}"
     assert all(v.kv_dtype == "float8_e4m3fn" for v in w._static.variants)
+
+
+@requires_gpu
+@pytest.mark.parametrize("max_batch,fused", ((12, "off"), (4, "on"), (12, "auto")))
+def test_multitoken_steps_under_one_capture(max_batch, fused):
+    """A graph-safe wrapper with max_num_qo_tokens: one capture replays steps of changing
+    query-length mixes (all one token, fixed draft lengths, mixed 1..8), requests joining,
+    leaving and growing by their tokens; each step against float64 with the causal rule, rows
+    past the live tokens untouched.  Every replay runs the multi-token kernels."""
+    import torch
+    from pat_core import PrefixAttentionWrapper, dense_attention
+    from pat_core.inputs import as_block_table
+
+    hq, hk, d, dtype = 16, 4, 128, torch.float16
+    num_pages, max_q = 768, 8
+    max_tokens = max_batch * max_q
+    rng = np.random.default_rng(5)
+    torch.manual_seed(5)
+    cache = PagedCache(num_pages, hk, d, dtype, rng, torch)
+    root = cache.join(260)
+    for _ in range(min(4, max_batch - 1)):
+        cache.join(int(rng.integers(20, 150)), parent=root)
+    w = PrefixAttentionWrapper(backend="cuda", packer="pat", use_cuda_graph=True,
+                               max_batch_size=max_batch, max_num_pages=num_pages,
+                               max_num_qo_tokens=max_tokens)
+    w._gpu_backend.graph_fused = fused
+    q_buf = torch.zeros((max_tokens, hq, d), dtype=dtype, device="cuda")
+    out_buf = torch.zeros_like(q_buf)
+    lse_buf = torch.zeros((max_tokens, hq), dtype=torch.float32, device="cuda")
+    stream = torch.cuda.Stream()
+    graph = None
+    mixes = set()
+    for step in range(24):
+        with torch.cuda.stream(stream):
+            if step:
+                for _ in range(int(rng.integers(0, 2))):
+                    if len(cache.reqs) > 2:
+                        cache.leave(int(rng.integers(0, len(cache.reqs))))
+                for _ in range(int(rng.integers(0, 2))):
+                    if len(cache.reqs) < max_batch and len(cache.free) > 64:
+                        parent = cache.reqs[int(rng.integers(0, len(cache.reqs)))] \
+                            if rng.random() < 0.6 else None
+                        cache.join(int(rng.integers(1, 200)), parent=parent)
+            kind = step % 3
+            B = len(cache.reqs)
+            ql = (np.ones(B, dtype=np.int64) if kind == 0 else
+                  np.full(B, int(rng.integers(2, max_q + 1))) if kind == 1 else
+                  rng.integers(1, max_q + 1, size=B))
+            for _ in range(int(ql.max())):      # the new tokens are in the cache (seq_lens)
+                cache.grow()
+            bt, lens = cache.table()
+            ql = np.minimum(ql, lens)
+            qo = np.concatenate([[0], np.cumsum(ql)]).astype(np.int32)
+            N = int(qo[-1])
+            mixes.add(tuple(sorted(set(ql.tolist()))))
+            plan = w.plan(bt, lens, hq, hk, d, PAGE, kv_data_type="float16", qo_indptr=qo)
+            q = torch.randn((N, hq, d), device="cuda").to(dtype)
+            q_buf[:N] = q
+            out_buf[N:] = float("nan")
+            lse_buf[N:] = float("nan")
+            if graph is None:
+                w.run(q_buf, (cache.k, cache.v), out=out_buf, lse=lse_buf)
+                stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream):
+                    w.run(q_buf, (cache.k, cache.v), out=out_buf, lse=lse_buf)
+            out_buf[:N] = float("nan")
+            lse_buf[:N] = float("nan")
+            graph.replay()
+        stream.synchronize()
+        assert not torch.isnan(out_buf[:N]).any(), f"step {step}: output rows not written"
+        assert torch.isnan(out_buf[N:]).all() and torch.isnan(lse_buf[N:]).all(), \
+            f"step {step}: rows past the live tokens were written"
+        ref, ref_lse = dense_attention(_np64(q), (_np64(cache.k), _np64(cache.v)), bt, lens,
+                                       PAGE, sm_scale=plan.sm_scale, return_lse=True,
+                                       qo_indptr=qo)
+        blk = as_block_table(bt, lens, PAGE)
+        low, _ = plain_attention_mt(q, cache.k, cache.v, blk, qo, PAGE, "NHD", plan.sm_scale)
+        err, err_plain = _rel(_np64(out_buf[:N]), ref), _rel(_np64(low), ref)
+        assert err <= 2 * err_plain + 1e-6, \
+            f"step {step} ({plan.summary()}): error {err:.3e} > 2 x plain {err_plain:.3e}"
+        lerr = float(np.abs(_np64(lse_buf[:N]) - ref_lse).max())
+        assert lerr < 1e-2, f"step {step}: lse error {lerr:.3e}"
+    assert len(mixes) >= 4, mixes
+    assert all(v.causal for v in w._static.variants)
+    assert w._static.layout.limits.max_tokens == max_tokens
+
+
+@requires_gpu
+def test_multitoken_plan_refused_without_max_num_qo_tokens():
+    """A graph-safe wrapper sized for one token per request refuses a multi-token plan, naming
+    max_num_qo_tokens, and leaves no runnable plan."""
+    from pat_core import PrefixAttentionWrapper
+    from pat_core.workloads import build_tree_batch
+
+    b = build_tree_batch("1,4_128,40", page_size=PAGE)
+    w = PrefixAttentionWrapper(backend="cuda", use_cuda_graph=True, max_batch_size=8,
+                               max_num_pages=256)
+    qo = np.arange(b.batch_size + 1, dtype=np.int32) * 2
+    with pytest.raises(ValueError, match="max_num_qo_tokens"):
+        w.plan(b.block_tables, b.seq_lens, 8, 2, 128, PAGE, qo_indptr=qo)
+    with pytest.raises(RuntimeError, match="failed"):
+        w.stats()
+    w2 = PrefixAttentionWrapper(backend="cuda", use_cuda_graph=True, max_batch_size=8,
+                                max_num_pages=256, max_num_qo_tokens=8)
+    with pytest.raises(ValueError, match="max_num_qo_tokens=8"):
+        w2.plan(b.block_tables, b.seq_lens, 8, 2, 128, PAGE,
+                qo_indptr=np.arange(b.batch_size + 1, dtype=np.int32) * 3)

@@ -14,6 +14,7 @@ buffers poisoned with NaN before each run, and bit-identical repeated runs.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -357,25 +358,116 @@ def test_bad_inputs(backend):
         backend.run(plan, q[:, :4], k, v)
 
 
+# ----------------------------------------------------------------------------- multi-token queries
+def plain_attention_mt(q, k, v, bt, qo, page_size, layout, scale):
+    """:func:`plain_attention` with query tokens (``qo``: int ``[batch + 1]``): token ``j`` of
+    a request of ``n`` tokens attends to its first ``seq_len - n + 1 + j`` positions (scores,
+    softmax and P·V in q's dtype) + fp32 LSE; ``q``, out and LSE have ``qo[-1]`` rows."""
+    import torch
+    N, hq, d = q.shape
+    hk = k.shape[2] if layout == "NHD" else k.shape[1]
+    g = hq // hk
+    out = torch.empty_like(q)
+    lse = torch.empty((N, hq), dtype=torch.float32, device=q.device)
+    for r in range(bt.batch_size):
+        pages = torch.as_tensor(bt.pages_of(r).astype(np.int64), device=q.device)
+        L = int(bt.seq_lens[r])
+        n = int(qo[r + 1] - qo[r])
+        kb, vb = k[pages], v[pages]
+        if layout == "HND":
+            kb, vb = kb.transpose(1, 2), vb.transpose(1, 2)
+        kb = kb.reshape(-1, hk, d)[:L].permute(1, 0, 2)     # [hk, L, d]
+        vb = vb.reshape(-1, hk, d)[:L].permute(1, 0, 2)
+        for j in range(n):
+            row = int(qo[r]) + j
+            lim = L - n + 1 + j
+            qg = q[row].view(hk, g, d)
+            s = torch.matmul(qg, kb[:, :lim].transpose(1, 2)) * scale
+            p = torch.softmax(s, dim=-1)
+            out[row] = torch.matmul(p, vb[:, :lim]).reshape(hq, d)
+            lse[row] = torch.logsumexp(s.float(), dim=-1).reshape(hq)
+    return out, lse
+
+
+def check_multitok_case(backend, block_tables, seq_lens, num_pages, page_size, qo, hq, hk, d,
+                        dtype, layout="NHD", seed=0, tile=None, packer="pat", split=True,
+                        fp8=False, k_scale=1.0, v_scale=1.0):
+    """A multi-token plan (``qo`` int ``[batch + 1]``) through the wrapper's CUDA path (outputs
+    and partials poisoned) against float64 dense attention with the causal rule, within twice
+    the error of plain same-dtype attention (``fp8``: an e4m3fn cache with the scales, q in
+    ``dtype``); then a bit-identical rerun.  Returns the plan."""
+    import torch
+    from pat_core import PrefixAttentionWrapper, dense_attention
+    from pat_core.inputs import as_block_table
+
+    w = PrefixAttentionWrapper(backend="cuda", packer=packer, kv_layout=layout)
+    w._gpu_backend = backend
+    kw = (dict(kv_data_type=torch.float8_e4m3fn, q_data_type=dtype) if fp8
+          else dict(kv_data_type=dtype))
+    plan = w.plan(block_tables, seq_lens, hq, hk, d, page_size, tile=tile, split=split,
+                  qo_indptr=qo, **kw)
+    plan.validate()
+    bt = as_block_table(block_tables, seq_lens, page_size)
+    N = int(qo[-1])
+    tdt = _torch_dtype(dtype)
+    if fp8:
+        k, v = make_fp8_cache(num_pages, page_size, hk, d, layout, seed)
+        g = torch.Generator(device="cuda").manual_seed(seed + 1)
+        q = (torch.randn((N, hq, d), generator=g, device="cuda") / (4 * k_scale)).to(tdt)
+        run_kw = dict(k_scale=k_scale, v_scale=v_scale)
+        kp_, vp_ = k.to(tdt) * k_scale, v.to(tdt) * v_scale
+    else:
+        q, k, v = make_inputs(num_pages, page_size, N, hq, hk, d, dtype, layout, seed)
+        run_kw = {}
+        kp_, vp_ = k, v
+
+    def run_once():
+        st = backend.state_for(plan)
+        st.o_part.fill(float("nan"))
+        st.l_part.fill(float("nan"))
+        out = torch.full((N, hq, d), float("nan"), dtype=tdt, device=q.device)
+        lse = torch.full((N, hq), float("nan"), dtype=torch.float32, device=q.device)
+        w.run(q, (k, v), out=out, lse=lse, **run_kw)
+        torch.cuda.synchronize()
+        return out, lse
+
+    out, lse = run_once()
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "output not fully written"
+    ref, ref_lse = dense_attention(_np64(q), (_np64(k), _np64(v)), block_tables, seq_lens,
+                                   page_size, kv_layout=layout, sm_scale=plan.sm_scale,
+                                   return_lse=True, qo_indptr=qo,
+                                   **({"k_scale": k_scale, "v_scale": v_scale} if fp8 else {}))
+    low, low_lse = plain_attention_mt(q, kp_, vp_, bt, qo, page_size, layout, plan.sm_scale)
+    err, err_plain = _rel(_np64(out), ref), _rel(_np64(low), ref)
+    assert err <= 2 * err_plain + 1e-6, (
+        f"{plan.summary()}: multi-token error {err:.3e} > 2 x plain {dtype} {err_plain:.3e}")
+    lerr = float(np.abs(_np64(lse) - ref_lse).max())
+    lerr_plain = float(np.abs(_np64(low_lse) - ref_lse).max())
+    assert lerr <= 2 * lerr_plain + 1e-5, f"lse error {lerr:.3e} vs plain {lerr_plain:.3e}"
+    out2, lse2 = run_once()
+    assert torch.equal(out, out2) and torch.equal(lse, lse2), "repeated runs differ"
+    return plan
+
+
 @requires_gpu
 @pytest.mark.parametrize("q_len", (1, 2, 4, 8, 16))
 def test_multitoken_qo_indptr(backend, q_len):
     """``qo_indptr``: one token per request runs exactly as ``qo_indptr=None`` (same plan,
-    bit-identical output); more tokens are refused by the CUDA backend, naming ``qo_indptr``,
-    and leave no runnable plan (the CUDA kernels run one token per request so far)."""
+    same one-token kernels, bit-identical output); more tokens run the multi-token kernels
+    against float64 with the causal rule, some CTA masking."""
     import torch
     from pat_core import PrefixAttentionWrapper
     from pat_core.workloads import build_tree_batch
     b = build_tree_batch("1,4,16_100,37,61", page_size=16, seed=0)
     qo = np.arange(b.batch_size + 1, dtype=np.int32) * q_len
+    if q_len > 1:
+        plan = check_multitok_case(backend, b.block_tables, b.seq_lens, b.num_pages, 16, qo,
+                                   32, 8, 128, "float16")
+        assert plan.multi_token and plan.token_view().cta_causal.any()
+        assert all(v.causal for v in backend.variants_for(plan) if isinstance(v, cc.FwdVariant))
+        return
     w = PrefixAttentionWrapper(backend="cuda", packer="pat")
     w._gpu_backend = backend
-    if q_len > 1:
-        with pytest.raises(ValueError, match="qo_indptr"):
-            w.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16, qo_indptr=qo)
-        with pytest.raises(RuntimeError, match="failed"):
-            w.stats()
-        return
     q, k, v = make_inputs(b.num_pages, 16, b.batch_size, 32, 8, 128, "float16", "NHD", 0)
     w.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16, qo_indptr=qo)
     out, lse = w.run(q, (k, v), return_lse=True)
@@ -383,6 +475,137 @@ def test_multitoken_qo_indptr(backend, q_len):
     out0, lse0 = w.run(q, (k, v), return_lse=True)
     torch.cuda.synchronize()
     assert torch.equal(out, out0) and torch.equal(lse, lse0)
+
+
+@requires_gpu
+def test_one_token_plan_after_multitoken_state(backend):
+    """A one-token plan on a device state made for a multi-token plan runs the one-token
+    kernels and gives the bits of a fresh backend's state (the multi-token state's extra
+    arrays change nothing for it)."""
+    import torch
+    from pat_core import PrefixAttentionWrapper
+    from pat_core.cuda_backend import CudaBackend
+    from pat_core.workloads import build_tree_batch
+    b = build_tree_batch("1,4,8_300,37,61", page_size=16, seed=3)
+    qo = np.concatenate([[0], np.cumsum(np.arange(b.batch_size) % 5 + 1)]).astype(np.int32)
+    q, k, v = make_inputs(b.num_pages, 16, b.batch_size, 16, 4, 64, "bfloat16", "NHD", 3)
+    outs = []
+    for be, multi_first in ((CudaBackend(), True), (CudaBackend(), False)):
+        w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+        w._gpu_backend = be
+        if multi_first:
+            qm = torch.randn((int(qo[-1]), 16, 64), device="cuda").to(torch.bfloat16)
+            w.plan(b.block_tables, b.seq_lens, 16, 4, 64, 16, kv_data_type="bfloat16",
+                   qo_indptr=qo)
+            w.run(qm, (k, v))
+        plan = w.plan(b.block_tables, b.seq_lens, 16, 4, 64, 16, kv_data_type="bfloat16")
+        st = be.state_for(plan)
+        assert st.layout.limits.multi_token == multi_first and not st.causal
+        outs.append(w.run(q, (k, v), return_lse=True))
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@requires_gpu
+@settings(deadline=None, max_examples=int(os.environ.get("PAT_GPU_EXAMPLES", 40)))
+@given(batch=prefix_batches(max_requests=12, page_sizes=(1, 16, 32)), heads=head_configs(),
+       d=st.sampled_from((64, 128)), dtype=st.sampled_from(("float16", "bfloat16")),
+       packer=st.sampled_from(PACKERS), layout=st.sampled_from(("NHD", "HND")),
+       split=st.booleans(), seed=st.integers(0, 2**16), data=st.data())
+def test_multitoken_random_forests(backend, batch, heads, d, dtype, packer, layout, split,
+                                   seed, data):
+    """Mixed 1..16 query tokens per request on random forests (shared prefixes, new tokens
+    inside shared nodes, every packer, with and without the long-KV split)."""
+    from pat_core.inputs import MAX_QO_LEN
+    from test_multitok import qo_indptrs
+    hq, hk = heads
+    qo = data.draw(qo_indptrs(batch.seq_lens, max_len=min(MAX_QO_LEN, 128 // (hq // hk))))
+    check_multitok_case(backend, batch.block_tables, batch.seq_lens, batch.num_pages,
+                        batch.page_size, qo, hq, hk, d, dtype, layout=layout, seed=seed,
+                        packer=packer, split=split)
+
+
+@requires_gpu
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+def test_multitoken_long_kv_split(backend, d, dtype):
+    """Long shared KV cut by the split, 16 / 1 / 7 / 3 query tokens: the masked positions lie
+    in the last part of each request, the earlier parts run unmasked, the merge combines per
+    token row."""
+    from pat_core.workloads import build_tree_batch
+    b = build_tree_batch("1,4_6000,40", page_size=16, seed=5)
+    qo = np.concatenate([[0], np.cumsum([16, 1, 7, 3])]).astype(np.int32)
+    plan = check_multitok_case(backend, b.block_tables, b.seq_lens, b.num_pages, 16, qo, 32, 8,
+                               d, dtype, seed=5)
+    assert plan.num_slots > plan.num_ctas and plan.token_view().cta_causal.any()
+    assert plan.num_ctas > 4, "the shared root was split"
+
+
+@requires_gpu
+@pytest.mark.parametrize("leaf", (1, 2, 20))
+def test_multitoken_new_tokens_inside_shared_node(backend, leaf):
+    """Leaves shorter than the query tokens: the new tokens' causal limits fall inside the
+    shared root's CTA (masked there) and some token sees none of a leaf's CTA (the empty
+    partial (0, -inf), which the merge must ignore)."""
+    from pat_core.workloads import build_tree_batch
+    b = build_tree_batch(f"1,6_333,{leaf}", page_size=16, seed=leaf)
+    qo = np.arange(b.batch_size + 1, dtype=np.int32) * 8
+    plan = check_multitok_case(backend, b.block_tables, b.seq_lens, b.num_pages, 16, qo, 8, 2,
+                               128, "float16", seed=leaf)
+    assert plan.token_view().cta_causal.any()
+
+
+@requires_gpu
+@settings(deadline=None, max_examples=int(os.environ.get("PAT_GPU_EXAMPLES", 40)) // 2)
+@given(batch=prefix_batches(max_requests=10, page_sizes=(1, 16)), heads=head_configs(),
+       d=st.sampled_from((64, 128)), q_dtype=st.sampled_from(("float16", "bfloat16")),
+       k_scale=st.floats(0.05, 20), v_scale=st.floats(0.05, 20), seed=st.integers(0, 2**16),
+       data=st.data())
+def test_multitoken_fp8_cache(backend, batch, heads, d, q_dtype, k_scale, v_scale, seed, data):
+    """Multi-token queries over an fp8 (e4m3fn) cache with scales."""
+    from pat_core.inputs import MAX_QO_LEN
+    from test_multitok import qo_indptrs
+    hq, hk = heads
+    qo = data.draw(qo_indptrs(batch.seq_lens, max_len=min(MAX_QO_LEN, 128 // (hq // hk))))
+    check_multitok_case(backend, batch.block_tables, batch.seq_lens, batch.num_pages,
+                        batch.page_size, qo, hq, hk, d, q_dtype, seed=seed, fp8=True,
+                        k_scale=k_scale, v_scale=v_scale)
+
+
+CAUSAL_VARIANTS = [dataclasses.replace(v, causal=True) for v in cc.all_fwd_variants()
+                   if v.dtype == "float16"] + \
+    [dataclasses.replace(v, causal=True)
+     for v in cc.all_fwd_variants(kv_dtype="float8_e4m3fn") if v.dtype == "bfloat16"]
+
+
+@pytest.fixture(scope="module")
+def causal_backend(backend):
+    """The session's backend with the multi-token variants below compiled up front."""
+    backend.warmup(variants=CAUSAL_VARIANTS,
+                   jobs=int(os.environ.get("PAT_COMPILE_JOBS", os.cpu_count() or 1)))
+    return backend
+
+
+@requires_gpu
+@pytest.mark.parametrize("variant", CAUSAL_VARIANTS, ids=lambda v: v.key)
+def test_every_causal_variant(causal_backend, variant):
+    """Every multi-token forward variant (fp16 ones, and the bf16-over-fp8 ones), forced onto a
+    tree whose 4-token queries reach into the shared root (masked inside the root's CTA, and
+    one-token leaves that the first tokens do not see at all)."""
+    from pat_core.workloads import build_tree_batch
+    ps = 16
+    n_req = max(1, variant.m // 16)          # 4 tokens x group 4 = 16 rows per request
+    b = build_tree_batch(f"1,{n_req}_{2 * 37 + 5 + variant.m},1", page_size=ps,
+                         seed=variant.n)
+    qo = np.arange(b.batch_size + 1, dtype=np.int32) * 4
+    plan = check_multitok_case(causal_backend, b.block_tables, b.seq_lens, b.num_pages, ps, qo,
+                               8, 2, variant.head_dim, variant.dtype, seed=variant.m,
+                               tile=(variant.m, variant.n), fp8=bool(variant.kv_dtype))
+    assert set(plan.stats()["tiles"]) == {f"{variant.m}x{variant.n}"}
+    assert plan.token_view().cta_causal.any()
+    # (all_fwd_variants lists the sm_80 layouts too; the device's own layout of the tile runs)
+    assert any(v.causal and (v.m, v.n, v.kv_dtype) == (variant.m, variant.n, variant.kv_dtype)
+               for v in causal_backend.variants_for(plan) if isinstance(v, cc.FwdVariant))
 
 
 @requires_gpu
