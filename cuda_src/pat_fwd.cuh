@@ -5,7 +5,9 @@
 // running at the same time read neighbouring heads of the same tokens (one contiguous row per
 // token in the NHD layout).  The CTA's query rows are its requests x the GQA group: row
 // i * group + j is request i of the CTA, query head kv_head * group + j.  The rows are packed at
-// run time, so one compiled variant serves every group size that fits m.
+// run time, so one compiled variant serves every group size that fits m.  A multi-token plan
+// arrives as its token view (every query token a "request" of the CTA) and runs on the CAUSAL
+// variants, which also mask each row's positions past its token's causal limit (row_limits).
 // Every argument comes in one pat::FwdParams (pat_params.cuh).
 //
 // Per CTA:
