@@ -363,7 +363,7 @@ class _GraphSafe:
             old = self.limits.get(key, (0, 0, 0, 0))
             self.limits[key] = (max(old[0], key if buckets else p.batch_size),
                                 max(old[1], entries), max(old[2], p.num_ctas),
-                                max(old[3], p.num_slots))
+                                max(old[3], p.num_partial_rows))   # max_partials: rows
         self.states = {}       # bucket -> [wrapper, q, out, graph]
         self.cur = None
         self.batch = 0
