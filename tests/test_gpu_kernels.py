@@ -542,17 +542,23 @@ def test_multitoken_long_kv_split(backend, d, dtype):
 
 
 @requires_gpu
+@pytest.mark.parametrize("packer", ("pat", "node"))
 @pytest.mark.parametrize("leaf", (1, 2, 20))
-def test_multitoken_new_tokens_inside_shared_node(backend, leaf):
-    """Leaves shorter than the query tokens: the new tokens' causal limits fall inside the
-    shared root's CTA (masked there) and some token sees none of a leaf's CTA (the empty
-    partial (0, -inf), which the merge must ignore)."""
+def test_multitoken_new_tokens_inside_shared_node(backend, leaf, packer):
+    """Private leaves of 1, 2 or 20 tokens under a 336-token shared root, 8 query tokens each:
+    with the short leaves the first tokens' causal limits fall inside the shared root's CTAs
+    (masked there) and those tokens see none of their leaf's CTA (the empty partial
+    (0, -inf), which the merge must skip); with 20 only the leaves' CTAs mask."""
     from pat_core.workloads import build_tree_batch
-    b = build_tree_batch(f"1,6_333,{leaf}", page_size=16, seed=leaf)
+    b = build_tree_batch(f"1,6_336,{leaf}", page_size=16, seed=leaf)
     qo = np.arange(b.batch_size + 1, dtype=np.int32) * 8
     plan = check_multitok_case(backend, b.block_tables, b.seq_lens, b.num_pages, 16, qo, 8, 2,
-                               128, "float16", seed=leaf)
-    assert plan.token_view().cta_causal.any()
+                               128, "float16", seed=leaf, packer=packer, split=False)
+    tv = plan.token_view()
+    root = plan.cta_kv_start == 0
+    assert tv.cta_causal[~root].all()
+    assert tv.cta_causal[root].all() == (leaf < 8)
+    assert (tv.cta_kv_limit == 0).any() == (leaf < 8)
 
 
 @requires_gpu
