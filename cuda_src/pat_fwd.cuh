@@ -7,7 +7,7 @@
 // i * group + j is request i of the CTA, query head kv_head * group + j.  The rows are packed at
 // run time, so one compiled variant serves every group size that fits m.  A multi-token plan
 // arrives as its token view (every query token a "request" of the CTA) and runs on the CAUSAL
-// variants, which also mask each row's positions past its token's causal limit (row_limits).
+// variants, which also mask each row's positions past its token's causal limit (CausalRows).
 // Every argument comes in one pat::FwdParams (pat_params.cuh).
 //
 // Per CTA:
@@ -118,29 +118,36 @@ __device__ __forceinline__ KvTileLoader<Tr> kv_loader(const FwdParams& p, const 
                           (int)p.v_sp, (int)p.v_st, kv_head * (int)p.v_sh};
 }
 
-// Multi-token variants (Tr::CAUSAL): the causal limits of this thread's accumulator rows (those
-// of for_each_row), positions of the CTA's range counted from its start, and lim_lo, the
-// smallest.  In a CTA the plan flags (cta_causal), a live row takes its token's limit
-// (cta_kv_limit of its (CTA, token) pair); every other row, and every row of an unflagged CTA,
-// takes kv_len, which masks nothing mask_past_end does not.
+// The causal limits of a multi-token item (Tr::CAUSAL; mask_causal reads them): limit(row) is
+// the positions of the CTA's range (from its start) that the row's token sees, cta_kv_limit of
+// its (CTA, token) pair, and "no limit" for a padding row (the range mask covers it); lo is the
+// smallest limit of this thread's accumulator rows (those of for_each_row), or "no limit" in a
+// CTA the plan does not flag (cta_causal), which then masks exactly as a one-token variant.
+constexpr int kNoLimit = 0x7fffffff;
+struct CausalRows {
+  const int* limits;  // cta_kv_limit of the CTA's first (CTA, token) pair
+  int n_rows;         // live rows of the CTA
+  int group;
+  int lo;
+  __device__ __forceinline__ int limit(int row) const {
+    return row < n_rows ? limits[div_rows(row, 1.f / (float)group)] : kNoLimit;
+  }
+};
+
 template <typename Tr>
-__device__ __forceinline__ void row_limits(const FwdParams& p, int cta, const CtaWork& w,
-                                           int wm, int lane, int (&lim)[Tr::MI][2],
-                                           int& lim_lo) {
-  const bool flagged = p.cta_causal[cta] != 0;
-  const float inv_group = 1.f / (float)p.group;
-  int lo = w.kv_len;
+__device__ __forceinline__ CausalRows causal_rows(const FwdParams& p, int cta, const CtaWork& w,
+                                                  int wm, int lane) {
+  CausalRows c{p.cta_kv_limit + w.req_begin, w.n_rows, p.group, kNoLimit};
+  if (p.cta_causal[cta] != 0) {
 #pragma unroll
-  for (int mi = 0; mi < Tr::MI; ++mi)
+    for (int mi = 0; mi < Tr::MI; ++mi)
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int row = (wm * Tr::MI + mi) * 16 + (lane >> 2) + hr * 8;
-      int l = w.kv_len;
-      if (flagged && row < w.n_rows) l = p.cta_kv_limit[w.req_begin + div_rows(row, inv_group)];
-      lim[mi][hr] = l;
-      lo = l < lo ? l : lo;
-    }
-  lim_lo = lo;
+      for (int hr = 0; hr < 2; ++hr) {
+        const int l = c.limit((wm * Tr::MI + mi) * 16 + (lane >> 2) + hr * 8);
+        c.lo = l < c.lo ? l : c.lo;
+      }
+  }
+  return c;
 }
 
 // The online-softmax state of a warp's rows: accumulator, running max (log2 domain) and running
@@ -362,10 +369,9 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
 
   load_q_rows<Tr>(p, w, kv_head, sQ, tid);
   const KvTileLoader<Tr> loader = kv_loader<Tr>(p, w, kv_head);
-  // causal limits of this thread's rows (multi-token variants; never read by the others)
-  int lim[Tr::MI][2];
-  int lim_lo = kv_len;
-  if constexpr (Tr::CAUSAL) row_limits<Tr>(p, cta, w, wm, lane, lim, lim_lo);
+  // causal limits of this item's rows (multi-token variants; never read by the others)
+  CausalRows rows{};
+  if constexpr (Tr::CAUSAL) rows = causal_rows<Tr>(p, cta, w, wm, lane);
 
   const int slice_row0 = wn * NW;  // this warp's token slice within every tile
   const int stid = wm * 32 + lane;  // thread index within the slice group
@@ -398,7 +404,7 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
 
   if constexpr (Tr::WG) {
     pat_wg_loop<Tr>(sQ, sK, sV, loader, num_tiles, kv_len, p.scale_log2, wn, wm, lane, tid,
-                    stid, acc, m_run, l_run, lim, lim_lo);
+                    stid, acc, m_run, l_run, rows);
   } else {
   for (int t = 0; t < num_tiles; ++t) {
 // <tutorial:loop-top>
@@ -421,7 +427,7 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
 
     sync_tile<Tr>(sQ, qf, sK + (t % STAGES) * Tr::KV_TILE_ELEMS,
                   sV + (t % STAGES) * Tr::KV_TILE_ELEMS, kv_len - t * N, wn, wm, lane,
-                  p.scale_log2, acc, m_run, l_run, t * N, lim, lim_lo);
+                  p.scale_log2, acc, m_run, l_run, t * N, rows);
 // <tutorial:loop-end>
     // Slice barrier: the slice's warps are done reading their rows of stage t % STAGES before
     // iteration t + 1 issues cp.async into the stage it frees.

@@ -30,16 +30,16 @@ __device__ __forceinline__ void load_q_frags(const typename Tr::T* sQ, int wm, i
 // online-softmax step, O += P V with P straight from the S accumulators.  cK / cV: the tile's
 // stage in shared memory; valid: tokens of the tile inside the range (may exceed N).  Causal
 // variants (Tr::CAUSAL) also mask each row past its token's limit (mask_causal): tile0 is the
-// tile's first position in the range, lim / lim_lo this thread's rows' limits (row_limits);
-// the other variants never read these three.
-template <typename Tr>
+// tile's first position in the range, rows the item's CausalRows; the other variants never
+// read these two.
+template <typename Tr, typename Rows>
 __device__ __forceinline__ void sync_tile(const typename Tr::T* sQ,
                                           const unsigned (&qf)[Tr::QF_MI][Tr::QF_K][4],
                                           const typename Tr::T* cK, const typename Tr::T* cV,
                                           int valid, int wn, int wm, int lane, float scale_log2,
                                           float (&acc)[Tr::MI][Tr::D / 8][4],
                                           float (&m_run)[Tr::MI][2], float (&l_run)[Tr::MI][2],
-                                          int tile0, const int (&lim)[Tr::MI][2], int lim_lo) {
+                                          int tile0, const Rows& rows) {
   using T = typename Tr::T;
   constexpr int D = Tr::D, MI = Tr::MI, NW = Tr::NW, KC = Tr::KC;
   const int q_lrow = a_frag_row(lane);
@@ -84,7 +84,8 @@ __device__ __forceinline__ void sync_tile(const typename Tr::T* sQ,
     }
 
     mask_past_end<MI, KC / 8>(s, tok0, valid, lane);  // tokens past the range
-    if constexpr (Tr::CAUSAL) mask_causal<MI, KC / 8>(s, tile0 + tok0, lim, lim_lo, lane);
+    if constexpr (Tr::CAUSAL)
+      mask_causal<MI, KC / 8>(s, tile0 + tok0, rows, wm * MI * 16, lane);
 
     online_softmax_step<MI, KC / 8, D / 8>(s, m_run, l_run, acc, scale_log2);
 

@@ -37,26 +37,32 @@ __device__ __forceinline__ void mask_past_end(float (&s)[MI][J][4], int tok0, in
   }
 }
 
-// Causal limits of a multi-token CTA (FwdTraits::CAUSAL): row (mi, hr) of this thread sees the
-// positions of the CTA's range below lim[mi][hr] (counted from the range's start); scores at or
+// Causal limits of a multi-token CTA (FwdTraits::CAUSAL): each row sees the positions of the
+// CTA's range below its limit, rows.limit(row) (counted from the range's start); scores at or
 // past it become -inf, so they get weight 0 and never raise a row's max (a row whose every score
 // so far is -inf keeps the empty state: raise_max subtracts 0, never (-inf) - (-inf)).  s holds
-// the scores of the positions pos0 .. pos0 + 8J - 1 of the range (layout of mask_past_end);
-// lim_lo, the smallest of this thread's limits, lets the steps wholly below every limit (all
-// but the last few of a range) skip the compares.
-template <int MI, int J>
-__device__ __forceinline__ void mask_causal(float (&s)[MI][J][4], int pos0,
-                                            const int (&lim)[MI][2], int lim_lo, int lane) {
-  if (pos0 + 8 * J > lim_lo) {
+// the scores of the positions pos0 .. pos0 + 8J - 1 of the range for the rows row0 + 16 mi +
+// lane / 4 (+ 8) (layout of mask_past_end).  rows.lo, the smallest limit of this thread's rows,
+// lets the steps wholly below every limit (all but the last few of a range, and every step of
+// an unflagged CTA) skip the rest; the few steps past it read their rows' limits again (cached
+// loads) rather than keep them in registers for the whole walk.
+template <int MI, int J, typename Rows>
+__device__ __forceinline__ void mask_causal(float (&s)[MI][J][4], int pos0, const Rows& rows,
+                                            int row0, int lane) {
+  if (pos0 + 8 * J > rows.lo) {
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-      for (int j = 0; j < J; ++j)
+      for (int hr = 0; hr < 2; ++hr) {
+        const int lim = rows.limit(row0 + mi * 16 + (lane >> 2) + hr * 8);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int pos = pos0 + j * 8 + ((lane & 3) << 1) + (e & 1);
-          if (pos >= lim[mi][e >> 1]) s[mi][j][e] = neg_inf();
-        }
+        for (int j = 0; j < J; ++j)
+#pragma unroll
+          for (int e = 2 * hr; e < 2 * hr + 2; ++e) {
+            const int pos = pos0 + j * 8 + ((lane & 3) << 1) + (e & 1);
+            if (pos >= lim) s[mi][j][e] = neg_inf();
+          }
+      }
   }
 }
 

@@ -15,16 +15,16 @@ namespace pat {
 // registers.  Each tile's MMAs are waited for before the registers are touched.  A slice whose
 // tokens of the last tile all lie past the range skips that tile's MMAs (a fully masked step
 // would turn an empty state's -inf max into NaN); it still takes both barriers.  Causal
-// variants (Tr::CAUSAL) also mask each row past its token's limit (mask_causal; lim / lim_lo:
-// this thread's rows' limits, row_limits), which the other variants never read.
-template <typename Tr, typename Loader>
+// variants (Tr::CAUSAL) also mask each row past its token's limit (mask_causal; rows: the
+// item's CausalRows), which the other variants never read.
+template <typename Tr, typename Loader, typename Rows>
 __device__ __forceinline__ void pat_wg_loop(typename Tr::T* sQ, typename Tr::T* sK,
                                             typename Tr::T* sV, const Loader& loader,
                                             int num_tiles, int kv_len, float scale_log2, int wn,
                                             int wm, int lane, int tid, int stid,
                                             float (&acc)[1][Tr::D / 8][4],
                                             float (&m_run)[1][2], float (&l_run)[1][2],
-                                            const int (&lim)[1][2], int lim_lo) {
+                                            const Rows& rows) {
   using T = typename Tr::T;
   constexpr int M = Tr::M, N = Tr::N, NW = Tr::NW, D = Tr::D, STAGES = Tr::STAGES;
   constexpr bool ONE = Tr::WARPS_N == 1;
@@ -72,7 +72,7 @@ __device__ __forceinline__ void pat_wg_loop(typename Tr::T* sQ, typename Tr::T* 
       wg_fence_regs(s[0]);
 
       mask_past_end<1, NW / 8>(s, row0, valid, lane);
-      if constexpr (Tr::CAUSAL) mask_causal<1, NW / 8>(s, t * N + row0, lim, lim_lo, lane);
+      if constexpr (Tr::CAUSAL) mask_causal<1, NW / 8>(s, t * N + row0, rows, wm * 16, lane);
       online_softmax_step<1, NW / 8, D / 8>(s, m_run, l_run, acc, scale_log2);
 
       // O += P V: k16 steps over the slice's tokens, P from registers
