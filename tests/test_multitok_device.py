@@ -185,9 +185,10 @@ def test_causal_code_only_in_causal_variants():
     (the two multi-token pointers come last)."""
     src = cc.cuda_src_dir()
     walk = (src / "pat_mma_walk.cuh").read_text() + (src / "pat_wg_walk.cuh").read_text()
-    assert walk.count("if constexpr (Tr::CAUSAL) mask_causal") == 2
+    assert walk.count("if constexpr (Tr::CAUSAL)") == 2
+    assert walk.count("mask_causal<") == 2
     fwd = (src / "pat_fwd.cuh").read_text()
-    assert "if constexpr (Tr::CAUSAL) row_limits<Tr>" in fwd
+    assert "if constexpr (Tr::CAUSAL) rows = causal_rows<Tr>" in fwd
     from pat_core import kernel_params as kp
     names = [f for f, _ in kp.FwdParams._fields_]
     assert names[-2:] == ["cta_kv_limit", "cta_causal"]
