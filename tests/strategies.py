@@ -166,3 +166,15 @@ def invariant_table(rows):
     for i, (p, _) in enumerate(rows):
         t[i, :len(p)] = p
     return t, np.array([n for _, n in rows], dtype=np.int32)
+
+
+@st.composite
+def qo_indptrs(draw, seq_lens, max_len=16):   # 16: pat_core.inputs.MAX_QO_LEN
+    """A ragged query layout for ``seq_lens``: each request 1..min(max_len, seq_len) tokens,
+    mixed (some batches all one length, as speculative decoding with a fixed draft count)."""
+    if draw(st.booleans()):
+        n = draw(st.integers(1, max_len))
+        ql = [min(n, int(s)) for s in seq_lens]
+    else:
+        ql = [draw(st.integers(1, min(max_len, int(s)))) for s in seq_lens]
+    return np.concatenate([[0], np.cumsum(ql)]).astype(np.int32)

@@ -254,7 +254,7 @@ def test_head_dim_256_merge_heads_per_warp(backend, heads, nh, dtype):
 
 
 # ----------------------------------------------------------------------------- random forests
-from strategies import head_configs, prefix_batches  # noqa: E402  (tests/strategies.py)
+from strategies import head_configs, prefix_batches, qo_indptrs  # noqa: E402  (tests/strategies.py)
 
 
 @requires_gpu
@@ -517,7 +517,6 @@ def test_multitoken_random_forests(backend, batch, heads, d, dtype, packer, layo
     """Mixed 1..16 query tokens per request on random forests (shared prefixes, new tokens
     inside shared nodes, every packer, with and without the long-KV split)."""
     from pat_core.inputs import MAX_QO_LEN
-    from test_multitok import qo_indptrs
     hq, hk = heads
     qo = data.draw(qo_indptrs(batch.seq_lens, max_len=min(MAX_QO_LEN, 128 // (hq // hk))))
     check_multitok_case(backend, batch.block_tables, batch.seq_lens, batch.num_pages,
@@ -570,7 +569,6 @@ def test_multitoken_new_tokens_inside_shared_node(backend, leaf, packer):
 def test_multitoken_fp8_cache(backend, batch, heads, d, q_dtype, k_scale, v_scale, seed, data):
     """Multi-token queries over an fp8 (e4m3fn) cache with scales."""
     from pat_core.inputs import MAX_QO_LEN
-    from test_multitok import qo_indptrs
     hq, hk = heads
     qo = data.draw(qo_indptrs(batch.seq_lens, max_len=min(MAX_QO_LEN, 128 // (hq // hk))))
     check_multitok_case(backend, batch.block_tables, batch.seq_lens, batch.num_pages,

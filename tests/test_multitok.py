@@ -10,19 +10,7 @@ from pat_core.executor import execute_partials, trace_cta
 from pat_core.inputs import MAX_QO_LEN
 from pat_core.reference import dense_attention, relative_error
 from pat_core.workloads import random_kv_cache
-from strategies import head_configs, prefix_batches
-
-
-@st.composite
-def qo_indptrs(draw, seq_lens, max_len=MAX_QO_LEN):
-    """A ragged query layout for ``seq_lens``: each request 1..min(max_len, seq_len) tokens,
-    mixed (some batches all one length, as speculative decoding with a fixed draft count)."""
-    if draw(st.booleans()):
-        n = draw(st.integers(1, max_len))
-        ql = [min(n, int(s)) for s in seq_lens]
-    else:
-        ql = [draw(st.integers(1, min(max_len, int(s)))) for s in seq_lens]
-    return np.concatenate([[0], np.cumsum(ql)]).astype(np.int32)
+from strategies import head_configs, prefix_batches, qo_indptrs
 
 
 def _inputs(b, qo, hq, hk, d, seed=2):

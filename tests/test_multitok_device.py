@@ -18,7 +18,7 @@ from pat_core.reference import dense_attention, relative_error
 from pat_core.static_plan import StaticLayout, StaticLimits, reachable_tiles
 from pat_core.workloads import build_tree_batch, random_kv_cache
 from strategies import head_configs, prefix_batches
-from test_multitok import qo_indptrs
+from strategies import qo_indptrs
 
 
 def _limits_for(plan, multi=True, **over):
