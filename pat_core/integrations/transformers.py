@@ -1,0 +1,374 @@
+"""pat as the decode attention of Hugging Face transformers' continuous batching.
+
+Usage (transformers 5.17, ``pip install -e ".[transformers]"``)::
+
+    from pat_core.integrations.transformers import register_pat
+    model.set_attn_implementation(register_pat().name)        # "paged|pat"
+    outputs = model.generate_batch(prompts, generation_config=gen_cfg)
+
+:func:`register_pat` registers a :class:`PatPagedAttention` under an attention implementation
+name with the ``paged|`` prefix, so ``generate_batch`` / ``ContinuousBatchingManager`` keep it
+and pass it their per-step metadata.  Per engine step (one forward pass over all layers) it:
+
+1. detects the new step by the identity of the metadata objects the engine builds once per
+   step (``read_index``, ``write_index``, ``cu_seq_lens_q``, ``cu_seq_lens_k``), so the layers
+   of one step share one decision and one plan;
+2. decides whether pat takes the step: every request brings 1 to 16 query tokens
+   (``cu_seq_lens_q``) with a cache to read, on a cache of one full-attention layer group;
+   otherwise (prefill, mixed prefill and decode, hybrid caches) every layer of the step runs the
+   wrapped implementation (``paged|sdpa`` by default), with the block-causal mask the engine
+   would have built for it;
+3. turns the engine's token read indices into FlashInfer's CSR page form
+   (:func:`read_index_to_csr`) and plans once (``qo_indptr`` when a request has several tokens);
+4. per layer, writes the new K/V rows into the engine's cache (as the engine's own ``update``
+   does), views the cache ``[num_blocks + 2, block_size, num_kv_heads, head_dim]`` (pat's NHD
+   layout, no copy; a block is a page) and runs the plan on the backend the tensors are on
+   (``"cpu"``: the CPU executor, ``"cuda"``: the kernels).
+
+transformers and torch are imported inside the functions that need them: importing this module
+needs neither, and ``pat_core`` never imports it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+
+from ..inputs import MAX_QO_LEN
+from ..wrapper import PrefixAttentionWrapper
+
+#: The transformers releases whose continuous-batching interfaces this module was written
+#: against and tested with (the ``transformers`` extra pins the same range).
+SUPPORTED_TRANSFORMERS = ">=5.17,<5.18"
+_SUPPORTED_MINOR = (5, 17)
+
+#: The wrapped implementations that read the engine's 4-D additive mask.  The engine builds
+#: that mask only when its attention implementation is one of them (its ``attn_mask_is_needed``),
+#: never for ``paged|pat``, so the fallback path builds it itself.
+_MASKED_FALLBACKS = ("paged|sdpa", "paged|eager")
+
+
+def check_transformers_version(version: str) -> None:
+    """``RuntimeError`` unless ``version`` (a transformers ``__version__`` string) is in
+    :data:`SUPPORTED_TRANSFORMERS`: the integration reads engine internals (the cache's tensor
+    layout, the per-step keyword arguments) that change between minor releases."""
+    parts = str(version).split(".")
+    try:
+        major_minor = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        raise RuntimeError(f"cannot read the transformers version {version!r}") from None
+    if major_minor != _SUPPORTED_MINOR:
+        raise RuntimeError(f"pat's transformers integration supports transformers "
+                           f"{SUPPORTED_TRANSFORMERS}, found {version}; pass "
+                           f"register_pat(check_version=False) to try it anyway")
+
+
+def read_index_to_csr(read_index, cu_seq_lens_k, page_size: int):
+    """The engine's per-token read indices of one step as FlashInfer's CSR page form.
+
+    Parameters
+    ----------
+    read_index : int ``[n]`` host array, ``n >= cu_seq_lens_k[-1]``: for each request in
+        order, the cache row (``page * page_size + offset``) of each of its KV positions
+        (past and new tokens); entries past ``cu_seq_lens_k[-1]`` are padding and ignored.
+    cu_seq_lens_k : int ``[batch + 1]`` host array, nondecreasing from 0: request ``r`` owns
+        ``read_index[cu_seq_lens_k[r]:cu_seq_lens_k[r + 1]]``, at least one position.
+    page_size : the cache's block size (tokens per page), ``>= 1``.
+
+    Returns ``(indptr, indices, last_page_len)``: int32 ``[batch + 1]``, ``[num_pages_read]``
+    and ``[batch]``, the pages of each request in order and the tokens of its last page.
+
+    ``ValueError`` naming the argument when a request's rows are not whole pages in order
+    (position ``p`` of a request at row ``page[p // page_size] * page_size + p % page_size``),
+    which is the only layout pat's page tables can express.
+    """
+    if int(page_size) < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    ps = int(page_size)
+    ck = np.asarray(cu_seq_lens_k, dtype=np.int64)
+    if ck.ndim != 1 or ck.size < 2 or ck[0] != 0:
+        raise ValueError("cu_seq_lens_k must be a 1-D array [batch + 1] starting at 0, got "
+                         f"shape {ck.shape}")
+    lens = np.diff(ck)
+    if (lens < 1).any():
+        raise ValueError(f"cu_seq_lens_k: request {int(np.argmax(lens < 1))} reads no KV "
+                         "position (every request needs at least one)")
+    ri = np.asarray(read_index, dtype=np.int64).reshape(-1)
+    total = int(ck[-1])
+    if ri.size < total:
+        raise ValueError(f"read_index has {ri.size} entries but cu_seq_lens_k needs {total}")
+    ri = ri[:total]
+    # position of every entry inside its request, and the page it must belong to
+    pos = np.arange(total, dtype=np.int64) - np.repeat(ck[:-1], lens)
+    starts = pos % ps == 0                      # the first position of each of a request's pages
+    pages = ri[starts] // ps
+    expect = pages[np.cumsum(starts) - 1] * ps + pos % ps     # each entry's page, in order
+    if (ri < 0).any() or not np.array_equal(ri, expect):
+        bad = int(np.argmax((ri < 0) | (ri != expect)))
+        raise ValueError(f"read_index: entry {bad} (row {int(ri[bad])}) is not the next row of "
+                         f"its request's page (page_size {ps}); pat needs whole pages in order")
+    if pages.size and pages.max() > np.iinfo(np.int32).max:
+        raise ValueError("read_index: a page id does not fit in int32")
+    pages_per_req = (lens + ps - 1) // ps
+    indptr = np.zeros(lens.size + 1, dtype=np.int32)
+    np.cumsum(pages_per_req, out=indptr[1:])
+    last_page_len = ((lens - 1) % ps + 1).astype(np.int32)
+    return indptr, pages.astype(np.int32), last_page_len
+
+
+def query_lengths(cu_seq_lens_q):
+    """Query tokens per request from ``cu_seq_lens_q`` (int ``[slots + 1]`` host array), with
+    the engine's padding slots (zero-length requests after the last real one, present when it
+    pads a batch to a fixed shape) dropped: an int64 ``[batch]`` array.  ``ValueError`` for a
+    zero-length request before a real one or a decreasing entry."""
+    cq = np.asarray(cu_seq_lens_q, dtype=np.int64)
+    if cq.ndim != 1 or cq.size < 1 or cq[0] != 0:
+        raise ValueError("cu_seq_lens_q must be a 1-D array [batch + 1] starting at 0")
+    qlen = np.diff(cq)
+    if (qlen < 0).any():
+        raise ValueError("cu_seq_lens_q must be nondecreasing")
+    real = np.flatnonzero(qlen)
+    n = int(real[-1]) + 1 if real.size else 0
+    if (qlen[:n] == 0).any():
+        raise ValueError("cu_seq_lens_q: a zero-length request before the last real one")
+    return qlen[:n]
+
+
+@dataclasses.dataclass
+class _Step:
+    """What one engine step decided, shared by its layers."""
+    key: tuple                  # the step's metadata objects (held, so ids cannot be reused)
+    use_pat: bool
+    reason: str = ""            # why the step falls back ("" when pat takes it)
+    num_tokens: int = 0         # real query rows (padding rows excluded)
+    wrapper: PrefixAttentionWrapper | None = None
+    masks: dict = dataclasses.field(default_factory=dict)   # layer type -> fallback mask
+
+
+class PatPagedAttention:
+    """A transformers attention function running pat on decode-like continuous-batching steps.
+
+    Called by the model's attention modules as ``fn(module, query, key, value, attention_mask,
+    dropout=..., scaling=..., **engine_kwargs)`` with ``query [1, num_qo_heads, T, head_dim]``
+    and ``key``/``value [1, num_kv_heads, T, head_dim]`` (the step's ``T`` new tokens of all
+    requests, packed), the engine's ``cache`` (``PagedAttentionCache``), ``read_index`` /
+    ``write_index`` (one int64 tensor per layer group), ``cu_seq_lens_q`` / ``cu_seq_lens_k``
+    (int32 ``[batch + 1]``); returns ``(attn_output [1, T, num_qo_heads, head_dim] in query's
+    dtype, None)``.
+
+    Parameters
+    ----------
+    name : the implementation name it is registered under (starts with ``"paged|"``).
+    fallback : the registered implementation that runs the steps and layers pat does not take.
+    packer, gpu : passed to :class:`~pat_core.PrefixAttentionWrapper` (``gpu``: the GPU the CPU
+        backend plans for; the CUDA backend detects its own).
+    strict : raise instead of falling back when a decode-like step cannot be planned (tests).
+
+    ``stats`` counts steps (``steps``, ``pat_steps``, ``multi_token_steps``), ``plans`` (one per
+    pat step), layer calls (``pat_layer_calls``, ``fallback_layer_calls``) and KV tokens over
+    the plans (``plan_kv_tokens``: read by the CTAs, one head; ``request_kv_tokens``: the
+    requests' sequence lengths; sharing makes the first smaller); ``last_plan_stats`` is
+    :meth:`pat_core.Plan.stats` of the last plan, ``last_seq_lens`` its int64 ``[batch]``
+    sequence lengths; ``fallback_reasons`` counts fallback steps by reason.
+    """
+
+    def __init__(self, name: str = "paged|pat", fallback: str = "paged|sdpa", *,
+                 packer: str = "pat", gpu: str | None = None, strict: bool = False):
+        if not isinstance(name, str) or not name.startswith("paged|"):
+            raise ValueError(f"name must start with 'paged|' (the engine keeps only paged "
+                             f"implementations), got {name!r}")
+        if not isinstance(fallback, str) or not fallback.startswith("paged|") or fallback == name:
+            raise ValueError(f"fallback must name another registered 'paged|' implementation, "
+                             f"got {fallback!r}")
+        self.name = name
+        self.fallback = fallback
+        self.packer = packer
+        self.gpu = gpu
+        self.strict = bool(strict)
+        self._wrappers: dict = {}
+        self._step: _Step | None = None
+        self._lock = threading.Lock()
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Zero the counters (``stats``, ``fallback_reasons``, ``last_plan_stats``)."""
+        self.stats = {"steps": 0, "pat_steps": 0, "multi_token_steps": 0, "plans": 0,
+                      "pat_layer_calls": 0, "fallback_layer_calls": 0,
+                      "plan_kv_tokens": 0, "request_kv_tokens": 0}
+        self.fallback_reasons: dict = {}
+        self.last_plan_stats: dict | None = None
+        self.last_seq_lens: np.ndarray | None = None
+
+    # ------------------------------------------------------------------ per step
+    def _wrapper(self, backend: str) -> PrefixAttentionWrapper:
+        w = self._wrappers.get(backend)
+        if w is None:
+            w = PrefixAttentionWrapper(backend=backend, packer=self.packer,
+                                       gpu=self.gpu if backend == "cpu" else None)
+            self._wrappers[backend] = w
+        return w
+
+    def _fall_back(self, key: tuple, reason: str) -> _Step:
+        self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
+        return _Step(key, False, reason)
+
+    def _new_step(self, key: tuple, query, key_states, scaling, kwargs) -> _Step:
+        """Decide the step and, when pat takes it, plan it (once for all its layers)."""
+        cache = kwargs["cache"]
+        read_index, cu_q, cu_k = kwargs["read_index"], kwargs["cu_seq_lens_q"], \
+            kwargs["cu_seq_lens_k"]
+        if cache.num_groups != 1 or isinstance(cu_k, dict) or \
+                any(w != 1 for w in cache.sliding_windows.values()):
+            return self._fall_back(key, "cache with sliding-window or several layer groups")
+        if read_index[0].numel() == 0:
+            return self._fall_back(key, "no cache read (prefill)")
+        # one host copy of the step's small metadata (a device sync on CUDA)
+        qlen = query_lengths(cu_q.cpu().numpy())
+        if qlen.size == 0:
+            return self._fall_back(key, "empty step")
+        if qlen.max() > MAX_QO_LEN:
+            return self._fall_back(key, f"prefill (a request brings more than {MAX_QO_LEN} "
+                                        "query tokens)")
+        nreq = qlen.size
+        ck = cu_k.cpu().numpy()[:nreq + 1].astype(np.int64)
+        seq = np.diff(ck)
+        if (seq < qlen).any():
+            return self._fall_back(key, "KV shorter than the query")
+        try:
+            indptr, indices, last = read_index_to_csr(read_index[0][:int(ck[-1])].cpu().numpy(),
+                                                      ck, cache.block_size)
+        except ValueError as e:
+            if self.strict:
+                raise
+            return self._fall_back(key, f"read_index not in whole pages ({e})")
+        backend = "cuda" if query.is_cuda else "cpu"
+        w = self._wrapper(backend)
+        qo = None
+        if qlen.max() > 1:
+            qo = np.zeros(nreq + 1, dtype=np.int32)
+            np.cumsum(qlen, out=qo[1:])
+        try:
+            plan = w.plan_csr(indptr, indices, last, int(query.shape[1]),
+                              int(key_states.shape[1]), int(query.shape[3]),
+                              int(cache.block_size), sm_scale=scaling, kv_data_type=cache.dtype,
+                              q_data_type=query.dtype, qo_indptr=qo)
+        except (ValueError, TypeError) as e:       # a limit pat refuses by name: fall back
+            if self.strict:
+                raise
+            return self._fall_back(key, f"pat refused the step ({type(e).__name__}: {e})")
+        self.stats["pat_steps"] += 1
+        self.stats["plans"] += 1
+        self.stats["multi_token_steps"] += int(qo is not None)
+        self.last_plan_stats = plan.stats()
+        # KV tokens the plan's CTAs read (one head) against those the requests attend to: a
+        # shared page is read once per CTA, so sharing shows as the first below the second
+        self.stats["plan_kv_tokens"] += int(self.last_plan_stats["kv_tokens"])
+        self.stats["request_kv_tokens"] += int(seq.sum())
+        self.last_seq_lens = seq
+        return _Step(key, True, "", int(qlen.sum()), w)
+
+    # ------------------------------------------------------------------ per layer
+    def __call__(self, module, query, key, value, attention_mask, dropout: float = 0.0,
+                 scaling: float | None = None, **kwargs):
+        import torch
+        if kwargs.get("cache") is None or "read_index" not in kwargs:
+            # not a continuous-batching forward: the wrapped implementation raises its error
+            return self._run_fallback(module, query, key, value, attention_mask, dropout,
+                                      scaling, kwargs, None)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{self.name}: pat plans on the host at every step, so the "
+                               "engine's CUDA graphs cannot capture it; turn them off with "
+                               "ContinuousBatchingConfig(use_cuda_graph=False)")
+        step_key = (kwargs["read_index"], kwargs["write_index"], kwargs["cu_seq_lens_q"],
+                    kwargs["cu_seq_lens_k"])
+        with self._lock:
+            step = self._step
+            if step is None or any(a is not b for a, b in zip(step_key, step.key)):
+                self.stats["steps"] += 1
+                step = self._new_step(step_key, query, key, scaling, kwargs)
+                self._step = step
+        cache = kwargs["cache"]
+        layer = module.layer_idx
+        layer_ok = (step.use_pat and not (module.training and dropout > 0)
+                    and not hasattr(module, "sinks") and kwargs.get("sliding_window") is None
+                    and not kwargs.get("softcap"))
+        if not layer_ok:
+            return self._run_fallback(module, query, key, value, attention_mask, dropout,
+                                      scaling, kwargs, step)
+        self.stats["pat_layer_calls"] += 1
+        group, j = cache.layer_index_to_group_indices[layer]
+        k_cache, v_cache = cache.key_cache[j], cache.value_cache[j]
+        # the new tokens' K/V into the cache, as the engine's update() writes them: rows of
+        # [T, num_kv_heads, head_dim] at write_index (padding rows go to its trash block)
+        write = kwargs["write_index"][group]
+        k_cache.index_copy_(0, write, key[0].transpose(0, 1))
+        v_cache.index_copy_(0, write, value[0].transpose(0, 1))
+        bs = int(cache.block_size)
+        shape = (k_cache.shape[0] // bs, bs, k_cache.shape[1], k_cache.shape[2])
+        kv = (k_cache.view(shape), v_cache.view(shape))   # pat's NHD pages, no copy
+        n = step.num_tokens
+        t_rows, hq, d = int(query.shape[2]), int(query.shape[1]), int(query.shape[3])
+        q = query[0, :, :n].transpose(0, 1).contiguous()      # [n, num_qo_heads, head_dim]
+        out = query.new_zeros((1, t_rows, hq, d)) if n < t_rows else \
+            query.new_empty((1, t_rows, hq, d))
+        step.wrapper.run(q, kv, out=out[0, :n])
+        return out, None
+
+    def _run_fallback(self, module, query, key, value, attention_mask, dropout, scaling,
+                      kwargs, step):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        self.stats["fallback_layer_calls"] += 1
+        if attention_mask is None and step is not None and self.fallback in _MASKED_FALLBACKS:
+            attention_mask = self._fallback_mask(step, module, query, kwargs)
+        fn = ALL_ATTENTION_FUNCTIONS[self.fallback]
+        return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                  **kwargs)
+
+    @staticmethod
+    def _fallback_mask(step: _Step, module, query, kwargs):
+        """The additive block-causal mask ``[1, 1, T, kv_rows]`` (query's dtype) the engine
+        builds for ``paged|sdpa`` / ``paged|eager``, made once per step and layer type."""
+        import torch
+        from transformers.generation.continuous_batching.utils import build_attention_mask
+        cache = kwargs["cache"]
+        window = cache.sliding_windows[module.layer_idx]
+        layer_type = "full_attention" if window == 1 else "sliding_attention"
+        mask = step.masks.get(layer_type)
+        if mask is not None:
+            return mask
+        cu_k = kwargs["cu_seq_lens_k"]
+        if isinstance(cu_k, dict):
+            cu_k = cu_k[layer_type]
+        group = cache.layer_index_to_group_indices[module.layer_idx][0]
+        t_rows = int(query.shape[2])
+        kv_rows = int(kwargs["read_index"][group].numel()) or t_rows
+        mask = torch.full((1, 1, t_rows, kv_rows), torch.finfo(query.dtype).min,
+                          dtype=query.dtype, device=query.device)
+        build_attention_mask(mask, kwargs["cu_seq_lens_q"].tolist(), cu_k.tolist(),
+                             sliding_window=window)
+        step.masks[layer_type] = mask
+        return mask
+
+
+def register_pat(name: str = "paged|pat", fallback: str = "paged|sdpa", *,
+                 packer: str = "pat", gpu: str | None = None, strict: bool = False,
+                 check_version: bool = True) -> PatPagedAttention:
+    """Register pat as a transformers attention implementation and return it.
+
+    ``model.set_attn_implementation(register_pat().name)`` then makes ``generate_batch`` and
+    ``ContinuousBatchingManager`` run pat on their decode steps and ``fallback`` on the rest
+    (see :class:`PatPagedAttention` for the arguments).  ``check_version``: refuse transformers
+    releases outside :data:`SUPPORTED_TRANSFORMERS` (``RuntimeError``).  Registering a name
+    again replaces the earlier function.
+    """
+    import transformers
+    from transformers import AttentionInterface
+    if check_version:
+        check_transformers_version(transformers.__version__)
+    if fallback not in AttentionInterface._global_mapping:
+        raise ValueError(f"fallback={fallback!r} is not a registered attention implementation "
+                         f"(registered: {sorted(AttentionInterface._global_mapping)})")
+    fn = PatPagedAttention(name, fallback, packer=packer, gpu=gpu, strict=strict)
+    AttentionInterface.register(name, fn)
+    return fn

@@ -1,0 +1,218 @@
+"""pat inside Hugging Face transformers' continuous batching (pat_core.integrations.transformers).
+
+The read-index conversion and the version check need NumPy only and always run.  The end-to-end
+tests build tiny random-weight Llama models from their config objects (no downloads) and
+compare ``generate_batch`` greedy tokens with pat against the engine's own ``paged|sdpa`` on
+the CPU in float32; they skip when torch or transformers (the ``.[transformers]`` extra, not
+installed by CI) is missing.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from pat_core.integrations.transformers import (SUPPORTED_TRANSFORMERS,
+                                                check_transformers_version, query_lengths,
+                                                read_index_to_csr)
+from strategies import prefix_batches
+
+HAVE_HF = (importlib.util.find_spec("torch") is not None
+           and importlib.util.find_spec("transformers") is not None)
+needs_hf = pytest.mark.skipif(not HAVE_HF, reason="torch and transformers not installed "
+                              "(pip install -e '.[transformers]'); CI does not install them")
+
+
+def engine_read_index(block_tables, seq_lens, page_size):
+    """Read indices as the engine's full-attention allocator lists them: each request's
+    positions in order, position p at row page[p // page_size] * page_size + p % page_size."""
+    rows = []
+    for bt, n in zip(block_tables, seq_lens):
+        p = np.arange(int(n))
+        rows.append(np.asarray(bt)[p // page_size].astype(np.int64) * page_size + p % page_size)
+    return np.concatenate(rows)
+
+
+# ---------------------------------------------------------------- NumPy only
+@settings(max_examples=60, deadline=None)
+@given(b=prefix_batches(max_requests=12), pad=st.integers(0, 40))
+def test_read_index_to_csr_round_trip(b, pad):
+    """The CSR form lists each request's pages of the block table, in order, and its last
+    page's tokens; padding entries past the last request are ignored."""
+    ri = engine_read_index(b.block_tables, b.seq_lens, b.page_size)
+    ri = np.concatenate([ri, np.full(pad, 7, dtype=np.int64)])
+    ck = np.concatenate([[0], np.cumsum(b.seq_lens)])
+    indptr, indices, last = read_index_to_csr(ri, ck, b.page_size)
+    assert indptr.dtype == indices.dtype == last.dtype == np.int32
+    for r, n in enumerate(b.seq_lens):
+        npages = -(-int(n) // b.page_size)
+        assert indptr[r + 1] - indptr[r] == npages
+        assert np.array_equal(indices[indptr[r]:indptr[r + 1]], b.block_tables[r, :npages])
+        assert last[r] == (int(n) - 1) % b.page_size + 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(b=prefix_batches(max_requests=8), data=st.data())
+def test_read_index_to_csr_refuses_rows_out_of_page_order(b, data):
+    """A row moved inside or out of its page is refused, naming read_index."""
+    ri = engine_read_index(b.block_tables, b.seq_lens, b.page_size)
+    ck = np.concatenate([[0], np.cumsum(b.seq_lens)])
+    i = data.draw(st.integers(0, ri.size - 1))
+    delta = data.draw(st.sampled_from([1, -1, b.page_size + 1, 3 * b.page_size]))
+    bad = ri.copy()
+    bad[i] += delta
+    pos = i - ck[np.searchsorted(ck, i, side="right") - 1]
+    if pos % b.page_size == 0 and bad[i] % b.page_size == 0 and bad[i] >= 0:
+        # a page's first row moved to another page's first row: a valid table of other pages,
+        # unless the page continues (its next rows still name the old page)
+        n_req = int(b.seq_lens[np.searchsorted(ck, i, side="right") - 1])
+        if pos + 1 >= n_req or b.page_size == 1:     # a page of that one row
+            return
+    with pytest.raises(ValueError, match="read_index"):
+        read_index_to_csr(bad, ck, b.page_size)
+
+
+def test_read_index_to_csr_argument_errors():
+    with pytest.raises(ValueError, match="page_size"):
+        read_index_to_csr(np.arange(4), [0, 4], 0)
+    with pytest.raises(ValueError, match="cu_seq_lens_k"):
+        read_index_to_csr(np.arange(4), [1, 4], 2)
+    with pytest.raises(ValueError, match="cu_seq_lens_k"):
+        read_index_to_csr(np.arange(4), [0, 2, 2, 4], 2)
+    with pytest.raises(ValueError, match="read_index has 3"):
+        read_index_to_csr(np.arange(3), [0, 4], 2)
+
+
+def test_query_lengths_drops_padding_slots_only():
+    assert query_lengths([0, 1, 3, 4, 4, 4]).tolist() == [1, 2, 1]
+    assert query_lengths([0]).tolist() == []
+    with pytest.raises(ValueError, match="zero-length"):
+        query_lengths([0, 1, 1, 2])
+    with pytest.raises(ValueError, match="nondecreasing"):
+        query_lengths([0, 2, 1])
+
+
+def test_version_check():
+    check_transformers_version("5.17.0")
+    check_transformers_version("5.17.3.dev0")
+    for v in ("5.16.2", "5.18.0", "4.57.1"):
+        with pytest.raises(RuntimeError, match="5.17"):
+            check_transformers_version(v)
+    assert SUPPORTED_TRANSFORMERS == ">=5.17,<5.18"
+
+
+# ---------------------------------------------------------------- end to end (torch, transformers)
+def tiny_llama(num_heads, num_kv_heads, layers=2, head_dim=16, seed=0):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=num_heads * head_dim, intermediate_size=128,
+                      num_hidden_layers=layers, num_attention_heads=num_heads,
+                      num_key_value_heads=num_kv_heads, head_dim=head_dim,
+                      max_position_embeddings=1024)
+    return LlamaForCausalLM(cfg).to(torch.float32).eval()
+
+
+def generate(model, impl, prompts, new_tokens, *, block_size=16, max_batch_tokens=64,
+             num_return_sequences=None):
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    model.set_attn_implementation(impl)
+    gc = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1,
+                          pad_token_id=0, num_return_sequences=num_return_sequences)
+    cb = ContinuousBatchingConfig(block_size=block_size, num_blocks=128, allow_block_sharing=True,
+                                  max_batch_tokens=max_batch_tokens, use_cuda_graph=False)
+    out = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb,
+                               progress_bar=False)
+    return {k: list(v.generated_tokens) for k, v in out.items()}
+
+
+@pytest.fixture
+def pat_impl():
+    from pat_core.integrations.transformers import register_pat
+    return register_pat("paged|pat_test", strict=True)
+
+
+@needs_hf
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
+def test_generate_batch_matches_engine_attention(pat_impl, heads):
+    """Greedy tokens with pat equal the engine's paged|sdpa for 32 new tokens per request on a
+    batch with a shared system prompt and block sharing on; pat plans once per decode step and
+    its plans read shared pages once (fewer KV tokens than the requests attend to)."""
+    layers = 3
+    model = tiny_llama(*heads, layers=layers)
+    rng = np.random.default_rng(1)
+    system = rng.integers(3, 250, 40).tolist()          # 2.5 blocks of 16, shared
+    # short suffixes: requests admitted after the first one find the system prompt's blocks
+    # and bring fewer than 16 new tokens on top of a cache (multi-token pat steps)
+    prompts = [system + rng.integers(3, 250, int(n)).tolist() for n in (3, 5, 9, 2, 12)]
+    want = generate(model, "paged|sdpa", prompts, 32)
+    got = generate(model, pat_impl.name, prompts, 32)
+    assert got == want
+    assert all(len(t) == 32 for t in got.values())
+    s = pat_impl.stats
+    assert s["pat_steps"] >= 31                          # every decode step ran pat
+    assert s["plans"] == s["pat_steps"]                  # one plan per step, not per layer
+    assert s["pat_layer_calls"] == layers * s["pat_steps"]
+    assert s["fallback_layer_calls"] == layers * (s["steps"] - s["pat_steps"])
+    assert s["multi_token_steps"] >= 1
+    assert s["plan_kv_tokens"] < s["request_kv_tokens"]  # pat saw the shared pages
+
+
+@needs_hf
+def test_parallel_samples_share_the_prompt(pat_impl):
+    """num_return_sequences forks one prompt's cache (its full blocks shared); pat's greedy
+    tokens equal the engine's for every sample."""
+    model = tiny_llama(8, 2, layers=2)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 250, 37).tolist(), rng.integers(3, 250, 21).tolist()]
+    want = generate(model, "paged|sdpa", prompts, 32, num_return_sequences=3)
+    got = generate(model, pat_impl.name, prompts, 32, num_return_sequences=3)
+    assert len(got) == 6 and got == want
+    s = pat_impl.stats
+    assert s["plans"] == s["pat_steps"] >= 31
+    assert s["plan_kv_tokens"] < s["request_kv_tokens"]
+
+
+@needs_hf
+def test_layer_output_matches_engine_attention():
+    """On a decode step, every layer's pat output equals the engine's paged|sdpa output on the
+    same inputs (float32, to rounding)."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from pat_core.integrations.transformers import register_pat
+    pat = register_pat("paged|pat_cmp", strict=True)
+    checked = []
+
+    def both(module, query, key, value, attention_mask, **kw):
+        out_pat, _ = pat(module, query, key, value, attention_mask, **kw)   # writes the new K/V
+        step = pat._step
+        if step is not None and step.use_pat:
+            # the engine's attention on the same inputs (its update() writes the same rows)
+            mask = pat._fallback_mask(step, module, query, kw)
+            ref, _ = ALL_ATTENTION_FUNCTIONS["paged|sdpa"](module, query, key, value, mask,
+                                                           **kw)
+            n = step.num_tokens
+            checked.append(float((out_pat[0, :n] - ref[0, :n]).abs().max()))
+        return out_pat, None
+
+    AttentionInterface.register("paged|pat_both", both)
+    model = tiny_llama(8, 2, layers=2)
+    rng = np.random.default_rng(3)
+    system = rng.integers(3, 250, 33).tolist()
+    prompts = [system + rng.integers(3, 250, int(n)).tolist() for n in (4, 1, 7)]
+    generate(model, "paged|pat_both", prompts, 8)
+    assert len(checked) >= 2 * 7
+    assert max(checked) < 1e-5, max(checked)
+
+
+@needs_hf
+def test_register_pat_refuses_bad_names():
+    from pat_core.integrations.transformers import register_pat
+    with pytest.raises(ValueError, match="name"):
+        register_pat("pat")
+    with pytest.raises(ValueError, match="fallback"):
+        register_pat("paged|pat_x", fallback="paged|nothing_registered")
+    with pytest.raises(ValueError, match="fallback"):
+        register_pat("paged|pat_y", fallback="paged|pat_y")
