@@ -119,8 +119,11 @@ def generate(model, impl, prompts, new_tokens, *, block_size=16, max_batch_token
              num_return_sequences=None):
     from transformers import ContinuousBatchingConfig, GenerationConfig
     model.set_attn_implementation(impl)
-    gc = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1,
-                          pad_token_id=0, num_return_sequences=num_return_sequences)
+    # several samples need do_sample; top_k=1 keeps them greedy (deterministic, comparable)
+    sample = {"do_sample": False} if num_return_sequences is None else \
+        {"do_sample": True, "top_k": 1}
+    gc = GenerationConfig(max_new_tokens=new_tokens, eos_token_id=-1,
+                          pad_token_id=0, num_return_sequences=num_return_sequences, **sample)
     cb = ContinuousBatchingConfig(block_size=block_size, num_blocks=128, allow_block_sharing=True,
                                   max_batch_tokens=max_batch_tokens, use_cuda_graph=False)
     out = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb,
@@ -162,15 +165,18 @@ def test_generate_batch_matches_engine_attention(pat_impl, heads):
 
 @needs_hf
 def test_parallel_samples_share_the_prompt(pat_impl):
-    """num_return_sequences forks one prompt's cache (its full blocks shared); pat's greedy
-    tokens equal the engine's for every sample."""
+    """num_return_sequences forks one prompt's cache (its full blocks shared between the
+    samples); pat's greedy tokens equal the engine's.  (transformers 5.17's generate_batch runs
+    the forked samples but returns the first sample of each prompt only; the steps pat planned
+    show all six.)"""
     model = tiny_llama(8, 2, layers=2)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, 250, 37).tolist(), rng.integers(3, 250, 21).tolist()]
     want = generate(model, "paged|sdpa", prompts, 32, num_return_sequences=3)
     got = generate(model, pat_impl.name, prompts, 32, num_return_sequences=3)
-    assert len(got) == 6 and got == want
+    assert len(got) == 2 and got == want
     s = pat_impl.stats
+    assert s["max_requests"] == 6
     assert s["plans"] == s["pat_steps"] >= 31
     assert s["plan_kv_tokens"] < s["request_kv_tokens"]
 

@@ -168,7 +168,8 @@ class PatPagedAttention:
     ``stats`` counts steps (``steps``, ``pat_steps``, ``multi_token_steps``), ``plans`` (one per
     pat step), layer calls (``pat_layer_calls``, ``fallback_layer_calls``) and KV tokens over
     the plans (``plan_kv_tokens``: read by the CTAs, one head; ``request_kv_tokens``: the
-    requests' sequence lengths; sharing makes the first smaller); ``last_plan_stats`` is
+    requests' sequence lengths; sharing makes the first smaller), ``max_requests`` (the most
+    requests of one pat step); ``last_plan_stats`` is
     :meth:`pat_core.Plan.stats` of the last plan, ``last_seq_lens`` its int64 ``[batch]``
     sequence lengths; ``fallback_reasons`` counts fallback steps by reason.
     """
@@ -195,7 +196,7 @@ class PatPagedAttention:
         """Zero the counters (``stats``, ``fallback_reasons``, ``last_plan_stats``)."""
         self.stats = {"steps": 0, "pat_steps": 0, "multi_token_steps": 0, "plans": 0,
                       "pat_layer_calls": 0, "fallback_layer_calls": 0,
-                      "plan_kv_tokens": 0, "request_kv_tokens": 0}
+                      "plan_kv_tokens": 0, "request_kv_tokens": 0, "max_requests": 0}
         self.fallback_reasons: dict = {}
         self.last_plan_stats: dict | None = None
         self.last_seq_lens: np.ndarray | None = None
@@ -265,6 +266,7 @@ class PatPagedAttention:
         # shared page is read once per CTA, so sharing shows as the first below the second
         self.stats["plan_kv_tokens"] += int(self.last_plan_stats["kv_tokens"])
         self.stats["request_kv_tokens"] += int(seq.sum())
+        self.stats["max_requests"] = max(self.stats["max_requests"], nreq)
         self.last_seq_lens = seq
         return _Step(key, True, "", int(qlen.sum()), w)
 
