@@ -36,7 +36,7 @@ def engine_read_index(block_tables, seq_lens, page_size):
 
 
 # ---------------------------------------------------------------- NumPy only
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(b=prefix_batches(max_requests=12), pad=st.integers(0, 40))
 def test_read_index_to_csr_round_trip(b, pad):
     """The CSR form lists each request's pages of the block table, in order, and its last
@@ -53,7 +53,7 @@ def test_read_index_to_csr_round_trip(b, pad):
         assert last[r] == (int(n) - 1) % b.page_size + 1
 
 
-@settings(max_examples=40, deadline=None)
+@settings(deadline=None)
 @given(b=prefix_batches(max_requests=8), data=st.data())
 def test_read_index_to_csr_refuses_rows_out_of_page_order(b, data):
     """A row moved inside or out of its page is refused, naming read_index."""
@@ -181,15 +181,15 @@ def test_parallel_samples_share_the_prompt(pat_impl):
     assert s["plan_kv_tokens"] < s["request_kv_tokens"]
 
 
-@needs_hf
-def test_layer_output_matches_engine_attention():
-    """On a decode step, every layer's pat output equals the engine's paged|sdpa output on the
-    same inputs (float32, to rounding)."""
+def layer_differences(model, prompts, name, new_tokens=8):
+    """Generate with an implementation that runs pat and, on pat's steps, the engine's
+    paged|sdpa on the same inputs; returns (the registered PatPagedAttention, the largest
+    absolute difference of the real rows per pat layer call)."""
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from pat_core.integrations.transformers import register_pat
-    pat = register_pat("paged|pat_cmp", strict=True)
-    checked = []
+    pat = register_pat(name, strict=True)
+    diffs = []
 
     def both(module, query, key, value, attention_mask, **kw):
         out_pat, _ = pat(module, query, key, value, attention_mask, **kw)   # writes the new K/V
@@ -200,17 +200,51 @@ def test_layer_output_matches_engine_attention():
             ref, _ = ALL_ATTENTION_FUNCTIONS["paged|sdpa"](module, query, key, value, mask,
                                                            **kw)
             n = step.num_tokens
-            checked.append(float((out_pat[0, :n] - ref[0, :n]).abs().max()))
+            diffs.append(float((out_pat[0, :n].float() - ref[0, :n].float()).abs().max()))
         return out_pat, None
 
-    AttentionInterface.register("paged|pat_both", both)
+    AttentionInterface.register(name + "_both", both)
+    generate(model, name + "_both", prompts, new_tokens)
+    return pat, diffs
+
+
+def shared_prompts(seed, system_len=33, suffixes=(4, 1, 7)):
+    rng = np.random.default_rng(seed)
+    system = rng.integers(3, 250, system_len).tolist()
+    return [system + rng.integers(3, 250, int(n)).tolist() for n in suffixes]
+
+
+@needs_hf
+def test_layer_output_matches_engine_attention():
+    """On every pat step, every layer's pat output equals the engine's paged|sdpa output on the
+    same inputs (float32, to rounding)."""
     model = tiny_llama(8, 2, layers=2)
-    rng = np.random.default_rng(3)
-    system = rng.integers(3, 250, 33).tolist()
-    prompts = [system + rng.integers(3, 250, int(n)).tolist() for n in (4, 1, 7)]
-    generate(model, "paged|pat_both", prompts, 8)
-    assert len(checked) >= 2 * 7
-    assert max(checked) < 1e-5, max(checked)
+    pat, diffs = layer_differences(model, shared_prompts(3), "paged|pat_cmp")
+    assert pat.stats["pat_steps"] >= 7 and len(diffs) == 2 * pat.stats["pat_steps"]
+    assert max(diffs) < 1e-5, max(diffs)
+
+
+@needs_hf
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_layer_output_and_tokens(dtype):
+    """CUDA tensors run pat's kernels (backend "cuda"): every pat layer call is close to the
+    engine's paged|sdpa (16-bit rounding), and float16 greedy tokens equal the engine's."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    tdt = getattr(torch, dtype)
+    model = tiny_llama(8, 2, layers=2, head_dim=64).to("cuda", tdt)
+    pat, diffs = layer_differences(model, shared_prompts(4), "paged|pat_gpu_" + dtype, 16)
+    assert set(pat._wrappers) == {"cuda"}
+    assert pat.stats["pat_steps"] >= 15 and len(diffs) == 2 * pat.stats["pat_steps"]
+    assert max(diffs) < (2e-3 if dtype == "float16" else 2e-2), max(diffs)
+    if dtype == "float16":
+        from pat_core.integrations.transformers import register_pat
+        impl = register_pat("paged|pat_gpu_tokens", strict=True)
+        prompts = shared_prompts(5, suffixes=(3, 5, 9, 2))
+        assert generate(model, impl.name, prompts, 32) == generate(model, "paged|sdpa",
+                                                                   prompts, 32)
 
 
 @needs_hf
