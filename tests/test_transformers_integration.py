@@ -225,6 +225,47 @@ def test_layer_output_matches_engine_attention():
 
 
 @needs_hf
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16bit_cpu_steps(dtype):
+    """16-bit CPU models: every pat layer call is within the dtype's rounding of paged|sdpa
+    (both round their output to it; bfloat16's half unit in the last place at 1 is 2^-9), and
+    float16 greedy tokens equal the engine's for 32 tokens.  (bfloat16 tokens may part once a
+    rounding flips an argmax; docs/engines.md records where.)"""
+    import torch
+    model = tiny_llama(8, 2, layers=3).to(getattr(torch, dtype))
+    pat, diffs = layer_differences(model, shared_prompts(3), "paged|pat_cpu_" + dtype)
+    assert pat.stats["pat_steps"] >= 7 and len(diffs) == 3 * pat.stats["pat_steps"]
+    assert max(diffs) <= (2.0 ** -10 if dtype == "float16" else 2.0 ** -8), max(diffs)
+    if dtype == "float16":
+        from pat_core.integrations.transformers import register_pat
+        impl = register_pat("paged|pat_cpu_tokens", strict=True)
+        prompts = shared_prompts(5, suffixes=(3, 5, 9, 2, 12))
+        assert generate(model, impl.name, prompts, 32) == generate(model, "paged|sdpa",
+                                                                   prompts, 32)
+
+
+@needs_hf
+def test_sliding_window_model_falls_back_to_the_engine():
+    """A sliding-window model (Mistral config, window 24 < the prompts) is not pat's: every
+    step runs paged|sdpa with the sliding mask the integration builds, and the tokens equal
+    the engine's own."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+    from pat_core.integrations.transformers import register_pat
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, max_position_embeddings=1024, sliding_window=24)
+    model = MistralForCausalLM(cfg).to(torch.float32).eval()
+    pat = register_pat("paged|pat_sliding")
+    prompts = shared_prompts(6, suffixes=(3, 8))
+    assert generate(model, pat.name, prompts, 16) == generate(model, "paged|sdpa", prompts, 16)
+    assert pat.stats["pat_steps"] == 0 and pat.stats["steps"] >= 16
+    assert pat.stats["fallback_layer_calls"] == 2 * pat.stats["steps"]
+    assert list(pat.fallback_reasons) == ["cache with sliding-window or several layer groups"]
+
+
+@needs_hf
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_layer_output_and_tokens(dtype):

@@ -252,7 +252,8 @@ class PatPagedAttention:
         try:
             plan = w.plan_csr(indptr, indices, last, int(query.shape[1]),
                               int(key_states.shape[1]), int(query.shape[3]),
-                              int(cache.block_size), sm_scale=scaling, kv_data_type=cache.dtype,
+                              int(cache.block_size), sm_scale=scaling,
+                              kv_data_type=cache.key_cache[0].dtype,
                               q_data_type=query.dtype, qo_indptr=qo)
         except (ValueError, TypeError) as e:       # a limit pat refuses by name: fall back
             if self.strict:
