@@ -369,9 +369,10 @@ def register_pat(name: str = "paged|pat", fallback: str = "paged|sdpa", *,
     from transformers import AttentionInterface
     if check_version:
         check_transformers_version(transformers.__version__)
-    if fallback not in AttentionInterface._global_mapping:
+    registered = AttentionInterface().valid_keys()
+    if fallback not in registered:
         raise ValueError(f"fallback={fallback!r} is not a registered attention implementation "
-                         f"(registered: {sorted(AttentionInterface._global_mapping)})")
+                         f"(registered: {sorted(registered)})")
     fn = PatPagedAttention(name, fallback, packer=packer, gpu=gpu, strict=strict)
     AttentionInterface.register(name, fn)
     return fn
