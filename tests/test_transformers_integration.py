@@ -161,6 +161,7 @@ def test_generate_batch_matches_engine_attention(pat_impl, heads):
     assert s["fallback_layer_calls"] == layers * (s["steps"] - s["pat_steps"])
     assert s["multi_token_steps"] >= 1
     assert s["plan_kv_tokens"] < s["request_kv_tokens"]  # pat saw the shared pages
+    assert s["step_host_s"] > 0
 
 
 @needs_hf
