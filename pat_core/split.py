@@ -353,17 +353,13 @@ def _left(sorted_small, x):
 
 
 @njit(cache=True, nogil=True)
-def _price_nb(length, rows, parts, plen, num_kv_heads, head_dim, kv_bytes, num_sms, m_values,
-              bounds, fid, cfg_slot, cfg_inflight, bandwidth, latency):
-    """Predicted forward + merge time (ns) of the cut that makes ``parts`` parts of ``plen``
-    tokens of each pack (int64 ``[K]``, :func:`_parts_of` at the threshold; ``rows`` int64
-    ``[K]`` query rows): the pull launch of the parts (:func:`pull_makespan_ns`, longest first,
-    a part's ``num_kv_heads`` blocks as one item of their summed bytes, in-flight bytes and SM
-    share; each part's tile from the selector's lookup arrays,
-    :meth:`pat_core.tiles.TileSelector.lookup`, with that config's SM share and in-flight bytes
-    ``cfg_slot``, ``cfg_inflight``, float64 ``[F]``) plus, when a pack is cut,
-    :data:`MERGE_NS` and the partial reads.  Beyond the planner's own tile and resource rules
-    only :data:`LOADED_LATENCY`, :data:`ITEM_NS` and :data:`MERGE_NS` are the model's."""
+def _price_items(length, rows, parts, plen, num_kv_heads, head_dim, kv_bytes, m_values,
+                 bounds, fid):
+    """The work items of the cut that makes ``parts`` parts of ``plen`` tokens of each pack
+    (int64 ``[K]``, :func:`_parts_of` at the threshold; ``rows`` int64 ``[K]`` query rows), in
+    pack order: ``(nbytes, cfg, merge_rows)``, each part's bytes (its ``num_kv_heads`` blocks
+    as one item, float64 ``[N]``), its config in the selector's lookup (int64 ``[N]``), and
+    the partial rows the merge reads, and whether any pack is cut (a merge launch)."""
     K = length.shape[0]
     total = 0
     for p in range(K):
@@ -371,8 +367,8 @@ def _price_nb(length, rows, parts, plen, num_kv_heads, head_dim, kv_bytes, num_s
     nbytes = np.empty(total, dtype=np.float64)
     cfg = np.empty(total, dtype=np.int64)
     i = 0
-    any_cut = False
     merge = 0
+    any_cut = False
     for p in range(K):
         n_p = parts[p]
         pl = plen[p]
@@ -387,13 +383,65 @@ def _price_nb(length, rows, parts, plen, num_kv_heads, head_dim, kv_bytes, num_s
             nbytes[i] = float(num_kv_heads * (tok * (head_dim * 2 * kv_bytes) + extra))
             cfg[i] = fid[mi, _left(bounds, tok)]
             i += 1
+    return nbytes, cfg, merge, any_cut
+
+
+@njit(cache=True, nogil=True)
+def _merge_ns(merge, any_cut, num_kv_heads, head_dim, bandwidth):
+    """The merge launch's predicted time (ns) for ``merge`` partial rows (none unless
+    ``any_cut``)."""
+    if not any_cut:
+        return 0.0
+    return MERGE_NS + float(merge) * num_kv_heads * head_dim * 4 / bandwidth
+
+
+@njit(cache=True, nogil=True)
+def _price_floor(nbytes, cfg, merge, any_cut, num_kv_heads, head_dim, cfg_inflight, bandwidth,
+                 latency):
+    """A lower bound of :func:`_price_nb` for the same items (:func:`_price_items`), in one
+    pass with no sort.  In :func:`pull_makespan_ns` an item needs ``bytes / w + ITEM_NS /
+    latency`` of the shared clock (``w``: its in-flight bytes, at least 1), and the clock runs
+    at ``g <= bandwidth / (sum of the running items' w)``, so every interval lasts at least
+    its clock advance times the running ``w`` over ``bandwidth``; summed over the launch, the
+    makespan is at least ``sum(bytes + w * ITEM_NS / latency) / bandwidth``, whatever the
+    order and the SM slots.  The merge term is the same as the price's."""
+    e = 0.0
+    for i in range(nbytes.shape[0]):
+        e += nbytes[i] + max(cfg_inflight[cfg[i]], 1.0) * (ITEM_NS / latency)
+    return e / bandwidth + _merge_ns(merge, any_cut, num_kv_heads, head_dim, bandwidth)
+
+
+@njit(cache=True, nogil=True)
+def _price_of_items(nbytes, cfg, merge, any_cut, num_kv_heads, head_dim, num_sms, cfg_slot,
+                    cfg_inflight, bandwidth, latency):
+    """:func:`_price_nb` of items from :func:`_price_items`."""
     order = np.argsort(-nbytes, kind="mergesort")
     t = pull_makespan_ns(nbytes[order], cfg_inflight[cfg[order]], cfg_slot[cfg[order]],
                          float(num_sms), bandwidth, latency, ITEM_NS)
-    if any_cut:
-        merge_bytes = float(merge) * num_kv_heads * head_dim * 4
-        t += MERGE_NS + merge_bytes / bandwidth
-    return t
+    return t + _merge_ns(merge, any_cut, num_kv_heads, head_dim, bandwidth)
+
+
+@njit(cache=True, nogil=True)
+def _price_nb(length, rows, parts, plen, num_kv_heads, head_dim, kv_bytes, num_sms, m_values,
+              bounds, fid, cfg_slot, cfg_inflight, bandwidth, latency):
+    """Predicted forward + merge time (ns) of the cut that makes ``parts`` parts of ``plen``
+    tokens of each pack (int64 ``[K]``, :func:`_parts_of` at the threshold; ``rows`` int64
+    ``[K]`` query rows): the pull launch of the parts (:func:`pull_makespan_ns`, longest first,
+    a part's ``num_kv_heads`` blocks as one item of their summed bytes, in-flight bytes and SM
+    share; each part's tile from the selector's lookup arrays,
+    :meth:`pat_core.tiles.TileSelector.lookup`, with that config's SM share and in-flight bytes
+    ``cfg_slot``, ``cfg_inflight``, float64 ``[F]``) plus, when a pack is cut,
+    :data:`MERGE_NS` and the partial reads.  Beyond the planner's own tile and resource rules
+    only :data:`LOADED_LATENCY`, :data:`ITEM_NS` and :data:`MERGE_NS` are the model's."""
+    nbytes, cfg, merge, cut = _price_items(length, rows, parts, plen, num_kv_heads, head_dim,
+                                           kv_bytes, m_values, bounds, fid)
+    return _price_of_items(nbytes, cfg, merge, cut, num_kv_heads, head_dim, num_sms, cfg_slot,
+                           cfg_inflight, bandwidth, latency)
+
+
+# A candidate whose price floor (:func:`_price_floor`) is at least this fraction above the
+# override line is not priced: float rounding of the two sums is far below it
+FLOOR_SLACK = 1e-9
 
 
 @njit(cache=True, nogil=True)
@@ -454,9 +502,18 @@ def _choose_share_nb(length, rows, num_kv_heads, num_sms, min_part, head_dim, kv
     t_auto = 0.0
     t_best = 0.0
     for j in range(nk):
-        t = _price_nb(length, rows, kept_parts[j], kept_plen[j], num_kv_heads, head_dim,
-                      kv_bytes, num_sms, m_values, bounds, fid, cfg_slot, cfg_inflight,
-                      bandwidth, latency)
+        nbytes, cfg, merge, cut = _price_items(length, rows, kept_parts[j], kept_plen[j],
+                                               num_kv_heads, head_dim, kv_bytes, m_values,
+                                               bounds, fid)
+        if j > 0:
+            # a share whose price cannot fall below the override line cannot be returned
+            # (were it the cheapest, auto would stand), so its pull launch is not simulated
+            floor = _price_floor(nbytes, cfg, merge, cut, num_kv_heads, head_dim, cfg_inflight,
+                                 bandwidth, latency)
+            if floor * (1.0 - FLOOR_SLACK) >= t_auto * (1.0 - MODEL_MARGIN):
+                continue
+        t = _price_of_items(nbytes, cfg, merge, cut, num_kv_heads, head_dim, num_sms, cfg_slot,
+                            cfg_inflight, bandwidth, latency)
         if j == 0:
             t_auto = t
             t_best = t

@@ -191,3 +191,79 @@ def test_choice_on_the_measured_batches(spec):
     auto = auto_split_share_reference(length, rows, 8, gpu.num_sms)
     if share != auto:
         assert predicted[share] < predicted[auto] * (1 - MODEL_MARGIN)
+
+
+def _lookup_constants(sel, hk, d, spec):
+    from pat_core.split import _price_constants
+    m_values, bounds, fid, _ = sel.lookup()
+    slot, inflight = _price_constants(sel, hk, d, 2, spec)
+    bw = float(spec.hbm_bandwidth * spec.achieved_bw_fraction)
+    lat = float(spec.mem_latency_ns * LOADED_LATENCY)
+    return m_values, bounds, fid, slot, inflight, bw, lat
+
+
+@settings(max_examples=150, deadline=None)
+@given(lens=st.lists(st.integers(1, 40000), min_size=1, max_size=60),
+       rows=st.lists(st.sampled_from([1, 2, 4, 8, 16, 32, 64, 128]), min_size=60, max_size=60),
+       thr=st.integers(16, 20000), hk=st.sampled_from([1, 2, 8, 32]),
+       d=st.sampled_from([64, 128]), gpu=st.sampled_from(GPUS))
+def test_price_floor_never_exceeds_the_price(lens, rows, thr, hk, d, gpu):
+    """The floor that lets the choice skip a candidate's pull launch is a lower bound of its
+    price, for any cut (a floor above the price could skip the share the model would pick)."""
+    from pat_core.split import _parts_of, _price_floor, _price_items, _price_nb
+    spec = get_gpu(gpu)
+    sel = TileSelector(d, "float16", spec)
+    m_values, bounds, fid, slot, inflight, bw, lat = _lookup_constants(sel, hk, d, spec)
+    length = np.array(lens, dtype=np.int64)
+    r = np.array(rows[:len(lens)], dtype=np.int64)
+    pl = [_parts_of(int(x), thr) for x in length]
+    parts = np.array([p[0] for p in pl], dtype=np.int64)
+    plen = np.array([p[1] for p in pl], dtype=np.int64)
+    price = _price_nb(length, r, parts, plen, hk, d, 2, spec.num_sms, m_values, bounds, fid,
+                      slot, inflight, bw, lat)
+    nbytes, cfg, merge, cut = _price_items(length, r, parts, plen, hk, d, 2, m_values, bounds,
+                                           fid)
+    floor = _price_floor(nbytes, cfg, merge, cut, hk, d, inflight, bw, lat)
+    assert 0 < floor <= price * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("requests", [64, 128, 256])
+def test_choice_with_skipped_candidates_equals_the_reference(requests):
+    """Serving-loop packs (bandwidth bound: the floor is within a few percent of the price,
+    so the choice skips candidates) choose the share the reference prices in full; and on
+    these steps the floor does skip some candidate (else this test would not test it)."""
+    from pat_core.split import (FLOOR_SLACK, _parts_of, _price_floor, _price_items,
+                                _threshold_nb)
+    from pat_core.workloads import ServingLoop
+    spec = get_gpu("h100")
+    planner = Planner("pat", "h100")
+    sel = planner.tile_selector(128)
+    kw = dict(num_kv_heads=8, head_dim=128, kv_bytes=2, gpu=spec, selector=sel)
+    m_values, bounds, fid, slot, inflight, bw, lat = _lookup_constants(sel, 8, 128, spec)
+    loop = ServingLoop(requests, 4, 2048, (128, 3072), 16, seed=1)
+    skipped = 0
+    for step in range(40):
+        table, lens = loop.step()
+        if step % 8:
+            continue
+        plan = planner.plan(table, lens, 32, 8, 128, 16, split=False)
+        length = plan.cta_kv_len.astype(np.int64)
+        rows = np.diff(plan.cta_req_indptr).astype(np.int64) * 4
+        share, predicted = choose_split_share_reference(length, rows, **kw)
+        assert choose_split_share(length, rows, **kw) == share
+        if len(predicted) < 2:
+            continue
+        auto = auto_split_share_reference(length, rows, 8, spec.num_sms)
+        line = predicted[auto] * (1 - MODEL_MARGIN)
+        for s in predicted:
+            if s == auto:
+                continue
+            thr = _threshold_nb(float(length.sum()), 8, spec.num_sms, 256, s)
+            pl = [_parts_of(int(x), thr) for x in length]
+            parts = np.array([p[0] for p in pl], dtype=np.int64)
+            plen = np.array([p[1] for p in pl], dtype=np.int64)
+            items = _price_items(length, rows, parts, plen, 8, 128, 2, m_values, bounds, fid)
+            floor = _price_floor(*items, 8, 128, inflight, bw, lat)
+            assert floor <= predicted[s] * (1 + 1e-12)
+            skipped += floor * (1 - FLOOR_SLACK) >= line
+    assert skipped > 0
