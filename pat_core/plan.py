@@ -193,10 +193,18 @@ class Plan:
                     "token_slot_indptr")
 
     def __post_init__(self):
-        if self.qo_indptr is None:
+        one_token = self.qo_indptr is None
+        if one_token:
             self.qo_indptr = np.arange(self.batch_size + 1, dtype=np.int32)
         if self.token_slot_indptr is None:
-            self.token_slot_indptr = token_slot_indptr(self.qo_indptr, self.req_slot_indptr)
+            if one_token and self.req_slot_indptr.shape[0] > 0:
+                # one token per request: its rows are the request's slots (what
+                # token_slot_indptr gives, without its repeat and cumsum on every plan)
+                r = self.req_slot_indptr
+                self.token_slot_indptr = (r - r[0]).astype(np.int32)
+            else:
+                self.token_slot_indptr = token_slot_indptr(self.qo_indptr,
+                                                           self.req_slot_indptr)
 
     # ------------------------------------------------------------------ query tokens
     @property

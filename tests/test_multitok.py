@@ -372,3 +372,16 @@ def test_multitoken_fp8_cache_with_scales():
                           qo_indptr=qo)
     assert out.shape == (qo[-1], 8, 64)
     assert relative_error(out, ref) < 4e-3
+
+
+@settings(max_examples=40, deadline=None)
+@given(b=prefix_batches(), packer=st.sampled_from(["pat", "query", "cascade"]))
+def test_one_token_plan_rows_are_the_general_rule(b, packer):
+    """A plan without ``qo_indptr`` takes its token rows from its slots directly; they are
+    what :func:`token_slot_indptr` gives for one token per request (int32, same values)."""
+    from pat_core.plan import token_slot_indptr
+    plan = Planner(packer).plan(b.block_tables, b.seq_lens, 8, 2, 64, b.page_size)
+    want = token_slot_indptr(np.arange(plan.batch_size + 1), plan.req_slot_indptr)
+    assert plan.token_slot_indptr.dtype == want.dtype == np.int32
+    assert np.array_equal(plan.token_slot_indptr, want)
+    assert np.array_equal(plan.qo_indptr, np.arange(plan.batch_size + 1))
