@@ -34,7 +34,8 @@ from .inputs import (INT32_MAX, BlockTable, _check_seq_lens, as_block_table, che
 from .packers import (PACKERS, Packs, chunk_packs, narrow_packing, narrow_wins, pack,
                       request_packing, request_share, request_wins)
 from .plan import DTYPE_BYTES, KV_ONLY_DTYPES, Plan, dtype_name, token_slot_indptr
-from .split import (INVARIANT_CHUNK_TOKENS, _left, _split_parts, auto_split_share,
+from .split import (INVARIANT_CHUNK_TOKENS, LOADED_LATENCY, _choose_threshold_nb, _left,
+                    _price_constants, _split_parts, auto_split_share,
                     choose_split_threshold_fast, invariant_chunk, split_long_kv,
                     split_threshold)
 from .tiles import TileSelector
@@ -209,7 +210,45 @@ def _tail_layout_nb(req_indptr, reqs, kv_start, kv_end, level, thr, pack_rows, m
     Returns ``(used, cta_tile, group_indptr, group_tile, cta_kv_start, cta_kv_len,
     cta_req_indptr, cta_req, cta_slot, cta_page_indptr, cta_pages, req_slot_indptr, n_pages,
     n_pairs)``; past int32 (``max(n_pages, n_pairs) > 2^31 - 1``) the layout arrays are empty
-    and the caller refuses the batch."""
+    and the caller refuses the batch.  (The entry point of :func:`_tail_layout_parts`, which
+    compiled code calls: see :func:`_layout`.)"""
+    return _tail_layout_parts(req_indptr, reqs, kv_start, kv_end, level, thr, pack_rows,
+                              m_values, bounds, fid, cfg_m, order_mode, table, page_size, batch)
+
+
+@njit(cache=True, nogil=True)
+def _sm_plan_nb(req_indptr, reqs, kv_start, kv_end, level, group, rows, num_kv_heads, num_sms,
+                min_part, head_dim, kv_bytes, m_values, bounds, fid, cfg_slot, cfg_inflight,
+                bandwidth, latency, max_rows, cfg_m, order_mode, table, page_size, batch):
+    """The default split rule's plan arrays in one call (one dispatch per step, no Python in
+    between): :func:`pat_core.split._choose_threshold_nb`'s threshold and most rows, then
+    :func:`_tail_layout_parts` at that threshold.  ``rows``: int64 ``[K]`` each pack's query
+    rows, or empty (requests x ``group``).  Returns ``(thr, most, arrays)`` with ``arrays``
+    :func:`_tail_layout_nb`'s tuple; where a pack has more than ``max_rows`` rows (the caller
+    refuses it) the layout is not run and ``arrays`` holds empty arrays."""
+    thr, most = _choose_threshold_nb(req_indptr, kv_start, kv_end, group, rows, num_kv_heads,
+                                     num_sms, min_part, head_dim, kv_bytes, m_values, bounds,
+                                     fid, cfg_slot, cfg_inflight, bandwidth, latency)
+    K = kv_start.shape[0]
+    if rows.shape[0] == K:
+        pack_rows = rows
+    else:
+        pack_rows = np.empty(K, dtype=np.int64)
+        for p in range(K):
+            pack_rows[p] = np.int64(req_indptr[p + 1] - req_indptr[p]) * group
+    if most > max_rows:
+        e = np.empty(0, dtype=np.int32)
+        return thr, most, (np.zeros(cfg_m.shape[0], dtype=np.bool_), e, e, e, e, e, e, e, e, e,
+                           e, e, np.int64(0), np.int64(0))
+    return thr, most, _tail_layout_parts(req_indptr, reqs, kv_start, kv_end, level, thr,
+                                         pack_rows, m_values, bounds, fid, cfg_m, order_mode,
+                                         table, page_size, batch)
+
+
+@njit(cache=True, nogil=True)
+def _tail_layout_parts(req_indptr, reqs, kv_start, kv_end, level, thr, pack_rows, m_values,
+                       bounds, fid, cfg_m, order_mode, table, page_size, batch):
+    """:func:`_tail_layout_nb`'s body (compiled callers call this one)."""
     (src, start, ln, order, used, cta_tile, group_indptr, group_tile, n_pages,
      n_pairs) = _tail_nb(req_indptr, kv_start, kv_end, level, thr, pack_rows, m_values,
                          bounds, fid, cfg_m, order_mode, page_size)
@@ -236,66 +275,108 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
                   head_dim: int, sm_scale: float, packer: str, selector: TileSelector,
                   kv_dtype: str, serial: bool = False, split=True,
                   tuning: Tuning | None = None) -> Plan:
-    """Split, tile and lay out ``packs`` as a :class:`Plan` (no per-CTA Python: two compiled
-    passes, :func:`_tail_nb` and :func:`_layout`, unless the tuning splits by work).  A pack's
-    query rows are :meth:`Packs.pack_rows` (its requests' query tokens x the GQA group)."""
+    """Split, tile and lay out ``packs`` as a :class:`Plan` (no per-CTA Python: under the
+    default split rule one compiled call, :func:`_sm_plan_nb`, chooses the threshold and
+    builds every array; the other rules choose it in NumPy, then :func:`_tail_nb` and
+    :func:`_layout` run, unless the tuning splits by work).  A pack's query rows are
+    :meth:`Packs.pack_rows` (its requests' query tokens x the GQA group)."""
     tuning = tuning or Tuning()
     group = num_qo_heads // num_kv_heads
-    pack_rows = packs.pack_rows(group)
     gpu = selector.gpu
     weight = None
     rule = (split if isinstance(split, str) else "sm") if split else None
+    if packer == "cascade":
+        serial, mode = True, 3
+    else:
+        mode = _ORDER_MODE[tuning.order]
     if rule == "sm" and tuning.split_share is None and tuning.split_by == "tokens":
-        # the default: share, threshold and the rows check in one compiled call
-        thr, most = choose_split_threshold_fast(
-            packs.req_indptr, packs.kv_start, packs.kv_end, group, num_kv_heads=num_kv_heads,
-            head_dim=head_dim, kv_bytes=DTYPE_BYTES[kv_dtype], gpu=gpu, selector=selector,
-            min_part=tuning.min_part, rows=packs.rows)
+        # the default: share, threshold, rows check, split, tiles and layout in one compiled
+        # call (choose_split_threshold_fast's threshold, then what follows below)
+        k = _sm_constants(selector, num_kv_heads, head_dim, DTYPE_BYTES[kv_dtype], gpu)
+        thr, most, arrays = _sm_plan_nb(
+            packs.req_indptr, packs.reqs, packs.kv_start, packs.kv_end, packs.level, group,
+            k[0] if packs.rows is None else packs.rows, num_kv_heads, gpu.num_sms,
+            int(tuning.min_part), head_dim, DTYPE_BYTES[kv_dtype], *k[1:8], selector.max_rows,
+            k[8], mode, bt.table, bt.page_size, bt.batch_size)
         if most > selector.max_rows:
             raise ValueError(f"a CTA has {most} rows; the largest tile has "
                              f"{selector.max_rows}")
+        return _plan_of_arrays(bt, arrays, k[9], num_qo_heads=num_qo_heads,
+                               num_kv_heads=num_kv_heads, head_dim=head_dim, sm_scale=sm_scale,
+                               packer=packer, gpu=gpu, kv_dtype=kv_dtype, serial=serial)
+    pack_rows = packs.pack_rows(group)
+    # the other rules (a fixed share, split by work, no split): in NumPy
+    length = packs.kv_end - packs.kv_start
+    rows = pack_rows
+    if rows.size and int(rows.max()) > selector.max_rows:
+        raise ValueError(f"a CTA has {int(rows.max())} rows; the largest tile has "
+                         f"{selector.max_rows}")
+    if rule is not None:
+        if rule == "sm" and tuning.split_by == "work":
+            weight = selector.row_time_weight(rows)
+        share = tuning.split_share
+        if share is None and rule == "sm":
+            share = auto_split_share(length, rows, num_kv_heads, gpu.num_sms,
+                                     min_part=tuning.min_part)
+        thr = split_threshold(length, num_kv_heads, gpu.num_sms, rule=rule,
+                              min_part=tuning.min_part,
+                              share=2.0 if share is None else share, weight=weight)
     else:
-        length = packs.kv_end - packs.kv_start
-        rows = pack_rows
-        if rows.size and int(rows.max()) > selector.max_rows:
-            raise ValueError(f"a CTA has {int(rows.max())} rows; the largest tile has "
-                             f"{selector.max_rows}")
-        if rule is not None:
-            if rule == "sm" and tuning.split_by == "work":
-                weight = selector.row_time_weight(rows)
-            share = tuning.split_share
-            if share is None and rule == "sm":
-                share = auto_split_share(length, rows, num_kv_heads, gpu.num_sms,
-                                         min_part=tuning.min_part)
-            thr = split_threshold(length, num_kv_heads, gpu.num_sms, rule=rule,
-                                  min_part=tuning.min_part,
-                                  share=2.0 if share is None else share, weight=weight)
-        else:
-            thr = int(length.max()) if length.size else 1
+        thr = int(length.max()) if length.size else 1
     if weight is not None:
         return _assemble_weighted(bt, packs, thr, weight, num_qo_heads=num_qo_heads,
                                   num_kv_heads=num_kv_heads, head_dim=head_dim,
                                   sm_scale=sm_scale, packer=packer, selector=selector,
                                   kv_dtype=kv_dtype, serial=serial, tuning=tuning)
     m_values, bounds, fid, configs = selector.lookup()
-    if packer == "cascade":
-        serial, mode = True, 3
-    else:
-        mode = _ORDER_MODE[tuning.order]
-    B = bt.batch_size
-    (used, cta_tile, group_indptr, group_tile, cta_kv_start, cta_kv_len, req_ptr, cta_req,
-     cta_slot, page_ptr, pages, req_slot_indptr, n_pages, n_pairs) = _tail_layout_nb(
+    arrays = _tail_layout_nb(
         packs.req_indptr, packs.reqs, packs.kv_start, packs.kv_end, packs.level, int(thr),
         pack_rows, m_values, bounds, fid, np.ascontiguousarray(configs[:, 0]), mode, bt.table,
-        bt.page_size, B)
+        bt.page_size, bt.batch_size)
+    return _plan_of_arrays(bt, arrays, configs, num_qo_heads=num_qo_heads,
+                           num_kv_heads=num_kv_heads, head_dim=head_dim, sm_scale=sm_scale,
+                           packer=packer, gpu=gpu, kv_dtype=kv_dtype, serial=serial)
+
+
+def _sm_constants(selector: TileSelector, num_kv_heads: int, head_dim: int, kv_bytes: int,
+                  gpu) -> tuple:
+    """What :func:`_sm_plan_nb` needs of the selector besides the packs, kept on the selector
+    per ``(num_kv_heads, head_dim, kv_bytes)`` (one build, then a dict lookup per plan):
+    ``(no_rows, m_values, bounds, fid, slot, inflight, bandwidth, latency, cfg_m, configs)``
+    -- an empty int64 rows array, :meth:`TileSelector.lookup`'s arrays, the price constants
+    (:func:`pat_core.split._price_constants`), the pull model's bandwidth (bytes/ns) and
+    loaded latency (ns), the configs' ``m`` (int64 ``[F]``) and the configs (int64
+    ``[F, 2]``)."""
+    memo = selector.__dict__.setdefault("_sm_memo", {})
+    key = (num_kv_heads, head_dim, kv_bytes)
+    hit = memo.get(key)
+    if hit is None:
+        m_values, bounds, fid, configs = selector.lookup()
+        slot, inflight = _price_constants(selector, num_kv_heads, head_dim, kv_bytes, gpu)
+        hit = memo[key] = (
+            np.zeros(0, dtype=np.int64), m_values, bounds, fid, slot, inflight,
+            float(gpu.hbm_bandwidth * gpu.achieved_bw_fraction),
+            float(gpu.mem_latency_ns * LOADED_LATENCY), np.ascontiguousarray(configs[:, 0]),
+            configs)
+    return hit
+
+
+def _plan_of_arrays(bt: BlockTable, arrays: tuple, configs: np.ndarray, *, num_qo_heads: int,
+                    num_kv_heads: int, head_dim: int, sm_scale: float, packer: str, gpu,
+                    kv_dtype: str, serial: bool) -> Plan:
+    """The :class:`Plan` of :func:`_tail_layout_nb`'s ``arrays`` (``configs``: int64
+    ``[F, 2]``, the selector's configs its ``used`` mask indexes); ``ValueError`` where the
+    lists would not fit int32."""
+    (used, cta_tile, group_indptr, group_tile, cta_kv_start, cta_kv_len, req_ptr, cta_req,
+     cta_slot, page_ptr, pages, req_slot_indptr, n_pages, n_pairs) = arrays
     # the Plan's arrays are int32: refuse a batch whose lists would not fit rather than wrap
     if max(n_pages, n_pairs) > INT32_MAX:
         raise ValueError(f"block_tables: the plan would list {n_pages} page entries and "
                          f"{n_pairs} (CTA, request) pairs; the int32 Plan holds at most 2^31 - 1")
     return Plan(
-        batch_size=B, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        page_size=bt.page_size, sm_scale=float(sm_scale), packer=packer, gpu=gpu.name,
-        kv_dtype=kv_dtype, serial=bool(serial),
+        batch_size=bt.batch_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, page_size=bt.page_size, sm_scale=float(sm_scale), packer=packer,
+        gpu=gpu.name, kv_dtype=kv_dtype, serial=bool(serial),
         tile_configs=configs[used].astype(np.int32), group_indptr=group_indptr,
         group_tile=group_tile, cta_tile=cta_tile, cta_req_indptr=req_ptr, cta_req=cta_req,
         cta_slot=cta_slot, cta_kv_start=cta_kv_start, cta_kv_len=cta_kv_len,

@@ -1,7 +1,7 @@
 """Plan invariants and CPU-executor correctness on random prefix forests, for every packer."""
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pat_core import PACKERS, Planner, PrefixAttentionWrapper
@@ -99,3 +99,47 @@ def test_sm_scale_is_applied(packer):
     w.plan(b.block_tables, b.seq_lens, 4, 2, 64, 4, sm_scale=0.3, kv_data_type="float32")
     ref = dense_attention(q, (k, v), b.block_tables, b.seq_lens, 4, sm_scale=0.3)
     assert relative_error(w.run(q, (k, v)), ref) <= 1e-5
+
+
+@settings(max_examples=60, deadline=None)
+@given(b=prefix_batches(), packer=st.sampled_from(["pat", "query", "node", "cascade"]),
+       heads=st.sampled_from([(8, 2), (32, 8), (4, 4)]), multi=st.booleans(), data=st.data())
+def test_one_call_plan_equals_the_step_by_step_plan(b, packer, heads, multi, data):
+    """The default split rule's one compiled call (threshold, split, tiles, layout) makes the
+    arrays of the steps it fuses: ``choose_split_threshold_fast``'s threshold, then
+    ``_tail_layout_nb`` at it."""
+    from pat_core.forest import PrefixForest
+    from pat_core.inputs import as_block_table
+    from pat_core.packers import pack
+    from pat_core.planner import _ORDER_MODE, _plan_of_arrays, _tail_layout_nb, assemble_plan
+    from pat_core.split import choose_split_threshold_fast
+    from pat_core.tuning import Tuning
+    from strategies import qo_indptrs
+    hq, hk = heads
+    group = hq // hk
+    planner = Planner(packer)
+    sel = planner.tile_selector(64, "float16")
+    bt = as_block_table(b.block_tables, b.seq_lens, b.page_size)
+    q_lens = None
+    if multi:
+        qo = data.draw(qo_indptrs(bt.seq_lens, max_len=max(1, sel.max_rows // group)))
+        q_lens = np.diff(qo)
+    packs = pack(PrefixForest(bt), packer, group, sel.max_rows, 64, 2, 2, q_lens=q_lens)
+    kw = dict(num_qo_heads=hq, num_kv_heads=hk, head_dim=64, sm_scale=0.125, packer=packer,
+              selector=sel, kv_dtype="float16")
+    got = assemble_plan(bt, packs, **kw)
+    thr, _ = choose_split_threshold_fast(packs.req_indptr, packs.kv_start, packs.kv_end, group,
+                                         num_kv_heads=hk, head_dim=64, kv_bytes=2,
+                                         gpu=sel.gpu, selector=sel, rows=packs.rows)
+    m_values, bounds, fid, configs = sel.lookup()
+    arrays = _tail_layout_nb(packs.req_indptr, packs.reqs, packs.kv_start, packs.kv_end,
+                             packs.level, thr, packs.pack_rows(group), m_values, bounds, fid,
+                             np.ascontiguousarray(configs[:, 0]),
+                             3 if packer == "cascade" else _ORDER_MODE[Tuning().order], bt.table,
+                             bt.page_size, bt.batch_size)
+    want = _plan_of_arrays(bt, arrays, configs, num_qo_heads=hq, num_kv_heads=hk, head_dim=64,
+                           sm_scale=0.125, packer=packer, gpu=sel.gpu, kv_dtype="float16",
+                           serial=packer == "cascade")
+    assert got.serial == want.serial
+    for f in got.ARRAY_FIELDS:
+        assert np.array_equal(getattr(got, f), getattr(want, f)), f
