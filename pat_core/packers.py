@@ -106,17 +106,49 @@ def _tree_heuristic(start, end, lo, hi, child_indptr, children, order, level,
     """TreeHeuristic over every tree of the forest (iterative DFS).  See module docstring.
     ``rpre``: int64 ``[B + 1]``, query rows of the requests in sorted order, prefix-summed (a
     node's rows are ``rpre[hi] - rpre[lo]``); a CTA holds at most ``max_rows`` rows and
-    ``max_req`` requests."""
+    ``max_req`` requests.  Returns ``(req_indptr, reqs, kv_start, kv_end, level, leaf_pack)``
+    (int32; ``[K + 1]``, ``[R]``, ``[K]`` x 3, ``[B]``)."""
     B = order.shape[0]
     n = start.shape[0]
-    # output buffers, grown on demand
     cap_p = 2 * n + 16
     cap_r = 4 * B + 16
-    p_ind = np.zeros(cap_p + 1, dtype=np.int64)
-    p_s = np.zeros(cap_p, dtype=np.int32)
-    p_e = np.zeros(cap_p, dtype=np.int32)
-    p_lv = np.zeros(cap_p, dtype=np.int32)
-    p_r = np.zeros(cap_r, dtype=np.int32)
+    np_, nr, p_ind, p_s, p_e, p_lv, p_r = _tree_walk(
+        start, end, lo, hi, child_indptr, children, order, level, mode, rpre, max_rows,
+        max_req, kv_tok_bytes, row_slot_bytes, cap_p, cap_r)
+    if np_ > cap_p or nr > cap_r:
+        # the buffers were short (the walk counted on without writing): once more, to size
+        np_, nr, p_ind, p_s, p_e, p_lv, p_r = _tree_walk(
+            start, end, lo, hi, child_indptr, children, order, level, mode, rpre, max_rows,
+            max_req, kv_tok_bytes, row_slot_bytes, np_, nr)
+    # leaf_pack: a single-request pack that ends at the request's own leaf
+    leaf_pack = np.full(B, -1, dtype=np.int32)
+    for p in range(np_):
+        if p_ind[p + 1] - p_ind[p] == 1:
+            r = p_r[p_ind[p]]
+            u = req_node[r]
+            if p_e[p] == end[u] and hi[u] - lo[u] == 1:
+                leaf_pack[r] = p
+    return (p_ind[:np_ + 1].astype(np.int32), p_r[:nr].copy(), p_s[:np_].copy(),
+            p_e[:np_].copy(), p_lv[:np_].copy(), leaf_pack)
+
+
+@njit(cache=True, nogil=True)
+def _tree_walk(start, end, lo, hi, child_indptr, children, order, level, mode, rpre, max_rows,
+               max_req, kv_tok_bytes, row_slot_bytes, cap_p, cap_r):
+    """:func:`_tree_heuristic`'s walk into buffers of ``cap_p`` packs and ``cap_r`` request
+    entries.  Returns ``(packs, entries, p_ind, p_s, p_e, p_lv, p_r)``; where the packing
+    needs more than the buffers hold, the walk goes on counting without writing and the
+    counts say how much (the caller walks again with those sizes).  The buffers are never
+    replaced inside the walk: a reassigned array in the loop costs the compiled code about
+    three times the walk's time."""
+    B = order.shape[0]
+    n = start.shape[0]
+    p_ind = np.empty(cap_p + 1, dtype=np.int64)
+    p_ind[0] = 0
+    p_s = np.empty(cap_p, dtype=np.int32)
+    p_e = np.empty(cap_p, dtype=np.int32)
+    p_lv = np.empty(cap_p, dtype=np.int32)
+    p_r = np.empty(cap_r, dtype=np.int32)
     np_ = 0
     nr = 0
     rem = np.zeros(B, dtype=np.int32)       # sorted positions of the current node's pack
@@ -181,48 +213,19 @@ def _tree_heuristic(start, end, lo, hi, child_indptr, children, order, level,
                     break
                 used += r_rows
                 q1 += 1
-            if np_ + 1 >= cap_p:
-                cap_p *= 2
-                p_ind = _grow64(p_ind, cap_p + 1)
-                p_s = _grow32(p_s, cap_p)
-                p_e = _grow32(p_e, cap_p)
-                p_lv = _grow32(p_lv, cap_p)
-            if nr + (q1 - q0) >= cap_r:
-                cap_r = 2 * cap_r + (q1 - q0)
-                p_r = _grow32(p_r, cap_r)
-            for q in range(q0, q1):
-                p_r[nr] = order[rem[q]]
-                nr += 1
-            p_s[np_] = acc
-            p_e[np_] = end[u]
-            p_lv[np_] = level[u]
+            if np_ < cap_p and nr + (q1 - q0) <= cap_r:
+                for q in range(q0, q1):
+                    p_r[nr] = order[rem[q]]
+                    nr += 1
+                p_s[np_] = acc
+                p_e[np_] = end[u]
+                p_lv[np_] = level[u]
+                p_ind[np_ + 1] = nr
+            else:
+                nr += q1 - q0                # short buffers: count only
             np_ += 1
-            p_ind[np_] = nr
             q0 = q1
-    # leaf_pack: a single-request pack that ends at the request's own leaf
-    leaf_pack = np.full(B, -1, dtype=np.int32)
-    for p in range(np_):
-        if p_ind[p + 1] - p_ind[p] == 1:
-            r = p_r[p_ind[p]]
-            u = req_node[r]
-            if p_e[p] == end[u] and hi[u] - lo[u] == 1:
-                leaf_pack[r] = p
-    return (p_ind[:np_ + 1].astype(np.int32), p_r[:nr].copy(), p_s[:np_].copy(),
-            p_e[:np_].copy(), p_lv[:np_].copy(), leaf_pack)
-
-
-@njit(cache=True, nogil=True)
-def _grow32(a, n):
-    b = np.zeros(n, dtype=np.int32)
-    b[:a.shape[0]] = a
-    return b
-
-
-@njit(cache=True, nogil=True)
-def _grow64(a, n):
-    b = np.zeros(n, dtype=np.int64)
-    b[:a.shape[0]] = a
-    return b
+    return np_, nr, p_ind, p_s, p_e, p_lv, p_r
 
 
 def cost_constants(head_dim: int, kv_bytes: int, q_bytes: int) -> tuple[int, int]:
