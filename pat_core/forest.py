@@ -36,6 +36,7 @@ import numpy as np
 from numba import njit
 
 from .inputs import BlockTable
+from .sorting import stable_argsort
 
 
 @njit(cache=True, nogil=True)
@@ -163,7 +164,7 @@ def _radix_order(table, npages, lens):
         for k in range(n):
             r = order[lo + k]
             key[k] = np.int64(table[r, c]) + 1 if c < npages[r] else 0
-        perm = np.argsort(key, kind="mergesort")
+        perm = stable_argsort(key)
         grp = order[lo:hi].copy()
         skey = key[perm]
         for k in range(n):
@@ -180,7 +181,7 @@ def _radix_order(table, npages, lens):
                     ln = np.empty(e - k, dtype=np.int64)
                     for q in range(e - k):
                         ln[q] = lens[sub[q]]
-                    p2 = np.argsort(ln, kind="mergesort")
+                    p2 = stable_argsort(ln)
                     for q in range(e - k):
                         order[lo + k + q] = sub[p2[q]]
             elif e - k > 1:

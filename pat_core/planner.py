@@ -34,6 +34,7 @@ from .inputs import (INT32_MAX, BlockTable, _check_seq_lens, as_block_table, che
 from .packers import (PACKERS, Packs, chunk_packs, narrow_packing, narrow_wins, pack,
                       request_packing, request_share, request_wins)
 from .plan import DTYPE_BYTES, KV_ONLY_DTYPES, Plan, dtype_name, token_slot_indptr
+from .sorting import stable_argsort
 from .split import (INVARIANT_CHUNK_TOKENS, LOADED_LATENCY, _choose_threshold_nb, _left,
                     _price_constants, _split_parts, auto_split_share,
                     choose_split_threshold_fast, invariant_chunk, split_long_kv,
@@ -143,10 +144,10 @@ def _tail_nb(req_indptr, kv_start, kv_end, level, thr, pack_rows, m_values, boun
         gkey = np.empty(C, dtype=np.int64)
         for i in range(C):
             gkey[i] = np.int64(level[src[i]]) * T + tile_idx[i]
-        order = np.argsort(gkey, kind="mergesort")
+        order = stable_argsort(gkey)
     elif order_mode == 0:
         gkey = tile_idx
-        order = np.argsort(gkey, kind="mergesort")
+        order = stable_argsort(gkey)
     else:
         # rank tile groups by their largest CTA's work (rows x tokens) or request count
         gwork = np.zeros(T, dtype=np.int64)
@@ -166,7 +167,7 @@ def _tail_nb(req_indptr, kv_start, kv_end, level, thr, pack_rows, m_values, boun
             key = np.empty(C, dtype=np.int64)
             for i in range(C):
                 key[i] = (gkey[i] << 32) | (np.int64(2147483648) - ln[i])
-            order = np.argsort(key, kind="mergesort")
+            order = stable_argsort(key)
         else:
             keys = np.empty((3, C), dtype=np.int64)
             for i in range(C):
