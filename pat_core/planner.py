@@ -36,9 +36,8 @@ from .packers import (PACKERS, Packs, chunk_packs, narrow_packing, narrow_wins, 
 from .plan import DTYPE_BYTES, KV_ONLY_DTYPES, Plan, dtype_name, token_slot_indptr
 from .sorting import stable_argsort
 from .split import (INVARIANT_CHUNK_TOKENS, LOADED_LATENCY, _choose_threshold_nb, _left,
-                    _price_constants, _split_parts, auto_split_share,
-                    choose_split_threshold_fast, invariant_chunk, split_long_kv,
-                    split_threshold)
+                    _price_constants, _split_parts, auto_split_share, invariant_chunk,
+                    split_long_kv, split_threshold)
 from .tiles import TileSelector
 from .tuning import Tuning, _tuning_key  # noqa: F401  (Tuning: re-exported)
 
