@@ -616,7 +616,8 @@ def choose_split_threshold_fast(req_indptr: np.ndarray, kv_start: np.ndarray,
     :func:`choose_split_share`'s share for packs given as arrays (``req_indptr`` int
     ``[K+1]``, ``kv_start``, ``kv_end`` int ``[K]``; ``group`` query rows per request, or
     ``rows`` int ``[K]`` each pack's query rows (multi-token queries)), and the most query
-    rows of a pack: the planner's per-step call."""
+    rows of a pack (the planner runs the same compiled choice inside its one per-step call,
+    :func:`pat_core.planner._sm_plan_nb`)."""
     m_values, bounds, fid, _ = selector.lookup()
     slot, inflight = _price_constants(selector, num_kv_heads, head_dim, kv_bytes, gpu)
     pack_rows = (np.zeros(0, dtype=np.int64) if rows is None
