@@ -1,6 +1,7 @@
 """Print the tables of docs/results.md and the README's headline table from one results folder.
 
     python docs/results_tables.py bench/results/one_path_h100 > tables.md
+    python docs/results_tables.py --features bench/results/features_h200    # engine features
 
 Reads the folder's devset.json, devset_fi06.json, devset_hd64.json and baselines.json (as
 bench/device/device_session.sh writes them).  Ratios are geometric means over a part's steps;
@@ -146,5 +147,48 @@ def main(folder: str) -> None:
           f"cascade ÷ pat on {len(cs)}: {min(cs):.1f}-{max(cs):.1f}")
 
 
+def features(folder: str) -> None:
+    """The engine features' table (docs/results.md) from a folder of
+    bench/device/features_session.sh's ``feat_*.json``: per synthetic workload, graph us."""
+    d = Path(folder)
+    sets = {name: load(d / f"feat_{name}.json") for name in
+            ("hd256", "fp16", "fp8", "qlen1", "qlen4", "invariant_chunks")}
+    spec_of = {k[2]: k for k in sets["fp8"]}
+    f1 = "{:.1f}".format
+
+    def us(name, spec, method, part="synthetic"):
+        ks = [k for k in sets[name] if k[0] == part and k[2] == spec]
+        r = sets[name][ks[0]].get(method, {}) if ks else {}
+        return r.get("graph_us") if r.get("correct") else None
+
+    def cell(x, base=None):
+        if x is None:
+            return "wrong" if base is not None else "-"
+        return f1(x) if base is None else f"{f1(x)} ({x / base:.2f})"
+
+    rows = []
+    for name, spec, _ in SYNTHETIC:
+        if spec not in spec_of:
+            continue
+        h, fh = us("hd256", spec, "pat"), us("hd256", spec, "fi-decode")
+        p16, p8, f8 = us("fp16", spec, "pat"), us("fp8", spec, "pat"), us("fp8", spec, "fi-decode")
+        q1, q4, fp = us("qlen1", spec, "pat"), us("qlen4", spec, "pat"), us("qlen4", spec,
+                                                                             "fi-prefill")
+        d0, iv = us("invariant_chunks", spec, "pat"), us("invariant_chunks", spec,
+                                                         "pat-invariant@chunk1024")
+        rows.append([name, f1(h), cell(fh, h), f1(p16), cell(p8, p16), cell(f8, p8), f1(q1),
+                     cell(q4, q1), cell(fp, q4), f1(d0), cell(iv, d0)])
+    print(table(["workload", "d256 pat", "d256 FlashInfer", "fp16 pat", "fp8 pat", "fp8 FlashInfer",
+                 "1 token", "4 tokens", "4 tok. FI prefill", "default", "invariant"], rows))
+    inv = sets["invariant_chunks"]
+    for part, label in PARTS:
+        ks = [k for k in inv if k[0] == part]
+        print(f"\ninvariant (chunk 1024) ÷ default, {label}: "
+              f"{geo([inv[k]['pat-invariant@chunk1024']['graph_us'] / inv[k]['pat']['graph_us'] for k in ks]):.3f}")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else str(ROOT / "bench/results/one_path_h100"))
+    if len(sys.argv) > 2 and sys.argv[1] == "--features":
+        features(sys.argv[2])
+    else:
+        main(sys.argv[1] if len(sys.argv) > 1 else str(ROOT / "bench/results/one_path_h100"))
