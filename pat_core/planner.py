@@ -463,8 +463,9 @@ INVARIANT_ROWS = 16
 def invariant_tile(selector: TileSelector, group: int) -> tuple:
     """The one ``(m, n)`` of a batch-invariant plan: the smallest feasible ``m`` of at least
     ``max(group, INVARIANT_ROWS)`` rows (the largest where none is), and the ``n`` the
-    selector picks for that ``m`` at a chunk's length.  A function of the plan's parameters
-    (head_dim, dtype, GPU, group), never of the batch."""
+    selector picks for that ``m`` at the default chunk's length
+    (:data:`pat_core.split.INVARIANT_CHUNK_TOKENS`, whatever ``Tuning.invariant_chunk`` says).
+    A function of the plan's parameters (head_dim, dtype, GPU, group), never of the batch."""
     want = max(int(group), INVARIANT_ROWS)
     ms = [int(m) for m in selector.m_values if m >= want]
     m = ms[0] if ms else selector.max_rows

@@ -93,8 +93,9 @@ class Tuning:
                              f"{self.request_share!r}")
         if self.invariant_chunk is not None and (
                 not isinstance(self.invariant_chunk, (int, np.integer))
-                or self.invariant_chunk < 1):
-            raise ValueError(f"invariant_chunk must be None or a positive int, got "
+                or isinstance(self.invariant_chunk, (bool, np.bool_))
+                or not 1 <= self.invariant_chunk <= 2**31 - 1):
+            raise ValueError(f"invariant_chunk must be None or an int in 1..2**31-1, got "
                              f"{self.invariant_chunk!r}")
         if not isinstance(self.min_part, (int, np.integer)) or self.min_part < 1:
             raise ValueError(f"min_part must be a positive int, got {self.min_part!r}")

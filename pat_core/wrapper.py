@@ -19,7 +19,7 @@ backend     dtypes (``q`` and the KV cache alike)        ``head_dim``
 ``"cpu"``   float16, float32 (NumPy or CPU torch);       any for which a tile fits the GPU
             bfloat16 (CPU torch tensors only; NumPy      the plan is made for (``gpu=``; H100:
             bfloat16 from ml_dtypes is refused)          4..807 in 16-bit dtypes, 2..414 in
-                                                         float32)
+                                                         float32, 8..558 with an fp8 cache)
 ``"cuda"``  float16, bfloat16 (torch CUDA or CuPy;       64, 128 or 256 (one compiled kernel
             bfloat16 needs torch or ``out=``)            family per head_dim)
 ==========  ==========================================  =====================================
@@ -584,6 +584,9 @@ class PrefixAttentionWrapper:
     def _check_run_dtypes(plan: Plan, q, k_cache, v_cache) -> None:
         qdt = _dtype_of(q)
         want_q = plan.q_dtype or plan.kv_dtype
+        if qdt in KV_ONLY_DTYPES:
+            raise TypeError(f"q is {qdt}: a KV-cache-only dtype; queries must be float16 or "
+                            f"bfloat16 (the plan's q_data_type is {want_q!r})")
         if qdt != want_q:
             raise TypeError(f"q is {qdt} but plan() fixed q_data_type={want_q!r}; plan again "
                             f"with q_data_type={qdt!r} (stats() prices bytes in the plan's "

@@ -196,3 +196,9 @@ def test_simulator_prices_invariant_plans():
     p = Planner().plan(b.block_tables, b.seq_lens, 32, 8, 128, 16, batch_invariant=True)
     r = simulate(p)
     assert r.latency_ns > 0 and r.bytes["kv"] == p.stats()["kv_bytes"]
+
+
+@pytest.mark.parametrize("bad", [True, 0, 2**31, 2**70, np.uint64(2**63 + 5), 1.5])
+def test_invariant_chunk_out_of_range_refused(bad):
+    with pytest.raises(ValueError, match="invariant_chunk"):
+        Tuning(invariant_chunk=bad)

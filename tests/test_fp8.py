@@ -292,3 +292,17 @@ def test_fp8_plans_for_the_cuda_kernels(batch):
     vs = cc.plan_fwd_variants(p)
     assert vs and all((v.dtype, v.kv_dtype) == ("bfloat16", "float8_e4m3fn") for v in vs)
     assert all(cc.fwd_variant_supported(v.m, v.n, 128, "float8_e4m3fn") for v in vs)
+
+
+def test_fp8_queries_and_matrix_scales_refused():
+    """An fp8 q gets told fp8 is a cache-only dtype (not to plan again with it), and a scale
+    must be a number or a 0-d / [1] array."""
+    from pat_core.fp8 import as_scale
+    w = PrefixAttentionWrapper(backend="cpu")
+    w.plan([[0]], [3], 1, 1, 64, 4, kv_data_type="float8_e4m3fn")
+    k = np.zeros((1, 4, 1, 64), ml_dtypes.float8_e4m3fn)
+    with pytest.raises(TypeError, match="KV-cache-only"):
+        w.run(np.zeros((1, 1, 64), ml_dtypes.float8_e4m3fn), (k, k))
+    with pytest.raises(ValueError, match="k_scale"):
+        as_scale(np.array([[2.0]]), "k_scale")
+    assert as_scale(np.array([2.0]), "k_scale") == as_scale(np.array(2.0), "k_scale") == 2.0
