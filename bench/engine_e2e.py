@@ -1,0 +1,492 @@
+"""pat against the engine's own paged attention, end to end in transformers' continuous batching.
+
+    python bench/engine_e2e.py --model llama8b --workload sysprompt --requests 128 --out FILE.json
+
+Builds a Llama model from its config with random weights (no downloads; ``--model llama8b``:
+Llama-3.1-8B's shapes, ``gqa-small``: a 1B-class GQA model, ``tiny``: a CPU smoke model) and
+runs ``generate_batch`` (greedy, ``--new-tokens``, block sharing on, CUDA graphs off: pat plans
+on the host per step) once per attention implementation of ``--impls``: once to warm up
+(``--warmup-tokens``), once timed, and (``--profile-tokens`` > 0) once more with the
+attention function and the model's forward timed per call.  Workloads (random token ids):
+
+* ``sysprompt``: one shared system prompt of ``--prompt-tokens`` + a short own suffix per request;
+* ``sampling``: ``--requests / --samples`` distinct prompts, each sent ``--samples`` times
+  (parallel sampling as the block manager sees it: the copies share the prompt's full blocks;
+  transformers 5.17's ``generate_batch`` returns one sample per prompt with
+  ``num_return_sequences``, so the copies are separate requests);
+* ``agent``: ``--templates`` shared templates of ``--prompt-tokens``; each session adds its own
+  history and sends ``--turns`` turns, each turn's prompt extending the previous one;
+* ``none``: distinct prompts of the same lengths, nothing shared.
+
+Per implementation it reports the timed run's wall time (and the engine's set-up within it);
+prefill and decode from the engine's per-token timestamps (``record_timestamps``), counted
+from the requests' creation: time to first token per request, the decode
+window (from the moment every request has its first token to the last token), its output tokens
+and throughput, time per output token (per request, its later tokens over their span,
+median); the engine's steps (a forward hook, no device sync) split into decode-like (every
+request brings at most 16 query tokens, pat's rule) and prefill steps, with the host time from
+one step's start to the next.  For ``paged|pat``: its ``stats`` (steps, pat steps, plans, host
+seconds deciding and planning) and the host planning per pat step as a share of the median
+decode step.  The profiled run gives the attention share of a decode step: the time inside the
+registered attention function over the model's forward (CUDA events on a GPU, ``perf_counter``
+on the CPU), summed over the decode-like steps; it wraps the function under its own name for
+that run only, so the timed run is untouched.
+
+Correctness: the first ``--check-tokens`` greedy tokens of every request against the
+``--reference`` implementation's (``paged|sdpa``): requests identical and, per differing
+request, the first divergence and each run's log-probability of its own token there (the
+engine's ``return_logprobs``; a tie in the logits shows as two equal values), plus the largest
+log-probability difference over the tokens before any divergence.
+
+Implementations that fail to load or run (``paged|flash_attention_2`` without flash-attn) are
+recorded with the reason and skipped.  Writes JSON (``--out``) and prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+if __package__ in (None, ""):                  # run as a script: the checkout importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import cpu_name, git_sha  # noqa: E402
+
+import pat_core  # noqa: E402
+from pat_core.inputs import MAX_QO_LEN  # noqa: E402
+
+#: LlamaConfig arguments of the benchmark models (random weights; ``--layers`` cuts layers).
+MODELS = {
+    # Llama-3.1-8B's shapes
+    "llama8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                    head_dim=128, max_position_embeddings=131072, rope_theta=500000.0,
+                    rms_norm_eps=1e-5),
+    # a 1B-class GQA model (4:1, head_dim 128)
+    "gqa-small": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                      num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
+                      head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-5),
+    # CPU smoke runs
+    "tiny": dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                 max_position_embeddings=8192),
+}
+WORKLOADS = ("sysprompt", "sampling", "agent", "none")
+DTYPES = ("bfloat16", "float16", "float32")
+PAT_IMPL = "paged|pat"
+
+
+# ---------------------------------------------------------------- workloads
+def build_workload(kind: str, requests: int, prompt_tokens: int, vocab: int, seed: int, *,
+                   suffix=(16, 64), samples: int = 8, templates: int = 4,
+                   turns: int = 4) -> tuple:
+    """``(prompts, info)``: ``requests`` prompts (lists of token ids in ``[3, vocab)``) of the
+    workload ``kind`` (see the module docstring) and a dict describing it (distinct prompts,
+    shared tokens, prompt tokens in all).  ``suffix``: ``(lo, hi)`` own tokens per request."""
+    if kind not in WORKLOADS:
+        raise ValueError(f"workload must be one of {WORKLOADS}, got {kind!r}")
+    if requests < 1 or prompt_tokens < 1:
+        raise ValueError(f"requests and prompt_tokens must be >= 1, got {requests}, "
+                         f"{prompt_tokens}")
+    lo, hi = suffix
+    if not 1 <= lo <= hi:
+        raise ValueError(f"suffix must be (lo, hi) with 1 <= lo <= hi, got {suffix}")
+    rng = np.random.default_rng(seed)
+
+    def toks(n):
+        return rng.integers(3, vocab, int(n)).tolist()
+
+    def own():
+        return toks(rng.integers(lo, hi + 1))
+
+    if kind == "sysprompt":
+        system = toks(prompt_tokens)
+        prompts = [system + own() for _ in range(requests)]
+        info = dict(shared_prompts=1, shared_tokens=prompt_tokens)
+    elif kind == "none":
+        prompts = [toks(prompt_tokens) + own() for _ in range(requests)]
+        info = dict(shared_prompts=0, shared_tokens=0)
+    elif kind == "sampling":
+        if samples < 1:
+            raise ValueError(f"samples must be >= 1, got {samples}")
+        distinct = [toks(prompt_tokens) + own() for _ in range(-(-requests // samples))]
+        prompts = [p for p in distinct for _ in range(samples)][:requests]
+        info = dict(shared_prompts=len(distinct), samples=samples)
+    else:
+        if templates < 1 or turns < 1:
+            raise ValueError(f"templates and turns must be >= 1, got {templates}, {turns}")
+        temps = [toks(prompt_tokens) for _ in range(templates)]
+        history_len = max(turns, prompt_tokens // 4)
+        prompts = []
+        s = 0
+        while len(prompts) < requests:
+            history = toks(history_len)
+            for t in range(turns):
+                # turn t: the template, the first (t+1)/turns of the history, a new message
+                cut = (t + 1) * history_len // turns
+                prompts.append(temps[s % templates] + history[:cut] + own())
+            s += 1
+        prompts = prompts[:requests]
+        info = dict(shared_prompts=templates, shared_tokens=prompt_tokens, sessions=s,
+                    turns=turns, history_tokens=history_len)
+    info.update(requests=len(prompts), prompt_tokens_total=int(sum(map(len, prompts))),
+                prompt_tokens_max=int(max(map(len, prompts))))
+    return prompts, info
+
+
+# ---------------------------------------------------------------- model
+def build_model(name: str, dtype: str, device: str, layers: int | None = None, seed: int = 0):
+    """A ``LlamaForCausalLM`` of ``MODELS[name]`` with random weights, made on ``device`` in
+    ``dtype`` (``layers``: keep the first that many layers)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    if name not in MODELS:
+        raise ValueError(f"model must be one of {sorted(MODELS)}, got {name!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    kw = dict(MODELS[name])
+    if layers is not None:
+        if not 1 <= layers:
+            raise ValueError(f"layers must be >= 1, got {layers}")
+        kw["num_hidden_layers"] = int(layers)
+    cfg = LlamaConfig(**kw)
+    torch.manual_seed(seed)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))   # initialise in place: no fp32 copy
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    return model.eval(), kw
+
+
+# ---------------------------------------------------------------- timing helpers
+class StepRecorder:
+    """Forward hooks on the model that note each engine step (one forward): its host start
+    time and whether it is decode-like (the engine's ``max_seqlen_q`` <= 16).  With
+    ``events=True`` it also times each forward and each call of the attention function
+    (:meth:`wrap`) on the device (CUDA events; ``perf_counter`` on the CPU)."""
+
+    def __init__(self, model, events: bool = False):
+        import torch
+        self.cuda = next(model.parameters()).is_cuda
+        self.events = events
+        self.steps = []          # dicts: t (host start), decode, fwd (start, end), attn [(s, e)]
+        self._torch = torch
+        self._handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
+                         model.register_forward_hook(self._post)]
+
+    def _mark(self):
+        if self.cuda:
+            e = self._torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def _pre(self, module, args, kwargs):
+        step = dict(t=time.perf_counter(), decode=int(kwargs.get("max_seqlen_q", 0) or 0)
+                    <= MAX_QO_LEN, attn=[])
+        if self.events:
+            step["fwd"] = [self._mark(), None]
+        self.steps.append(step)
+
+    def _post(self, module, args, output):
+        if self.events and self.steps:
+            self.steps[-1]["fwd"][1] = self._mark()
+
+    def wrap(self, fn):
+        """``fn`` with its calls timed into the current step."""
+        def timed(*a, **kw):
+            start = self._mark()
+            out = fn(*a, **kw)
+            if self.steps:
+                self.steps[-1]["attn"].append((start, self._mark()))
+            return out
+        return timed
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+
+    def _ms(self, a, b) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+    def summary(self) -> dict:
+        """Step counts and host ms from one step's start to the next (decode-like steps);
+        with events, the device ms of the forwards and attention calls of decode steps."""
+        ts = [s["t"] for s in self.steps]
+        gaps = np.diff(ts) * 1e3
+        dec_gaps = [g for s, g in zip(self.steps, gaps) if s["decode"]]
+        out = dict(steps=len(self.steps),
+                   decode_steps=sum(s["decode"] for s in self.steps),
+                   decode_step_ms_median=float(np.median(dec_gaps)) if dec_gaps else None)
+        if self.events:
+            if self.cuda:
+                self._torch.cuda.synchronize()
+            fwd = attn = 0.0
+            n = 0
+            for s in self.steps:
+                if not s["decode"] or s["fwd"][1] is None:
+                    continue
+                fwd += self._ms(*s["fwd"])
+                attn += sum(self._ms(a, b) for a, b in s["attn"])
+                n += 1
+            out.update(profiled_decode_steps=n,
+                       forward_ms_per_decode_step=fwd / n if n else None,
+                       attention_ms_per_decode_step=attn / n if n else None,
+                       attention_share=attn / fwd if fwd > 0 else None)
+        return out
+
+
+def token_metrics(outputs: list, t0: float, t1: float) -> dict:
+    """Prefill / decode split from the engine's per-token timestamps (``perf_counter``).
+
+    ``setup_s``: from the call to the first request's creation (the engine's manager and
+    cache set-up, which differs between implementations: seconds for ``paged|sdpa`` on the CPU
+    against milliseconds for ``paged|pat``); the other times count from there."""
+    start = min(o.created_time for o in outputs)
+    firsts = np.array([o.timestamps[0] for o in outputs]) - start
+    lasts = np.array([o.timestamps[-1] for o in outputs]) - start
+    n_out = sum(len(o.generated_tokens) for o in outputs)
+    all_first = float(firsts.max())                 # every request has its first token
+    end = float(lasts.max())
+    decode_tokens = int(sum(int((np.asarray(o.timestamps) - start > all_first).sum())
+                            for o in outputs))
+    decode_s = end - all_first
+    tpot = [(o.timestamps[-1] - o.timestamps[0]) / (len(o.timestamps) - 1)
+            for o in outputs if len(o.timestamps) > 1]
+    return dict(wall_s=t1 - t0, setup_s=start - t0, run_s=end, output_tokens=n_out,
+                output_tokens_per_s=n_out / end if end > 0 else None,
+                ttft_s_median=float(np.median(firsts)), ttft_s_max=all_first,
+                decode_window_s=decode_s, decode_tokens=decode_tokens,
+                decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else None,
+                tpot_ms_median=float(np.median(tpot)) * 1e3 if tpot else None)
+
+
+# ---------------------------------------------------------------- one implementation
+def generate(model, impl: str, prompts: list, new_tokens: int, args, *, timestamps=False):
+    """``generate_batch`` greedy with block sharing on; the outputs in request order."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    model.set_attn_implementation(impl)
+    gc = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1,
+                          pad_token_id=0)
+    cb = ContinuousBatchingConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                                  max_batch_tokens=args.max_batch_tokens,
+                                  allow_block_sharing=True, use_cuda_graph=False,
+                                  return_logprobs=not args.no_logprobs)
+    out = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb,
+                               record_timestamps=timestamps, progress_bar=False)
+    if len(out) != len(prompts):
+        raise RuntimeError(f"{impl}: generate_batch returned {len(out)} of {len(prompts)} "
+                           "requests")
+    ordered = sorted(out.values(), key=lambda o: int(o.request_id.rsplit("_", 1)[1]))
+    for o in ordered:
+        if o.error:
+            raise RuntimeError(f"{impl}: request {o.request_id} failed: {o.error}")
+    return ordered
+
+
+def sync(model):
+    import torch
+    if next(model.parameters()).is_cuda:
+        torch.cuda.synchronize()
+
+
+def run_impl(model, impl: str, prompts: list, args, pat_fn=None) -> tuple:
+    """``(row, outputs)``: the warm-up, timed and profiled runs of one implementation."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers import AttentionInterface
+    if args.warmup_tokens > 0:
+        generate(model, impl, prompts, args.warmup_tokens, args)
+    if pat_fn is not None:
+        pat_fn.reset_stats()
+    rec = StepRecorder(model)
+    try:
+        sync(model)
+        t0 = time.perf_counter()
+        outs = generate(model, impl, prompts, args.new_tokens, args, timestamps=True)
+        sync(model)
+        t1 = time.perf_counter()
+    finally:
+        rec.remove()
+    row = dict(impl=impl, status="ok", **token_metrics(outs, t0, t1), **rec.summary())
+    if pat_fn is not None:
+        s = dict(pat_fn.stats)
+        row["pat_stats"] = s
+        row["pat_fallback_reasons"] = dict(pat_fn.fallback_reasons)
+        if s["pat_steps"]:
+            host_ms = s["step_host_s"] / s["pat_steps"] * 1e3
+            row["host_plan_ms_per_pat_step"] = host_ms
+            step_ms = row["decode_step_ms_median"]
+            row["host_plan_share"] = host_ms / step_ms if step_ms else None
+    if args.profile_tokens > 0:
+        fn = ALL_ATTENTION_FUNCTIONS[impl]
+        prof = StepRecorder(model, events=True)
+        AttentionInterface.register(impl, prof.wrap(fn))
+        try:
+            generate(model, impl, prompts, args.profile_tokens, args)
+            sync(model)
+        finally:
+            AttentionInterface.register(impl, fn)
+            prof.remove()
+        p = prof.summary()
+        row["profile"] = {k: p[k] for k in ("profiled_decode_steps", "forward_ms_per_decode_step",
+                                            "attention_ms_per_decode_step", "attention_share")}
+    return row, outs
+
+
+def compare_tokens(ref: list, got: list, check: int, limit: int = 20) -> dict:
+    """Requests whose first ``check`` tokens equal the reference's; the first ``limit``
+    divergences (request, index, both tokens, both log-probabilities when recorded)."""
+    same, divs, lp_diff = 0, [], 0.0
+    for r, (a, b) in enumerate(zip(ref, got)):
+        ta, tb = list(a.generated_tokens[:check]), list(b.generated_tokens[:check])
+        k = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+        if k is None and len(ta) == len(tb):
+            same += 1
+        upto = len(ta) if k is None else k
+        if a.logprobs and b.logprobs and upto:
+            lp_diff = max(lp_diff, float(np.max(np.abs(np.asarray(a.logprobs[:upto])
+                                                       - np.asarray(b.logprobs[:upto])))))
+        if k is not None and len(divs) < limit:
+            d = dict(request=r, index=k, ref_token=int(ta[k]), token=int(tb[k]))
+            if a.logprobs and b.logprobs:
+                d.update(ref_logprob=float(a.logprobs[k]), logprob=float(b.logprobs[k]))
+            divs.append(d)
+    return dict(requests=len(ref), identical=same, check_tokens=check,
+                max_logprob_diff_before_divergence=lp_diff if ref and ref[0].logprobs else None,
+                divergences=divs)
+
+
+# ---------------------------------------------------------------- main
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama8b", choices=sorted(MODELS))
+    ap.add_argument("--layers", type=int, default=None, help="keep the first N layers")
+    ap.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    ap.add_argument("--workload", default="sysprompt", choices=WORKLOADS)
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=4096,
+                    help="shared prompt (template) tokens; distinct prompts' length for none")
+    ap.add_argument("--suffix", default="16,64", help="lo,hi own tokens per request")
+    ap.add_argument("--samples", type=int, default=8, help="sampling: copies per prompt")
+    ap.add_argument("--templates", type=int, default=4, help="agent: shared templates")
+    ap.add_argument("--turns", type=int, default=4, help="agent: turns per session")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--warmup-tokens", type=int, default=8,
+                    help="new tokens of the warm-up run (same prompts; 0: none)")
+    ap.add_argument("--profile-tokens", type=int, default=16,
+                    help="new tokens of the profiled run (attention share; 0: none)")
+    ap.add_argument("--check-tokens", type=int, default=32)
+    ap.add_argument("--impls", default=f"paged|sdpa {PAT_IMPL}",
+                    help="space-separated registered implementations ('paged|pat': pat)")
+    ap.add_argument("--reference", default="paged|sdpa", help="tokens are compared with it")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--num-blocks", type=int, default=None, help="default: the engine sizes it")
+    ap.add_argument("--max-batch-tokens", type=int, default=None)
+    ap.add_argument("--no-logprobs", action="store_true",
+                    help="do not ask the engine for log-probabilities")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="JSON path (default: print only)")
+    args = ap.parse_args(argv)
+    for name in ("requests", "prompt_tokens", "new_tokens", "check_tokens", "block_size"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup_tokens < 0 or args.profile_tokens < 0:
+        raise SystemExit("--warmup-tokens and --profile-tokens must be >= 0")
+    return args
+
+
+def print_table(rows: list, correctness: dict, ref: str) -> None:
+    base = next((r for r in rows if r["impl"] == ref and r["status"] == "ok"), None)
+    print(f"{'impl':<26}{'run s':>8}{'dec tok/s':>11}{'vs ref':>8}{'TPOT ms':>9}"
+          f"{'TTFT max s':>11}{'steps':>7}{'dec':>6}{'attn %':>8}{'plan %':>8}{'same':>9}")
+    for r in rows:
+        if r["status"] != "ok":
+            print(f"{r['impl']:<26}skipped: {r['reason'][:90]}")
+            continue
+
+        def f(v, fmt):
+            return format(v, fmt) if v is not None else "-"
+        rel = (r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+               if base and r["decode_tokens_per_s"] and base["decode_tokens_per_s"] else None)
+        share = r.get("profile", {}).get("attention_share")
+        c = correctness.get(r["impl"])
+        print(f"{r['impl']:<26}{r['run_s']:>8.2f}{f(r['decode_tokens_per_s'], '.1f'):>11}"
+              f"{f(rel, '.3f'):>8}{f(r['tpot_ms_median'], '.2f'):>9}{r['ttft_s_max']:>11.2f}"
+              f"{r['steps']:>7}{r['decode_steps']:>6}"
+              f"{f(None if share is None else 100 * share, '.1f'):>8}"
+              f"{f(None if r.get('host_plan_share') is None else 100 * r['host_plan_share'], '.1f'):>8}"
+              f"{(str(c['identical']) + '/' + str(c['requests'])) if c else '-':>9}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import torch
+    import transformers
+    from transformers import AttentionInterface
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    lo, hi = (int(x) for x in args.suffix.split(","))
+    model, model_cfg = build_model(args.model, args.dtype, device, args.layers, args.seed)
+    prompts, info = build_workload(args.workload, args.requests, args.prompt_tokens,
+                                   model_cfg["vocab_size"], args.seed + 1, suffix=(lo, hi),
+                                   samples=args.samples, templates=args.templates,
+                                   turns=args.turns)
+    impls = args.impls.split()
+    pat_fn = None
+    rows, outputs = [], {}
+    for impl in impls:
+        try:
+            if impl == PAT_IMPL and pat_fn is None:
+                from pat_core.integrations.transformers import register_pat
+                pat_fn = register_pat(PAT_IMPL)
+            elif impl not in AttentionInterface().valid_keys():
+                raise ValueError(f"{impl!r} is not a registered attention implementation")
+            row, outs = run_impl(model, impl, prompts, args,
+                                 pat_fn if impl == PAT_IMPL else None)
+            outputs[impl] = outs
+        except Exception as e:       # an implementation that cannot load or run: recorded
+            row = dict(impl=impl, status="skipped", reason=f"{type(e).__name__}: {e}")
+        rows.append(row)
+        print(f"{impl}: {row['status']}", flush=True)
+    correctness = {}
+    if args.reference in outputs:
+        check = min(args.check_tokens, args.new_tokens)
+        for impl, outs in outputs.items():
+            if impl != args.reference:
+                correctness[impl] = compare_tokens(outputs[args.reference], outs, check)
+    dev_name = torch.cuda.get_device_name() if device == "cuda" else cpu_name()
+    result = dict(
+        benchmark="engine_e2e", git_sha=git_sha(),
+        command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
+        device=dict(kind=device, name=dev_name, cpu=cpu_name(), cores=os.cpu_count()),
+        versions=dict(python=platform.python_version(), numpy=np.__version__,
+                      torch=torch.__version__, transformers=transformers.__version__,
+                      pat=pat_core.__version__),
+        config=dict(model=args.model, model_config=model_cfg, dtype=args.dtype,
+                    workload=args.workload, workload_info=info, new_tokens=args.new_tokens,
+                    warmup_tokens=args.warmup_tokens, profile_tokens=args.profile_tokens,
+                    block_size=args.block_size, num_blocks=args.num_blocks,
+                    max_batch_tokens=args.max_batch_tokens, allow_block_sharing=True,
+                    use_cuda_graph=False, return_logprobs=not args.no_logprobs,
+                    reference=args.reference, seed=args.seed),
+        impls=rows, correctness=correctness,
+    )
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+        print("wrote", args.out)
+    print_table(rows, correctness, args.reference)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""bench/engine_e2e.py: the workloads' sharing, the token comparison and (with torch and
+transformers, the ``.[transformers]`` extra CI does not install) the tiny CPU smoke run."""
+import json
+import types
+import importlib.util
+
+import numpy as np
+import pytest
+
+from bench.engine_e2e import WORKLOADS, build_workload, compare_tokens
+
+HAVE_HF = (importlib.util.find_spec("torch") is not None
+           and importlib.util.find_spec("transformers") is not None)
+needs_hf = pytest.mark.skipif(not HAVE_HF, reason="torch and transformers not installed "
+                              "(pip install -e '.[transformers]'); CI does not install them")
+
+
+def common_prefix(a, b):
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("kind", WORKLOADS)
+def test_workloads_share_what_they_say(kind):
+    prompts, info = build_workload(kind, 24, 96, 1000, seed=3, suffix=(5, 9), samples=8,
+                                   templates=2, turns=3)
+    assert len(prompts) == info["requests"] == 24
+    assert all(3 <= t < 1000 for p in prompts for t in p)
+    assert info["prompt_tokens_total"] == sum(map(len, prompts))
+    if kind == "sysprompt":
+        assert all(p[:96] == prompts[0][:96] for p in prompts)
+        assert all(101 <= len(p) <= 105 for p in prompts)
+    elif kind == "none":
+        # random prompts: no two share more than a couple of leading tokens
+        assert max(common_prefix(a, b) for i, a in enumerate(prompts)
+                   for b in prompts[i + 1:]) < 4
+    elif kind == "sampling":
+        assert info["shared_prompts"] == 3
+        for g in range(3):
+            assert all(p == prompts[8 * g] for p in prompts[8 * g:8 * g + 8])
+        assert prompts[0] != prompts[8]
+    else:
+        assert info["sessions"] == 8 and info["history_tokens"] == 24
+        for s in range(8):
+            turns = prompts[3 * s:3 * s + 3]
+            assert all(t[:96] == prompts[s % 2 * 3][:96] for t in turns)   # the template
+            # turn t holds the first (t+1)/3 of the session's history
+            assert common_prefix(turns[0], turns[2]) >= 96 + 8
+            assert common_prefix(turns[1], turns[2]) >= 96 + 16
+        assert prompts[0][:96] != prompts[3][:96]
+
+
+def test_workload_argument_errors():
+    with pytest.raises(ValueError, match="workload"):
+        build_workload("chat", 4, 8, 100, 0)
+    with pytest.raises(ValueError, match="requests"):
+        build_workload("none", 0, 8, 100, 0)
+    with pytest.raises(ValueError, match="suffix"):
+        build_workload("none", 2, 8, 100, 0, suffix=(4, 2))
+    with pytest.raises(ValueError, match="samples"):
+        build_workload("sampling", 2, 8, 100, 0, samples=0)
+
+
+def out(tokens, logprobs=()):
+    return types.SimpleNamespace(generated_tokens=list(tokens), logprobs=list(logprobs))
+
+
+def test_compare_tokens_reports_the_first_divergence():
+    ref = [out([1, 2, 3, 4], [-1.0, -2.0, -3.0, -4.0]), out([5, 6, 7], [-1.0, -1.0, -1.0])]
+    got = [out([1, 2, 3, 9], [-1.0, -2.5, -3.0, -4.1]), out([5, 6, 7], [-1.0, -1.0, -1.25])]
+    c = compare_tokens(ref, got, check=4)
+    assert c["requests"] == 2 and c["identical"] == 1 and c["check_tokens"] == 4
+    assert c["divergences"] == [dict(request=0, index=3, ref_token=4, token=9,
+                                     ref_logprob=-4.0, logprob=-4.1)]
+    assert c["max_logprob_diff_before_divergence"] == 0.5
+    # only the first `check` tokens count
+    assert compare_tokens(ref, got, check=3)["identical"] == 2
+    # without log-probabilities
+    c = compare_tokens([out([1, 2])], [out([1, 3])], check=2)
+    assert c["divergences"] == [dict(request=0, index=1, ref_token=2, token=3)]
+    assert c["max_logprob_diff_before_divergence"] is None
+
+
+@needs_hf
+@pytest.mark.parametrize("workload", ["sysprompt", "agent"])
+def test_tiny_smoke_run(tmp_path, workload):
+    """The CPU smoke path end to end: pat and paged|sdpa run, float32 tokens match for every
+    request, pat planned once per decode step and read the shared pages once."""
+    from bench.engine_e2e import main
+    path = tmp_path / "e2e.json"
+    res = main(["--model", "tiny", "--requests", "8", "--prompt-tokens", "64",
+                "--new-tokens", "16", "--dtype", "float32", "--num-blocks", "128",
+                "--workload", workload, "--out", str(path)])
+    assert json.loads(path.read_text()) == json.loads(json.dumps(res))
+    assert res["benchmark"] == "engine_e2e" and res["git_sha"]
+    assert res["device"]["kind"] == "cpu"
+    assert set(res["versions"]) >= {"torch", "transformers", "pat", "python"}
+    assert res["config"]["workload"] == workload and res["config"]["allow_block_sharing"]
+    rows = {r["impl"]: r for r in res["impls"]}
+    assert set(rows) == {"paged|sdpa", "paged|pat"}
+    for r in rows.values():
+        assert r["status"] == "ok"
+        assert r["output_tokens"] == 8 * 16
+        assert 0 < r["ttft_s_max"] <= r["run_s"] <= r["wall_s"]
+        assert r["decode_tokens"] >= 8 * 14 and r["decode_tokens_per_s"] > 0
+        assert r["tpot_ms_median"] > 0
+        assert r["steps"] >= 16 and r["decode_steps"] >= 15
+        assert 0 < r["profile"]["attention_share"] < 1
+    s = rows["paged|pat"]["pat_stats"]
+    assert s["plans"] == s["pat_steps"] >= 15
+    assert s["plan_kv_tokens"] < s["request_kv_tokens"]
+    assert 0 < rows["paged|pat"]["host_plan_share"] < 1
+    c = res["correctness"]["paged|pat"]
+    assert c["requests"] == 8 and c["check_tokens"] == 16
+    assert c["identical"] == 8 and c["divergences"] == []
+    assert c["max_logprob_diff_before_divergence"] < 1e-4
+
+
+@needs_hf
+def test_unknown_implementation_is_skipped_with_its_reason():
+    from bench.engine_e2e import main
+    res = main(["--model", "tiny", "--requests", "2", "--prompt-tokens", "16",
+                "--new-tokens", "2", "--dtype", "float32", "--num-blocks", "16",
+                "--warmup-tokens", "0", "--profile-tokens", "0",
+                "--impls", "paged|sdpa paged|no_such_impl"])
+    rows = {r["impl"]: r for r in res["impls"]}
+    assert rows["paged|sdpa"]["status"] == "ok" and "profile" not in rows["paged|sdpa"]
+    assert rows["paged|no_such_impl"]["status"] == "skipped"
+    assert "no_such_impl" in rows["paged|no_such_impl"]["reason"]
+    assert res["correctness"] == {}
