@@ -248,8 +248,9 @@ def token_metrics(outputs: list, t0: float, t1: float) -> dict:
     """Prefill / decode split from the engine's per-token timestamps (``perf_counter``).
 
     ``setup_s``: from the call to the first request's creation (the engine's manager and
-    cache set-up, which differs between implementations: seconds for ``paged|sdpa`` on the CPU
-    against milliseconds for ``paged|pat``); the other times count from there."""
+    cache set-up, which differs between implementations: for ``paged|sdpa`` the engine allocates
+    and fills a mask buffer of ``max_batch_tokens`` x the cache's tokens, seconds on the CPU at
+    its default sizes); the other times count from there."""
     start = min(o.created_time for o in outputs)
     firsts = np.array([o.timestamps[0] for o in outputs]) - start
     lasts = np.array([o.timestamps[-1] for o in outputs]) - start
