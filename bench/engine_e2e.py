@@ -419,12 +419,13 @@ def print_table(rows: list, correctness: dict, ref: str) -> None:
         rel = (r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
                if base and r["decode_tokens_per_s"] and base["decode_tokens_per_s"] else None)
         share = r.get("profile", {}).get("attention_share")
+        plan = r.get("host_plan_share")
         c = correctness.get(r["impl"])
         print(f"{r['impl']:<26}{r['run_s']:>8.2f}{f(r['decode_tokens_per_s'], '.1f'):>11}"
               f"{f(rel, '.3f'):>8}{f(r['tpot_ms_median'], '.2f'):>9}{r['ttft_s_max']:>11.2f}"
               f"{r['steps']:>7}{r['decode_steps']:>6}"
               f"{f(None if share is None else 100 * share, '.1f'):>8}"
-              f"{f(None if r.get('host_plan_share') is None else 100 * r['host_plan_share'], '.1f'):>8}"
+              f"{f(None if plan is None else 100 * plan, '.1f'):>8}"
               f"{(str(c['identical']) + '/' + str(c['requests'])) if c else '-':>9}")
 
 

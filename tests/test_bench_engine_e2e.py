@@ -4,7 +4,6 @@ import json
 import types
 import importlib.util
 
-import numpy as np
 import pytest
 
 from bench.engine_e2e import WORKLOADS, build_workload, compare_tokens
@@ -92,8 +91,10 @@ def test_tiny_smoke_run(tmp_path, workload):
     request, pat planned once per decode step and read the shared pages once."""
     from bench.engine_e2e import main
     path = tmp_path / "e2e.json"
-    res = main(["--model", "tiny", "--requests", "8", "--prompt-tokens", "64",
-                "--new-tokens", "16", "--dtype", "float32", "--num-blocks", "128", "--max-batch-tokens", "256",
+    # the CPU path on any machine (pat's kernels refuse the tiny model's head_dim 16)
+    res = main(["--model", "tiny", "--device", "cpu", "--requests", "8", "--prompt-tokens", "64",
+                "--new-tokens", "16", "--dtype", "float32", "--num-blocks", "128",
+                "--max-batch-tokens", "256",
                 "--workload", workload, "--out", str(path)])
     assert json.loads(path.read_text()) == json.loads(json.dumps(res))
     assert res["benchmark"] == "engine_e2e" and res["git_sha"]
@@ -123,8 +124,9 @@ def test_tiny_smoke_run(tmp_path, workload):
 @needs_hf
 def test_unknown_implementation_is_skipped_with_its_reason():
     from bench.engine_e2e import main
-    res = main(["--model", "tiny", "--requests", "2", "--prompt-tokens", "16",
-                "--new-tokens", "2", "--dtype", "float32", "--num-blocks", "16", "--max-batch-tokens", "64",
+    res = main(["--model", "tiny", "--device", "cpu", "--requests", "2", "--prompt-tokens", "16",
+                "--new-tokens", "2", "--dtype", "float32", "--num-blocks", "16",
+                "--max-batch-tokens", "64",
                 "--warmup-tokens", "0", "--profile-tokens", "0",
                 "--impls", "paged|sdpa paged|no_such_impl"])
     rows = {r["impl"]: r for r in res["impls"]}
