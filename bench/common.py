@@ -37,6 +37,18 @@ def git_sha() -> str:
         return "unknown"
 
 
+def write_result(path, result: dict) -> None:
+    """Write a script's result JSON to ``path`` (its folder made when missing) and say so;
+    nothing when ``path`` is empty (no ``--out`` given)."""
+    if not path:
+        return
+    import json
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(result, fh, indent=1)
+    print("wrote", path)
+
+
 def heads_of(h) -> tuple:
     """``(num_qo_heads, num_kv_heads)`` from a results row's ``heads``: ``"32:8"`` or ``[32, 8]``."""
     return tuple(int(x) for x in (h.split(":") if isinstance(h, str) else h))

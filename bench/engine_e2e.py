@@ -44,7 +44,6 @@ recorded with the reason and skipped.  Writes JSON (``--out``) and prints a tabl
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -55,7 +54,7 @@ import numpy as np
 if __package__ in (None, ""):                  # run as a script: the checkout importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import cpu_name, git_sha  # noqa: E402
+from bench.common import cpu_name, git_sha, write_result  # noqa: E402
 
 import pat_core  # noqa: E402
 from pat_core.inputs import MAX_QO_LEN  # noqa: E402
@@ -481,11 +480,7 @@ def main(argv=None):
                     reference=args.reference, seed=args.seed),
         impls=rows, correctness=correctness,
     )
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
-        print("wrote", args.out)
+    write_result(args.out, result)
     print_table(rows, correctness, args.reference)
     return result
 

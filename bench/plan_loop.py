@@ -32,7 +32,6 @@ over >= 200 steps, p99 <= 3x median): incremental <= 0.15 ms per step at 128 req
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -43,7 +42,7 @@ import numpy as np
 if __package__ in (None, ""):                  # run as a script: the checkout importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import cpu_name, git_sha  # noqa: E402
+from bench.common import cpu_name, git_sha, write_result  # noqa: E402
 
 import numba  # noqa: E402
 
@@ -244,11 +243,7 @@ def main(argv=None):
                         fresh_tree_1024=TREE_TARGET_MS, p99_over_median=3.0),
         rows=rows, tree=tree,
     )
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
-        print("wrote", args.out)
+    write_result(args.out, result)
     return result
 
 

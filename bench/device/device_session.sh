@@ -23,23 +23,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="$1"; steps="${2:-.trace_steps/devset}"
-mkdir -p "$out"
-work="$(mktemp -d)"
-exec > >(tee "$out/session.log") 2>&1
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
-# CUDA 13's nvcc needs this for FlashInfer 0.2.5's decode module to link
-export NVCC_APPEND_FLAGS="-static-global-template-stub=false"
-shopt -s nullglob
-install() {   # install() DIR WHEEL...: unpack wheels into DIR without dependencies
-    local dir="$1"; shift
-    python3 -m pip install -q --no-index --no-deps --no-compile --target "$dir" "$@"
-}
-base="$PYTHONPATH"
-wheels=(.whl/*.whl)
-if [ ${#wheels[@]} -gt 0 ]; then
-    install "$work/fi025" "${wheels[@]}"
-    export PYTHONPATH="$base:$work/fi025"
-fi
+. bench/device/session_setup.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 heads=${DEVSET_HEADS:-32:8}
 python3 bench/devset.py time --dir "$steps" --out "$work/dev" --heads $heads \

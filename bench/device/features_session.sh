@@ -21,18 +21,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="$1"; steps="${2:-.trace_steps/devset}"
-mkdir -p "$out"
-work="$(mktemp -d)"
-exec > >(tee "$out/session.log") 2>&1
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
-export NVCC_APPEND_FLAGS="-static-global-template-stub=false"   # FlashInfer 0.2.5 under CUDA 13
-shopt -s nullglob
-wheels=(.whl/*.whl)
-if [ ${#wheels[@]} -gt 0 ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target "$work/fi025" \
-        "${wheels[@]}"
-    export PYTHONPATH="$PYTHONPATH:$work/fi025"
-fi
+. bench/device/session_setup.sh
 skip=" ${SKIP:-} "
 want() { [[ "$skip" != *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader

@@ -12,7 +12,6 @@ pages; identical re-plan <= 0.2 ms; length-only step <= 1 ms at 1024 requests.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -24,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:     # run as a script: python bench/lab/plan_overhead.py
     sys.path.insert(0, ROOT)
 
-from bench.common import cpu_name, git_sha  # noqa: E402
+from bench.common import cpu_name, git_sha, write_result  # noqa: E402
 
 import numba  # noqa: E402
 
@@ -105,11 +104,7 @@ def main(argv=None):
         targets_ms=dict(full_256=1.0, full_1024=5.0, replan_same=0.2, length_step_1024=1.0),
         rows=rows,
     )
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
-        print("wrote", args.out)
+    write_result(args.out, result)
     return result
 
 
