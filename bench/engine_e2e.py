@@ -25,9 +25,13 @@ window (from the moment every request has its first token to the last token), it
 and throughput, time per output token (per request, its later tokens over their span,
 median); the engine's steps (a forward hook, no device sync) split into decode-like (every
 request brings at most 16 query tokens, pat's rule) and prefill steps, with the host time from
-one step's start to the next.  For ``paged|pat``: its ``stats`` (steps, pat steps, plans, host
-seconds deciding and planning) and the host planning per pat step as a share of the median
-decode step.  The profiled run gives the attention share of a decode step: the time inside the
+one step's start to the next.  For ``paged|pat`` (and ``paged|fi-decode``): its ``stats``
+(steps, planned steps, plans, host seconds deciding and planning, the part of them copying the
+step's metadata to the host) and, per decode step, the host time deciding and planning (median,
+max, and its copy part), the median as a share of the median decode step.
+
+``paged|fi-decode`` plugs FlashInfer's batch decode wrapper into the same seam as pat
+(:func:`register_flashinfer_decode`): the fair kernel comparison inside the engine.  The profiled run gives the attention share of a decode step: the time inside the
 registered attention function over the model's forward (CUDA events on a GPU, ``perf_counter``
 on the CPU), summed over the decode-like steps; it wraps the function under its own name for
 that run only, so the timed run is untouched.
@@ -78,6 +82,55 @@ MODELS = {
 WORKLOADS = ("sysprompt", "sampling", "agent", "none")
 DTYPES = ("bfloat16", "float16", "float32")
 PAT_IMPL = "paged|pat"
+FI_IMPL = "paged|fi-decode"
+
+
+def register_flashinfer_decode(name: str = FI_IMPL):
+    """Register FlashInfer's batch decode kernel through pat's engine seam and return it.
+
+    The same :class:`~pat_core.integrations.transformers.PatPagedAttention` steps (one plan
+    per engine step from the same CSR page table, the same K/V writes and query buffer, the
+    same fallback to ``paged|sdpa`` for prefill and multi-token steps); only
+    ``_plan_step`` differs: it plans a ``flashinfer.BatchDecodeWithPagedKVCacheWrapper``
+    (tensor cores when a KV head serves >= 4 query heads, as in ``bench/compare.py``), so the
+    engine's time with it against ``paged|pat`` compares the two kernels and their planning."""
+    import flashinfer
+    import torch
+    from transformers import AttentionInterface
+    from pat_core.integrations.transformers import PatPagedAttention
+
+    class _Runner:
+        def __init__(self, w):
+            self.w = w
+
+        def run(self, q, kv, out):
+            return self.w.run(q, kv, out=out)
+
+    class FlashInferDecode(PatPagedAttention):
+        kernel = "FlashInfer decode"
+
+        def _plan_step(self, indptr, indices, last, qo_indptr, query, key_states, scaling,
+                       cache):
+            if qo_indptr is not None:
+                raise ValueError("a multi-token step (the decode kernel takes one token per "
+                                 "request)")
+            if not query.is_cuda:
+                raise ValueError("FlashInfer runs on CUDA tensors only")
+            hq, hk, d = int(query.shape[1]), int(key_states.shape[1]), int(query.shape[3])
+            w = self._wrappers.get((hq, hk, d))
+            if w is None:
+                ws = torch.zeros(256 << 20, dtype=torch.uint8, device=query.device)
+                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    ws, "NHD", use_tensor_cores=hq // hk >= 4)
+                self._wrappers[(hq, hk, d)] = w
+            w.plan(torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last),
+                   hq, hk, d, int(cache.block_size), sm_scale=scaling,
+                   q_data_type=query.dtype, kv_data_type=cache.key_cache[0].dtype)
+            return _Runner(w)
+
+    fn = FlashInferDecode(name)
+    AttentionInterface.register(name, fn)
+    return fn
 
 
 # ---------------------------------------------------------------- workloads
@@ -172,8 +225,9 @@ class StepRecorder:
     ``events=True`` it also times each forward and each call of the attention function
     (:meth:`wrap`) on the device (CUDA events; ``perf_counter`` on the CPU)."""
 
-    def __init__(self, model, events: bool = False):
+    def __init__(self, model, events: bool = False, seam=None):
         import torch
+        self.seam = seam         # a PatPagedAttention: its host seconds noted at each step
         self.cuda = next(model.parameters()).is_cuda
         self.events = events
         self.steps = []          # dicts: t (host start), decode, fwd (start, end), attn [(s, e)]
@@ -191,6 +245,8 @@ class StepRecorder:
     def _pre(self, module, args, kwargs):
         step = dict(t=time.perf_counter(), decode=int(kwargs.get("max_seqlen_q", 0) or 0)
                     <= MAX_QO_LEN, attn=[])
+        if self.seam is not None:
+            step["host"] = (self.seam.stats["step_host_s"], self.seam.stats["step_copy_s"])
         if self.events:
             step["fwd"] = [self._mark(), None]
         self.steps.append(step)
@@ -225,6 +281,16 @@ class StepRecorder:
         out = dict(steps=len(self.steps),
                    decode_steps=sum(s["decode"] for s in self.steps),
                    decode_step_ms_median=float(np.median(dec_gaps)) if dec_gaps else None)
+        if self.seam is not None and self.steps:
+            # a step's host seconds: the counters' growth until the next step starts
+            marks = np.array([s["host"] for s in self.steps]
+                             + [(self.seam.stats["step_host_s"], self.seam.stats["step_copy_s"])])
+            per = np.diff(marks, axis=0) * 1e3
+            dec = per[[s["decode"] for s in self.steps]]
+            if dec.size:
+                out.update(host_step_ms_median=float(np.median(dec[:, 0])),
+                           host_step_ms_max=float(dec[:, 0].max()),
+                           host_copy_ms_median=float(np.median(dec[:, 1])))
         if self.events:
             if self.cuda:
                 self._torch.cuda.synchronize()
@@ -299,14 +365,15 @@ def sync(model):
 
 
 def run_impl(model, impl: str, prompts: list, args, pat_fn=None) -> tuple:
-    """``(row, outputs)``: the warm-up, timed and profiled runs of one implementation."""
+    """``(row, outputs)``: the warm-up, timed and profiled runs of one implementation
+    (``pat_fn``: its PatPagedAttention when it runs through pat's seam, for its counters)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers import AttentionInterface
     if args.warmup_tokens > 0:
         generate(model, impl, prompts, args.warmup_tokens, args)
     if pat_fn is not None:
         pat_fn.reset_stats()
-    rec = StepRecorder(model)
+    rec = StepRecorder(model, seam=pat_fn)
     try:
         sync(model)
         t0 = time.perf_counter()
@@ -318,13 +385,13 @@ def run_impl(model, impl: str, prompts: list, args, pat_fn=None) -> tuple:
     row = dict(impl=impl, status="ok", **token_metrics(outs, t0, t1), **rec.summary())
     if pat_fn is not None:
         s = dict(pat_fn.stats)
-        row["pat_stats"] = s
-        row["pat_fallback_reasons"] = dict(pat_fn.fallback_reasons)
+        row["seam_stats"] = s
+        row["seam_fallback_reasons"] = dict(pat_fn.fallback_reasons)
         if s["pat_steps"]:
-            host_ms = s["step_host_s"] / s["pat_steps"] * 1e3
-            row["host_plan_ms_per_pat_step"] = host_ms
+            row["host_plan_ms_per_step_mean"] = s["step_host_s"] / s["pat_steps"] * 1e3
             step_ms = row["decode_step_ms_median"]
-            row["host_plan_share"] = host_ms / step_ms if step_ms else None
+            if step_ms and row.get("host_step_ms_median") is not None:
+                row["host_plan_share"] = row["host_step_ms_median"] / step_ms
     if args.profile_tokens > 0:
         fn = ALL_ATTENTION_FUNCTIONS[impl]
         prof = StepRecorder(model, events=True)
@@ -441,17 +508,19 @@ def main(argv=None):
                                    samples=args.samples, templates=args.templates,
                                    turns=args.turns)
     impls = args.impls.split()
-    pat_fn = None
+    seam_fns = {}          # implementation -> its PatPagedAttention (pat's, or FlashInfer's)
     rows, outputs = [], {}
     for impl in impls:
         try:
-            if impl == PAT_IMPL and pat_fn is None:
-                from pat_core.integrations.transformers import register_pat
-                pat_fn = register_pat(PAT_IMPL)
+            if impl not in seam_fns and impl in (PAT_IMPL, FI_IMPL):
+                if impl == PAT_IMPL:
+                    from pat_core.integrations.transformers import register_pat
+                    seam_fns[impl] = register_pat(PAT_IMPL)
+                else:
+                    seam_fns[impl] = register_flashinfer_decode(FI_IMPL)
             elif impl not in AttentionInterface().valid_keys():
                 raise ValueError(f"{impl!r} is not a registered attention implementation")
-            row, outs = run_impl(model, impl, prompts, args,
-                                 pat_fn if impl == PAT_IMPL else None)
+            row, outs = run_impl(model, impl, prompts, args, seam_fns.get(impl))
             outputs[impl] = outs
         except Exception as e:       # an implementation that cannot load or run: recorded
             row = dict(impl=impl, status="skipped", reason=f"{type(e).__name__}: {e}")

@@ -134,21 +134,46 @@ def run_device_loop(args, requests: int, hq: int, hk: int) -> dict:
     ev1.record()
     torch.cuda.synchronize()
     cycles_per_ms = 10_000_000 / ev0.elapsed_time(ev1)
+    # the planner's share of each plan(): its plan() timed inside the wrapper's
+    inner, planner_ts = w.planner.plan, []
+
+    def timed_plan(*a, **kw):
+        t = time.perf_counter()
+        r = inner(*a, **kw)
+        planner_ts.append(time.perf_counter() - t)
+        return r
+    w.planner.plan = timed_plan
+    prof = None
+    if args.profile:
+        import cProfile
+        prof = cProfile.Profile()
     ts, paths = [], {}
     for step in range(args.warmup + args.steps):
         table, lens = loop.step()
         torch.cuda._sleep(int(args.busy_ms * cycles_per_ms))
+        if prof is not None and step >= args.warmup:
+            prof.enable()
         t0 = time.perf_counter()
         w.plan(table, lens, hq, hk, args.head_dim, args.page_size)
         t1 = time.perf_counter()
+        if prof is not None:
+            prof.disable()
         torch.cuda.synchronize()
         if step >= args.warmup:
             ts.append(t1 - t0)
             path = w.planner.last_path
             paths[path] = paths.get(path, 0) + 1
+    planner_ts = planner_ts[args.warmup:]
     row = dict(requests=requests, backend="cuda", device=torch.cuda.get_device_name(),
                busy_ms=args.busy_ms, steps=args.steps, order=args.order,
-               plan_and_copy=summary(ts), paths=paths)
+               plan_and_copy=summary(ts), planner=summary(planner_ts),
+               rest=summary(np.subtract(ts, planner_ts)), paths=paths)
+    if prof is not None:
+        import io
+        import pstats
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+        row["profile_tottime"] = buf.getvalue().splitlines()
     row["waited_for_device"] = bool(row["plan_and_copy"]["max_ms"] >= args.busy_ms)
     return row
 
@@ -196,6 +221,9 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     ap.add_argument("--backend", default="cpu", choices=("cpu", "cuda"),
                     help="cuda: time the CUDA wrapper's plan() with its device copy")
+    ap.add_argument("--profile", action="store_true",
+                    help="--backend cuda: cProfile the timed plan() calls (the profile's "
+                         "slowdown shows in that run's times)")
     ap.add_argument("--busy-ms", type=float, default=5.0,
                     help="--backend cuda: GPU work enqueued before each plan()")
     args = ap.parse_args(argv)
@@ -207,8 +235,9 @@ def main(argv=None):
             row = run_device_loop(args, n, hq, hk)
             rows.append(row)
             pc = row["plan_and_copy"]
-            print(f"{n:>5} req  plan + copy {pc['median_ms']:.3f} ms (p99 {pc['p99_ms']:.3f}, "
-                  f"max {pc['max_ms']:.3f}; GPU busy {args.busy_ms} ms: "
+            print(f"{n:>5} req  plan + copy {pc['median_ms']:.3f} ms (planner "
+                  f"{row['planner']['median_ms']:.3f}, rest {row['rest']['median_ms']:.3f}; "
+                  f"p99 {pc['p99_ms']:.3f}, max {pc['max_ms']:.3f}; GPU busy {args.busy_ms} ms: "
                   f"{'WAITED' if row['waited_for_device'] else 'no wait'})  paths "
                   f"{row['paths']}", flush=True)
             continue

@@ -111,10 +111,12 @@ def test_tiny_smoke_run(tmp_path, workload):
         assert r["tpot_ms_median"] > 0
         assert r["steps"] >= 16 and r["decode_steps"] >= 15
         assert 0 < r["profile"]["attention_share"] < 1
-    s = rows["paged|pat"]["pat_stats"]
+    s = rows["paged|pat"]["seam_stats"]
     assert s["plans"] == s["pat_steps"] >= 15
     assert s["plan_kv_tokens"] < s["request_kv_tokens"]
-    assert 0 < rows["paged|pat"]["host_plan_share"] < 1
+    r = rows["paged|pat"]
+    assert 0 < r["host_plan_share"] < 1
+    assert 0 < r["host_copy_ms_median"] < r["host_step_ms_median"] <= r["host_step_ms_max"]
     c = res["correctness"]["paged|pat"]
     assert c["requests"] == 8 and c["check_tokens"] == 16
     assert c["identical"] == 8 and c["divergences"] == []

@@ -158,7 +158,7 @@ class _Step:
     use_pat: bool
     reason: str = ""            # why the step falls back ("" when pat takes it)
     num_tokens: int = 0         # real query rows (padding rows excluded)
-    wrapper: PrefixAttentionWrapper | None = None
+    wrapper: object = None      # what runs a layer (_plan_step's result)
     masks: dict = dataclasses.field(default_factory=dict)   # layer type -> fallback mask
 
 
@@ -185,11 +185,15 @@ class PatPagedAttention:
     pat step), layer calls (``pat_layer_calls``, ``fallback_layer_calls``) and KV tokens over
     the plans (``plan_kv_tokens``: read by the CTAs, one head; ``request_kv_tokens``: the
     requests' sequence lengths; sharing makes the first smaller), ``max_requests`` (the most
-    requests of one pat step) and ``step_host_s`` (seconds spent deciding and planning steps,
-    host copies of the metadata included); ``last_plan_stats`` is
+    requests of one pat step), ``step_host_s`` (seconds spent deciding and planning steps,
+    host copies of the metadata included) and ``step_copy_s`` (the part of it copying the
+    metadata to the host, which on CUDA includes waiting for the device); ``last_plan_stats`` is
     :meth:`pat_core.Plan.stats` of the last plan, ``last_seq_lens`` its int64 ``[batch]``
     sequence lengths; ``fallback_reasons`` counts fallback steps by reason.
     """
+
+    #: the decode kernel's name in fallback reasons (a subclass plugging in another says so)
+    kernel = "pat"
 
     def __init__(self, name: str = "paged|pat", fallback: str = "paged|sdpa", *,
                  packer: str = "pat", gpu: str | None = None, strict: bool = False):
@@ -215,7 +219,7 @@ class PatPagedAttention:
         self.stats = {"steps": 0, "pat_steps": 0, "multi_token_steps": 0, "plans": 0,
                       "pat_layer_calls": 0, "fallback_layer_calls": 0,
                       "plan_kv_tokens": 0, "request_kv_tokens": 0, "max_requests": 0,
-                      "step_host_s": 0.0}
+                      "step_host_s": 0.0, "step_copy_s": 0.0}
         self.fallback_reasons: dict = {}
         self.last_plan_stats: dict | None = None
         self.last_seq_lens: np.ndarray | None = None
@@ -243,52 +247,68 @@ class PatPagedAttention:
             return self._fall_back(key, "cache with sliding-window or several layer groups")
         if read_index[0].numel() == 0:
             return self._fall_back(key, "no cache read (prefill)")
-        # one host copy of the step's small metadata (a device sync on CUDA)
-        qlen = query_lengths(cu_q.cpu().numpy())
+        # the step's metadata to the host (the first copy waits for the device's queued work)
+        t_copy = time.perf_counter()
+        cq = cu_q.cpu().numpy()
+        self.stats["step_copy_s"] += time.perf_counter() - t_copy
+        qlen = query_lengths(cq)
         if qlen.size == 0:
             return self._fall_back(key, "empty step")
         if qlen.max() > MAX_QO_LEN:
             return self._fall_back(key, f"prefill (a request brings more than {MAX_QO_LEN} "
                                         "query tokens)")
         nreq = qlen.size
+        t_copy = time.perf_counter()
         ck = cu_k.cpu().numpy()[:nreq + 1].astype(np.int64)
+        rows = read_index[0][:int(ck[-1])].cpu().numpy()
+        self.stats["step_copy_s"] += time.perf_counter() - t_copy
         seq = np.diff(ck)
         if (seq < qlen).any():
             return self._fall_back(key, "KV shorter than the query")
         try:
-            indptr, indices, last = read_index_to_csr(read_index[0][:int(ck[-1])].cpu().numpy(),
-                                                      ck, cache.block_size)
+            indptr, indices, last = read_index_to_csr(rows, ck, cache.block_size)
         except ValueError as e:
             if self.strict:
                 raise
             return self._fall_back(key, f"read_index not in whole pages ({e})")
-        backend = "cuda" if query.is_cuda else "cpu"
-        w = self._wrapper(backend)
         qo = None
         if qlen.max() > 1:
             qo = np.zeros(nreq + 1, dtype=np.int32)
             np.cumsum(qlen, out=qo[1:])
         try:
-            plan = w.plan_csr(indptr, indices, last, int(query.shape[1]),
-                              int(key_states.shape[1]), int(query.shape[3]),
-                              int(cache.block_size), sm_scale=scaling,
-                              kv_data_type=cache.key_cache[0].dtype,
-                              q_data_type=query.dtype, qo_indptr=qo)
-        except (ValueError, TypeError) as e:       # a limit pat refuses by name: fall back
+            runner = self._plan_step(indptr, indices, last, qo, query, key_states, scaling,
+                                     cache)
+        except (ValueError, TypeError) as e:       # a limit the kernel refuses by name
             if self.strict:
                 raise
-            return self._fall_back(key, f"pat refused the step ({type(e).__name__}: {e})")
+            return self._fall_back(key, f"{self.kernel} refused the step "
+                                        f"({type(e).__name__}: {e})")
         self.stats["pat_steps"] += 1
         self.stats["plans"] += 1
         self.stats["multi_token_steps"] += int(qo is not None)
+        self.stats["request_kv_tokens"] += int(seq.sum())
+        self.stats["max_requests"] = max(self.stats["max_requests"], nreq)
+        self.last_seq_lens = seq
+        return _Step(key, True, "", int(qlen.sum()), runner)
+
+    def _plan_step(self, indptr, indices, last, qo_indptr, query, key_states, scaling, cache):
+        """Plan one step for all its layers and return the object whose ``run(q, kv, out=)``
+        computes a layer: pat's wrapper for the tensors' backend.  The arrays are the step's
+        CSR page table (int32 ``[batch + 1]``, ``[pages]``, ``[batch]``) and its int32
+        ``[batch + 1]`` ``qo_indptr`` (``None`` when every request brings one token).  This is
+        the seam another decode kernel plugs into (override it); ``ValueError`` / ``TypeError``
+        make the step fall back."""
+        w = self._wrapper("cuda" if query.is_cuda else "cpu")
+        plan = w.plan_csr(indptr, indices, last, int(query.shape[1]),
+                          int(key_states.shape[1]), int(query.shape[3]),
+                          int(cache.block_size), sm_scale=scaling,
+                          kv_data_type=cache.key_cache[0].dtype,
+                          q_data_type=query.dtype, qo_indptr=qo_indptr)
         self.last_plan_stats = plan.stats()
         # KV tokens the plan's CTAs read (one head) against those the requests attend to: a
         # shared page is read once per CTA, so sharing shows as the first below the second
         self.stats["plan_kv_tokens"] += int(self.last_plan_stats["kv_tokens"])
-        self.stats["request_kv_tokens"] += int(seq.sum())
-        self.stats["max_requests"] = max(self.stats["max_requests"], nreq)
-        self.last_seq_lens = seq
-        return _Step(key, True, "", int(qlen.sum()), w)
+        return w
 
     # ------------------------------------------------------------------ per layer
     def __call__(self, module, query, key, value, attention_mask, dropout: float = 0.0,
