@@ -5,9 +5,9 @@
 Builds a Llama model from its config with random weights (no downloads; ``--model llama8b``:
 Llama-3.1-8B's shapes, ``gqa-small``: a 1B-class GQA model, ``tiny``: a CPU smoke model) and
 runs ``generate_batch`` (greedy, ``--new-tokens``, block sharing on, CUDA graphs off: pat plans
-on the host per step) once per attention implementation of ``--impls``: once to warm up
-(``--warmup-tokens``), once timed, and (``--profile-tokens`` > 0) once more with the
-attention function and the model's forward timed per call.  Workloads (random token ids):
+on the host per step) per attention implementation of ``--impls``: once to warm up
+(``--warmup-tokens``), ``--repeats`` times timed, and (``--profile-tokens`` > 0) once more
+with the attention function and the model's forward timed per call.  Workloads (random token ids):
 
 * ``sysprompt``: one shared system prompt of ``--prompt-tokens`` + a short own suffix per request;
 * ``sampling``: ``--requests / --samples`` distinct prompts, each sent ``--samples`` times
@@ -18,7 +18,9 @@ attention function and the model's forward timed per call.  Workloads (random to
   history and sends ``--turns`` turns, each turn's prompt extending the previous one;
 * ``none``: distinct prompts of the same lengths, nothing shared.
 
-Per implementation it reports the timed run's wall time (and the engine's set-up within it);
+The timed runs are repeated (``--repeats``, interleaved across the implementations) and the
+repeat with the median decode throughput is reported, with every repeat's throughput.  Per
+implementation it reports the timed run's wall time (and the engine's set-up within it);
 prefill and decode from the engine's per-token timestamps (``record_timestamps``), counted
 from the requests' creation: time to first token per request, the decode
 window (from the moment every request has its first token to the last token), its output tokens
@@ -364,13 +366,9 @@ def sync(model):
         torch.cuda.synchronize()
 
 
-def run_impl(model, impl: str, prompts: list, args, pat_fn=None) -> tuple:
-    """``(row, outputs)``: the warm-up, timed and profiled runs of one implementation
-    (``pat_fn``: its PatPagedAttention when it runs through pat's seam, for its counters)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers import AttentionInterface
-    if args.warmup_tokens > 0:
-        generate(model, impl, prompts, args.warmup_tokens, args)
+def timed_run(model, impl: str, prompts: list, args, pat_fn=None) -> tuple:
+    """``(row, outputs)``: one timed ``generate_batch`` of ``impl`` (``pat_fn``: its
+    PatPagedAttention when it runs through pat's seam, for its counters)."""
     if pat_fn is not None:
         pat_fn.reset_stats()
     rec = StepRecorder(model, seam=pat_fn)
@@ -392,20 +390,37 @@ def run_impl(model, impl: str, prompts: list, args, pat_fn=None) -> tuple:
             step_ms = row["decode_step_ms_median"]
             if step_ms and row.get("host_step_ms_median") is not None:
                 row["host_plan_share"] = row["host_step_ms_median"] / step_ms
-    if args.profile_tokens > 0:
-        fn = ALL_ATTENTION_FUNCTIONS[impl]
-        prof = StepRecorder(model, events=True)
-        AttentionInterface.register(impl, prof.wrap(fn))
-        try:
-            generate(model, impl, prompts, args.profile_tokens, args)
-            sync(model)
-        finally:
-            AttentionInterface.register(impl, fn)
-            prof.remove()
-        p = prof.summary()
-        row["profile"] = {k: p[k] for k in ("profiled_decode_steps", "forward_ms_per_decode_step",
-                                            "attention_ms_per_decode_step", "attention_share")}
     return row, outs
+
+
+def profile_run(model, impl: str, prompts: list, args) -> dict:
+    """Device time of the forward and of the attention calls per decode step (a run of
+    ``--profile-tokens`` with the attention function wrapped under its own name)."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    fn = ALL_ATTENTION_FUNCTIONS[impl]
+    prof = StepRecorder(model, events=True)
+    AttentionInterface.register(impl, prof.wrap(fn))
+    try:
+        generate(model, impl, prompts, args.profile_tokens, args)
+        sync(model)
+    finally:
+        AttentionInterface.register(impl, fn)
+        prof.remove()
+    p = prof.summary()
+    return {k: p[k] for k in ("profiled_decode_steps", "forward_ms_per_decode_step",
+                              "attention_ms_per_decode_step", "attention_share")}
+
+
+def median_row(runs: list) -> dict:
+    """The repeat with the median decode throughput (the lower middle one of an even count),
+    with every repeat's throughput and median decode step listed."""
+    order = sorted(runs, key=lambda r: r["decode_tokens_per_s"] or 0.0)
+    row = dict(order[(len(order) - 1) // 2])
+    row["repeats"] = len(runs)
+    row["repeat_decode_tokens_per_s"] = [r["decode_tokens_per_s"] for r in runs]
+    row["repeat_decode_step_ms_median"] = [r["decode_step_ms_median"] for r in runs]
+    return row
 
 
 def compare_tokens(ref: list, got: list, check: int, limit: int = 20) -> dict:
@@ -451,6 +466,8 @@ def parse_args(argv):
                     help="new tokens of the warm-up run (same prompts; 0: none)")
     ap.add_argument("--profile-tokens", type=int, default=16,
                     help="new tokens of the profiled run (attention share; 0: none)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed runs per implementation, interleaved; the median is reported")
     ap.add_argument("--check-tokens", type=int, default=32)
     ap.add_argument("--impls", default=f"paged|sdpa {PAT_IMPL}",
                     help="space-separated registered implementations ('paged|pat': pat)")
@@ -463,7 +480,8 @@ def parse_args(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     args = ap.parse_args(argv)
-    for name in ("requests", "prompt_tokens", "new_tokens", "check_tokens", "block_size"):
+    for name in ("requests", "prompt_tokens", "new_tokens", "check_tokens", "block_size",
+                 "repeats"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup_tokens < 0 or args.profile_tokens < 0:
@@ -509,7 +527,8 @@ def main(argv=None):
                                    turns=args.turns)
     impls = args.impls.split()
     seam_fns = {}          # implementation -> its PatPagedAttention (pat's, or FlashInfer's)
-    rows, outputs = [], {}
+    rows, outputs = {}, {}
+    # warm-up per implementation (an implementation that cannot load or run is recorded)
     for impl in impls:
         try:
             if impl not in seam_fns and impl in (PAT_IMPL, FI_IMPL):
@@ -520,12 +539,33 @@ def main(argv=None):
                     seam_fns[impl] = register_flashinfer_decode(FI_IMPL)
             elif impl not in AttentionInterface().valid_keys():
                 raise ValueError(f"{impl!r} is not a registered attention implementation")
-            row, outs = run_impl(model, impl, prompts, args, seam_fns.get(impl))
-            outputs[impl] = outs
-        except Exception as e:       # an implementation that cannot load or run: recorded
-            row = dict(impl=impl, status="skipped", reason=f"{type(e).__name__}: {e}")
-        rows.append(row)
-        print(f"{impl}: {row['status']}", flush=True)
+            if args.warmup_tokens > 0:
+                generate(model, impl, prompts, args.warmup_tokens, args)
+            rows[impl] = []
+        except Exception as e:
+            rows[impl] = dict(impl=impl, status="skipped", reason=f"{type(e).__name__}: {e}")
+            print(f"{impl}: skipped", flush=True)
+    # timed runs, the implementations interleaved: a host-bound engine's step time drifts
+    # between runs of one process (memory, the allocator, Python's collector), so one run
+    # each in a fixed order would credit the drift to an implementation
+    for rep in range(args.repeats):
+        for impl in impls:
+            if isinstance(rows[impl], dict):
+                continue
+            try:
+                row, outs = timed_run(model, impl, prompts, args, seam_fns.get(impl))
+                rows[impl].append(row)
+                outputs.setdefault(impl, outs)
+            except Exception as e:
+                rows[impl] = dict(impl=impl, status="skipped",
+                                  reason=f"{type(e).__name__}: {e}")
+    for impl in impls:
+        if isinstance(rows[impl], list):
+            rows[impl] = median_row(rows[impl])
+            if args.profile_tokens > 0:
+                rows[impl]["profile"] = profile_run(model, impl, prompts, args)
+        print(f"{impl}: {rows[impl]['status']}", flush=True)
+    rows = [rows[impl] for impl in impls]
     correctness = {}
     if args.reference in outputs:
         check = min(args.check_tokens, args.new_tokens)

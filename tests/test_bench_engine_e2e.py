@@ -94,7 +94,7 @@ def test_tiny_smoke_run(tmp_path, workload):
     # the CPU path on any machine (pat's kernels refuse the tiny model's head_dim 16)
     res = main(["--model", "tiny", "--device", "cpu", "--requests", "8", "--prompt-tokens", "64",
                 "--new-tokens", "16", "--dtype", "float32", "--num-blocks", "128",
-                "--max-batch-tokens", "256",
+                "--max-batch-tokens", "256", "--repeats", "2",
                 "--workload", workload, "--out", str(path)])
     assert json.loads(path.read_text()) == json.loads(json.dumps(res))
     assert res["benchmark"] == "engine_e2e" and res["git_sha"]
@@ -109,6 +109,8 @@ def test_tiny_smoke_run(tmp_path, workload):
         assert 0 < r["ttft_s_max"] <= r["run_s"] <= r["wall_s"]
         assert 64 <= r["decode_tokens"] < 8 * 16 and r["decode_tokens_per_s"] > 0
         assert r["tpot_ms_median"] > 0
+        assert r["repeats"] == 2 and r["decode_tokens_per_s"] == min(
+            r["repeat_decode_tokens_per_s"])          # the lower middle of two
         assert r["steps"] >= 16 and r["decode_steps"] >= 15
         assert 0 < r["profile"]["attention_share"] < 1
     s = rows["paged|pat"]["seam_stats"]
