@@ -449,10 +449,18 @@ def nvrtc_options(src_dir: Path | None = None, defines: tuple = ()) -> tuple:
 
 def fwd_variant_supported(m: int, n: int, head_dim: int, kv_dtype: str | None = None) -> bool:
     """Whether a forward kernel variant exists (and fits sm_90 shared memory) for (m, n, d)
-    (``kv_dtype``: over a cache of that KV-only dtype, fp8)."""
-    if head_dim not in HEAD_DIMS or m not in TILE_MS or n not in TILE_NS:
-        return False
-    return fwd_variant_feasible(FwdVariant.make(m, n, head_dim, "float16", kv_dtype=kv_dtype))
+    (``kv_dtype``: over a cache of that KV-only dtype, fp8).  Memoised per arguments and the
+    tile's layout override (every plan's tiles are checked on the way to the device)."""
+    key = (m, n, head_dim, kv_dtype, VARIANT_OVERRIDES.get((m, n)))
+    ok = _SUPPORTED.get(key)
+    if ok is None:
+        ok = (head_dim in HEAD_DIMS and m in TILE_MS and n in TILE_NS and fwd_variant_feasible(
+            FwdVariant.make(m, n, head_dim, "float16", kv_dtype=kv_dtype)))
+        _SUPPORTED[key] = ok
+    return ok
+
+
+_SUPPORTED: dict = {}
 
 
 def nvcc_source(variants) -> str:

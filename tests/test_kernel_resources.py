@@ -129,3 +129,18 @@ def test_backend_plan_checks_without_gpu():
     with pytest.raises(ValueError, match="no CUDA kernel"):
         cuda_backend._check_plan_tiles(odd)
     assert cc.fwd_variant_supported(16, 64, 128) and not cc.fwd_variant_supported(16, 256, 128)
+
+
+def test_variant_support_follows_layout_overrides():
+    """fwd_variant_supported is memoised, but a tile's layout override is part of its key: a
+    layout too large for shared memory makes the tile unsupported, and dropping it restores
+    the answer."""
+    assert cc.fwd_variant_supported(16, 64, 128)
+    saved = dict(cc.VARIANT_OVERRIDES)
+    try:
+        cc.VARIANT_OVERRIDES[(16, 64)] = (1, 8)          # 8 stages of a 64-token K/V tile
+        assert not cc.fwd_variant_supported(16, 64, 128)
+    finally:
+        cc.VARIANT_OVERRIDES.clear()
+        cc.VARIANT_OVERRIDES.update(saved)
+    assert cc.fwd_variant_supported(16, 64, 128)
