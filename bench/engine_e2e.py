@@ -27,13 +27,18 @@ window (from the moment every request has its first token to the last token), it
 and throughput, time per output token (per request, its later tokens over their span,
 median); the engine's steps (a forward hook, no device sync) split into decode-like (every
 request brings at most 16 query tokens, pat's rule) and prefill steps, with the host time from
-one step's start to the next.  For ``paged|pat`` (and ``paged|fi-decode``): its ``stats``
-(steps, planned steps, plans, host seconds deciding and planning, the part of them copying the
-step's metadata to the host) and, per decode step, the host time deciding and planning (median,
-max, and its copy part), the median as a share of the median decode step.
+one step's start to the next.  The engine's own host work per step is timed too (median ms
+per call of ``prepare_next_batch`` and ``update_batch``): with CUDA graphs off the engine builds
+every request's per-token read indices in Python at each step, which can outweigh the
+attention.  For ``paged|pat`` (and ``paged|fi-decode``): its ``stats`` (steps, planned steps,
+plans, host seconds deciding and planning, the part of them copying the step's metadata to the
+host) and, per decode step, the host time deciding and planning (median, max, and its copy
+part), the median as a share of the median decode step.
 
 ``paged|fi-decode`` plugs FlashInfer's batch decode wrapper into the same seam as pat
-(:func:`register_flashinfer_decode`): the fair kernel comparison inside the engine.  The profiled run gives the attention share of a decode step: the time inside the
+(:func:`register_flashinfer_decode`): the fair kernel comparison inside the engine.
+
+The profiled run gives the attention share of a decode step: the time inside the
 registered attention function over the model's forward (CUDA events on a GPU, ``perf_counter``
 on the CPU), summed over the decode-like steps; it wraps the function under its own name for
 that run only, so the timed run is untouched.
@@ -311,6 +316,43 @@ class StepRecorder:
         return out
 
 
+class EngineHostTimer:
+    """Times the engine's own host work per step while it is installed: transformers 5.17's
+    ``ContinuousBatchProcessor.prepare_next_batch`` (scheduling, and the per-token read and
+    write indices of every request) and ``update_batch`` (the sampled tokens back into the
+    requests), wrapped on the class and restored by :meth:`remove`."""
+
+    METHODS = ("prepare_next_batch", "update_batch")
+
+    def __init__(self):
+        from transformers.generation.continuous_batching import continuous_api
+        self._cls = continuous_api.ContinuousBatchProcessor
+        self.times = {m: [] for m in self.METHODS}
+        self._orig = {m: getattr(self._cls, m) for m in self.METHODS}
+        for m in self.METHODS:
+            setattr(self._cls, m, self._timed(m, self._orig[m]))
+
+    def _timed(self, name, fn):
+        times = self.times[name]
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                times.append(time.perf_counter() - t)
+        return timed
+
+    def remove(self):
+        for m in self.METHODS:
+            setattr(self._cls, m, self._orig[m])
+
+    def summary(self) -> dict:
+        """Median ms per call of each method (``engine_<method>_ms_median``)."""
+        return {f"engine_{m}_ms_median": float(np.median(ts)) * 1e3 if ts else None
+                for m, ts in self.times.items()}
+
+
 def token_metrics(outputs: list, t0: float, t1: float) -> dict:
     """Prefill / decode split from the engine's per-token timestamps (``perf_counter``).
 
@@ -372,6 +414,7 @@ def timed_run(model, impl: str, prompts: list, args, pat_fn=None) -> tuple:
     if pat_fn is not None:
         pat_fn.reset_stats()
     rec = StepRecorder(model, seam=pat_fn)
+    host = EngineHostTimer()
     try:
         sync(model)
         t0 = time.perf_counter()
@@ -380,7 +423,9 @@ def timed_run(model, impl: str, prompts: list, args, pat_fn=None) -> tuple:
         t1 = time.perf_counter()
     finally:
         rec.remove()
-    row = dict(impl=impl, status="ok", **token_metrics(outs, t0, t1), **rec.summary())
+        host.remove()
+    row = dict(impl=impl, status="ok", **token_metrics(outs, t0, t1), **rec.summary(),
+               **host.summary())
     if pat_fn is not None:
         s = dict(pat_fn.stats)
         row["seam_stats"] = s
@@ -492,7 +537,8 @@ def parse_args(argv):
 def print_table(rows: list, correctness: dict, ref: str) -> None:
     base = next((r for r in rows if r["impl"] == ref and r["status"] == "ok"), None)
     print(f"{'impl':<26}{'run s':>8}{'dec tok/s':>11}{'vs ref':>8}{'TPOT ms':>9}"
-          f"{'TTFT max s':>11}{'steps':>7}{'dec':>6}{'attn %':>8}{'plan %':>8}{'same':>9}")
+          f"{'TTFT max s':>11}{'steps':>7}{'dec':>6}{'prep ms':>8}{'attn %':>8}{'plan %':>8}"
+          f"{'same':>9}")
     for r in rows:
         if r["status"] != "ok":
             print(f"{r['impl']:<26}skipped: {r['reason'][:90]}")
@@ -508,6 +554,7 @@ def print_table(rows: list, correctness: dict, ref: str) -> None:
         print(f"{r['impl']:<26}{r['run_s']:>8.2f}{f(r['decode_tokens_per_s'], '.1f'):>11}"
               f"{f(rel, '.3f'):>8}{f(r['tpot_ms_median'], '.2f'):>9}{r['ttft_s_max']:>11.2f}"
               f"{r['steps']:>7}{r['decode_steps']:>6}"
+              f"{f(r.get('engine_prepare_next_batch_ms_median'), '.1f'):>8}"
               f"{f(None if share is None else 100 * share, '.1f'):>8}"
               f"{f(None if plan is None else 100 * plan, '.1f'):>8}"
               f"{(str(c['identical']) + '/' + str(c['requests'])) if c else '-':>9}")

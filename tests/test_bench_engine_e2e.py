@@ -113,6 +113,8 @@ def test_tiny_smoke_run(tmp_path, workload):
             r["repeat_decode_tokens_per_s"])          # the lower middle of two
         assert r["steps"] >= 16 and r["decode_steps"] >= 15
         assert 0 < r["profile"]["attention_share"] < 1
+        assert 0 < r["engine_prepare_next_batch_ms_median"] < r["decode_step_ms_median"]
+        assert 0 < r["engine_update_batch_ms_median"] < r["decode_step_ms_median"]
     s = rows["paged|pat"]["seam_stats"]
     assert s["plans"] == s["pat_steps"] >= 15
     assert s["plan_kv_tokens"] < s["request_kv_tokens"]
