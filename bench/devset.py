@@ -271,15 +271,20 @@ def time_all(steps_dir, out_dir, *, heads=("32:8",), methods=("pat", "pat-graph-
 
 def sim_error(steps_dir, results, *, gpu: str = "h100") -> dict:
     """The simulator against a measured ``devset.json`` (``results``): every step planned as
-    the measured ``pat`` method plans it (default planner, that file's heads and head_dim),
-    predicted in graph and eager timing (:func:`sim.simulate`, packaged constants), and the
-    relative error ``predicted / measured - 1`` per part: median and largest absolute, mean
-    signed.  Runs on the CPU."""
+    the measured ``pat`` method plans it (default planner, that file's heads, head_dim, KV
+    dtype and query tokens per request), predicted in graph and eager timing
+    (:func:`sim.simulate`, packaged constants), and the relative error
+    ``predicted / measured - 1`` per part: median and largest absolute, mean signed.  Runs on
+    the CPU."""
     import numpy as np
     from pat_core import Planner
     from sim import simulate
     res = json.loads(Path(results).read_text())
     d = int(res.get("head_dim", 128))
+    kv_dtype, q_len = res.get("kv_dtype", "float16"), int(res.get("q_len", 1))
+    kw = dict(kv_data_type=kv_dtype)
+    if kv_dtype != "float16":
+        kw["q_data_type"] = "float16"
     meas = {(r["part"], r["step"], r["heads"]): r for r in res["rows"] if r["method"] == "pat"}
     out = {}
     for part in sorted({r["part"] for r in res["rows"]}):
@@ -292,7 +297,9 @@ def sim_error(steps_dir, results, *, gpu: str = "h100") -> dict:
                 row = meas.get((part, m["step"], heads))
                 if row is None:
                     continue
-                plan = Planner("pat", gpu).plan(table, lens, hq, hk, d, ps)
+                if q_len > 1:
+                    kw["qo_indptr"] = np.arange(len(lens) + 1, dtype=np.int32) * q_len
+                plan = Planner("pat", gpu).plan(table, lens, hq, hk, d, ps, **kw)
                 for timing in errs:
                     if row.get(f"{timing}_us"):
                         pred = simulate(plan, gpu, timing=timing).latency_us

@@ -153,9 +153,12 @@ def test_devset_prepare_synthetic_matches_list(tmp_path):
     assert [r[0] for r in rows] == [n for n, _, _ in devset.SYNTHETIC]
 
 
-def test_sim_error_reports_the_simulators_error(tmp_path):
+@pytest.mark.parametrize("kv_dtype,q_len", [("float16", 1), ("float8_e4m3fn", 1),
+                                            ("float16", 4)])
+def test_sim_error_reports_the_simulators_error(tmp_path, kv_dtype, q_len):
     """``devset.py sim-error`` against measurements that are the simulator's own prediction
-    scaled by 1.25 (graph) and 0.8 (eager): errors -0.2 and +0.25 on every step."""
+    scaled by 1.25 (graph) and 0.8 (eager): errors -0.2 and +0.25 on every step, when it plans
+    each step as the measured run did (its KV dtype and query tokens per request)."""
     from bench.trace_replay import prepare_synthetic_steps
 
     from pat_core import Planner
@@ -165,12 +168,16 @@ def test_sim_error_reports_the_simulators_error(tmp_path):
     rows = []
     for i, spec in enumerate(specs):
         b = build_tree_batch(spec, page_size=16)
-        plan = Planner("pat", "h100").plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
+        kw = dict(kv_data_type=kv_dtype)
+        if q_len > 1:
+            kw["qo_indptr"] = np.arange(b.batch_size + 1, dtype=np.int32) * q_len
+        plan = Planner("pat", "h100").plan(b.block_tables, b.seq_lens, 32, 8, 128, 16, **kw)
         rows.append(dict(part="synthetic", step=i, heads="32:8", method="pat",
                          graph_us=1.25 * simulate(plan, "h100").latency_us,
                          eager_us=0.8 * simulate(plan, "h100", timing="eager").latency_us))
     res = tmp_path / "devset.json"
-    res.write_text(json.dumps(dict(heads=["32:8"], head_dim=128, rows=rows)))
+    res.write_text(json.dumps(dict(heads=["32:8"], head_dim=128, kv_dtype=kv_dtype, q_len=q_len,
+                                   rows=rows)))
     out = devset.sim_error(tmp_path, res)
     g, e = out["synthetic 32:8 graph"], out["synthetic 32:8 eager"]
     assert g["steps"] == e["steps"] == 2
