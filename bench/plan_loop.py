@@ -172,8 +172,10 @@ def run_device_loop(args, requests: int, hq: int, hk: int) -> dict:
         import io
         import pstats
         buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-        row["profile_tottime"] = buf.getvalue().splitlines()
+        st = pstats.Stats(prof, stream=buf)
+        st.sort_stats("tottime").print_stats(25)
+        st.sort_stats("cumulative").print_stats(40)
+        row["profile"] = buf.getvalue().splitlines()
     row["waited_for_device"] = bool(row["plan_and_copy"]["max_ms"] >= args.busy_ms)
     return row
 

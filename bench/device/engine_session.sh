@@ -41,5 +41,5 @@ if want planloop; then
     timeout 100 python3 bench/plan_loop.py --backend cuda --requests 128 --steps 200 \
         --no-fresh --profile --out "$work/profile.json" > /dev/null 2>&1 &&
         python3 -c "import json, sys; print('\n'.join(json.load(open(sys.argv[1]))['rows'][0]
-            ['profile_tottime']))" "$work/profile.json" > "$out/plan_profile.txt"
+            ['profile']))" "$work/profile.json" > "$out/plan_profile.txt"
 fi
