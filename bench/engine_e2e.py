@@ -98,7 +98,7 @@ def register_flashinfer_decode(name: str = FI_IMPL):
     The same :class:`~pat_core.integrations.transformers.PatPagedAttention` steps (one plan
     per engine step from the same CSR page table, the same K/V writes and query buffer, the
     same fallback to ``paged|sdpa`` for prefill and multi-token steps); only
-    ``_plan_step`` differs: it plans a ``flashinfer.BatchDecodeWithPagedKVCacheWrapper``
+    ``plan_step`` differs: it plans a ``flashinfer.BatchDecodeWithPagedKVCacheWrapper``
     (tensor cores when a KV head serves >= 4 query heads, as in ``bench/compare.py``), so the
     engine's time with it against ``paged|pat`` compares the two kernels and their planning."""
     import flashinfer
@@ -116,7 +116,7 @@ def register_flashinfer_decode(name: str = FI_IMPL):
     class FlashInferDecode(PatPagedAttention):
         kernel = "FlashInfer decode"
 
-        def _plan_step(self, indptr, indices, last, qo_indptr, query, key_states, scaling,
+        def plan_step(self, indptr, indices, last, qo_indptr, query, key_states, scaling,
                        cache):
             if qo_indptr is not None:
                 raise ValueError("a multi-token step (the decode kernel takes one token per "

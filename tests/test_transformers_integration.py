@@ -165,6 +165,66 @@ def test_generate_batch_matches_engine_attention(pat_impl, heads):
 
 
 @needs_hf
+def test_plan_step_is_the_seam_for_another_kernel():
+    """A subclass overriding plan_step replaces the kernel for every pat step: it is called
+    once per step with the step's CSR page table, its runner computes every layer of the step,
+    and a ValueError from it makes the step fall back with the subclass's kernel name.  Here
+    the runner is a CPU wrapper planned from the same arrays, so tokens equal paged|sdpa's."""
+    from transformers import AttentionInterface
+    from pat_core import PrefixAttentionWrapper
+    from pat_core.integrations.transformers import PatPagedAttention
+
+    class Counting:
+        def __init__(self, w):
+            self.w, self.calls = w, 0
+
+        def run(self, q, kv, out):
+            self.calls += 1
+            return self.w.run(q, kv, out=out)
+
+    class Other(PatPagedAttention):
+        kernel = "other kernel"
+
+        def __init__(self, name):
+            super().__init__(name)
+            self.runners, self.refuse_multi = [], True
+
+        def plan_step(self, indptr, indices, last, qo_indptr, query, key_states, scaling,
+                      cache):
+            assert indptr.dtype == indices.dtype == last.dtype == np.int32
+            assert indptr.shape == (last.shape[0] + 1,) and indptr[-1] == indices.shape[0]
+            if qo_indptr is not None and self.refuse_multi:
+                raise ValueError("one token per request only")
+            w = PrefixAttentionWrapper(backend="cpu")
+            w.plan_csr(indptr, indices, last, int(query.shape[1]), int(key_states.shape[1]),
+                       int(query.shape[3]), int(cache.block_size), sm_scale=scaling,
+                       kv_data_type=cache.key_cache[0].dtype, q_data_type=query.dtype,
+                       qo_indptr=qo_indptr)
+            self.runners.append(Counting(w))
+            return self.runners[-1]
+
+    layers = 2
+    model = tiny_llama(8, 2, layers=layers)
+    fn = Other("paged|other_test")
+    AttentionInterface.register(fn.name, fn)
+    rng = np.random.default_rng(2)
+    system = rng.integers(3, 250, 40).tolist()
+    prompts = [system + rng.integers(3, 250, int(n)).tolist() for n in (3, 5, 9, 2, 12)]
+    want = generate(model, "paged|sdpa", prompts, 16)
+    assert generate(model, fn.name, prompts, 16) == want
+    s = fn.stats
+    assert len(fn.runners) == s["plans"] == s["pat_steps"] >= 15
+    assert all(r.calls == layers for r in fn.runners)
+    assert s["pat_layer_calls"] == layers * s["pat_steps"]
+    # the multi-token step (requests admitted onto the cached system prompt) was refused by
+    # the subclass and fell back, its reason naming the kernel
+    assert s["multi_token_steps"] == 0
+    assert fn.fallback_reasons.get("other kernel refused the step (ValueError: one token per "
+                                   "request only)") == 1
+    assert s["fallback_layer_calls"] == layers * (s["steps"] - s["pat_steps"])
+
+
+@needs_hf
 def test_parallel_samples_share_the_prompt(pat_impl):
     """num_return_sequences forks one prompt's cache (its full blocks shared between the
     samples); pat's greedy tokens equal the engine's.  (transformers 5.17's generate_batch runs

@@ -158,7 +158,7 @@ class _Step:
     use_pat: bool
     reason: str = ""            # why the step falls back ("" when pat takes it)
     num_tokens: int = 0         # real query rows (padding rows excluded)
-    wrapper: object = None      # what runs a layer (_plan_step's result)
+    runner: object = None       # what runs a layer (plan_step's result)
     masks: dict = dataclasses.field(default_factory=dict)   # layer type -> fallback mask
 
 
@@ -276,7 +276,7 @@ class PatPagedAttention:
             qo = np.zeros(nreq + 1, dtype=np.int32)
             np.cumsum(qlen, out=qo[1:])
         try:
-            runner = self._plan_step(indptr, indices, last, qo, query, key_states, scaling,
+            runner = self.plan_step(indptr, indices, last, qo, query, key_states, scaling,
                                      cache)
         except (ValueError, TypeError) as e:       # a limit the kernel refuses by name
             if self.strict:
@@ -291,7 +291,7 @@ class PatPagedAttention:
         self.last_seq_lens = seq
         return _Step(key, True, "", int(qlen.sum()), runner)
 
-    def _plan_step(self, indptr, indices, last, qo_indptr, query, key_states, scaling, cache):
+    def plan_step(self, indptr, indices, last, qo_indptr, query, key_states, scaling, cache):
         """Plan one step for all its layers and return the object whose ``run(q, kv, out=)``
         computes a layer: pat's wrapper for the tensors' backend.  The arrays are the step's
         CSR page table (int32 ``[batch + 1]``, ``[pages]``, ``[batch]``) and its int32
@@ -356,7 +356,7 @@ class PatPagedAttention:
         q = self._query_rows(query, n)                       # [n, num_qo_heads, head_dim]
         out = query.new_zeros((1, t_rows, hq, d)) if n < t_rows else \
             query.new_empty((1, t_rows, hq, d))
-        step.wrapper.run(q, kv, out=out[0, :n])
+        step.runner.run(q, kv, out=out[0, :n])
         return out, None
 
     def _query_rows(self, query, n: int):
