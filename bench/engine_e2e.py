@@ -591,10 +591,9 @@ def main(argv=None):
             rows[impl] = []
         except Exception as e:
             rows[impl] = dict(impl=impl, status="skipped", reason=f"{type(e).__name__}: {e}")
-            print(f"{impl}: skipped", flush=True)
     # timed runs, the implementations interleaved: a host-bound engine's step time drifts
-    # between runs of one process (memory, the allocator, Python's collector), so one run
-    # each in a fixed order would credit the drift to an implementation
+    # between runs of one process (one implementation's repeats were seen 37% apart), so one
+    # run each in a fixed order would credit the drift to an implementation
     for rep in range(args.repeats):
         for impl in impls:
             if isinstance(rows[impl], dict):
@@ -606,6 +605,7 @@ def main(argv=None):
             except Exception as e:
                 rows[impl] = dict(impl=impl, status="skipped",
                                   reason=f"{type(e).__name__}: {e}")
+                outputs.pop(impl, None)
     for impl in impls:
         if isinstance(rows[impl], list):
             rows[impl] = median_row(rows[impl])
