@@ -19,6 +19,8 @@ import numpy as np
 
 FP8_DTYPE = "float8_e4m3fn"
 E4M3FN_MAX = 448.0
+# largest scale the kernels can take: they hold scales as float32, where a larger one is inf
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _e4m3fn_table() -> np.ndarray:
@@ -84,7 +86,8 @@ def as_scale(value, name: str) -> float:
 
     Accepted: a real number (int or float, not bool), a NumPy scalar, or an array or tensor of
     exactly one element (0-d or ``[1]``; a device tensor is copied to the host, which waits
-    for it).  The value must be finite and positive.  ``None`` means 1.  Anything else raises
+    for it).  The value must be finite and positive, and finite as a float32 (the kernels'
+    type).  ``None`` means 1.  Anything else raises
     ``TypeError``/``ValueError`` naming ``name``.
     """
     if value is None:
@@ -92,7 +95,11 @@ def as_scale(value, name: str) -> float:
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a number, got the bool {value!r}")
     if isinstance(value, (int, float, np.integer, np.floating)):
-        v = float(value)
+        try:
+            v = float(value)
+        except OverflowError:               # an int past the float range
+            raise ValueError(f"{name} must be a positive finite number, got an int of "
+                             f"{len(str(abs(value)))} digits") from None
     elif hasattr(value, "shape") and hasattr(value, "dtype"):
         size = int(np.prod(tuple(int(s) for s in value.shape)))
         if size != 1 or len(value.shape) > 1:
@@ -106,6 +113,7 @@ def as_scale(value, name: str) -> float:
     else:
         raise TypeError(f"{name} must be a float or a one-element array, got "
                         f"{type(value).__name__}")
-    if not math.isfinite(v) or v <= 0.0:
-        raise ValueError(f"{name} must be a positive finite number, got {v}")
+    if not math.isfinite(v) or v <= 0.0 or v > FLOAT32_MAX:
+        raise ValueError(f"{name} must be a positive finite number (at most the float32 "
+                         f"maximum, 3.4e38), got {v}")
     return v

@@ -27,6 +27,7 @@ import numpy as np
 from numba import njit
 
 from .forest import PrefixForest
+from .fp8 import FLOAT32_MAX
 from .gpus import get_gpu
 from .incremental import LOOKAHEAD, _match_rows, _next_order
 from .inputs import (INT32_MAX, BlockTable, _check_seq_lens, as_block_table, check_heads,
@@ -570,8 +571,12 @@ class Planner:
             sm_scale = float(sm_scale)
         except (TypeError, ValueError):
             raise TypeError(f"sm_scale must be a number, got {sm_scale!r}") from None
-        if not math.isfinite(sm_scale) or sm_scale <= 0:
-            raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale}")
+        except OverflowError:                   # an int past the float range
+            sm_scale = math.inf
+        # the kernels take it as a float32, where a larger value is inf (NaN output)
+        if not math.isfinite(sm_scale) or sm_scale <= 0 or sm_scale > FLOAT32_MAX:
+            raise ValueError(f"sm_scale must be a positive finite number (at most the float32 "
+                             f"maximum, 3.4e38), got {sm_scale}")
         if tile is not None:
             if len(tuple(tile)) != 2 or not all(isinstance(x, (int, np.integer))
                                                 for x in tile):

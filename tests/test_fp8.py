@@ -79,7 +79,9 @@ def test_scale_forms_accepted(value, want):
     (True, TypeError, "k_scale must be a number"), ("2", TypeError, "k_scale must be a float"),
     (np.ones(2), ValueError, "one-element"), (np.array(["a"]), TypeError, "real number"),
     (0.0, ValueError, "positive finite"), (-1.0, ValueError, "positive finite"),
-    (float("nan"), ValueError, "positive finite"), (float("inf"), ValueError, "positive")])
+    (float("nan"), ValueError, "positive finite"), (float("inf"), ValueError, "positive"),
+    pytest.param(10**400, ValueError, "positive finite", id="int-past-float"),
+    (1e39, ValueError, "float32")])
 def test_scale_forms_refused(value, err, match):
     with pytest.raises(err, match=match):
         as_scale(value, "k_scale")

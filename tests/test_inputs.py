@@ -131,6 +131,10 @@ def test_plan_keyword_validation():
         w.plan(t, [20], 4, 4, 64, 16, sm_scale="x")
     with pytest.raises(ValueError, match="sm_scale must be a positive finite"):
         w.plan(t, [20], 4, 4, 64, 16, sm_scale=float("nan"))
+    # the kernels take the scale as a float32: past its range it would be inf (NaN output)
+    for big in (10**400, 1e39):
+        with pytest.raises(ValueError, match="sm_scale must be a positive finite"):
+            w.plan(t, [20], 4, 4, 64, 16, sm_scale=big)
     with pytest.raises(ValueError, match=r"tile must be a pair of ints"):
         w.plan(t, [20], 4, 4, 64, 16, tile=(16,))
     with pytest.raises(TypeError, match="kv_data_type: unsupported dtype"):
