@@ -578,6 +578,8 @@ class Planner:
             raise ValueError(f"sm_scale must be a positive finite number (at most the float32 "
                              f"maximum, 3.4e38), got {sm_scale}")
         if tile is not None:
+            if not hasattr(tile, "__iter__"):
+                raise TypeError(f"tile must be a pair of ints (m, n), got {tile!r}")
             if len(tuple(tile)) != 2 or not all(isinstance(x, (int, np.integer))
                                                 for x in tile):
                 raise ValueError(f"tile must be a pair of ints (m, n), got {tile!r}")

@@ -40,7 +40,7 @@ def test_a_failed_plan_leaves_nothing_runnable(how):
                                       ((16, 0), ValueError), ((17, 48), ValueError),
                                       ((-16, 64), ValueError), ((True, 64), TypeError),
                                       ((16, 64, 1), (TypeError, ValueError)),
-                                      ((128, 256), ValueError)])
+                                      ((128, 256), ValueError), (64, TypeError)])
 def test_forced_tiles_are_kernel_tiles(tile, err):
     w = PrefixAttentionWrapper("cpu")
     with pytest.raises(err, match="tile"):
