@@ -83,6 +83,16 @@ def test_read_index_to_csr_argument_errors():
         read_index_to_csr(np.arange(4), [0, 2, 2, 4], 2)
     with pytest.raises(ValueError, match="read_index has 3"):
         read_index_to_csr(np.arange(3), [0, 4], 2)
+    # each argument is named; floats are not truncated, ints past int64 do not overflow
+    for bad in ("a", None, 16.5, 2**70):
+        with pytest.raises((TypeError, ValueError), match="page_size"):
+            read_index_to_csr(np.arange(4), [0, 4], bad)
+    for bad in ([0, 2.5, 4], [0, 2**70], ["a"]):
+        with pytest.raises(TypeError, match="cu_seq_lens_k"):
+            read_index_to_csr(np.arange(4), bad, 2)
+    for bad in (np.arange(4) + 0.5, [2**70], np.arange(4, dtype=np.uint64) + np.uint64(2**63)):
+        with pytest.raises((TypeError, ValueError), match="read_index"):
+            read_index_to_csr(bad, [0, 1], 1)
 
 
 def test_query_lengths_drops_padding_slots_only():
@@ -92,6 +102,9 @@ def test_query_lengths_drops_padding_slots_only():
         query_lengths([0, 1, 1, 2])
     with pytest.raises(ValueError, match="nondecreasing"):
         query_lengths([0, 2, 1])
+    for bad in ([0, 1.5], [0, 2**70], ["x"], None):
+        with pytest.raises(TypeError, match="cu_seq_lens_q"):
+            query_lengths(bad)
 
 
 def test_version_check():

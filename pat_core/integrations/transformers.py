@@ -37,7 +37,7 @@ import time
 import numpy as np
 from numba import njit
 
-from ..inputs import MAX_QO_LEN
+from ..inputs import MAX_QO_LEN, _int64, _to_numpy, check_size
 from ..wrapper import PrefixAttentionWrapper
 
 #: The transformers releases whose continuous-batching interfaces this module was written
@@ -85,10 +85,8 @@ def read_index_to_csr(read_index, cu_seq_lens_k, page_size: int):
     (position ``p`` of a request at row ``page[p // page_size] * page_size + p % page_size``),
     which is the only layout pat's page tables can express.
     """
-    if int(page_size) < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
-    ps = int(page_size)
-    ck = np.asarray(cu_seq_lens_k, dtype=np.int64)
+    ps = check_size(page_size, "page_size")
+    ck = _int_array(cu_seq_lens_k, "cu_seq_lens_k")
     if ck.ndim != 1 or ck.size < 2 or ck[0] != 0:
         raise ValueError("cu_seq_lens_k must be a 1-D array [batch + 1] starting at 0, got "
                          f"shape {ck.shape}")
@@ -96,7 +94,7 @@ def read_index_to_csr(read_index, cu_seq_lens_k, page_size: int):
     if (lens < 1).any():
         raise ValueError(f"cu_seq_lens_k: request {int(np.argmax(lens < 1))} reads no KV "
                          "position (every request needs at least one)")
-    ri = np.ascontiguousarray(np.asarray(read_index, dtype=np.int64).reshape(-1))
+    ri = np.ascontiguousarray(_int_array(read_index, "read_index").reshape(-1))
     total = int(ck[-1])
     if ri.size < total:
         raise ValueError(f"read_index has {ri.size} entries but cu_seq_lens_k needs {total}")
@@ -133,12 +131,21 @@ def _pages_of_rows(ri, ck, ps, indptr, indices):
     return -1
 
 
+def _int_array(x, name: str) -> np.ndarray:
+    """``x`` as an int64 array; ``TypeError``/``ValueError`` naming ``name`` for entries that
+    are not integers or do not fit (a cast would truncate a float and wrap a large int)."""
+    arr = _to_numpy(x, name)
+    if arr.dtype == object or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise TypeError(f"{name} must be an integer array, got dtype {arr.dtype}")
+    return _int64(arr, name)
+
+
 def query_lengths(cu_seq_lens_q):
     """Query tokens per request from ``cu_seq_lens_q`` (int ``[slots + 1]`` host array), with
     the engine's padding slots (zero-length requests after the last real one, present when it
     pads a batch to a fixed shape) dropped: an int64 ``[batch]`` array.  ``ValueError`` for a
     zero-length request before a real one or a decreasing entry."""
-    cq = np.asarray(cu_seq_lens_q, dtype=np.int64)
+    cq = _int_array(cu_seq_lens_q, "cu_seq_lens_q")
     if cq.ndim != 1 or cq.size < 1 or cq[0] != 0:
         raise ValueError("cu_seq_lens_q must be a 1-D array [batch + 1] starting at 0")
     qlen = np.diff(cq)
