@@ -48,7 +48,7 @@ import numpy as np
 
 from .inputs import BlockTable, byte_extent, check_heads, refuse_overlap
 from .packers import PACKERS
-from .fp8 import as_scale, kv_cache_dtype
+from .fp8 import FLOAT32_MAX, as_scale, kv_cache_dtype
 from .plan import KV_ONLY_DTYPES, Plan, dtype_name
 from .planner import Planner, fp8_q_dtype
 from .reference import split_kv_cache
@@ -513,6 +513,11 @@ class PrefixAttentionWrapper:
         plan = self.current_plan
         if plan.kv_dtype in KV_ONLY_DTYPES:
             scales = (as_scale(k_scale, "k_scale"), as_scale(v_scale, "v_scale"))
+            # both backends fold k_scale into the softmax scale, one float32
+            if plan.sm_scale * scales[0] > FLOAT32_MAX:
+                raise ValueError(f"k_scale={scales[0]} times the plan's sm_scale="
+                                 f"{plan.sm_scale} exceeds the float32 range the kernels "
+                                 "hold the softmax scale in")
         else:
             # a 16/32-bit cache holds its values as they are: the kernels of those dtypes take
             # no scales (their code stays as it was), so a scale other than 1 is refused

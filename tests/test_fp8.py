@@ -308,3 +308,17 @@ def test_fp8_queries_and_matrix_scales_refused():
     with pytest.raises(ValueError, match="k_scale"):
         as_scale(np.array([[2.0]]), "k_scale")
     assert as_scale(np.array([2.0]), "k_scale") == as_scale(np.array(2.0), "k_scale") == 2.0
+
+
+def test_scale_product_past_float32_refused():
+    """Each scale in range, but k_scale times sm_scale past float32 (the kernels fold them into
+    one float32 softmax scale): refused naming k_scale, not a NaN output."""
+    k, v = fp8_cache(2, 16, 2, 16, seed=1)
+    q = np.ones((1, 4, 16), np.float16)
+    w = PrefixAttentionWrapper("cpu")
+    w.plan(np.array([[0, 1]]), np.array([20]), 4, 2, 16, 16, sm_scale=1e20,
+           kv_data_type="float8_e4m3fn", q_data_type="float16")
+    with pytest.raises(ValueError, match="k_scale"):
+        w.run(q, (k, v), k_scale=1e20)
+    out = w.run(q, (k, v), k_scale=1e-20)          # the product in range: runs
+    assert np.isfinite(out.astype(np.float32)).all()

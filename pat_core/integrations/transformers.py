@@ -188,6 +188,9 @@ class PatPagedAttention:
         backend plans for; the CUDA backend detects its own).
     strict : raise instead of falling back when a decode-like step cannot be planned (tests).
 
+    One instance serves one engine at a time (it holds one plan and one query buffer per
+    device); engines that generate concurrently each need their own registered name.
+
     ``stats`` counts steps (``steps``, ``pat_steps``, ``multi_token_steps``), ``plans`` (one per
     pat step), layer calls (``pat_layer_calls``, ``fallback_layer_calls``) and KV tokens over
     the plans (``plan_kv_tokens``: read by the CTAs, one head; ``request_kv_tokens``: the
