@@ -36,9 +36,9 @@ from .packers import (PACKERS, Packs, chunk_packs, narrow_packing, narrow_wins, 
                       request_packing, request_share, request_wins)
 from .plan import DTYPE_BYTES, KV_ONLY_DTYPES, Plan, dtype_name, token_slot_indptr
 from .sorting import stable_argsort
-from .split import (INVARIANT_CHUNK_TOKENS, LOADED_LATENCY, _choose_threshold_nb, _left,
-                    _price_constants, _split_parts, auto_split_share, invariant_chunk,
-                    split_long_kv, split_threshold)
+from .split import (INVARIANT_CHUNK_TOKENS, LOADED_LATENCY, SPLIT_RULES, _choose_threshold_nb,
+                    _left, _price_constants, _split_parts, auto_split_share,
+                    invariant_chunk, split_long_kv, split_threshold)
 from .tiles import TileSelector
 from .tuning import Tuning, _tuning_key  # noqa: F401  (Tuning: re-exported)
 
@@ -583,6 +583,11 @@ class Planner:
             if len(tuple(tile)) != 2 or not all(isinstance(x, (int, np.integer))
                                                 for x in tile):
                 raise ValueError(f"tile must be a pair of ints (m, n), got {tile!r}")
+        if not (isinstance(split, (bool, np.bool_)) or (isinstance(split, str)
+                                                        and split in SPLIT_RULES)):
+            raise ValueError(f"split must be True, False or one of {SPLIT_RULES}, got {split!r}")
+        if not isinstance(serial, (bool, np.bool_)):
+            raise TypeError(f"serial must be a bool, got {serial!r}")
         params = (num_qo_heads, num_kv_heads, head_dim, page_size, float(sm_scale), kv_dtype,
                   q_dtype, None if tile is None else tuple(int(x) for x in tile), bool(serial),
                   split, _tuning_key(self.tuning))

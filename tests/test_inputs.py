@@ -137,6 +137,14 @@ def test_plan_keyword_validation():
             w.plan(t, [20], 4, 4, 64, 16, sm_scale=big)
     with pytest.raises(ValueError, match=r"tile must be a pair of ints"):
         w.plan(t, [20], 4, 4, 64, 16, tile=(16,))
+    # split and serial by value, not truthiness (an array's truth is ambiguous)
+    for bad in (5, float("nan"), "median", np.array([1, 0])):
+        with pytest.raises(ValueError, match="split must be True, False or one of"):
+            w.plan(t, [20], 4, 4, 64, 16, split=bad)
+    with pytest.raises(TypeError, match="serial must be a bool"):
+        w.plan(t, [20], 4, 4, 64, 16, serial=1)
+    for ok in (True, False, "sm", "mean", np.bool_(True)):
+        w.plan(t, [20], 4, 4, 64, 16, split=ok)
     with pytest.raises(TypeError, match="kv_data_type: unsupported dtype"):
         w.plan(t, [20], 4, 4, 64, 16, kv_data_type="int8")
     p = w.plan(t, [20], 4, 4, 64, 16, kv_data_type=np.float16)   # NumPy scalar types work
