@@ -2,6 +2,8 @@
 options that pat does not implement, backend limits (CPU)."""
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pat_core import PrefixAttentionWrapper
 from pat_core.workloads import build_tree_batch, random_kv_cache
@@ -79,6 +81,16 @@ def test_bad_out_and_lse_buffers(batch):
         w.run(q, (k, v), lse=np.zeros((B, HQ), np.float16))
     with pytest.raises(ValueError, match=r"lse has shape \(\d+, 4, 1\), expected"):
         w.run(q, (k, v), lse=np.zeros((B, HQ, 1), np.float32))
+    # a writable view whose elements share memory (a zero stride, or rows overlapping)
+    base = np.zeros(B * HQ * D, np.float32)
+    for strides in ((0, D * 4, 4), (HQ * D * 4, 4, 4)):
+        view = np.lib.stride_tricks.as_strided(base, (B, HQ, D), strides, writeable=True)
+        with pytest.raises(ValueError, match="out has strides .* share memory"):
+            w.run(q, (k, v), out=view)
+    # transposed and sliced views do not overlap: accepted
+    t = np.zeros((D, HQ, B), np.float32).transpose(2, 1, 0)
+    w.run(q, (k, v), out=t)
+    np.testing.assert_array_equal(t, w.run(q, (k, v)))
 
 
 def test_out_with_cpu_torch():
@@ -290,3 +302,18 @@ def test_launch_options_are_checked_and_frozen():
         LaunchOptions(graph_fused="sometimes")
     with pytest.raises(TypeError, match="fast"):
         LaunchOptions(fast="yes")
+
+
+@settings(max_examples=200, deadline=None)
+@given(dims=st.lists(st.tuples(st.integers(1, 4), st.integers(-9, 9)), min_size=1, max_size=3))
+def test_self_overlap_rule_never_accepts_a_collision(dims):
+    """The out/lse buffer rule is sound: whatever shape and strides it accepts map every index
+    to its own element (brute force over all indices), and a contiguous layout is accepted."""
+    from pat_core.wrapper import _self_overlapping
+    shape = tuple(n for n, _ in dims)
+    strides = tuple(s for _, s in dims)
+    offsets = [sum(i * s for i, s in zip(idx, strides)) for idx in np.ndindex(*shape)]
+    if not _self_overlapping(shape, strides):
+        assert len(set(offsets)) == len(offsets)
+    contiguous = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    assert not _self_overlapping(shape, contiguous)
