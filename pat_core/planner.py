@@ -567,6 +567,8 @@ class Planner:
         q_dtype = fp8_q_dtype(kv_dtype, q_data_type)
         if sm_scale is None:
             sm_scale = 1.0 / math.sqrt(head_dim)
+        if isinstance(sm_scale, (bool, np.bool_)):
+            raise TypeError(f"sm_scale must be a number, got the bool {sm_scale!r}")
         try:
             sm_scale = float(sm_scale)
         except (TypeError, ValueError):

@@ -531,6 +531,8 @@ class PrefixAttentionWrapper:
         _check_off("run", "sinks", sinks, (None,))
         _check_array(q, "q")
         k_cache, v_cache = split_kv_cache(paged_kv_cache, self.kv_layout)
+        if not isinstance(return_lse, (bool, np.bool_)):
+            raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
         want_lse = bool(return_lse or lse is not None)
         if self._gpu_backend is not None and not self.use_cuda_graph:
             # the backend runs these checks only when it validates a new input set (plan,

@@ -127,8 +127,9 @@ def test_five_d_cache_and_bad_constructor_args():
 def test_plan_keyword_validation():
     w = PrefixAttentionWrapper("cpu")
     t = np.array([[0, 1]], dtype=np.int32)
-    with pytest.raises(TypeError, match="sm_scale must be a number"):
-        w.plan(t, [20], 4, 4, 64, 16, sm_scale="x")
+    for bad in ("x", True):
+        with pytest.raises(TypeError, match="sm_scale must be a number"):
+            w.plan(t, [20], 4, 4, 64, 16, sm_scale=bad)
     with pytest.raises(ValueError, match="sm_scale must be a positive finite"):
         w.plan(t, [20], 4, 4, 64, 16, sm_scale=float("nan"))
     # the kernels take the scale as a float32: past its range it would be inf (NaN output)

@@ -81,6 +81,8 @@ def test_bad_out_and_lse_buffers(batch):
         w.run(q, (k, v), lse=np.zeros((B, HQ), np.float16))
     with pytest.raises(ValueError, match=r"lse has shape \(\d+, 4, 1\), expected"):
         w.run(q, (k, v), lse=np.zeros((B, HQ, 1), np.float32))
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        w.run(q, (k, v), return_lse=np.array([1, 0]))
     # a writable view whose elements share memory (a zero stride, or rows overlapping)
     base = np.zeros(B * HQ * D, np.float32)
     for strides in ((0, D * 4, 4), (HQ * D * 4, 4, 4)):
