@@ -177,6 +177,8 @@ def run_device_loop(args, requests: int, hq: int, hk: int) -> dict:
         st.sort_stats("cumulative").print_stats(40)
         row["profile"] = buf.getvalue().splitlines()
     row["waited_for_device"] = bool(row["plan_and_copy"]["max_ms"] >= args.busy_ms)
+    # steps whose plan() took the GPU's queued time or longer: the ones that may have waited
+    row["steps_at_least_busy"] = int(sum(t * 1e3 >= args.busy_ms for t in ts))
     return row
 
 
@@ -240,7 +242,8 @@ def main(argv=None):
             print(f"{n:>5} req  plan + copy {pc['median_ms']:.3f} ms (planner "
                   f"{row['planner']['median_ms']:.3f}, rest {row['rest']['median_ms']:.3f}; "
                   f"p99 {pc['p99_ms']:.3f}, max {pc['max_ms']:.3f}; GPU busy {args.busy_ms} ms: "
-                  f"{'WAITED' if row['waited_for_device'] else 'no wait'})  paths "
+                  f"{'WAITED' if row['waited_for_device'] else 'no wait'} in "
+                  f"{row['steps_at_least_busy']} of {args.steps} steps)  paths "
                   f"{row['paths']}", flush=True)
             continue
         row = run_loop(args, n, hq, hk)
