@@ -140,38 +140,43 @@ def rule_stages(m: int, n: int, head_dim: int = 128) -> int:
     return 2   # fits nowhere (n >= 128 at head_dim 256): fwd_variant_feasible leaves it out
 
 
-def variant_speed_path() -> Path:
-    return Path(__file__).resolve().parent / "data" / "variant_speed_h100.json"
+def variant_speed_path(head_dim: int = 128) -> Path:
+    """The measured variant-speed table of ``head_dim``: ``variant_speed_h100.json`` (128),
+    ``variant_speed_h100_d{head_dim}.json`` otherwise."""
+    name = "variant_speed_h100.json" if int(head_dim) == 128 else \
+        f"variant_speed_h100_d{int(head_dim)}.json"
+    return Path(__file__).resolve().parent / "data" / name
 
 
 @functools.lru_cache(maxsize=None)
-def variant_speed() -> dict:
-    """Measured speed of every tile ``(m, n)`` at head_dim 128: ``{(m, n): record}``.
+def variant_speed(head_dim: int = 128) -> dict:
+    """Measured speed of every tile ``(m, n)`` at ``head_dim``: ``{(m, n): record}``.
 
-    Written by ``bench/lab/kernel_lab.py --cases layouts --write-table`` on an H100: each (m, n)
-    with its candidate layouts (warps, stages, rows per warp) forced onto every CTA of a
-    no-sharing batch (4096 KV tokens per CTA), the fastest layout kept with its fraction of copy
-    bandwidth (``frac_copy``).  Empty when the file is absent.
+    Written by ``bench/lab/kernel_lab.py --cases layouts --head-dim D --write-table`` on an
+    H100: each (m, n) with its candidate layouts (warps, stages, rows per warp) forced onto
+    every CTA of a no-sharing batch (4096 KV tokens per CTA), the fastest layout kept with its
+    fraction of copy bandwidth (``frac_copy``).  Empty when the file is absent (head_dim 64 and
+    256 have none yet: their layouts and tile widths follow the rules).
     """
-    p = variant_speed_path()
+    p = variant_speed_path(head_dim)
     if not p.is_file():
         return {}
     data = json.loads(p.read_text())
+    if int(data.get("head_dim", 128)) != int(head_dim):
+        raise ValueError(f"{p.name} holds head_dim {data.get('head_dim')}, not {head_dim}")
     return {(int(r["m"]), int(r["n"])): r for r in data.get("tiles", {}).values()}
 
 
 def default_layout(m: int, n: int, head_dim: int = 128, arch: str = "sm_90") -> tuple:
     """``(warps, stages, rows_per_warp)`` of the (m, n) variant on ``arch``: the fastest measured
-    layout (:func:`variant_speed`, head_dim 128, where it fits this head_dim's shared memory;
-    where that is the warpgroup layout, which only sm_90 runs, other GPUs take the fastest
-    measured mma.sync layout, the record's ``sync``), else the rules (:func:`rule_warps`,
-    :func:`rule_stages`, :func:`default_rows_per_warp`; the only source at head_dim 64 and
-    256)."""
-    rec = variant_speed().get((int(m), int(n)))
-    if rec is not None and head_dim == 128:
-        if int(rec["rows_per_warp"]) == WG_ROWS and arch != "sm_90":
-            rec = rec.get("sync")
-    if rec is not None and head_dim == 128:
+    layout at this head_dim (:func:`variant_speed`, where it fits shared memory; where that is
+    the warpgroup layout, which only sm_90 runs, other GPUs take the fastest measured mma.sync
+    layout, the record's ``sync``), else the rules (:func:`rule_warps`, :func:`rule_stages`,
+    :func:`default_rows_per_warp`; the only source where a head_dim has no table)."""
+    rec = variant_speed(int(head_dim)).get((int(m), int(n)))
+    if rec is not None and int(rec["rows_per_warp"]) == WG_ROWS and arch != "sm_90":
+        rec = rec.get("sync")
+    if rec is not None:
         w, st, rw = int(rec["warps"]), int(rec["stages"]), int(rec["rows_per_warp"])
         if fwd_smem_bytes(m, n, head_dim, st, rw) <= SMEM_LIMIT["sm_90"]:
             return w, st, rw

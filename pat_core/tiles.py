@@ -314,11 +314,11 @@ class TileSelector:
     def measured_speed(self, m: int, n: int):
         """Measured fraction of copy bandwidth of tile ``(m, n)`` (``None`` if not measured).
 
-        From :func:`pat_core.cuda_compile.variant_speed` (an H100, head_dim 128, float16; used
-        for every sm_90 GPU at head_dim 128, either dtype: bf16 runs the same instructions)."""
-        if self.head_dim != 128 or _arch_of(self.gpu) != "sm_90":
+        From :func:`pat_core.cuda_compile.variant_speed` of this head_dim (measured on an H100
+        in float16; used for every sm_90 GPU, either dtype: bf16 runs the same instructions)."""
+        if _arch_of(self.gpu) != "sm_90":
             return None
-        rec = cc.variant_speed().get((int(m), int(n)))
+        rec = cc.variant_speed(self.head_dim).get((int(m), int(n)))
         return None if rec is None else float(rec["frac_copy"])
 
     def row_time_weight(self, rows: np.ndarray) -> np.ndarray:

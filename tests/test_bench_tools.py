@@ -62,6 +62,24 @@ def test_report_renders(tmp_path):
     assert any("wrote" in x for x in lines)
 
 
+def test_kernel_lab_layout_candidates_per_head_dim():
+    """The 'layouts' case set at head_dim 256: 16-row warps only, no warpgroup layout, warps
+    that tile the rows and whole 16-token slices (the traits' static rules), each feasible, and
+    both ring depths of the tiles decode uses most; head_dim 128's set is the packaged one."""
+    from bench.lab import kernel_lab as kl
+    from pat_core import cuda_compile as cc
+    assert kl._layout_candidates(128) == kl.CASE_SETS["layouts"]
+    cands = kl._layout_candidates(256)
+    assert cands
+    for _, _, _, (m, n), (w, st, rw), _ in cands:
+        assert rw == 16 and w % (m // rw) == 0
+        wn = w // (m // rw)
+        assert n % wn == 0 and (n // wn) % 16 == 0
+        assert cc.fwd_variant_feasible(cc.FwdVariant(256, "float16", m, n, w, st, rw))
+    got = {(tile, over) for _, _, _, tile, over, _ in cands}
+    assert {((16, 32), (2, 3, 16)), ((16, 64), (4, 3, 16)), ((16, 64), (2, 2, 16))} <= got
+
+
 def test_kernel_lab_tunings_apply_and_restore():
     """Every kernel_lab label builds a valid planner Tuning (its kernel layouts, forced n and
     cache layout left to run_case), and the restore puts the planner's tuning back; every case

@@ -48,3 +48,46 @@ def test_fused_variant_takes_the_largest_member():
     assert f.name_expression.startswith(f"pat_fwd_fused_pull_kernel<128, __half, {f.threads}, ")
     assert f.name_expression.count("pat::FwdTraits<") == 2
     assert f.key != cc.FusedVariant(128, "float16", (b, a)).key   # order is the live table's
+
+
+def test_a_head_dim_table_drives_its_layouts_and_widths(tmp_path, monkeypatch):
+    """A measured table for head_dim 256 (none is packaged yet) takes over that head_dim's
+    kernel layouts and the selector's choice of n, and leaves head_dim 128 alone; a table
+    holding another head_dim is refused."""
+    import json
+
+    import pytest
+    real = cc.variant_speed_path
+    table = {"head_dim": 256, "tiles": {
+        "16x32": {"m": 16, "n": 32, "warps": 2, "stages": 2, "rows_per_warp": 16,
+                  "frac_copy": 0.95},
+        "16x64": {"m": 16, "n": 64, "warps": 4, "stages": 2, "rows_per_warp": 16,
+                  "frac_copy": 0.85},
+        "16x16": {"m": 16, "n": 16, "warps": 1, "stages": 3, "rows_per_warp": 16,
+                  "frac_copy": 0.80}}}
+    path = tmp_path / "variant_speed_h100_d256.json"
+
+    def reset():
+        cc.variant_speed.cache_clear()
+        cc._SUPPORTED.clear()
+
+    before = TileSelector(256, "float16", "h100").pick_n(16, 1 << 20)
+    v128 = cc.FwdVariant.make(16, 64, 128, "float16")
+    try:
+        path.write_text(json.dumps(table))
+        monkeypatch.setattr(cc, "variant_speed_path",
+                            lambda head_dim=128: path if head_dim == 256 else real(head_dim))
+        reset()
+        assert before == 64 and TileSelector(256, "float16", "h100").pick_n(16, 1 << 20) == 32
+        v = cc.FwdVariant.make(16, 32, 256, "float16")
+        assert (v.warps, v.stages, v.rows_per_warp) == (2, 2, 16)
+        assert cc.FwdVariant.make(16, 64, 128, "float16") == v128
+        table["head_dim"] = 128
+        path.write_text(json.dumps(table))
+        reset()
+        with pytest.raises(ValueError, match="holds head_dim 128"):
+            cc.variant_speed(256)
+    finally:
+        monkeypatch.undo()
+        reset()
+    assert TileSelector(256, "float16", "h100").pick_n(16, 1 << 20) == before

@@ -245,28 +245,43 @@ SHORT_SPECS = ("1,4,16,64,256,1024_1024,256,128,64,32,32", "1,8,64,512_128,512,6
                "1,8,16,32,64,128,1024_256,128,64,32,32,32,32")
 
 
-def _layout_candidates():
-    """Per (m, n) at head_dim 128: the default layout and the other ring depth (2 vs 3 stages),
-    each forced onto every CTA of the no-sharing batch: the data behind variant_speed.json."""
+#: head_dim of every case (``--head-dim``; the variant-speed table is per head_dim)
+HEAD_DIM = 128
+
+
+def _layout_candidates(head_dim: int = 128):
+    """Per (m, n) at ``head_dim``: the rule layout, the other ring depth (2 vs 3 stages) and, at
+    head_dim 256 (one row group of 16 per warp), half the warps, each forced onto every CTA of
+    the no-sharing batch where the kernel's traits take it: the data behind a variant-speed
+    table (pat_core.cuda_compile.variant_speed)."""
     import importlib
     cc = importlib.import_module("pat_core.cuda_compile")
     out = []
+
+    def add(m, n, w, st, rw, label):
+        # the traits' own rules (cuda_src/pat_traits.cuh): warps tile the rows, and each token
+        # slice of a tile is whole blocks of 16 tokens
+        wm = m // 16 if rw == cc.WG_ROWS else m // rw
+        if w % wm or n % (w // wm) or (n // (w // wm)) % 16:
+            return
+        v = cc.FwdVariant(head_dim, "float16", m, n, w, st, rw)
+        if cc.fwd_variant_feasible(v):
+            out.append(("256_4096", (32, 8), "query", (m, n), (w, st, rw), label))
+
     for m in cc.TILE_MS:
         for n in (16, 32, 64, 128):
-            rw = cc.default_rows_per_warp(m)
-            warps = {cc.rule_warps(m, n)}
+            rw = cc.default_rows_per_warp(m, head_dim)
+            warps = {cc.rule_warps(m, n, head_dim)}
             if m == 128 and n >= 64:
                 warps.add(4)   # one token slice: half the threads, the same rows per warp
+            if head_dim > 128 and warps != {1}:
+                warps.add(max(1, min(warps) // 2))
             for w in sorted(warps):
                 for st in (2, 3):
-                    if cc.fwd_smem_bytes(m, n, 128, st) <= cc.SMEM_LIMIT["sm_90"]:
-                        out.append(("256_4096", (32, 8), "query", (m, n), (w, st, rw),
-                                    f"w{w}-s{st}-r{rw}"))
+                    add(m, n, w, st, rw, f"w{w}-s{st}-r{rw}")
             if m >= 64:   # the Hopper warpgroup layout: one warp per 16 rows
                 for st in (2, 3, 4):
-                    if cc.fwd_smem_bytes(m, n, 128, st, cc.WG_ROWS) <= cc.SMEM_LIMIT["sm_90"]:
-                        out.append(("256_4096", (32, 8), "query", (m, n),
-                                    (m // 16, st, cc.WG_ROWS), f"w{m // 16}-s{st}-wg"))
+                    add(m, n, m // 16, st, cc.WG_ROWS, f"w{m // 16}-s{st}-wg")
     return tuple(out)
 
 
@@ -553,7 +568,7 @@ def run_case(backend, case, iters, copy_bw, flush, seed=0) -> dict:
     from pat_core.workloads import build_tree_batch
 
     spec, (hq, hk), packer, tile, over, label = case
-    d, ps = 128, 16
+    d, ps = HEAD_DIM, 16
     row = {"workload": spec, "heads": f"{hq}:{hk}", "packer": packer,
            "tile": list(tile) if tile else None, "override": list(over) if over else None,
            "label": label}
@@ -685,7 +700,7 @@ def variant_speed_table(rows, res, prev=None, margin: float = 0.0) -> dict:
             "device": res["env"]["device"], "git_sha": res["env"]["git_sha"],
             "source_hash": cc.source_hash(), "copy_bw_gbs": round(res["copy_bw_gbs"], 1),
             "workload": "256_4096, 32:8 heads, query packer, every CTA forced onto the tile",
-            "head_dim": 128, "dtype": "float16", "python": platform.python_version(),
+            "head_dim": HEAD_DIM, "dtype": "float16", "python": platform.python_version(),
             "tiles": dict(sorted(best.items(), key=lambda kv: (kv[1]["m"], kv[1]["n"]))),
             "note": (f"a tile keeps the layout of the previous table (git {prev.get('git_sha')}) "
                      f"unless another measured more than {margin:.0%} faster; kept: "
@@ -739,10 +754,17 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-within", type=float, default=0.02, metavar="FRACTION",
                     help="with --write-table: a tile keeps its layout in the packaged table "
                          "unless another measures more than this fraction faster (default 0.02)")
+    ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256),
+                    help="head_dim of every case (with --write-table: that head_dim's table, "
+                         "pat_core/data/variant_speed_h100[_dD].json)")
     ap.add_argument("--filter", nargs="+", default=[], metavar="TEXT",
                     help="run only cases whose 'workload heads packer MxN label' contains one of "
                          "these strings (one argument each: tree specs contain commas)")
     args = ap.parse_args(argv)
+    global HEAD_DIM
+    HEAD_DIM = args.head_dim
+    if args.head_dim != 128:
+        CASE_SETS["layouts"] = _layout_candidates(args.head_dim)
     names = [c for c in args.cases.split(",") if c]
     bad = [c for c in names if c not in CASE_SETS]
     if bad:
@@ -778,7 +800,7 @@ def main(argv=None) -> int:
     (out / f"kernel_lab{args.tag}.json").write_text(json.dumps(res, indent=1) + "\n")
     if args.write_table:
         from pat_core import cuda_compile as cc
-        prev_path = cc.variant_speed_path()
+        prev_path = cc.variant_speed_path(HEAD_DIM)
         prev = json.loads(prev_path.read_text()) if prev_path.is_file() else None
         table = variant_speed_table([r for r in rows if r.get("set") == "layouts"], res,
                                     prev=prev, margin=args.keep_within)
