@@ -10,14 +10,16 @@
 #   feat_fp8.json       synthetic part, FP8 KV (e4m3, per-tensor scales): pat, FlashInfer decode
 #   feat_qlen4.json     synthetic part, 4 query tokens per request: pat, FlashInfer paged prefill
 #   feat_invariant.json every part: pat and pat-invariant (batch_invariant=True)
+#   variant_speed_h100_d256.json  the head_dim-256 variant-speed table (kernel_lab's layouts
+#                       cases; copy it to pat_core/data/ and regenerate kernel_resources.json)
 #   sanitizer.log, session.log
 #
 #   bench/device/features_session.sh OUT [STEPS_DIR]
 #
 # Carried as for device_session.sh: .whl/flashinfer_python-0.2.5*.whl and the prepared steps
 # (default .trace_steps/devset).  Environment: DEVSET_HEADS (default "32:8"), TEST_TIMEOUT
-# (seconds, default 300), SKIP (space-separated steps to skip: tests hd256 fp8 qlen invariant
-# sanitize), PAT_GIT_SHA (the measured commit).
+# (seconds, default 300), SKIP (space-separated steps to skip: tests hd256table hd256 fp8 qlen
+# invariant sanitize), PAT_GIT_SHA (the measured commit).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="$1"; steps="${2:-.trace_steps/devset}"
@@ -36,6 +38,10 @@ if want tests; then
     timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q tests/test_gpu_*.py 2>&1 | tail -25 \
         > "$out/gpu_tests.log"
     tail -3 "$out/gpu_tests.log"
+fi
+if want hd256table; then
+    timeout 300 python3 bench/lab/kernel_lab.py --cases layouts --head-dim 256 --out "$work/kl256" \
+        --write-table "$out/variant_speed_h100_d256.json" 2>&1 | tail -3
 fi
 want hd256 && dev hd256 --parts synthetic --head-dim 256 --methods pat fi-decode
 if want fp8; then
