@@ -40,7 +40,7 @@ if want tests; then
     tail -3 "$out/gpu_tests.log"
 fi
 if want hd256table; then
-    timeout 300 python3 bench/lab/kernel_lab.py --cases layouts --head-dim 256 --out "$work/kl256" \
+    timeout 500 python3 bench/lab/kernel_lab.py --cases layouts --head-dim 256 --out "$work/kl256" \
         --write-table "$out/variant_speed_h100_d256.json" 2>&1 | tail -3
 fi
 want hd256 && dev hd256 --parts synthetic --head-dim 256 --methods pat fi-decode
