@@ -24,7 +24,7 @@ extern __shared__ __align__(128) unsigned char pat_dyn_smem[];
 // no branches; power-of-two pages (the common case) get their own loop without a division.
 //
 // An fp8 cache (Tr::KV8) takes the same path with 16 elements per 16-byte chunk, into the byte
-// staging ring behind the KV tiles (load_rows8); once a thread's copies of a tile have landed it
+// staging ring behind the KV tiles; once a thread's copies of a tile have landed it
 // widens the chunks it copied itself into the tile layout the MMA walks read (convert), before
 // the barrier that publishes the tile, so the walks run unchanged.
 template <typename Tr>
@@ -37,17 +37,21 @@ struct KvTileLoader {
   int kv_start, kv_len, page_size, page_shift;  // page_shift: log2(page_size) or -1
   int k_sp, k_st, k_head, v_sp, v_st, v_head;   // element strides; *_head = kv_head x head stride
 
-  template <bool POW2>
-  __device__ __forceinline__ void load_rows(T* dK, T* dV, int tile_base, int row0,
+  // One token slice into K and V destinations `dK`, `dV` of a stage: the 16-bit tiles at their
+  // swizzled offsets (Dst = T, 8 elements per 16-byte chunk), or for an fp8 cache the staging
+  // ring's rows of D bytes (Dst = unsigned char, 16 elements per chunk).
+  template <bool POW2, typename Dst>
+  __device__ __forceinline__ void load_rows(Dst* dK, Dst* dV, int tile_base, int row0,
                                             int tid) const {
-    constexpr int N = Tr::N, CHUNKS = Tr::CHUNKS, THREADS = Tr::SLICE_THREADS;
-    constexpr int NW = Tr::NW;
+    constexpr int N = Tr::N, THREADS = Tr::SLICE_THREADS, NW = Tr::NW;
+    constexpr int CHUNKS = Tr::KV8 ? Tr::CHUNKS8 : Tr::CHUNKS;
+    constexpr int LOADS = Tr::KV8 ? Tr::KV_LOADS8 : Tr::KV_LOADS;
     const int ch = tid % CHUNKS;
-    const int k_col = k_head + ch * 8;
-    const int v_col = v_head + ch * 8;
+    const int k_col = k_head + ch * (16 / int(sizeof(KV)));
+    const int v_col = v_head + ch * (16 / int(sizeof(KV)));
     const int last = kv_len - 1;  // >= 0: a tile is only loaded when the range has tokens
 #pragma unroll Tr::LOAD_UNROLL
-    for (int it = 0; it < Tr::KV_LOADS; ++it) {
+    for (int it = 0; it < LOADS; ++it) {
       const int id = tid + it * THREADS;
       if ((NW * CHUNKS) % THREADS == 0 || id < NW * CHUNKS) {
 // <tutorial:gather>
@@ -58,39 +62,12 @@ struct KvTileLoader {
         const int pidx = POW2 ? (pos >> page_shift) : pos / page_size;
         const int slot = pos - pidx * page_size;
         const int page = pages[pidx];
-        const T* ks = k_cache + (mul_wide(page, k_sp) + (slot * k_st + k_col));
-        const T* vs = v_cache + (mul_wide(page, v_sp) + (slot * v_st + v_col));
-        cp_async_16(smem_u32(dK + Tr::template off<N>(row, ch)), ks, bytes);
-        cp_async_16(smem_u32(dV + Tr::template off<N>(row, ch)), vs, bytes);
-// </tutorial:gather>
-      }
-    }
-  }
-
-  // fp8: NW rows of 16-byte chunks (16 elements each) into the staging ring, rows of D bytes.
-  template <bool POW2>
-  __device__ __forceinline__ void load_rows8(unsigned char* dK, unsigned char* dV,
-                                             int tile_base, int row0, int tid) const {
-    constexpr int CHUNKS8 = Tr::CHUNKS8, THREADS = Tr::SLICE_THREADS, NW = Tr::NW;
-    const int ch = tid % CHUNKS8;
-    const int k_col = k_head + ch * 16;
-    const int v_col = v_head + ch * 16;
-    const int last = kv_len - 1;
-#pragma unroll Tr::LOAD_UNROLL
-    for (int it = 0; it < Tr::KV_LOADS8; ++it) {
-      const int id = tid + it * THREADS;
-      if ((NW * CHUNKS8) % THREADS == 0 || id < NW * CHUNKS8) {
-        const int row = row0 + id / CHUNKS8;
-        const int tok = tile_base + row;
-        const int bytes = tok <= last ? 16 : 0;
-        const int pos = kv_start + (tok <= last ? tok : last);
-        const int pidx = POW2 ? (pos >> page_shift) : pos / page_size;
-        const int slot = pos - pidx * page_size;
-        const int page = pages[pidx];
         const KV* ks = k_cache + (mul_wide(page, k_sp) + (slot * k_st + k_col));
         const KV* vs = v_cache + (mul_wide(page, v_sp) + (slot * v_st + v_col));
-        cp_async_16(smem_u32(dK + row * Tr::D + ch * 16), ks, bytes);
-        cp_async_16(smem_u32(dV + row * Tr::D + ch * 16), vs, bytes);
+        const int off = Tr::KV8 ? row * Tr::D + ch * 16 : Tr::template off<N>(row, ch);
+        cp_async_16(smem_u32(dK + off), ks, bytes);
+        cp_async_16(smem_u32(dV + off), vs, bytes);
+// </tutorial:gather>
       }
     }
   }
@@ -106,9 +83,9 @@ struct KvTileLoader {
       unsigned char* dK = staging(sK) + stage * 2 * Tr::KV_TILE_ELEMS;
       unsigned char* dV = dK + Tr::KV_TILE_ELEMS;
       if (page_shift >= 0)
-        load_rows8<true>(dK, dV, tile * Tr::N, row0, tid);
+        load_rows<true>(dK, dV, tile * Tr::N, row0, tid);
       else
-        load_rows8<false>(dK, dV, tile * Tr::N, row0, tid);
+        load_rows<false>(dK, dV, tile * Tr::N, row0, tid);
     } else {
       T* dK = sK + stage * Tr::KV_TILE_ELEMS;
       T* dV = sV + stage * Tr::KV_TILE_ELEMS;
@@ -120,7 +97,7 @@ struct KvTileLoader {
   }
 
   // fp8: widen the chunks this thread copied into stage `stage` (the same rows and column as
-  // load_rows8: its own copies, which it has waited for, so no barrier comes before) into the
+  // load_rows: its own copies, which it has waited for, so no barrier comes before) into the
   // K and V tiles of that stage, 16 elements -> two 16-byte chunks of T at the tile's swizzled
   // offsets.  The caller's barrier then publishes the tile.  Zero-filled rows stay zero.
   __device__ __forceinline__ void convert(T* sK, T* sV, int stage, int row0, int tid) const {
