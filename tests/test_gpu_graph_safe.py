@@ -21,6 +21,23 @@ requires_gpu = pytest.mark.skipif(not _available(), reason="needs CuPy, torch an
 PAGE = 16
 
 
+def replay_step(graph, stream, run, out_buf, lse_buf, n):
+    """One graph-safe serving step after plan(): at the first step (``graph`` None) ``run()``
+    once outside the capture (compiles, builds the launches) and capture it on ``stream``;
+    then NaN the ``n`` live rows of the outputs and replay.  Returns the graph."""
+    import torch
+    if graph is None:
+        run()
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            run()
+    out_buf[:n] = float("nan")
+    lse_buf[:n] = float("nan")
+    graph.replay()
+    return graph
+
+
 class PagedCache:
     """Host bookkeeping of a paged KV cache on the GPU (torch tensors, NHD)."""
 
@@ -151,16 +168,9 @@ def test_one_capture_fifty_changing_steps(packer, max_batch, fused, d):
             q_buf[:B] = q
             out_buf[B:] = float("nan")
             lse_buf[B:] = float("nan")
-            if graph is None:
-                # warm up outside the capture (compiles, builds the launches), then capture
-                w.run(q_buf, (cache.k, cache.v), out=out_buf, lse=lse_buf)
-                stream.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=stream):
-                    w.run(q_buf, (cache.k, cache.v), out=out_buf, lse=lse_buf)
-            out_buf[:B] = float("nan")
-            lse_buf[:B] = float("nan")
-            graph.replay()
+            graph = replay_step(graph, stream, lambda: w.run(q_buf, (cache.k, cache.v),
+                                                             out=out_buf, lse=lse_buf),
+                                out_buf, lse_buf, B)
         stream.synchronize()
 
         assert not torch.isnan(out_buf[:B]).any(), f"step {step}: output rows not written"
@@ -280,17 +290,9 @@ def test_fp8_cache_under_one_capture(fused):
                           q_data_type=torch.bfloat16)
             q = (torch.randn((B, hq, d), device="cuda") / 4).to(qdt)
             q_buf[:B] = q
-            if graph is None:
-                w.run(q_buf, (cache.k, cache.v), out=out_buf, lse=lse_buf, k_scale=k_scale,
-                      v_scale=v_scale)
-                stream.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=stream):
-                    w.run(q_buf, (cache.k, cache.v), out=out_buf, lse=lse_buf,
-                          k_scale=k_scale, v_scale=v_scale)
-            out_buf[:B] = float("nan")
-            lse_buf[:B] = float("nan")
-            graph.replay()
+            graph = replay_step(graph, stream, lambda: w.run(
+                q_buf, (cache.k, cache.v), out=out_buf, lse=lse_buf, k_scale=k_scale,
+                v_scale=v_scale), out_buf, lse_buf, B)
         stream.synchronize()
         assert not torch.isnan(out_buf[:B]).any(), f"step {step}: output rows not written"
         ref, ref_lse = dense_attention(_np64(q), (_np64(cache.k), _np64(cache.v)), bt, lens,
@@ -364,15 +366,9 @@ def test_multitoken_steps_under_one_capture(max_batch, fused):
             q_buf[:N] = q
             out_buf[N:] = float("nan")
             lse_buf[N:] = float("nan")
-            if graph is None:
-                w.run(q_buf, (cache.k, cache.v), out=out_buf, lse=lse_buf)
-                stream.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=stream):
-                    w.run(q_buf, (cache.k, cache.v), out=out_buf, lse=lse_buf)
-            out_buf[:N] = float("nan")
-            lse_buf[:N] = float("nan")
-            graph.replay()
+            graph = replay_step(graph, stream, lambda: w.run(q_buf, (cache.k, cache.v),
+                                                             out=out_buf, lse=lse_buf),
+                                out_buf, lse_buf, N)
         stream.synchronize()
         assert not torch.isnan(out_buf[:N]).any(), f"step {step}: output rows not written"
         assert torch.isnan(out_buf[N:]).all() and torch.isnan(lse_buf[N:]).all(), \
