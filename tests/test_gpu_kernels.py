@@ -109,6 +109,40 @@ def _rel(x, ref):
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
+def poisoned_runner(backend, plan, q, call):
+    """A function running ``call(out, lse)`` with the plan's partials and fresh ``out`` /
+    ``lse`` (q's rows and heads) all NaN first, so a slot no kernel writes shows; it returns
+    ``(out, lse)`` after a device sync."""
+    import torch
+
+    def run_once():
+        st = backend.state_for(plan)     # the plan's device state (written by plan())
+        st.o_part.fill(float("nan"))
+        st.l_part.fill(float("nan"))
+        out = torch.full(tuple(q.shape), float("nan"), dtype=q.dtype, device=q.device)
+        lse = torch.full(tuple(q.shape[:2]), float("nan"), dtype=torch.float32, device=q.device)
+        call(out, lse)
+        torch.cuda.synchronize()
+        return out, lse
+    return run_once
+
+
+def assert_like_reference(plan, run_once, out, lse, ref, ref_lse, low, low_lse, what):
+    """``out`` / ``lse`` within twice the error of the plain same-dtype result ``low`` /
+    ``low_lse`` against the float64 ``ref`` / ``ref_lse``, and a rerun bit-identical (a moving
+    result is a race).  Returns ``(err, err_plain)``."""
+    import torch
+    err, err_plain = _rel(_np64(out), ref), _rel(_np64(low), ref)
+    assert err <= 2 * err_plain + 1e-6, (
+        f"{plan.summary()}: {what} error {err:.3e} > 2 x plain error {err_plain:.3e}")
+    lerr = float(np.abs(_np64(lse) - ref_lse).max())
+    lerr_plain = float(np.abs(_np64(low_lse) - ref_lse).max())
+    assert lerr <= 2 * lerr_plain + 1e-5, f"lse error {lerr:.3e} vs plain {lerr_plain:.3e}"
+    out2, lse2 = run_once()
+    assert torch.equal(out, out2) and torch.equal(lse, lse2), "repeated runs differ"
+    return err, err_plain
+
+
 def check_case(backend, packer, block_tables, seq_lens, num_pages, page_size, hq, hk, d, dtype,
                layout="NHD", seed=0, tile=None, strided=False, tuning=None):
     """Plan (with the planner's ``tuning``, default its own), run (outputs and partials
@@ -127,16 +161,8 @@ def check_case(backend, packer, block_tables, seq_lens, num_pages, page_size, hq
     B = bt.batch_size
     q, k, v = make_inputs(num_pages, page_size, B, hq, hk, d, dtype, layout, seed, strided)
 
-    def run_once():
-        st = backend.state_for(plan)     # the plan's device state (written by plan())
-        st.o_part.fill(float("nan"))
-        st.l_part.fill(float("nan"))
-        out = torch.full((B, hq, d), float("nan"), dtype=q.dtype, device=q.device)
-        lse = torch.full((B, hq), float("nan"), dtype=torch.float32, device=q.device)
-        backend.run(plan, q, k, v, kv_layout=layout, return_lse=True, out=out, lse=lse)
-        torch.cuda.synchronize()
-        return out, lse
-
+    run_once = poisoned_runner(backend, plan, q, lambda out, lse: backend.run(
+        plan, q, k, v, kv_layout=layout, return_lse=True, out=out, lse=lse))
     out, lse = run_once()
     assert not torch.isnan(out).any(), "output not fully written (NaN left)"
     assert not torch.isnan(lse).any(), "lse not fully written (NaN left)"
@@ -145,16 +171,8 @@ def check_case(backend, packer, block_tables, seq_lens, num_pages, page_size, hq
                                    page_size, kv_layout=layout, sm_scale=plan.sm_scale,
                                    return_lse=True)
     low, low_lse = plain_attention(q, k, v, bt, page_size, layout, plan.sm_scale)
-    err = _rel(_np64(out), ref)
-    err_plain = _rel(_np64(low), ref)
-    assert err <= 2 * err_plain + 1e-6, (
-        f"{plan.summary()}: kernel error {err:.3e} > 2 x plain {dtype} error {err_plain:.3e}")
-    lerr = float(np.abs(_np64(lse) - ref_lse).max())
-    lerr_plain = float(np.abs(_np64(low_lse) - ref_lse).max())
-    assert lerr <= 2 * lerr_plain + 1e-5, f"lse error {lerr:.3e} vs plain {lerr_plain:.3e}"
-
-    out2, lse2 = run_once()
-    assert torch.equal(out, out2) and torch.equal(lse, lse2), "repeated runs differ"
+    err, err_plain = assert_like_reference(plan, run_once, out, lse, ref, ref_lse, low, low_lse,
+                                           f"{dtype} kernel")
     return plan, err, err_plain
 
 
@@ -421,16 +439,8 @@ def check_multitok_case(backend, block_tables, seq_lens, num_pages, page_size, q
         run_kw = {}
         kp_, vp_ = k, v
 
-    def run_once():
-        st = backend.state_for(plan)
-        st.o_part.fill(float("nan"))
-        st.l_part.fill(float("nan"))
-        out = torch.full((N, hq, d), float("nan"), dtype=tdt, device=q.device)
-        lse = torch.full((N, hq), float("nan"), dtype=torch.float32, device=q.device)
-        w.run(q, (k, v), out=out, lse=lse, **run_kw)
-        torch.cuda.synchronize()
-        return out, lse
-
+    run_once = poisoned_runner(backend, plan, q,
+                               lambda out, lse: w.run(q, (k, v), out=out, lse=lse, **run_kw))
     out, lse = run_once()
     assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "output not fully written"
     ref, ref_lse = dense_attention(_np64(q), (_np64(k), _np64(v)), block_tables, seq_lens,
@@ -438,14 +448,8 @@ def check_multitok_case(backend, block_tables, seq_lens, num_pages, page_size, q
                                    return_lse=True, qo_indptr=qo,
                                    **({"k_scale": k_scale, "v_scale": v_scale} if fp8 else {}))
     low, low_lse = plain_attention_mt(q, kp_, vp_, bt, qo, page_size, layout, plan.sm_scale)
-    err, err_plain = _rel(_np64(out), ref), _rel(_np64(low), ref)
-    assert err <= 2 * err_plain + 1e-6, (
-        f"{plan.summary()}: multi-token error {err:.3e} > 2 x plain {dtype} {err_plain:.3e}")
-    lerr = float(np.abs(_np64(lse) - ref_lse).max())
-    lerr_plain = float(np.abs(_np64(low_lse) - ref_lse).max())
-    assert lerr <= 2 * lerr_plain + 1e-5, f"lse error {lerr:.3e} vs plain {lerr_plain:.3e}"
-    out2, lse2 = run_once()
-    assert torch.equal(out, out2) and torch.equal(lse, lse2), "repeated runs differ"
+    assert_like_reference(plan, run_once, out, lse, ref, ref_lse, low, low_lse,
+                          f"multi-token {dtype}")
     return plan
 
 
@@ -851,16 +855,8 @@ def check_fp8_case(backend, packer, block_tables, seq_lens, num_pages, page_size
     else:
         cache = (k, v)
 
-    def run_once():
-        st = backend.state_for(plan)
-        st.o_part.fill(float("nan"))
-        st.l_part.fill(float("nan"))
-        out = torch.full((B, hq, d), float("nan"), dtype=tdt, device=q.device)
-        lse = torch.full((B, hq), float("nan"), dtype=torch.float32, device=q.device)
-        w.run(q, cache, out=out, lse=lse, k_scale=k_scale, v_scale=v_scale)
-        torch.cuda.synchronize()
-        return out, lse
-
+    run_once = poisoned_runner(backend, plan, q, lambda out, lse: w.run(
+        q, cache, out=out, lse=lse, k_scale=k_scale, v_scale=v_scale))
     out, lse = run_once()
     assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "output not fully written"
     kd, vd = _np64(k), _np64(v)          # the exact decoded values
@@ -869,14 +865,8 @@ def check_fp8_case(backend, packer, block_tables, seq_lens, num_pages, page_size
                                    k_scale=k_scale, v_scale=v_scale)
     low, low_lse = plain_attention(q, k.to(tdt) * k_scale, v.to(tdt) * v_scale, bt, page_size,
                                    layout, plan.sm_scale)
-    err, err_plain = _rel(_np64(out), ref), _rel(_np64(low), ref)
-    assert err <= 2 * err_plain + 1e-6, (
-        f"{plan.summary()}: fp8 kernel error {err:.3e} > 2 x plain {q_dtype} {err_plain:.3e}")
-    lerr = float(np.abs(_np64(lse) - ref_lse).max())
-    lerr_plain = float(np.abs(_np64(low_lse) - ref_lse).max())
-    assert lerr <= 2 * lerr_plain + 1e-5, f"lse error {lerr:.3e} vs plain {lerr_plain:.3e}"
-    out2, lse2 = run_once()
-    assert torch.equal(out, out2) and torch.equal(lse, lse2), "repeated runs differ"
+    assert_like_reference(plan, run_once, out, lse, ref, ref_lse, low, low_lse,
+                          f"fp8 kernel, q {q_dtype}")
     return plan
 
 
