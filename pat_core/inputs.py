@@ -32,11 +32,13 @@ def _to_numpy(x, name: str) -> np.ndarray:
     return np.asarray(x)
 
 
-def _as_int_array(x, name: str, ndim: int) -> np.ndarray:
+def _as_int_array(x, name: str, ndim: int | None) -> np.ndarray:
+    """``x`` as a host integer array of ``ndim`` dimensions (any when ``None``); a float, an
+    object (ragged, or an int past int64) or another rank raises naming ``name``."""
     arr = _to_numpy(x, name)
     if arr.dtype == object:
         raise TypeError(f"{name} must be an integer array; got ragged or mixed data")
-    if arr.ndim != ndim:
+    if ndim is not None and arr.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")

@@ -37,7 +37,7 @@ import time
 import numpy as np
 from numba import njit
 
-from ..inputs import MAX_QO_LEN, _int64, _to_numpy, check_size
+from ..inputs import MAX_QO_LEN, _as_int_array, _int64, check_size
 from ..wrapper import PrefixAttentionWrapper
 
 #: The transformers releases whose continuous-batching interfaces this module was written
@@ -132,12 +132,9 @@ def _pages_of_rows(ri, ck, ps, indptr, indices):
 
 
 def _int_array(x, name: str) -> np.ndarray:
-    """``x`` as an int64 array; ``TypeError``/``ValueError`` naming ``name`` for entries that
-    are not integers or do not fit (a cast would truncate a float and wrap a large int)."""
-    arr = _to_numpy(x, name)
-    if arr.dtype == object or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise TypeError(f"{name} must be an integer array, got dtype {arr.dtype}")
-    return _int64(arr, name)
+    """``x`` as int64, any rank; non-integer entries or ints past int64 raise naming ``name``
+    (a cast would truncate a float and wrap a large int)."""
+    return _int64(_as_int_array(x, name, None), name)
 
 
 def query_lengths(cu_seq_lens_q):
