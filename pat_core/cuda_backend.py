@@ -62,7 +62,7 @@ from .cuda_modules import _compile_in_workers, _raw_module, _variant_from
 from .cuda_state import StaticState
 from .cuda_views import _Dev, _data_ptr, _extent
 from .gpus import detect_gpu_name
-from .inputs import refuse_overlap
+from .inputs import refuse_overlap, refuse_self_overlap
 from .launch import merge_block_per_pair, merge_heads_per_warp
 from .plan import Plan, dtype_name
 
@@ -425,6 +425,7 @@ class CudaBackend:
                 raise ValueError(f"out must be [{rows}, {Hq}, {D}] {dtype}{note} with a "
                                  f"contiguous last dimension, got {od.shape} {od.dtype} strides "
                                  f"{od.strides}")
+            refuse_self_overlap("out", od.shape, od.strides)
             o_ptr, o_sb, o_sh = od.ptr, od.strides[0], od.strides[1]
             given["out"] = _extent(od)
         l_ptr = l_sb = l_sh = 0
@@ -437,6 +438,7 @@ class CudaBackend:
                 if ld.shape != (rows, Hq) or ld.dtype != "float32":
                     raise ValueError(f"lse must be float32 [{rows}, {Hq}], got {ld.shape} "
                                      f"{ld.dtype}")
+                refuse_self_overlap("lse", ld.shape, ld.strides)
                 l_ptr, l_sb, l_sh = ld.ptr, ld.strides[0], ld.strides[1]
                 given["lse"] = _extent(ld)
         if given:

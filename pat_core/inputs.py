@@ -364,6 +364,23 @@ def byte_extent(ptr: int, shape, strides, itemsize: int) -> tuple:
     return int(ptr) + lo, int(ptr) + hi + itemsize
 
 
+def refuse_self_overlap(name: str, shape, strides) -> None:
+    """``ValueError`` naming ``name`` when an output of ``shape`` with element ``strides`` may
+    map two of its indices to one element (a zero stride, overlapping rows): its results would
+    overwrite each other.  With its dimensions of extent > 1 ordered by stride, each stride
+    must span the ones below it; the layouts of slices, transposes and broadcasts pass or fail
+    exactly, and an interleaving of two dimensions that never collides is refused too, which
+    no caller's buffer has."""
+    dims = sorted((abs(int(st)), int(n)) for n, st in zip(shape, strides) if int(n) > 1)
+    span = 1
+    for st, n in dims:
+        if st < span:
+            raise ValueError(f"{name} has strides {tuple(int(x) for x in strides)} (elements) "
+                             f"for shape {tuple(int(x) for x in shape)}: some of its elements "
+                             "share memory, so the results would overwrite each other")
+        span = st * n
+
+
 def refuse_overlap(outputs: dict, others: dict) -> None:
     """``ValueError`` naming the pair when an output's byte range (``{name: (lo, hi)}``)
     overlaps another output's or an input's (``others``).  Ranges, not elements: two strided

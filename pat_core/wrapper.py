@@ -46,7 +46,7 @@ import threading
 
 import numpy as np
 
-from .inputs import BlockTable, byte_extent, check_heads, refuse_overlap
+from .inputs import BlockTable, byte_extent, check_heads, refuse_overlap, refuse_self_overlap
 from .packers import PACKERS
 from .fp8 import FLOAT32_MAX, as_scale, kv_cache_dtype
 from .plan import KV_ONLY_DTYPES, Plan, dtype_name
@@ -655,24 +655,8 @@ def _check_host_buffer(buf, name: str, shape: tuple, dtype: str) -> None:
         raise TypeError(f"{name} is {bdt}, expected {dtype}")
     strides = buf.stride() if hasattr(buf, "detach") else \
         tuple(st // buf.itemsize for st in buf.strides)
-    if _self_overlapping(shape, strides):
-        raise ValueError(f"{name} has strides {tuple(strides)} (elements) for shape {shape}: "
-                         "some of its elements share memory, so the results would overwrite "
-                         "each other")
+    refuse_self_overlap(name, shape, strides)
 
-
-def _self_overlapping(shape: tuple, strides: tuple) -> bool:
-    """Whether a strided view may map two of its indices to one element: with its dimensions
-    of extent > 1 ordered by stride, each stride must span the ones below it (the layouts of
-    slices, transposes and broadcasts pass or fail exactly; an interleaving of two dimensions
-    that never collides is refused too, which no caller's buffer has)."""
-    dims = sorted((abs(int(st)), int(n)) for n, st in zip(shape, strides) if int(n) > 1)
-    span = 1
-    for st, n in dims:
-        if st < span:
-            return True
-        span = st * n
-    return False
 
 
 def _write_host(buf, values: np.ndarray) -> None:
