@@ -48,7 +48,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):     # run as a script: python bench/devset.py
     sys.path.insert(0, str(ROOT))
 
-from bench.trace_replay import load_steps, prepare_steps, prepare_synthetic_steps  # noqa: E402
+from bench.trace_replay import (load_steps, pat_plan_kw, prepare_steps,  # noqa: E402
+                                prepare_synthetic_steps)
 from pat_core.cuda_compile import HEAD_DIMS  # noqa: E402
 
 STEPS = 12
@@ -282,9 +283,6 @@ def sim_error(steps_dir, results, *, gpu: str = "h100") -> dict:
     res = json.loads(Path(results).read_text())
     d = int(res.get("head_dim", 128))
     kv_dtype, q_len = res.get("kv_dtype", "float16"), int(res.get("q_len", 1))
-    kw = dict(kv_data_type=kv_dtype)
-    if kv_dtype != "float16":
-        kw["q_data_type"] = "float16"
     meas = {(r["part"], r["step"], r["heads"]): r for r in res["rows"] if r["method"] == "pat"}
     out = {}
     for part in sorted({r["part"] for r in res["rows"]}):
@@ -297,9 +295,8 @@ def sim_error(steps_dir, results, *, gpu: str = "h100") -> dict:
                 row = meas.get((part, m["step"], heads))
                 if row is None:
                     continue
-                if q_len > 1:
-                    kw["qo_indptr"] = np.arange(len(lens) + 1, dtype=np.int32) * q_len
-                plan = Planner("pat", gpu).plan(table, lens, hq, hk, d, ps, **kw)
+                plan = Planner("pat", gpu).plan(table, lens, hq, hk, d, ps,
+                                                **pat_plan_kw(kv_dtype, q_len, len(lens)))
                 for timing in errs:
                     if row.get(f"{timing}_us"):
                         pred = simulate(plan, gpu, timing=timing).latency_us

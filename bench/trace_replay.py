@@ -211,7 +211,7 @@ def time_steps(args) -> int:
             k, v = (k / ks).to(kv_dtype), (v / vs).to(kv_dtype)
         gs = {m: _GraphSafe(pat_core, torch, steps, hq, hk, d, ps, k, v,
                             buckets=m == "pat-graph-bucket",
-                            plan_kw=_pat_plan_kw(args, 0), run_kw=scales, q_len=ql)
+                            plan_kw=pat_plan_kw(args.kv_dtype, args.q_len, 0), run_kw=scales, q_len=ql)
               for m in GRAPH_SAFE if m in args.methods}
         for i, (m, table, lens) in enumerate(steps):
             q = torch.randn((table.shape[0] * ql, hq, d), generator=g, device="cuda",
@@ -280,8 +280,8 @@ def time_steps(args) -> int:
                             apply_tuning(label, w.planner)
                         t0 = time.perf_counter()
                         plan = w.plan(table, lens, hq, hk, d, ps,
-                                      **_pat_plan_kw(args, len(lens),
-                                                     invariant=invariant))
+                                      **pat_plan_kw(args.kv_dtype, args.q_len, len(lens),
+                                                    invariant=invariant))
                         row["plan_ms"] = (time.perf_counter() - t0) * 1e3
                         st = plan.stats()
                         row.update(num_ctas=st["num_ctas"], total_bytes=st["total_bytes"],
@@ -326,14 +326,14 @@ def time_steps(args) -> int:
     return 0 if all(r.get("correct", True) and "error" not in r for r in rows) else 1
 
 
-def _pat_plan_kw(args, batch: int, invariant: bool = False) -> dict:
-    """pat's ``plan()`` keywords for the run's KV dtype, query tokens per request (``batch``
+def pat_plan_kw(kv_dtype: str, q_len: int, batch: int, invariant: bool = False) -> dict:
+    """pat's ``plan()`` keywords for a run's KV dtype, query tokens per request (``batch``
     requests; 0: the graph-safe probe, which sets it per step) and batch invariance."""
-    kw = dict(kv_data_type=args.kv_dtype)
-    if args.kv_dtype != "float16":
+    kw = dict(kv_data_type=kv_dtype)
+    if kv_dtype != "float16":
         kw["q_data_type"] = "float16"
-    if args.q_len > 1 and batch:
-        kw["qo_indptr"] = np.arange(batch + 1, dtype=np.int32) * args.q_len
+    if q_len > 1 and batch:
+        kw["qo_indptr"] = np.arange(batch + 1, dtype=np.int32) * q_len
     if invariant:
         kw["batch_invariant"] = True
     return kw
