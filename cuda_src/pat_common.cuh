@@ -159,6 +159,16 @@ __device__ __forceinline__ int swz(int row, int chunk) {
   return row * HEAD_DIM + ((chunk ^ (row & 7)) << 3);
 }
 
+// The same for a tile of fp8 rows (D bytes = D / 16 chunks): returns the byte offset of
+// (row, chunk).  A 64-byte row is half a 128-byte line, so there rows 2i and 2i + 1 share a
+// line and the XOR takes row / 2: any 8 consecutive rows' same chunk still covers all banks.
+template <int D>
+__device__ __forceinline__ int swz8(int row, int chunk) {
+  constexpr int CH = D / 16;
+  if constexpr (CH >= 8) return row * D + ((chunk ^ (row & 7)) << 4);
+  else return row * D + ((chunk ^ ((row >> 1) & (CH - 1))) << 4);
+}
+
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 // Programmatic dependent launch (Hopper and later; no-ops before sm_90 and when the next launch

@@ -193,6 +193,28 @@ __device__ __forceinline__ void for_each_row(const CtaWork& w, int kv_head, int 
   }
 }
 
+// This lane's accumulator values of row half hr (row lane / 4 + 8 hr) of block mi, in pairs of
+// adjacent columns: fn(col, x, y) for the values at columns col and col + 1.  The mma.sync
+// layout holds columns 8 dt + 2 (lane % 4) + {0, 1} in block dt.  An fp8 walk (KV8_DIRECT)
+// holds columns 16 ch + 4 (lane % 4) + {0, 1, 2, 3}: the even ones in block 2 ch, the odd ones
+// in block 2 ch + 1 (pat_mma_walk.cuh, O += P V).
+template <typename Tr, typename Fn>
+__device__ __forceinline__ void for_each_col_pair(const float (&acc)[Tr::MI][Tr::D / 8][4],
+                                                  int mi, int hr, int lane, Fn&& fn) {
+  const int c = lane & 3;
+  if constexpr (Tr::KV8_DIRECT) {
+#pragma unroll
+    for (int ch = 0; ch < Tr::D / 16; ++ch)
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+        fn(16 * ch + 4 * c + 2 * j, acc[mi][2 * ch][2 * hr + j], acc[mi][2 * ch + 1][2 * hr + j]);
+  } else {
+#pragma unroll
+    for (int dt = 0; dt < Tr::D / 8; ++dt)
+      fn(8 * dt + 2 * c, acc[mi][dt][2 * hr], acc[mi][dt][2 * hr + 1]);
+  }
+}
+
 // Row (mi, hr) of this lane's accumulators as request r's final output for query head `head`
 // (input dtype, normalised by `inv`) and its natural-log LSE (lse_out may be null): what the
 // merge kernel writes for a request, written by the item that holds all of its KV.
@@ -201,13 +223,11 @@ __device__ __forceinline__ void store_out_row(const MergeArgs& merge, long long 
                                               const float (&acc)[Tr::MI][Tr::D / 8][4], int mi,
                                               int hr, float inv, float lse, int lane) {
   using T = typename Tr::T;
-  T* dst = static_cast<T*>(merge.out) + r * merge.out_sb + head * merge.out_sh +
-           ((lane & 3) << 1);
-#pragma unroll
-  for (int dt = 0; dt < Tr::D / 8; ++dt) {
-    dst[dt * 8] = ElemOps<T>::from_float(acc[mi][dt][2 * hr] * inv);
-    dst[dt * 8 + 1] = ElemOps<T>::from_float(acc[mi][dt][2 * hr + 1] * inv);
-  }
+  T* dst = static_cast<T*>(merge.out) + r * merge.out_sb + head * merge.out_sh;
+  for_each_col_pair<Tr>(acc, mi, hr, lane, [&](int col, float x, float y) {
+    dst[col] = ElemOps<T>::from_float(x * inv);
+    dst[col + 1] = ElemOps<T>::from_float(y * inv);
+  });
   if (merge.lse_out != nullptr && (lane & 3) == 0)
     merge.lse_out[r * merge.lse_sb + head * merge.lse_sh] = lse;
 }
@@ -322,14 +342,10 @@ __device__ __forceinline__ void finish_item(const FwdParams& p, const CtaWork& w
       return;
     }
     const long long slot = cta_slot[req_begin + ri];
-    float* dst = o_partial + (slot * num_qo_heads + head) * D + ((lane & 3) << 1);
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      float2 v;
-      v.x = acc[mi][dt][2 * hr] * inv;
-      v.y = acc[mi][dt][2 * hr + 1] * inv;
-      *reinterpret_cast<float2*>(dst + dt * 8) = v;
-    }
+    float* dst = o_partial + (slot * num_qo_heads + head) * D;
+    for_each_col_pair<Tr>(acc, mi, hr, lane, [&](int col, float x, float y) {
+      *reinterpret_cast<float2*>(dst + col) = make_float2(x * inv, y * inv);
+    });
     if ((lane & 3) == 0) lse_partial[slot * num_qo_heads + head] = lse;
   });
 }
@@ -347,8 +363,9 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
   if constexpr (Tr::WG)  // 1024-byte aligned tiles (the 128-byte swizzle repeats every 1024 B)
     smem_base += (1024u - (smem_u32(pat_dyn_smem) & 1023u)) & 1023u;
   T* sQ = reinterpret_cast<T*>(smem_base);
-  T* sK = reinterpret_cast<T*>(smem_base + Tr::Q_BYTES);  // [STAGES][N][D], swizzled rows
-  T* sV = sK + STAGES * Tr::KV_TILE_ELEMS;                     // [STAGES][N][D], swizzled rows
+  // [STAGES][N][D], swizzled rows (byte tiles for KV8_DIRECT: KV_STAGE_T apart)
+  T* sK = reinterpret_cast<T*>(smem_base + Tr::Q_BYTES);
+  T* sV = sK + STAGES * Tr::KV_STAGE_T;
 
   // Opaque to the optimiser: in the graph-safe loop (run_items) nothing derived from the thread
   // index is hoisted out of the loop and kept live across items (the large tiles spilled).
@@ -400,6 +417,10 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
   // Barrier: every thread's Q copies have landed and are visible before any warp reads Q rows
   // that other threads fetched.
   cta_sync<Tr>();
+  if constexpr (Tr::KV8_DIRECT) {
+    permute_q_fp8<Tr>(sQ, tid);
+    cta_sync<Tr>();  // the permuted rows are visible before any warp reads them
+  }
   load_q_frags<Tr>(sQ, wm, lane, qf);
 
   if constexpr (Tr::WG) {
@@ -425,8 +446,8 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
     slice_sync<Tr>(wn);
 // </tutorial:loop-top>
 
-    sync_tile<Tr>(sQ, qf, sK + (t % STAGES) * Tr::KV_TILE_ELEMS,
-                  sV + (t % STAGES) * Tr::KV_TILE_ELEMS, kv_len - t * N, wn, wm, lane,
+    sync_tile<Tr>(sQ, qf, sK + (t % STAGES) * Tr::KV_STAGE_T,
+                  sV + (t % STAGES) * Tr::KV_STAGE_T, kv_len - t * N, wn, wm, lane,
                   p.scale_log2, acc, m_run, l_run, t * N, rows);
 // <tutorial:loop-end>
     // Slice barrier: the slice's warps are done reading their rows of stage t % STAGES before

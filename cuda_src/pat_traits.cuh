@@ -64,8 +64,7 @@ constexpr bool kSmemOccupancy = PAT_SMEM_OCCUPANCY != 0;
 // as a 32-row warp's at head_dim 128: it takes that layout's register plan (Q re-read from shared
 // memory per k-step, gather and softmax loops rolled), and 32-row warps do not exist there.
 //
-// KV_ is the KV cache's element type: T_ (the default), or fp8_e4m3, whose pages are gathered
-// into a byte staging ring behind the KV tiles and widened into those tiles (KV8 below).
+// KV_ is the KV cache's element type: T_ (the default), or fp8_e4m3 (KV8 below).
 //
 // CAUSAL_ makes a multi-token variant: it reads the plan's token view and masks, in a CTA the
 // plan flags (FwdParams::cta_causal), the positions past each query token's causal limit
@@ -103,15 +102,24 @@ struct FwdTraits {
   static constexpr int KC = WG ? NW : (NW < KC_MAX ? NW : KC_MAX);
   static constexpr int CHUNKS = D / 8;                            // 16-byte chunks per row
 
+  // An fp8 cache on the mma.sync layouts stays fp8 in shared memory: its tiles are byte tiles
+  // ([N][D] bytes, swz8) that the walk's ldmatrix reads and widens in registers
+  // (pat_mma_walk.cuh).  The warpgroup layout's wgmma reads 16-bit B tiles from shared memory,
+  // so there the bytes land in a staging ring and are widened into those tiles (convert).
+  static constexpr bool KV8_DIRECT = KV8 && !WG;
+  static constexpr bool KV8_STAGED = KV8 && WG;
+
   static constexpr int Q_BYTES = M * D * 2;
-  static constexpr int KV_TILE_ELEMS = N * D;                     // one K (or V) stage
-  static constexpr int KV_BYTES = STAGES * 2 * KV_TILE_ELEMS * 2;
+  static constexpr int KV_TILE_ELEMS = N * D;                     // elements of a K (or V) tile
+  // one K (or V) stage in units of T (a byte tile is half as many)
+  static constexpr int KV_STAGE_T = KV8_DIRECT ? N * D / 2 : N * D;
+  static constexpr int KV_BYTES = STAGES * 2 * KV_STAGE_T * 2;
   // the warpgroup layout aligns its tiles to 1024 bytes (the swizzle atom) at run time
   static constexpr int SMEM_ALIGN_PAD = WG ? 1024 : 0;
-  // fp8: the staging ring, [STAGES][K, V][N][D] bytes after the KV tiles, 16 elements per
-  // 16-byte chunk (CHUNKS8 per row, KV_LOADS8 chunks per thread and stage)
+  // fp8: 16 elements per 16-byte chunk (CHUNKS8 per row, KV_LOADS8 chunks per thread and
+  // stage); the warpgroup layout's staging ring, [STAGES][K, V][N][D] bytes after its KV tiles
   static constexpr int CHUNKS8 = D / 16;
-  static constexpr int STAGE8_BYTES = KV8 ? STAGES * 2 * N * D : 0;
+  static constexpr int STAGE8_BYTES = KV8_STAGED ? STAGES * 2 * N * D : 0;
   static constexpr int SMEM_BYTES =
       Q_BYTES + KV_BYTES + SMEM_ALIGN_PAD + STAGE8_BYTES;  // dynamic shared memory
 

@@ -372,12 +372,15 @@ def fwd_smem_bytes(m: int, n: int, head_dim: int, stages: int, rows_per_warp: in
     Q tile (m x d, 2 bytes) + `stages` x (K tile + V tile) (n x d, 2 bytes each), plus 1024 bytes
     for the warpgroup layout, which aligns its tiles to the 1024-byte swizzle atom at run time.
     The cross-warp combine buffer reuses the KV ring, so it adds nothing.  ``kv_fp8``: an fp8
-    cache lands in a byte staging ring first (`stages` x (K + V) x n x d bytes) and is widened
-    into the 2-byte tiles above, which the MMA walks read unchanged.
+    cache's K and V tiles stay bytes (1 byte each) on the mma.sync layouts; on the warpgroup
+    layout they land in a byte staging ring (`stages` x (K + V) x n x d bytes) and are widened
+    into the 2-byte tiles above, which wgmma reads.
     """
-    pad = 1024 if rows_per_warp == WG_ROWS else 0
-    staging = stages * 2 * n * head_dim if kv_fp8 else 0
-    return m * head_dim * 2 + stages * 2 * n * head_dim * 2 + pad + staging
+    wg = rows_per_warp == WG_ROWS
+    pad = 1024 if wg else 0
+    kv_elem = 1 if kv_fp8 and not wg else 2
+    staging = stages * 2 * n * head_dim if kv_fp8 and wg else 0
+    return m * head_dim * 2 + stages * 2 * n * head_dim * kv_elem + pad + staging
 
 
 def fwd_variant_feasible(v: FwdVariant, smem_limit: int = SMEM_LIMIT["sm_90"]) -> bool:

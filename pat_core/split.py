@@ -570,8 +570,8 @@ def _price_constants(selector, num_kv_heads: int, head_dim: int, kv_bytes: int, 
         if hit is None:
             from .cuda_compile import default_layout
             from .tiles import estimate_resources, kernel_resources
-            # the resources of the cache's element size: 1 byte is fp8 (its staging ring
-            # costs shared memory), 2 the 16-bit kernels, 4 the CPU-only float32
+            # the resources of the cache's element size: 1 byte is fp8 (its own shared
+            # memory), 2 the 16-bit kernels, 4 the CPU-only float32
             dtype = {1: "float8_e4m3fn", 2: "float16"}.get(int(kv_bytes), "float32")
             slot = np.empty(configs.shape[0])
             inflight = np.empty(configs.shape[0])

@@ -72,9 +72,9 @@ def estimate_resources(m: int, n: int, head_dim: int, dtype: str = "float16") ->
 
     Threads and stages: the variant's layout (:func:`pat_core.cuda_compile.default_layout`, the
     one home of the variant rules).  Shared memory: Q tile (``m*d*b``) plus ``stages`` K and V
-    tiles (``2*stages*n*d*b``); for an fp8 cache the tiles are the 2-byte ones the kernel widens
-    into, plus its byte staging ring (:func:`pat_core.cuda_compile.fwd_smem_bytes`'s
-    ``kv_fp8``).  Registers per thread: the fp32 output accumulator and score tile spread over
+    tiles (``2*stages*n*d*b``); for an fp8 cache the variant's own formula
+    (:func:`pat_core.cuda_compile.fwd_smem_bytes`'s ``kv_fp8``: byte tiles, or the warpgroup
+    layout's 16-bit tiles plus its byte staging ring).  Registers per thread: the fp32 output accumulator and score tile spread over
     the CTA's threads (``(m*d + m*n) / threads``), plus 40 for addresses, softmax state and loop
     counters.
     """
@@ -157,9 +157,8 @@ def _kernel_resources(data, m: int, n: int, head_dim: int, dtype: str, gpu: GPUS
 
 def _fp8_from_16bit(data, m: int, n: int, head_dim: int, dtype: str, gpu: GPUSpec):
     """Resources of an fp8 variant the data file does not list: its own layout, threads and
-    shared memory (the formula, staging ring included), with the registers the compiler
-    reported for the float16 variant of the same layout (the fp8 gather and widening changed
-    them by -16..+14 across the variants when compiled), else :func:`estimate_resources`."""
+    shared memory (the formula), with the registers the compiler reported for the float16
+    variant of the same layout, else :func:`estimate_resources`."""
     arch = _arch_of(gpu)
     v8 = cc.FwdVariant.make(m, n, head_dim, dtype, arch=arch)
     twin = (data or {}).get("variants", {}).get(dataclasses.replace(v8, kv_dtype="").key)
