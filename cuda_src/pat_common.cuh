@@ -38,7 +38,8 @@ template <> struct ElemOps<__nv_bfloat16> {
 // ---------------------------------------------------------------------------------------------
 // FP8 KV caches.  fp8_e4m3 names the element type of a float8_e4m3fn cache (1 sign, 4 exponent
 // bits of bias 7, 3 mantissa bits, no infinities, 0x7F / 0xFF NaN): the forward kernel gathers
-// its bytes into a staging ring and widens them to the query's type (T) before the MMAs.
+// its bytes into shared memory as they are and widens its fragments to the query's type (T) in
+// registers, before the MMAs.
 // ---------------------------------------------------------------------------------------------
 struct fp8_e4m3 {
   unsigned char bits;

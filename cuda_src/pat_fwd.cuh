@@ -195,14 +195,14 @@ __device__ __forceinline__ void for_each_row(const CtaWork& w, int kv_head, int 
 
 // This lane's accumulator values of row half hr (row lane / 4 + 8 hr) of block mi, in pairs of
 // adjacent columns: fn(col, x, y) for the values at columns col and col + 1.  The mma.sync
-// layout holds columns 8 dt + 2 (lane % 4) + {0, 1} in block dt.  An fp8 walk (KV8_DIRECT)
+// layout holds columns 8 dt + 2 (lane % 4) + {0, 1} in block dt.  An fp8 walk (Tr::KV8)
 // holds columns 16 ch + 4 (lane % 4) + {0, 1, 2, 3}: the even ones in block 2 ch, the odd ones
 // in block 2 ch + 1 (pat_mma_walk.cuh, O += P V).
 template <typename Tr, typename Fn>
 __device__ __forceinline__ void for_each_col_pair(const float (&acc)[Tr::MI][Tr::D / 8][4],
                                                   int mi, int hr, int lane, Fn&& fn) {
   const int c = lane & 3;
-  if constexpr (Tr::KV8_DIRECT) {
+  if constexpr (Tr::KV8) {
 #pragma unroll
     for (int ch = 0; ch < Tr::D / 16; ++ch)
 #pragma unroll
@@ -363,7 +363,7 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
   if constexpr (Tr::WG)  // 1024-byte aligned tiles (the 128-byte swizzle repeats every 1024 B)
     smem_base += (1024u - (smem_u32(pat_dyn_smem) & 1023u)) & 1023u;
   T* sQ = reinterpret_cast<T*>(smem_base);
-  // [STAGES][N][D], swizzled rows (byte tiles for KV8_DIRECT: KV_STAGE_T apart)
+  // [STAGES][N][D], swizzled rows (byte tiles for an fp8 cache: KV_STAGE_T apart)
   T* sK = reinterpret_cast<T*>(smem_base + Tr::Q_BYTES);
   T* sV = sK + STAGES * Tr::KV_STAGE_T;
 
@@ -417,7 +417,7 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
   // Barrier: every thread's Q copies have landed and are visible before any warp reads Q rows
   // that other threads fetched.
   cta_sync<Tr>();
-  if constexpr (Tr::KV8_DIRECT) {
+  if constexpr (Tr::KV8) {
     permute_q_fp8<Tr>(sQ, tid);
     cta_sync<Tr>();  // the permuted rows are visible before any warp reads them
   }
@@ -439,8 +439,6 @@ __device__ __forceinline__ void pat_fwd_body(const FwdParams& p, const int cta,
       loader.load(sK, sV, tn, tn % STAGES, slice_row0, stid);
     cp_async_commit();
     cp_async_wait<STAGES - 1>();
-    // fp8: widen this thread's copies of tile t into the stage's K/V tiles (a no-op otherwise)
-    loader.convert(sK, sV, t % STAGES, slice_row0, stid);
     // Slice barrier: every copy of this slice of tile t has landed (each thread waited for its
     // own); make them visible to the slice's warps before any of them reads the rows.
     slice_sync<Tr>(wn);

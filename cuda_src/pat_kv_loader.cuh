@@ -23,12 +23,8 @@ extern __shared__ __align__(128) unsigned char pat_dyn_smem[];
 // are clamped to the last token (a valid address) and copy 0 bytes (zero fill), so the loop has
 // no branches; power-of-two pages (the common case) get their own loop without a division.
 //
-// An fp8 cache (Tr::KV8) takes the same path with 16 elements per 16-byte chunk.  On the
-// mma.sync layouts (KV8_DIRECT) the chunks land in byte tiles at swz8 offsets, which the walk
-// reads as they are (pat_mma_walk.cuh).  The warpgroup layout (KV8_STAGED) gathers into a byte
-// staging ring behind its 16-bit tiles; once a thread's copies of a tile have landed it widens
-// the chunks it copied itself into the tile layout wgmma reads (convert), before the barrier
-// that publishes the tile.
+// An fp8 cache (Tr::KV8) takes the same path with 16 elements per 16-byte chunk, into byte
+// tiles at swz8 offsets, which the walk reads as they are (pat_mma_walk.cuh).
 template <typename Tr>
 struct KvTileLoader {
   using T = typename Tr::T;
@@ -40,9 +36,8 @@ struct KvTileLoader {
   int k_sp, k_st, k_head, v_sp, v_st, v_head;   // element strides; *_head = kv_head x head stride
 
   // One token slice into K and V destinations `dK`, `dV` of a stage: the 16-bit tiles at their
-  // swizzled offsets (Dst = T, 8 elements per 16-byte chunk), or for an fp8 cache byte rows of
-  // D bytes (Dst = unsigned char, 16 elements per chunk): swizzled byte tiles (KV8_DIRECT) or
-  // the staging ring's plain rows.
+  // swizzled offsets (Dst = T, 8 elements per 16-byte chunk), or for an fp8 cache the byte
+  // tiles (Dst = unsigned char, 16 elements per chunk).
   template <bool POW2, typename Dst>
   __device__ __forceinline__ void load_rows(Dst* dK, Dst* dV, int tile_base, int row0,
                                             int tid) const {
@@ -67,9 +62,7 @@ struct KvTileLoader {
         const int page = pages[pidx];
         const KV* ks = k_cache + (mul_wide(page, k_sp) + (slot * k_st + k_col));
         const KV* vs = v_cache + (mul_wide(page, v_sp) + (slot * v_st + v_col));
-        const int off = Tr::KV8_DIRECT   ? swz8<Tr::D>(row, ch)
-                        : Tr::KV8_STAGED ? row * Tr::D + ch * 16
-                                         : Tr::template off<N>(row, ch);
+        const int off = Tr::KV8 ? swz8<Tr::D>(row, ch) : Tr::template off<N>(row, ch);
         cp_async_16(smem_u32(dK + off), ks, bytes);
         cp_async_16(smem_u32(dV + off), vs, bytes);
 // </tutorial:gather>
@@ -77,25 +70,15 @@ struct KvTileLoader {
     }
   }
 
-  // The staging ring of the warpgroup layout's fp8 cache: right after the V tiles
-  // ([STAGES][N][D] each).
-  static __device__ __forceinline__ unsigned char* staging(T* sK) {
-    return reinterpret_cast<unsigned char*>(sK + 2 * Tr::STAGES * Tr::KV_TILE_ELEMS);
-  }
-
   // Tile `tile` (this slice's rows) into stage `stage` of the K and V rings sK, sV (stages
-  // Tr::KV_STAGE_T elements of T apart; byte tiles for KV8_DIRECT).
+  // Tr::KV_STAGE_T elements of T apart; byte tiles for an fp8 cache).
   __device__ __forceinline__ void load(T* sK, T* sV, int tile, int stage, int row0,
                                       int tid) const {
-    if constexpr (Tr::KV8_DIRECT) {
+    if constexpr (Tr::KV8)
       load_tile(reinterpret_cast<unsigned char*>(sK + stage * Tr::KV_STAGE_T),
                 reinterpret_cast<unsigned char*>(sV + stage * Tr::KV_STAGE_T), tile, row0, tid);
-    } else if constexpr (Tr::KV8_STAGED) {
-      unsigned char* dK = staging(sK) + stage * 2 * Tr::KV_TILE_ELEMS;
-      load_tile(dK, dK + Tr::KV_TILE_ELEMS, tile, row0, tid);
-    } else {
+    else
       load_tile(sK + stage * Tr::KV_STAGE_T, sV + stage * Tr::KV_STAGE_T, tile, row0, tid);
-    }
   }
 
   template <typename Dst>
@@ -105,42 +88,6 @@ struct KvTileLoader {
       load_rows<true>(dK, dV, tile * Tr::N, row0, tid);
     else
       load_rows<false>(dK, dV, tile * Tr::N, row0, tid);
-  }
-
-  // fp8 on the warpgroup layout: widen the chunks this thread copied into stage `stage` (the
-  // same rows and column as load_rows: its own copies, which it has waited for, so no barrier
-  // comes before) into the K and V tiles of that stage, 16 elements -> two 16-byte chunks of T
-  // at the tile's swizzled offsets.  The caller's barrier then publishes the tile.  Zero-filled
-  // rows stay zero.
-  __device__ __forceinline__ void convert(T* sK, T* sV, int stage, int row0, int tid) const {
-    if constexpr (Tr::KV8_STAGED) {
-      constexpr int N = Tr::N, CHUNKS8 = Tr::CHUNKS8, THREADS = Tr::SLICE_THREADS;
-      constexpr int NW = Tr::NW;
-      const unsigned char* src = staging(sK) + stage * 2 * Tr::KV_TILE_ELEMS;
-      T* dK = sK + stage * Tr::KV_TILE_ELEMS;
-      T* dV = sV + stage * Tr::KV_TILE_ELEMS;
-      const int ch = tid % CHUNKS8;
-#pragma unroll
-      for (int it = 0; it < Tr::KV_LOADS8; ++it) {
-        const int id = tid + it * THREADS;
-        if ((NW * CHUNKS8) % THREADS == 0 || id < NW * CHUNKS8) {
-          const int row = row0 + id / CHUNKS8;
-#pragma unroll
-          for (int kv = 0; kv < 2; ++kv) {
-            const uint4 raw = *reinterpret_cast<const uint4*>(src + kv * Tr::KV_TILE_ELEMS +
-                                                              row * Tr::D + ch * 16);
-            uint4 a, b;
-            e4m3x4_to<T>(raw.x, a.x, a.y);
-            e4m3x4_to<T>(raw.y, a.z, a.w);
-            e4m3x4_to<T>(raw.z, b.x, b.y);
-            e4m3x4_to<T>(raw.w, b.z, b.w);
-            T* dst = kv == 0 ? dK : dV;
-            *reinterpret_cast<uint4*>(dst + Tr::template off<N>(row, 2 * ch)) = a;
-            *reinterpret_cast<uint4*>(dst + Tr::template off<N>(row, 2 * ch + 1)) = b;
-          }
-        }
-      }
-    }
   }
 };
 

@@ -11,7 +11,7 @@ namespace pat {
 // ldmatrix row of this lane for an A operand (16 x 16 fragment).
 __device__ __forceinline__ int a_frag_row(int lane) { return (lane & 7) + ((lane >> 3) & 1) * 8; }
 
-// An fp8 walk (Tr::KV8_DIRECT) reads K's bytes with ldmatrix as they are: in an 8-token x
+// An fp8 walk (Tr::KV8) reads K's bytes with ldmatrix as they are: in an 8-token x
 // 16-byte matrix, lane l gets 4 bytes of token l / 4, the head_dim columns 4 (l % 4) + {0..3}
 // of that 16-column block, which widen into two halves pairs.  As the B operand of Q K^T they
 // stand at the k slots 2 (l % 4) + {0, 1} and 8 + 2 (l % 4) + {0, 1}, so Q's columns take the
@@ -79,7 +79,7 @@ __device__ __forceinline__ void sync_tile(const typename Tr::T* sQ,
       for (int j = 0; j < KC / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[mi][j][e] = 0.f;
-    if constexpr (Tr::KV8_DIRECT) {
+    if constexpr (Tr::KV8) {
       // fp8 K: one ldmatrix_x4 reads 16 tokens x 32 bytes (n blocks 2j, 2j + 1; k steps kk,
       // kk + 1), each register widening into the b0, b1 pair of one (n block, k step); Q is
       // permuted to match (permute_q_fp8).
@@ -156,7 +156,7 @@ __device__ __forceinline__ void sync_tile(const typename Tr::T* sQ,
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi) pack_p<T, KC / 8>(s[mi], kk, pa[mi]);
       const int row = tok0 + kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
-      if constexpr (Tr::KV8_DIRECT) {
+      if constexpr (Tr::KV8) {
         // fp8 V: ldmatrix.trans on 16 tokens x 32 bytes moves 16-bit pairs, so lane l holds,
         // per 8-token x 16-column matrix, tokens 2 (l % 4) + {0, 1} at the columns 2 (l / 4)
         // and 2 (l / 4) + 1.  A byte permute makes one token pair per column, i.e. the B

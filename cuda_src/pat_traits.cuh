@@ -102,26 +102,17 @@ struct FwdTraits {
   static constexpr int KC = WG ? NW : (NW < KC_MAX ? NW : KC_MAX);
   static constexpr int CHUNKS = D / 8;                            // 16-byte chunks per row
 
-  // An fp8 cache on the mma.sync layouts stays fp8 in shared memory: its tiles are byte tiles
-  // ([N][D] bytes, swz8) that the walk's ldmatrix reads and widens in registers
-  // (pat_mma_walk.cuh).  The warpgroup layout's wgmma reads 16-bit B tiles from shared memory,
-  // so there the bytes land in a staging ring and are widened into those tiles (convert).
-  static constexpr bool KV8_DIRECT = KV8 && !WG;
-  static constexpr bool KV8_STAGED = KV8 && WG;
-
   static constexpr int Q_BYTES = M * D * 2;
-  static constexpr int KV_TILE_ELEMS = N * D;                     // elements of a K (or V) tile
-  // one K (or V) stage in units of T (a byte tile is half as many)
-  static constexpr int KV_STAGE_T = KV8_DIRECT ? N * D / 2 : N * D;
+  // One K (or V) stage in units of T.  An fp8 cache stays fp8 in shared memory: byte tiles
+  // ([N][D] bytes, swz8, half as many T) that the walk's ldmatrix reads and widens in
+  // registers (pat_mma_walk.cuh).
+  static constexpr int KV_STAGE_T = KV8 ? N * D / 2 : N * D;
   static constexpr int KV_BYTES = STAGES * 2 * KV_STAGE_T * 2;
   // the warpgroup layout aligns its tiles to 1024 bytes (the swizzle atom) at run time
   static constexpr int SMEM_ALIGN_PAD = WG ? 1024 : 0;
-  // fp8: 16 elements per 16-byte chunk (CHUNKS8 per row, KV_LOADS8 chunks per thread and
-  // stage); the warpgroup layout's staging ring, [STAGES][K, V][N][D] bytes after its KV tiles
+  // fp8: 16 elements per 16-byte chunk (CHUNKS8 per row, KV_LOADS8 chunks per thread and stage)
   static constexpr int CHUNKS8 = D / 16;
-  static constexpr int STAGE8_BYTES = KV8_STAGED ? STAGES * 2 * N * D : 0;
-  static constexpr int SMEM_BYTES =
-      Q_BYTES + KV_BYTES + SMEM_ALIGN_PAD + STAGE8_BYTES;  // dynamic shared memory
+  static constexpr int SMEM_BYTES = Q_BYTES + KV_BYTES + SMEM_ALIGN_PAD;  // dynamic smem
 
   // Element offset of 16-byte chunk `ch` of row `row` in a tile of R rows (Q: R = M, K/V: R = N).
   template <int R>
@@ -155,6 +146,8 @@ struct FwdTraits {
   static_assert(!WG || (D == 128 && M % 64 == 0 && (WARPS == M / 16 || WARPS == 2 * M / 16)),
                 "warpgroup layout: head_dim 128, 64 or 128 rows, one warp per 16 rows of each "
                 "of one or two token slices");
+  static_assert(!(WG && KV8), "an fp8 cache runs the mma.sync layouts (wgmma reads 16-bit B "
+                              "tiles from shared memory)");
   static_assert(M % RW == 0 && M >= 16 && M <= 128, "m must be a multiple of the warp rows, <= 128");
   static_assert(N % 16 == 0 && N >= 16 && N <= 256, "n must be a multiple of 16 in [16, 256]");
   static_assert(WARPS >= 1 && WARPS <= 8, "1..8 warps");

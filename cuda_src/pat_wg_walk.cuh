@@ -40,8 +40,6 @@ __device__ __forceinline__ void pat_wg_loop(typename Tr::T* sQ, typename Tr::T* 
     if (tn < num_tiles) loader.load(sK, sV, tn, tn % STAGES, row0, ONE ? tid : stid);
     cp_async_commit();
     cp_async_wait<STAGES - 1>();
-    // fp8: widen this thread's copies of tile t into the stage's tiles (a no-op otherwise)
-    loader.convert(sK, sV, t % STAGES, row0, ONE ? tid : stid);
     fence_proxy_async();  // this thread's copies of tile t (and Q) -> the tensor cores' view
     slice_sync<Tr>(ONE ? 0 : wn);  // every copy of this slice of tile t has landed
     const unsigned st = (t % STAGES) * STAGE_BYTES;

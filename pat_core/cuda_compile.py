@@ -167,14 +167,21 @@ def variant_speed(head_dim: int = 128) -> dict:
     return {(int(r["m"]), int(r["n"])): r for r in data.get("tiles", {}).values()}
 
 
-def default_layout(m: int, n: int, head_dim: int = 128, arch: str = "sm_90") -> tuple:
+def default_layout(m: int, n: int, head_dim: int = 128, arch: str = "sm_90",
+                   kv_fp8: bool = False) -> tuple:
     """``(warps, stages, rows_per_warp)`` of the (m, n) variant on ``arch``: the fastest measured
     layout at this head_dim (:func:`variant_speed`, where it fits shared memory; where that is
     the warpgroup layout, which only sm_90 runs, other GPUs take the fastest measured mma.sync
     layout, the record's ``sync``), else the rules (:func:`rule_warps`, :func:`rule_stages`,
-    :func:`default_rows_per_warp`; the only source where a head_dim has no table)."""
+    :func:`default_rows_per_warp`; the only source where a head_dim has no table).
+
+    ``kv_fp8``: the layout of an fp8 cache's variant, always an mma.sync one (the record's
+    ``sync`` where the fastest is the warpgroup layout).  Those widen the fp8 fragments in
+    registers; ``wgmma`` would need 16-bit K and V tiles in shared memory, and the kernel that
+    widened into them measured 3-25% slower than the mma.sync layouts on the fp8 sharing
+    batches (bench/NOTES.md)."""
     rec = variant_speed(int(head_dim)).get((int(m), int(n)))
-    if rec is not None and int(rec["rows_per_warp"]) == WG_ROWS and arch != "sm_90":
+    if rec is not None and int(rec["rows_per_warp"]) == WG_ROWS and (arch != "sm_90" or kv_fp8):
         rec = rec.get("sync")
     if rec is not None:
         w, st, rw = int(rec["warps"]), int(rec["stages"]), int(rec["rows_per_warp"])
@@ -240,14 +247,10 @@ class FwdVariant:
         kv = "" if kv_dtype is None or kv_dtype == dtype else str(kv_dtype)
         over = VARIANT_OVERRIDES.get((int(m), int(n)))
         if over is None:
-            w, st, rw = default_layout(m, n, head_dim, arch)
+            w, st, rw = default_layout(m, n, head_dim, arch, kv_fp8=bool(kv))
         else:
             w, st = over[0], over[1]
             rw = over[2] if len(over) > 2 else default_rows_per_warp(m, head_dim)
-        if kv and over is None:
-            # the fp8 staging ring grows with the stages: drop to two where three overflow
-            while st > 2 and fwd_smem_bytes(m, n, head_dim, st, rw, True) > SMEM_LIMIT["sm_90"]:
-                st -= 1
         return cls(int(head_dim), str(dtype), int(m), int(n), int(w), int(st), int(rw), kv,
                    bool(causal))
 
@@ -372,24 +375,26 @@ def fwd_smem_bytes(m: int, n: int, head_dim: int, stages: int, rows_per_warp: in
     Q tile (m x d, 2 bytes) + `stages` x (K tile + V tile) (n x d, 2 bytes each), plus 1024 bytes
     for the warpgroup layout, which aligns its tiles to the 1024-byte swizzle atom at run time.
     The cross-warp combine buffer reuses the KV ring, so it adds nothing.  ``kv_fp8``: an fp8
-    cache's K and V tiles stay bytes (1 byte each) on the mma.sync layouts; on the warpgroup
-    layout they land in a byte staging ring (`stages` x (K + V) x n x d bytes) and are widened
-    into the 2-byte tiles above, which wgmma reads.
+    cache's K and V tiles stay bytes (1 byte per element; mma.sync layouts only).
     """
-    wg = rows_per_warp == WG_ROWS
-    pad = 1024 if wg else 0
-    kv_elem = 1 if kv_fp8 and not wg else 2
-    staging = stages * 2 * n * head_dim if kv_fp8 and wg else 0
-    return m * head_dim * 2 + stages * 2 * n * head_dim * kv_elem + pad + staging
+    pad = 1024 if rows_per_warp == WG_ROWS else 0
+    kv_elem = 1 if kv_fp8 else 2
+    return m * head_dim * 2 + stages * 2 * n * head_dim * kv_elem + pad
 
 
 def fwd_variant_feasible(v: FwdVariant, smem_limit: int = SMEM_LIMIT["sm_90"]) -> bool:
     """Whether ``v`` compiles: its shared memory fits ``smem_limit`` and its layout is one the
     kernel's traits accept (``cuda_src/pat_traits.cuh``: 16 rows per warp at head_dim 256, the
-    warpgroup layout at head_dim 128 only)."""
+    warpgroup layout at head_dim 128 over a 16-bit cache only; an fp8 tile only where the
+    16-bit tile exists)."""
     if v.head_dim > 128 and v.rows_per_warp != 16:
         return False
-    if v.warpgroup and v.head_dim != 128:
+    if v.warpgroup and (v.head_dim != 128 or v.kv_dtype):
+        return False
+    if v.kv_dtype and not fwd_variant_feasible(
+            FwdVariant.make(v.m, v.n, v.head_dim, v.dtype), smem_limit):
+        # an fp8 tile exists where its 16-bit twin does (byte tiles would fit larger ones,
+        # which no layout table or selector knows)
         return False
     return v.smem_bytes <= smem_limit
 
@@ -399,7 +404,7 @@ def all_fwd_variants(head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_CTYPE), ms=TILE_MS,
     """Every forward variant that fits the sm_90 shared-memory limit (n = 256 only at d = 64;
     n <= 64 at d = 256, whose K and V rows are twice as long), in the default layouts of sm_90
     and of sm_80.  ``kv_dtype``: the variants over a cache of that KV-only dtype (fp8) instead
-    of the 16-bit ones."""
+    of the 16-bit ones (the same tiles, :func:`fwd_variant_feasible`)."""
     out = []
     for d in head_dims:
         for dt in dtypes:

@@ -72,14 +72,13 @@ def estimate_resources(m: int, n: int, head_dim: int, dtype: str = "float16") ->
 
     Threads and stages: the variant's layout (:func:`pat_core.cuda_compile.default_layout`, the
     one home of the variant rules).  Shared memory: Q tile (``m*d*b``) plus ``stages`` K and V
-    tiles (``2*stages*n*d*b``); for an fp8 cache the variant's own formula
-    (:func:`pat_core.cuda_compile.fwd_smem_bytes`'s ``kv_fp8``: byte tiles, or the warpgroup
-    layout's 16-bit tiles plus its byte staging ring).  Registers per thread: the fp32 output accumulator and score tile spread over
+    tiles (``2*stages*n*d*b``); for an fp8 cache its own layout and byte tiles
+    (:func:`pat_core.cuda_compile.fwd_smem_bytes`'s ``kv_fp8``).  Registers per thread: the fp32 output accumulator and score tile spread over
     the CTA's threads (``(m*d + m*n) / threads``), plus 40 for addresses, softmax state and loop
     counters.
     """
     dtype = dtype_name(dtype)
-    if dtype in KV_ONLY_DTYPES:          # the fp8 variant's own layout (its ring may be shorter)
+    if dtype in KV_ONLY_DTYPES:          # the fp8 variant's own layout (mma.sync)
         v = cc.FwdVariant.make(m, n, head_dim, dtype)
         warps, stages, smem = v.warps, v.stages, v.smem_bytes
     else:
@@ -161,6 +160,8 @@ def _fp8_from_16bit(data, m: int, n: int, head_dim: int, dtype: str, gpu: GPUSpe
     variant of the same layout, else :func:`estimate_resources`."""
     arch = _arch_of(gpu)
     v8 = cc.FwdVariant.make(m, n, head_dim, dtype, arch=arch)
+    if head_dim in cc.HEAD_DIMS and not cc.fwd_variant_feasible(v8):
+        return None                                     # not built (no 16-bit twin)
     twin = (data or {}).get("variants", {}).get(dataclasses.replace(v8, kv_dtype="").key)
     if twin is None or twin.get(arch) is None:
         return estimate_resources(m, n, head_dim, dtype)
@@ -227,7 +228,7 @@ def check_fixed_tile(tile, head_dim: int, dtype: str) -> tuple:
         raise ValueError(f"tile={tile!r}: m must be one of {cc.TILE_MS} and n one of "
                          f"{cc.TILE_NS} (the kernels' tile shapes)")
     dtype = dtype_name(dtype)
-    kv = dtype if dtype in cc.KV_CTYPE else None        # fp8: its own (larger) shared memory
+    kv = dtype if dtype in cc.KV_CTYPE else None        # fp8: its own layout and shared memory
     if head_dim in cc.HEAD_DIMS and (dtype in cc.DTYPE_CTYPE or kv) \
             and not cc.fwd_variant_supported(m, n, head_dim, kv):
         raise ValueError(f"tile={tile!r}: no kernel for ({m}, {n}) at head_dim {head_dim} "

@@ -183,16 +183,34 @@ def test_stats_price_one_byte_per_kv_element(batch):
     assert p8.io_dtype == "bfloat16" and p16.io_dtype == "float16"
 
 
-def test_fp8_tiles_pay_for_the_staging_ring():
-    for m, n in ((16, 64), (64, 128), (128, 64)):
+def test_fp8_tiles_shared_memory():
+    """fp8 variants take mma.sync layouts only (the tile's fastest one where the 16-bit
+    variant takes the warpgroup layout), with byte tiles: half the 16-bit ring."""
+    wg16 = 0
+    for m, n in ((16, 64), (64, 128), (128, 64), (32, 32), (64, 64)):
         r8 = estimate_resources(m, n, 128, "float8_e4m3fn")
         v = cc.FwdVariant.make(m, n, 128, "float8_e4m3fn")
         assert (v.dtype, v.kv_dtype) == ("float16", "float8_e4m3fn")
+        assert not v.warpgroup
+        v16 = cc.FwdVariant.make(m, n, 128, "float16")
+        if v16.warpgroup:
+            wg16 += 1
+            rec = cc.variant_speed(128)[(m, n)]["sync"]
+            assert (v.warps, v.stages, v.rows_per_warp) == (
+                rec["warps"], rec["stages"], rec["rows_per_warp"])
+        else:
+            assert (v.warps, v.stages, v.rows_per_warp) == (v16.warps, v16.stages,
+                                                            v16.rows_per_warp)
         st_, rw = v.stages, v.rows_per_warp
-        assert r8.smem == v.smem_bytes == cc.fwd_smem_bytes(m, n, 128, st_, rw) + st_ * 2 * n * 128
+        assert r8.smem == v.smem_bytes == cc.fwd_smem_bytes(m, n, 128, st_, rw) - st_ * 2 * n * 128
         assert r8.stages == st_ and r8.threads == v.threads
-        # the 16-bit variant of the same tile has the same layout, or one more stage
-        assert cc.FwdVariant.make(m, n, 128, "float16").stages in (st_, st_ + 1)
+    assert wg16 > 0
+    # a forced warpgroup layout over an fp8 cache is not a variant the kernel builds
+    cc.VARIANT_OVERRIDES[(64, 64)] = (4, 2, cc.WG_ROWS)
+    try:
+        assert not cc.fwd_variant_feasible(cc.FwdVariant.make(64, 64, 128, "float8_e4m3fn"))
+    finally:
+        cc.VARIANT_OVERRIDES.clear()
 
 
 def test_simulator_prices_fp8_kv_bytes(batch):
@@ -263,17 +281,15 @@ def test_fp8_variant_keys_and_names():
     v8 = cc.FwdVariant.make(16, 64, 128, "bfloat16", kv_dtype="float8_e4m3fn")
     assert v8.key == f"pat_fwd_d128_bf16_m16_n64_w{w}_s{s}_r{r}_kv8"
     assert v8.name_expression.endswith(", pat::fp8_e4m3>")
-    assert v8.smem_bytes == v16.smem_bytes + 2 * 2 * 64 * 128
+    assert v8.smem_bytes == v16.smem_bytes - 2 * 2 * 64 * 128   # byte tiles: half the ring
     assert cc.FwdVariant.make(16, 64, 128, "float16", kv_dtype="float16") == v16
     from pat_core.cuda_modules import _variant_from
     assert _variant_from(v8.key) == v8
     all8 = cc.all_fwd_variants(kv_dtype="float8_e4m3fn")
     assert all(v.key.endswith("_kv8") for v in all8)
-    # one fp8 variant per 16-bit (head_dim, dtype, m, n), but head_dim 256's 128 x 64, whose
-    # byte staging ring does not fit next to its tiles
+    # one fp8 variant per 16-bit (head_dim, dtype, m, n)
     tiles = {(v.head_dim, v.dtype, v.m, v.n) for v in cc.all_fwd_variants()}
-    assert {(v.head_dim, v.dtype, v.m, v.n) for v in all8} == tiles - {
-        (256, dt, 128, 64) for dt in cc.DTYPE_CTYPE}
+    assert {(v.head_dim, v.dtype, v.m, v.n) for v in all8} == tiles
     assert all(cc.fwd_variant_feasible(v) for v in cc.all_fwd_variants(kv_dtype="float8_e4m3fn"))
 
 
@@ -284,7 +300,7 @@ def test_fp8_resources_from_the_16bit_twin():
     r16 = kernel_resources(16, 64, 128, "float16", gpu)
     r8 = kernel_resources(16, 64, 128, "float8_e4m3fn", gpu)
     assert r16.source == "nvcc" and r8.source == "nvcc-16bit"
-    assert r8.registers == r16.registers and r8.smem == r16.smem + 2 * 2 * 64 * 128
+    assert r8.registers == r16.registers and r8.smem == r16.smem - 2 * 2 * 64 * 128
 
 
 def test_fp8_plans_for_the_cuda_kernels(batch):

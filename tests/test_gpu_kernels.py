@@ -802,7 +802,7 @@ def test_changing_launch_options_prepares_the_launches_again():
     st = next(s for s in be._states.values() if s.plan is w.current_plan)
 
     def fast_flags(options):
-        return [ln.fast for key, prep in st.prepared.items() if key[-1] == options
+        return [ln.fast for key, prep in st.prepared.items() if options in key
                 for ln in prep["launches"]]
     assert fast_flags(be.options) and all(fast_flags(be.options))
     be.options = LaunchOptions(fast=False)
