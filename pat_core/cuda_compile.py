@@ -142,9 +142,9 @@ def rule_stages(m: int, n: int, head_dim: int = 128) -> int:
 
 def variant_speed_path(head_dim: int = 128) -> Path:
     """The measured variant-speed table of ``head_dim``: ``variant_speed_h100.json`` (128),
-    ``variant_speed_h100_d{head_dim}.json`` otherwise."""
+    ``variant_speed_d{head_dim}.json`` otherwise (the GPU it was measured on is in the file)."""
     name = "variant_speed_h100.json" if int(head_dim) == 128 else \
-        f"variant_speed_h100_d{int(head_dim)}.json"
+        f"variant_speed_d{int(head_dim)}.json"
     return Path(__file__).resolve().parent / "data" / name
 
 
@@ -153,7 +153,7 @@ def variant_speed(head_dim: int = 128) -> dict:
     """Measured speed of every tile ``(m, n)`` at ``head_dim``: ``{(m, n): record}``.
 
     Written by ``bench/lab/kernel_lab.py --cases layouts --head-dim D --write-table`` on an
-    H100: each (m, n) with its candidate layouts (warps, stages, rows per warp) forced onto
+    H100 or H200 (the file's ``device``): each (m, n) with its candidate layouts (warps, stages, rows per warp) forced onto
     every CTA of a no-sharing batch (4096 KV tokens per CTA), the fastest layout kept with its
     fraction of copy bandwidth (``frac_copy``).  Empty when the file is absent (head_dim 64 and
     256 have none yet: their layouts and tile widths follow the rules).

@@ -65,7 +65,7 @@ def test_a_head_dim_table_drives_its_layouts_and_widths(tmp_path, monkeypatch):
                   "frac_copy": 0.85},
         "16x16": {"m": 16, "n": 16, "warps": 1, "stages": 3, "rows_per_warp": 16,
                   "frac_copy": 0.80}}}
-    path = tmp_path / "variant_speed_h100_d256.json"
+    path = tmp_path / "variant_speed_d256.json"
 
     def reset():
         cc.variant_speed.cache_clear()

@@ -10,7 +10,7 @@
 #   feat_fp8.json       synthetic part, FP8 KV (e4m3, per-tensor scales): pat, FlashInfer decode
 #   feat_qlen4.json     synthetic part, 4 query tokens per request: pat, FlashInfer paged prefill
 #   feat_invariant.json every part: pat and pat-invariant (batch_invariant=True)
-#   variant_speed_h100_d256.json  the head_dim-256 variant-speed table (kernel_lab's layouts
+#   variant_speed_d256.json  the head_dim-256 variant-speed table (kernel_lab's layouts
 #                       cases; copy it to pat_core/data/ and regenerate kernel_resources.json)
 #   sanitizer.log, session.log
 #
@@ -41,7 +41,7 @@ if want tests; then
 fi
 if want hd256table; then
     timeout 500 python3 bench/lab/kernel_lab.py --cases layouts --head-dim 256 --out "$work/kl256" \
-        --write-table "$out/variant_speed_h100_d256.json" 2>&1 | tail -3
+        --write-table "$out/variant_speed_d256.json" 2>&1 | tail -3
 fi
 want hd256 && dev hd256 --parts synthetic --head-dim 256 --methods pat fi-decode
 if want fp8; then
