@@ -46,8 +46,9 @@ def _as_int_array(x, name: str, ndim: int | None) -> np.ndarray:
 
 
 def _int64(arr: np.ndarray, name: str, used=None) -> np.ndarray:
-    """``arr`` as int64; an unsigned entry above 2^63 - 1 (in ``used``, a bool mask, when
-    given) is reported with its true value instead of wrapping to a negative number."""
+    """``arr`` as int64 (``arr`` itself when it is one: callers never write to the result);
+    an unsigned entry above 2^63 - 1 (in ``used``, a bool mask, when given) is reported with
+    its true value instead of wrapping to a negative number."""
     if arr.dtype.kind == "u" and arr.size:
         big = arr > np.iinfo(np.int64).max
         if used is not None:
@@ -57,7 +58,7 @@ def _int64(arr: np.ndarray, name: str, used=None) -> np.ndarray:
             idx = ", ".join(map(str, at))
             raise ValueError(f"{name}[{idx}] = {int(arr[at])} does not fit in int32 "
                              f"(the limit is 2^31 - 1)")
-    return arr.astype(np.int64)
+    return arr.astype(np.int64, copy=False)
 
 
 @dataclass
@@ -143,35 +144,7 @@ class BlockTable:
     def from_csr(cls, indptr, indices, last_page_len, page_size: int) -> "BlockTable":
         """From FlashInfer's CSR form: request ``r`` owns ``indices[indptr[r]:indptr[r+1]]`` and
         fills ``last_page_len[r]`` tokens (``1..page_size``) of its last page."""
-        page_size = _check_page_size(page_size)
-        ip = _int64(_as_int_array(indptr, "indptr", 1), "indptr")
-        idx = _int64(_as_int_array(indices, "indices", 1), "indices")
-        lpl = _int64(_as_int_array(last_page_len, "last_page_len", 1), "last_page_len")
-        if ip.shape[0] < 1 or ip[0] != 0:
-            raise ValueError("indptr must start with 0")
-        if ip.shape[0] == 1:
-            raise ValueError("indptr = [0] lists no request: a batch needs at least one")
-        if np.any(np.diff(ip) < 1):
-            raise ValueError("indptr must be strictly increasing (every request needs a page)")
-        if ip[-1] > idx.shape[0]:
-            raise ValueError(f"indptr[-1] = {ip[-1]} exceeds len(indices) = {idx.shape[0]}")
-        B = ip.shape[0] - 1
-        if lpl.shape[0] != B:
-            raise ValueError(f"last_page_len has {lpl.shape[0]} entries, expected {B}")
-        if np.any(lpl < 1) or np.any(lpl > page_size):
-            raise ValueError(f"last_page_len entries must lie in [1, page_size={page_size}]")
-        _check_csr_page_ids(idx[: ip[-1]])
-        npages = np.diff(ip)
-        seq = (npages - 1) * page_size + lpl
-        if B and seq.max() > INT32_MAX:
-            bad = int(np.argmax(seq))
-            raise ValueError(f"request {bad} holds {int(seq[bad])} tokens; seq_lens must fit in "
-                             "int32 (the limit is 2^31 - 1)")
-        width = int(npages.max()) if B else 0
-        table = np.full((B, width), -1, dtype=np.int64)
-        rows = np.repeat(np.arange(B), npages)
-        cols = np.arange(ip[-1]) - np.repeat(ip[:-1], npages)
-        table[rows, cols] = idx[: ip[-1]]
+        table, seq = csr_to_padded(indptr, indices, last_page_len, page_size)
         return cls.from_padded(table, seq, page_size)
 
     def to_csr(self):
@@ -203,6 +176,50 @@ def _check_csr_page_ids(used: np.ndarray) -> None:
         if v < 0:
             raise ValueError(f"indices[{k}] = {v} is a negative page id")
         raise ValueError(f"indices[{k}] = {v} does not fit in int32 (the limit is 2^31 - 1)")
+
+
+def csr_to_padded(indptr, indices, last_page_len, page_size: int):
+    """FlashInfer's CSR page table as a padded one: ``(table, seq_lens)``, int32 ``[batch,
+    max_pages]`` (``-1`` past each request's pages) and int32 ``[batch]``.  Request ``r`` owns
+    ``indices[indptr[r]:indptr[r+1]]`` and fills ``last_page_len[r]`` tokens (``1..page_size``)
+    of its last page.  Every error names the CSR argument at fault."""
+    page_size = _check_page_size(page_size)
+    ip = _int64(_as_int_array(indptr, "indptr", 1), "indptr")
+    idx = _int64(_as_int_array(indices, "indices", 1), "indices")
+    lpl = _int64(_as_int_array(last_page_len, "last_page_len", 1), "last_page_len")
+    if ip.shape[0] < 1 or ip[0] != 0:
+        raise ValueError("indptr must start with 0")
+    if ip.shape[0] == 1:
+        raise ValueError("indptr = [0] lists no request: a batch needs at least one")
+    npages = np.diff(ip)
+    if np.any(npages < 1):
+        raise ValueError("indptr must be strictly increasing (every request needs a page)")
+    if ip[-1] > idx.shape[0]:
+        raise ValueError(f"indptr[-1] = {ip[-1]} exceeds len(indices) = {idx.shape[0]}")
+    B = ip.shape[0] - 1
+    if lpl.shape[0] != B:
+        raise ValueError(f"last_page_len has {lpl.shape[0]} entries, expected {B}")
+    if np.any(lpl < 1) or np.any(lpl > page_size):
+        raise ValueError(f"last_page_len entries must lie in [1, page_size={page_size}]")
+    _check_csr_page_ids(idx[: ip[-1]])
+    seq = (npages - 1) * page_size + lpl
+    if seq.max() > INT32_MAX:
+        bad = int(np.argmax(seq))
+        raise ValueError(f"request {bad} holds {int(seq[bad])} tokens; seq_lens must fit in "
+                         "int32 (the limit is 2^31 - 1)")
+    return _csr_fill(ip, idx, int(npages.max())), seq.astype(np.int32)
+
+
+@njit(cache=True, nogil=True)
+def _csr_fill(ip, idx, width):
+    """int32 ``[batch, width]``: row ``r`` holds ``idx[ip[r]:ip[r+1]]`` (checked to fit),
+    then ``-1``."""
+    B = ip.shape[0] - 1
+    out = np.full((B, width), -1, dtype=np.int32)
+    for r in range(B):
+        for c in range(ip[r + 1] - ip[r]):
+            out[r, c] = idx[ip[r] + c]
+    return out
 
 
 @njit(cache=True, nogil=True)

@@ -46,7 +46,8 @@ import threading
 
 import numpy as np
 
-from .inputs import BlockTable, byte_extent, check_heads, refuse_overlap, refuse_self_overlap
+from .inputs import (byte_extent, check_heads, csr_to_padded, refuse_overlap,
+                     refuse_self_overlap)
 from .packers import PACKERS
 from .fp8 import FLOAT32_MAX, as_scale, kv_cache_dtype
 from .plan import KV_ONLY_DTYPES, Plan, dtype_name
@@ -412,15 +413,18 @@ class PrefixAttentionWrapper:
     def plan_csr(self, indptr, indices, last_page_len, num_qo_heads: int, num_kv_heads: int,
                  head_dim: int, page_size: int, **kwargs) -> Plan:
         """:meth:`plan` from FlashInfer's CSR form (``indptr [batch + 1]``, ``indices [nnz]``,
-        ``last_page_len [batch]``, int host arrays); keyword options as :meth:`plan`."""
+        ``last_page_len [batch]``, int host arrays); keyword options as :meth:`plan`.  The
+        CSR arrays become a padded table (:func:`pat_core.inputs.csr_to_padded`), so a serving
+        loop's steps take the planner's incremental path as padded tables do."""
         try:
-            bt = BlockTable.from_csr(indptr, indices, last_page_len, page_size)
+            table, seq_lens = csr_to_padded(indptr, indices, last_page_len, page_size)
         except Exception as e:      # as plan(): a failed call leaves no runnable plan
             self._enter("plan_csr")
             self._plan, self._failed = None, f"{type(e).__name__}: {e}"
             self._busy.release()
             raise
-        return self.plan(bt, None, num_qo_heads, num_kv_heads, head_dim, page_size, **kwargs)
+        return self.plan(table, seq_lens, num_qo_heads, num_kv_heads, head_dim, page_size,
+                         **kwargs)
 
     @property
     def current_plan(self) -> Plan:

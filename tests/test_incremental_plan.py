@@ -156,3 +156,22 @@ def test_radix_sort_ties_and_prefixes():
                      dtype=np.int32)
     bt = as_block_table(table, [40, 33, 20, 40, 45, 48], 16)
     assert sort_requests(bt).tolist() == [4, 2, 1, 0, 3, 5] == sort_by_byte_keys(bt).tolist()
+
+
+def test_plan_csr_serving_loop_takes_the_incremental_path():
+    """An engine hands FlashInfer's CSR form each step (the transformers integration does):
+    ``plan_csr`` plans like ``plan`` of the padded table, so a reused wrapper takes the
+    incremental path too, and every plan equals a fresh planner's of the same step."""
+    from pat_core import PrefixAttentionWrapper
+    from pat_core.inputs import BlockTable
+    loop = ServingLoop(24, 2, 70, (5, 60), 4, seed=7)
+    w = PrefixAttentionWrapper("cpu")
+    paths = []
+    for _ in range(60):
+        table, lens = loop.step()
+        csr = BlockTable.from_padded(table, lens, 4).to_csr()
+        inc = w.plan_csr(*csr, 32, 8, 128, 4, kv_data_type="float32")
+        paths.append(w.planner.last_path)
+        fresh = Planner("pat").plan(table, lens, 32, 8, 128, 4, kv_data_type="float32")
+        assert_same_plan(inc, fresh)
+    assert paths[0] == "full" and paths.count("full") == 1, paths
