@@ -118,7 +118,7 @@ def problems(data: dict) -> list:
 
 
 def build(jobs=None, nvcc="nvcc") -> dict:
-    variants = cc.all_fwd_variants() + cc.all_merge_variants()
+    variants = cc.resource_variants()
     return {
         "generator": "bench/kernel_resources.py",
         "nvcc": cc.nvcc_version(nvcc),

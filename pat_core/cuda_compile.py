@@ -178,8 +178,9 @@ def default_layout(m: int, n: int, head_dim: int = 128, arch: str = "sm_90",
     ``kv_fp8``: the layout of an fp8 cache's variant, always an mma.sync one (the record's
     ``sync`` where the fastest is the warpgroup layout).  Those widen the fp8 fragments in
     registers; ``wgmma`` would need 16-bit K and V tiles in shared memory, and the kernel that
-    widened into them measured 3-25% slower than the mma.sync layouts on the fp8 sharing
-    batches (bench/NOTES.md)."""
+    widened into them measured 1.04x slower than the mma.sync layouts in geometric mean over
+    the fp8 synthetic batches (12-25% on five sharing batches, 3% faster on one;
+    bench/NOTES.md)."""
     rec = variant_speed(int(head_dim)).get((int(m), int(n)))
     if rec is not None and int(rec["rows_per_warp"]) == WG_ROWS and (arch != "sm_90" or kv_fp8):
         rec = rec.get("sync")
@@ -415,6 +416,13 @@ def all_fwd_variants(head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_CTYPE), ms=TILE_MS,
                         if fwd_variant_feasible(v) and v not in out:
                             out.append(v)
     return out
+
+
+def resource_variants() -> list:
+    """Every variant the resource file (``bench/kernel_resources.py``) lists: the forward
+    variants over 16-bit and fp8 caches, and the merge variants."""
+    return all_fwd_variants() + all_fwd_variants(kv_dtype="float8_e4m3fn") + \
+        all_merge_variants()
 
 
 def all_merge_variants(head_dims=HEAD_DIMS, dtypes=tuple(DTYPE_CTYPE)):

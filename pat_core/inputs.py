@@ -168,7 +168,7 @@ class BlockTable:
 def _check_csr_page_ids(used: np.ndarray) -> None:
     """``ValueError`` naming ``indices[k]`` for a used page id that is negative or past int32
     (checked here, so that the message names the CSR argument, not the padded table that
-    :meth:`BlockTable.from_csr` builds from it)."""
+    :func:`csr_to_padded` builds from it)."""
     bad = np.flatnonzero((used < 0) | (used > INT32_MAX))
     if bad.size:
         k = int(bad[0])
@@ -182,7 +182,8 @@ def csr_to_padded(indptr, indices, last_page_len, page_size: int):
     """FlashInfer's CSR page table as a padded one: ``(table, seq_lens)``, int32 ``[batch,
     max_pages]`` (``-1`` past each request's pages) and int32 ``[batch]``.  Request ``r`` owns
     ``indices[indptr[r]:indptr[r+1]]`` and fills ``last_page_len[r]`` tokens (``1..page_size``)
-    of its last page.  Every error names the CSR argument at fault."""
+    of its last page.  Errors name the argument at fault, or the request whose length would
+    not fit int32."""
     page_size = _check_page_size(page_size)
     ip = _int64(_as_int_array(indptr, "indptr", 1), "indptr")
     idx = _int64(_as_int_array(indices, "indices", 1), "indices")

@@ -568,7 +568,6 @@ def _price_constants(selector, num_kv_heads: int, head_dim: int, kv_bytes: int, 
         key = (configs.tobytes(), head_dim, kv_bytes, num_kv_heads, gpu)
         hit = _PRICE_MEMO.get(key)
         if hit is None:
-            from .cuda_compile import default_layout
             from .tiles import estimate_resources, kernel_resources
             # the resources of the cache's element size: 1 byte is fp8 (its own shared
             # memory), 2 the 16-bit kernels, 4 the CPU-only float32
@@ -579,8 +578,7 @@ def _price_constants(selector, num_kv_heads: int, head_dim: int, kv_bytes: int, 
                 res = kernel_resources(m, n, head_dim, dtype, gpu) or \
                     estimate_resources(m, n, head_dim, dtype)
                 slot[u] = num_kv_heads / max(res.ctas_per_sm(gpu), 1)
-                stages = default_layout(m, n, head_dim)[1]
-                inflight[u] = num_kv_heads * max(stages - 1, 1) * n * head_dim * 2 * kv_bytes
+                inflight[u] = num_kv_heads * max(res.stages - 1, 1) * n * head_dim * 2 * kv_bytes
             hit = _PRICE_MEMO[key] = (slot, inflight)
         own[(head_dim, kv_bytes, num_kv_heads)] = hit
     return hit

@@ -30,7 +30,6 @@ import functools
 import json
 import math
 import os
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -135,8 +134,6 @@ def _kernel_resources(data, m: int, n: int, head_dim: int, dtype: str, gpu: GPUS
     # a record's cache dtype: its kv_dtype (fp8 variants, whose dtype is the query's), else dtype
     family = [v for v in forward
               if (v["head_dim"], v.get("kv_dtype") or v["dtype"]) == (head_dim, dtype)]
-    if not family and dtype in KV_ONLY_DTYPES:
-        return _fp8_from_16bit(data, m, n, head_dim, dtype, gpu)
     if not family:
         # no compiled kernels for this head_dim/dtype (no data file yet, or a shape only the
         # CPU executor runs, such as float32): the estimate stands in
@@ -152,23 +149,6 @@ def _kernel_resources(data, m: int, n: int, head_dim: int, dtype: str, gpu: GPUS
     smem = int(rep.get("smem_static", 0)) + int(rep.get("smem_dynamic", 0))
     return TileResources(m=m, n=n, threads=int(v["threads"]), registers=int(rep["registers"]),
                          smem=smem, source="nvcc", stages=int(v.get("stages", STAGES)))
-
-
-def _fp8_from_16bit(data, m: int, n: int, head_dim: int, dtype: str, gpu: GPUSpec):
-    """Resources of an fp8 variant the data file does not list: its own layout, threads and
-    shared memory (the formula), with the registers the compiler reported for the float16
-    variant of the same layout, else :func:`estimate_resources`."""
-    arch = _arch_of(gpu)
-    v8 = cc.FwdVariant.make(m, n, head_dim, dtype, arch=arch)
-    if head_dim in cc.HEAD_DIMS and not cc.fwd_variant_feasible(v8):
-        return None                                     # not built (no 16-bit twin)
-    twin = (data or {}).get("variants", {}).get(dataclasses.replace(v8, kv_dtype="").key)
-    if twin is None or twin.get(arch) is None:
-        return estimate_resources(m, n, head_dim, dtype)
-    rep = twin[arch]
-    return TileResources(m=m, n=n, threads=v8.threads, registers=int(rep["registers"]),
-                         smem=int(rep.get("smem_static", 0)) + v8.smem_bytes,
-                         source="nvcc-16bit", stages=v8.stages)
 
 
 @dataclass(frozen=True)
@@ -315,10 +295,16 @@ class TileSelector:
         """Measured fraction of copy bandwidth of tile ``(m, n)`` (``None`` if not measured).
 
         From :func:`pat_core.cuda_compile.variant_speed` of this head_dim (measured on an H100
-        in float16; used for every sm_90 GPU, either dtype: bf16 runs the same instructions)."""
+        or H200 in float16; used for every sm_90 GPU, either dtype: bf16 runs the same
+        instructions).  An fp8 cache's tile runs the record's fastest mma.sync layout where the
+        fastest is the warpgroup one (:func:`pat_core.cuda_compile.default_layout`), so its
+        speed is that layout's."""
         if _arch_of(self.gpu) != "sm_90":
             return None
         rec = cc.variant_speed(self.head_dim).get((int(m), int(n)))
+        if rec is not None and self.dtype in KV_ONLY_DTYPES \
+                and int(rec["rows_per_warp"]) == cc.WG_ROWS:
+            rec = rec.get("sync")
         return None if rec is None else float(rec["frac_copy"])
 
     def row_time_weight(self, rows: np.ndarray) -> np.ndarray:

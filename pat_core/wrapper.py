@@ -19,7 +19,7 @@ backend     dtypes (``q`` and the KV cache alike)        ``head_dim``
 ``"cpu"``   float16, float32 (NumPy or CPU torch);       any for which a tile fits the GPU
             bfloat16 (CPU torch tensors only; NumPy      the plan is made for (``gpu=``; H100:
             bfloat16 from ml_dtypes is refused)          4..807 in 16-bit dtypes, 2..414 in
-                                                         float32, 8..558 with an fp8 cache)
+                                                         float32, 8..828 with an fp8 cache)
 ``"cuda"``  float16, bfloat16 (torch CUDA or CuPy;       64, 128 or 256 (one compiled kernel
             bfloat16 needs torch or ``out=``)            family per head_dim)
 ==========  ==========================================  =====================================

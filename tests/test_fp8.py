@@ -293,14 +293,21 @@ def test_fp8_variant_keys_and_names():
     assert all(cc.fwd_variant_feasible(v) for v in cc.all_fwd_variants(kv_dtype="float8_e4m3fn"))
 
 
-def test_fp8_resources_from_the_16bit_twin():
+def test_fp8_resources_are_the_compiled_fp8_variants():
+    """The resource file lists the fp8 variants themselves (their registers differ from the
+    16-bit twins'), in their own layouts: mma.sync where the 16-bit tile is a warpgroup one."""
+    import json
     from pat_core.gpus import get_gpu
     from pat_core.tiles import kernel_resources
+    data = json.loads(cc.resources_path().read_text())["variants"]
     gpu = get_gpu("h100")
-    r16 = kernel_resources(16, 64, 128, "float16", gpu)
-    r8 = kernel_resources(16, 64, 128, "float8_e4m3fn", gpu)
-    assert r16.source == "nvcc" and r8.source == "nvcc-16bit"
-    assert r8.registers == r16.registers and r8.smem == r16.smem - 2 * 2 * 64 * 128
+    for m, n in ((16, 64), (64, 64), (128, 32)):
+        v8 = cc.FwdVariant.make(m, n, 128, "float8_e4m3fn")
+        rec = data[v8.key]["sm_90"]
+        r8 = kernel_resources(m, n, 128, "float8_e4m3fn", gpu)
+        assert r8.source == "nvcc" and r8.registers == rec["registers"]
+        assert r8.smem == rec["smem_static"] + v8.smem_bytes and r8.stages == v8.stages
+        assert r8.threads == v8.threads
 
 
 def test_fp8_plans_for_the_cuda_kernels(batch):

@@ -34,7 +34,7 @@ def _families(keys) -> set:
 def test_schema_and_completeness(data):
     assert data["generator"] == "bench/kernel_resources.py"
     assert data["nvcc"] and data["source_hash"]
-    want = {v.key: v for v in cc.all_fwd_variants() + cc.all_merge_variants()}
+    want = {v.key: v for v in cc.resource_variants()}
     listed = set(want)
     if data["source_hash"] != cc.source_hash():
         # a file older than the sources (test_source_hash_current fails for that) may lack a
