@@ -228,7 +228,7 @@ class PatPagedAttention:
                       "plan_kv_tokens": 0, "request_kv_tokens": 0, "max_requests": 0,
                       "step_host_s": 0.0, "step_copy_s": 0.0}
         self.fallback_reasons: dict = {}
-        self.last_plan_stats: dict | None = None
+        self._last_plan = None
         self.last_seq_lens: np.ndarray | None = None
 
     # ------------------------------------------------------------------ per step
@@ -311,11 +311,18 @@ class PatPagedAttention:
                           int(cache.block_size), sm_scale=scaling,
                           kv_data_type=cache.key_cache[0].dtype,
                           q_data_type=query.dtype, qo_indptr=qo_indptr)
-        self.last_plan_stats = plan.stats()
-        # KV tokens the plan's CTAs read (one head) against those the requests attend to: a
-        # shared page is read once per CTA, so sharing shows as the first below the second
-        self.stats["plan_kv_tokens"] += int(self.last_plan_stats["kv_tokens"])
+        self._last_plan = plan
+        # KV tokens the plan's CTAs read (one head; Plan.stats' kv_tokens) against those the
+        # requests attend to: a shared page is read once per CTA, so sharing shows as the
+        # first below the second
+        self.stats["plan_kv_tokens"] += int(plan.cta_kv_len.sum(dtype=np.int64))
         return w
+
+    @property
+    def last_plan_stats(self) -> dict | None:
+        """:meth:`pat_core.Plan.stats` of the last plan (made when read: a step does not pay
+        for its tile histogram), ``None`` before the first."""
+        return None if self._last_plan is None else self._last_plan.stats()
 
     # ------------------------------------------------------------------ per layer
     def __call__(self, module, query, key, value, attention_mask, dropout: float = 0.0,
