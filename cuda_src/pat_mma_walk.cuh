@@ -26,11 +26,13 @@ __device__ __forceinline__ void permute_q_fp8(typename Tr::T* sQ, int tid) {
 #pragma unroll 1
   for (int id = tid; id < BLOCKS; id += Tr::THREADS) {
     const int row = id / (Tr::D / 16), blk = id % (Tr::D / 16);
+// <tutorial:fp8-q-permute>
     uint4* lo = reinterpret_cast<uint4*>(sQ + swz<Tr::D>(row, 2 * blk));
     uint4* hi = reinterpret_cast<uint4*>(sQ + swz<Tr::D>(row, 2 * blk + 1));
-    const uint4 a = *lo, b = *hi;
+    const uint4 a = *lo, b = *hi;  // the block's words 0-3 and 4-7 (column pairs)
     *lo = make_uint4(a.x, a.z, b.x, b.z);
     *hi = make_uint4(a.y, a.w, b.y, b.w);
+// </tutorial:fp8-q-permute>
   }
 }
 

@@ -13,7 +13,9 @@
 # * one CTA walked tile by tile on the CPU executor (`pat_core.executor.trace_cta`), with the
 #   online-softmax state after each tile;
 # * how the CUDA kernel overlaps loading the next tiles with computing the current one
-#   (a `cp.async` ring of shared-memory buffers), next to excerpts of the kernel source.
+#   (a `cp.async` ring of shared-memory buffers), next to excerpts of the kernel source;
+# * how an FP8 cache's bytes reach the tensor cores without a widening pass: fragment layouts
+#   modelled lane by lane, and why the kernel permutes Q's columns instead of K's bytes.
 #
 # Tutorial 1 (CTAs and packers) is assumed. No GPU is needed. Every number in the text below is
 # computed and checked (`assert`) in the cell next to it, from the package's own data: the
@@ -576,6 +578,128 @@ sync_pct = sorted(round(100 * f) for f in sync128.values())
 assert sync_pct[0] == 66 and sync_pct[-1] == 77                          # "66-77%"
 wgmma_src = (cuda_compile.cuda_src_dir() / "pat_wgmma.cuh").read_text()
 assert "128-byte swizzle" in wgmma_src and "1024-byte aligned" in wgmma_src
+
+# %% [markdown]
+# ## An FP8 cache: bytes in shared memory, widened in registers
+#
+# An FP8 (`float8_e4m3fn`) cache stores one byte per K or V element, so a memory-bound step
+# reads half the bytes. The tensor cores still multiply 16-bit operands, so the bytes must be
+# widened somewhere. Widening them in shared memory (read bytes, write halves, read the halves
+# again with `ldmatrix`) makes every element cross shared memory three times; pat's kernel
+# loads the *bytes* with `ldmatrix` and widens each fragment in registers. The catch:
+# `ldmatrix` moves 16-bit units, so a fragment of bytes comes out holding other elements than
+# the instruction expects. The kernel fixes that by moving the *other* operand instead of
+# the bytes.
+#
+# The model below follows one warp through both products with the fragment layouts of
+# `ldmatrix` (lane `l` gets row `l // 4`, units `2 (l % 4)` and `2 (l % 4) + 1` of an 8 x 8
+# matrix of 16-bit units; the transposing form gives the column instead) and of `mma.m16n8k16`
+# (A: rows `l // 4` and `+ 8`, k columns `2 (l % 4) + {0, 1}` and `+ 8`; B: k rows
+# likewise, column `l // 4`). Integer values make every product exact.
+
+# %%
+def ldmatrix(units, trans=False):
+    """Four 8x8 matrices of 16-bit units ([4, 8, 8, 2] bytes or [4, 8, 8] values) -> each
+    lane's four registers, each a pair of units (low first)."""
+    regs = []
+    for lane in range(32):
+        g, c = lane // 4, lane % 4
+        pick = (lambda M: (M[2 * c][g], M[2 * c + 1][g])) if trans else \
+               (lambda M: (M[g][2 * c], M[g][2 * c + 1]))
+        regs.append([pick(units[i]) for i in range(4)])
+    return regs
+
+
+def mma(a_regs, b_regs):
+    """One m16n8k16: per lane A [4 pairs] and B [2 pairs] -> the 16 x 8 product."""
+    A, B = np.zeros((16, 16)), np.zeros((16, 8))
+    for lane in range(32):
+        g, c = lane // 4, lane % 4
+        for r, (row, col) in enumerate(((g, 2 * c), (g + 8, 2 * c), (g, 2 * c + 8),
+                                        (g + 8, 2 * c + 8))):
+            A[row, col:col + 2] = a_regs[lane][r]
+        for r, k in enumerate((2 * c, 2 * c + 8)):
+            B[k:k + 2, g] = b_regs[lane][r]
+    return A @ B
+
+
+rng = np.random.default_rng(0)
+D = 64                                                  # head_dim (any multiple of 32 works)
+q = rng.integers(-4, 5, (16, D)).astype(float)          # 16 query rows
+k8 = rng.integers(-4, 5, (16, D)).astype(float)         # 16 tokens, one "byte" per element
+v8 = rng.integers(-4, 5, (16, D)).astype(float)
+p = rng.integers(-3, 4, (16, 16)).astype(float)         # probabilities of the 16 tokens
+
+# %% [markdown]
+# **Q K^T.** K is the B operand, and its rows are tokens. An 8-token x 16-byte matrix read as
+# 16-bit units gives lane `l` the 4 consecutive bytes `4 (l % 4) .. 4 (l % 4) + 3` of token
+# `l // 4` (each unit is two elements), widened into two half pairs. The instruction reads them
+# as the k positions `2 (l % 4) + {0, 1}` and `8 + 2 (l % 4) + {0, 1}`. A dot product does not
+# care about the order of its terms, as long as Q's columns are permuted the same way: within
+# every 16-column block, k slot `2 c + i` must hold column `4 c + i` and slot `8 + 2 c + i`
+# column `4 c + 2 + i`. The kernel permutes the Q tile in shared memory once per work item
+# (`permute_q_fp8` in `cuda_src/pat_mma_walk.cuh`; below), and every K fragment is then used as
+# it arrives.
+
+# %%
+perm = np.array([4 * (s % 8 // 2) + s % 2 + 2 * (s // 8) for s in range(16)])
+print("Q's column at each k slot of a 16-column block:", perm.tolist())
+assert perm.tolist() == [0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15]
+q_perm = np.concatenate([q[:, b * 16:(b + 1) * 16][:, perm] for b in range(D // 16)], axis=1)
+
+scores = np.zeros((16, 16))
+for blk in range(D // 16):                               # one k step per 16 columns
+    cols = slice(blk * 16, blk * 16 + 16)
+    qb = q_perm[:, cols]                                 # the 16-bit A operand, as usual:
+    a = ldmatrix([qb[:8, :8], qb[8:, :8], qb[:8, 8:], qb[8:, 8:]])   # rows x k halves
+    for nb in range(2):                                  # two 8-token n blocks
+        tok = k8[8 * nb:8 * nb + 8, cols].reshape(8, 8, 2)   # 16 bytes a row = 8 units
+        # one register = 4 bytes of a token, widened: (bytes 0, 1) is b0, (bytes 2, 3) is b1
+        b = [regs[0] for regs in ldmatrix([tok] * 4)]
+        scores[:, 8 * nb:8 * nb + 8] += mma(a, b)
+assert np.array_equal(scores, q @ k8.T)
+print("Q K^T from byte fragments and a permuted Q: exact")
+
+# %% [markdown]
+# **P V.** V is the B operand with tokens as its k dimension, so the kernel reads it with the
+# transposing `ldmatrix`. Transposing moves 16-bit units, i.e. *pairs* of columns: lane `l`
+# gets tokens `2 (l % 4)` and `2 (l % 4) + 1`, each at the two columns `2 (l // 4)` and
+# `2 (l // 4) + 1`. One byte permute (`prmt` with selector `0x3120`) regroups the four bytes into
+# one token pair per column, which is a B operand twice over: for an n block of the *even*
+# columns of the 16-column chunk and one of the *odd* columns. The output accumulators then
+# hold columns in that order, and the kernel's writers store them there (`for_each_col_pair` in
+# `cuda_src/pat_fwd.cuh`).
+
+# %%
+out = np.zeros((16, D))
+pa = [[(p[g, 2 * c], p[g, 2 * c + 1]), (p[g + 8, 2 * c], p[g + 8, 2 * c + 1]),
+       (p[g, 2 * c + 8], p[g, 2 * c + 9]), (p[g + 8, 2 * c + 8], p[g + 8, 2 * c + 9])]
+      for g, c in (divmod(lane, 4) for lane in range(32))]          # P as the A operand
+for chunk in range(D // 16):
+    mats = [v8[8 * h:8 * h + 8, chunk * 16:chunk * 16 + 16].reshape(8, 8, 2) for h in (0, 1)]
+    regs = ldmatrix([mats[0], mats[1], mats[0], mats[1]], trans=True)
+    even, odd = [], []
+    for lane in range(32):
+        (b0, b1), (b2, b3) = regs[lane][0]                # tokens 0-7 of the chunk
+        (d0, d1), (d2, d3) = regs[lane][1]                # tokens 8-15
+        even.append(((b0, b2), (d0, d2)))                 # the byte permute 0x3120: bytes 0, 2
+        odd.append(((b1, b3), (d1, d3)))                  # ... and 1, 3
+    out[:, chunk * 16:chunk * 16 + 16:2] = mma(pa, even)  # the even columns of the chunk
+    out[:, chunk * 16 + 1:chunk * 16 + 16:2] = mma(pa, odd)
+assert np.array_equal(out, p @ v8)
+print("P V from transposed byte fragments: exact (even and odd column blocks)")
+
+# %% [markdown]
+# The Q pass in the kernel: each thread rewrites whole 16-column blocks of Q rows it owns (two
+# 16-byte chunks, eight 32-bit words, each a pair of columns), so word `c` takes word `2 c` and
+# word `4 + c` word `2 c + 1` — the permutation above, two columns at a time:
+
+# %%
+show("fp8-q-permute")
+words = perm.reshape(8, 2)[:, 0] // 2                   # the word each new word comes from
+assert words.tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+src_permute = "\n".join(line for _, line in excerpt("fp8-q-permute")[1])
+assert "make_uint4(a.x, a.z, b.x, b.z)" in src_permute and "make_uint4(a.y, a.w, b.y, b.w)" in src_permute
 
 # %% [markdown]
 # Next: [tutorial 3](03_merge.ipynb) puts the partial results back together.
