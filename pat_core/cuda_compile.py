@@ -153,9 +153,9 @@ def variant_speed(head_dim: int = 128) -> dict:
     """Measured speed of every tile ``(m, n)`` at ``head_dim``: ``{(m, n): record}``.
 
     Written by ``bench/lab/kernel_lab.py --cases layouts --head-dim D --write-table`` on an
-    H100 or H200 (the file's ``device``): each (m, n) with its candidate layouts (warps, stages, rows per warp) forced onto
-    every CTA of a no-sharing batch (4096 KV tokens per CTA), the fastest layout kept with its
-    fraction of copy bandwidth (``frac_copy``).  Empty when the file is absent (head_dim 64 and
+    H100 or H200 (the file's ``device``): each (m, n) with its candidate layouts (warps,
+    stages, rows per warp) forced onto every CTA of a no-sharing batch (4096 KV tokens per
+    CTA), the fastest layout kept with its fraction of copy bandwidth (``frac_copy``).  Empty when the file is absent (head_dim 64 and
     256 have none yet: their layouts and tile widths follow the rules).
     """
     p = variant_speed_path(head_dim)
@@ -165,6 +165,18 @@ def variant_speed(head_dim: int = 128) -> dict:
     if int(data.get("head_dim", 128)) != int(head_dim):
         raise ValueError(f"{p.name} holds head_dim {data.get('head_dim')}, not {head_dim}")
     return {(int(r["m"]), int(r["n"])): r for r in data.get("tiles", {}).values()}
+
+
+def layout_record(m: int, n: int, head_dim: int = 128, arch: str = "sm_90",
+                  kv_fp8: bool = False):
+    """The measured record (:func:`variant_speed`) of the layout the (m, n) variant can take on
+    ``arch``: the tile's fastest, or its fastest mma.sync one (the record's ``sync``) where the
+    fastest is the warpgroup layout and the variant cannot run it (not sm_90, or an fp8 cache,
+    see :func:`default_layout`); ``None`` without a record."""
+    rec = variant_speed(int(head_dim)).get((int(m), int(n)))
+    if rec is not None and int(rec["rows_per_warp"]) == WG_ROWS and (arch != "sm_90" or kv_fp8):
+        rec = rec.get("sync")
+    return rec
 
 
 def default_layout(m: int, n: int, head_dim: int = 128, arch: str = "sm_90",
@@ -181,9 +193,7 @@ def default_layout(m: int, n: int, head_dim: int = 128, arch: str = "sm_90",
     widened into them measured 1.04x slower than the mma.sync layouts in geometric mean over
     the fp8 synthetic batches (12-25% on five sharing batches, 3% faster on one;
     bench/NOTES.md)."""
-    rec = variant_speed(int(head_dim)).get((int(m), int(n)))
-    if rec is not None and int(rec["rows_per_warp"]) == WG_ROWS and (arch != "sm_90" or kv_fp8):
-        rec = rec.get("sync")
+    rec = layout_record(m, n, head_dim, arch, kv_fp8)
     if rec is not None:
         w, st, rw = int(rec["warps"]), int(rec["stages"]), int(rec["rows_per_warp"])
         if fwd_smem_bytes(m, n, head_dim, st, rw) <= SMEM_LIMIT["sm_90"]:

@@ -103,8 +103,8 @@ def as_scale(value, name: str) -> float:
     elif hasattr(value, "shape") and hasattr(value, "dtype"):
         size = int(np.prod(tuple(int(s) for s in value.shape)))
         if size != 1 or len(value.shape) > 1:
-            raise ValueError(f"{name} must be a number or a one-element (0-d or [1]) array, got shape "
-                             f"{tuple(value.shape)}")
+            raise ValueError(f"{name} must be a number or a one-element (0-d or [1]) array, "
+                             f"got shape {tuple(value.shape)}")
         kind = str(value.dtype).replace("torch.", "")
         if not (kind.startswith("float") or kind.startswith("bfloat") or
                 kind.startswith("int") or kind.startswith("uint")) or kind.startswith("float8"):

@@ -72,9 +72,9 @@ def estimate_resources(m: int, n: int, head_dim: int, dtype: str = "float16") ->
     Threads and stages: the variant's layout (:func:`pat_core.cuda_compile.default_layout`, the
     one home of the variant rules).  Shared memory: Q tile (``m*d*b``) plus ``stages`` K and V
     tiles (``2*stages*n*d*b``); for an fp8 cache its own layout and byte tiles
-    (:func:`pat_core.cuda_compile.fwd_smem_bytes`'s ``kv_fp8``).  Registers per thread: the fp32 output accumulator and score tile spread over
-    the CTA's threads (``(m*d + m*n) / threads``), plus 40 for addresses, softmax state and loop
-    counters.
+    (:func:`pat_core.cuda_compile.fwd_smem_bytes`'s ``kv_fp8``).  Registers per thread: the fp32
+    output accumulator and score tile spread over the CTA's threads (``(m*d + m*n) /
+    threads``), plus 40 for addresses, softmax state and loop counters.
     """
     dtype = dtype_name(dtype)
     if dtype in KV_ONLY_DTYPES:          # the fp8 variant's own layout (mma.sync)
@@ -296,15 +296,11 @@ class TileSelector:
 
         From :func:`pat_core.cuda_compile.variant_speed` of this head_dim (measured on an H100
         or H200 in float16; used for every sm_90 GPU, either dtype: bf16 runs the same
-        instructions).  An fp8 cache's tile runs the record's fastest mma.sync layout where the
-        fastest is the warpgroup one (:func:`pat_core.cuda_compile.default_layout`), so its
-        speed is that layout's."""
+        instructions): the record of the layout the tile's variant takes
+        (:func:`pat_core.cuda_compile.layout_record`; an fp8 cache's, mma.sync)."""
         if _arch_of(self.gpu) != "sm_90":
             return None
-        rec = cc.variant_speed(self.head_dim).get((int(m), int(n)))
-        if rec is not None and self.dtype in KV_ONLY_DTYPES \
-                and int(rec["rows_per_warp"]) == cc.WG_ROWS:
-            rec = rec.get("sync")
+        rec = cc.layout_record(m, n, self.head_dim, kv_fp8=self.dtype in KV_ONLY_DTYPES)
         return None if rec is None else float(rec["frac_copy"])
 
     def row_time_weight(self, rows: np.ndarray) -> np.ndarray:

@@ -662,7 +662,6 @@ def _check_host_buffer(buf, name: str, shape: tuple, dtype: str) -> None:
     refuse_self_overlap(name, shape, strides)
 
 
-
 def _write_host(buf, values: np.ndarray) -> None:
     """Copy ``values`` into the checked host buffer ``buf`` (any strides)."""
     if isinstance(buf, np.ndarray):
