@@ -158,6 +158,7 @@ class CudaBackend:
         self.device_name = name.decode() if isinstance(name, bytes) else str(name)
         self.gpu_name = detect_gpu_name(self.device_name)
         self.arch = f"sm_{props['major']}{props['minor']}"
+        self._sm90 = int(props["major"]) >= 9
         self.max_smem_optin = int(props.get("sharedMemPerBlockOptin", 0) or 0)
         self._sm_counts: dict = {}    # device -> SM count
         self._states: dict = {}       # (device, shape key) -> StaticState of plain plans
@@ -400,14 +401,13 @@ class CudaBackend:
     def _pdl_ok(self, launches) -> bool:
         """Programmatic dependent launch is possible after ``launches``: an sm_90 or later
         device, a driver with ``cuLaunchKernelEx``, every launch on the fast path."""
-        return (int(self.arch[3:]) >= 90 and all(ln.fast for ln in launches)
-                and _launch_ex() is not None)
+        return (self._sm90 and all(ln.fast for ln in launches) and _launch_ex() is not None)
 
     def _outputs(self, qd: _Dev, rows: int, Hq: int, D: int, dtype: str, want_lse: bool, out,
                  lse, inputs: dict, note: str = ""):
         """Allocate or check ``out`` ``[rows, Hq, D]`` in ``dtype`` and (with ``want_lse``)
         ``lse`` float32 ``[rows, Hq]``; a caller's buffer must not overlap the other or the
-        ``inputs`` (``{name: _Dev}``).  Returns ``(out, lse, out_args)``, out_args being the
+        ``inputs`` (``{name: _Dev or its (lo, hi) byte range}``).  Returns ``(out, lse, out_args)``, out_args being the
         pointers and element strides the merge writes through (0 for a missing lse)."""
         given = {}
         if out is None:
@@ -442,7 +442,8 @@ class CudaBackend:
                 l_ptr, l_sb, l_sh = ld.ptr, ld.strides[0], ld.strides[1]
                 given["lse"] = _extent(ld)
         if given:
-            refuse_overlap(given, {n: _extent(t) for n, t in inputs.items()})
+            refuse_overlap(given, {n: t if isinstance(t, tuple) else _extent(t)
+                                   for n, t in inputs.items()})
         return out, lse, (o_ptr, l_ptr, o_sb, o_sh, l_sb, l_sh)
 
     def _enqueue(self, launches, merge, caller: int) -> None:
@@ -491,7 +492,12 @@ class CudaBackend:
         if st.batch is None:
             raise RuntimeError("write a plan (plan()) before run()")
         scales = (float(scales[0]), float(scales[1]))
-        sig = (kv_layout, qd.sig(), kd.sig(), vd.sig(), self.options, scales)
+        # plain states: the launches do not depend on q's row count (an engine's query
+        # buffer keeps its address while its batch changes), so a new batch size is checked,
+        # not prepared again for every layer; graph-safe launches keep the rows they were
+        # built for
+        sig = (kv_layout, qd.sig() if st.fixed else qd.sig_any_rows(), kd.sig(), vd.sig(),
+               self.options, scales)
         prep = st.prepared.get(sig)
         if prep is None:
             if check is not None:
@@ -500,14 +506,19 @@ class CudaBackend:
             if len(st.prepared) >= (1 if st.fixed else 64):   # e.g. one per model layer
                 st.prepared.clear()
             st.prepared[sig] = prep
-        # the plan now in the state must fit these inputs (checked per plan, not per call)
-        if prep["checked"] is not st.plan:
+            # the caches' byte ranges, for the overlap check of a caller's out/lse
+            prep["cache_extents"] = {"k_cache": _extent(kd), "v_cache": _extent(vd)}
+        # the plan now in the state must fit these inputs (checked per plan and batch size,
+        # not per call)
+        if prep["checked"] is not st.plan or prep["rows"] != qd.shape[0]:
+            if not st.fixed:
+                prep["rows"] = qd.shape[0]
             st.check_inputs(st.plan, prep["rows"], prep["num_pages"])
             prep["checked"] = st.plan
         rows = prep["rows"] if st.fixed else st.batch
         out, lse, out_args = self._outputs(qd, rows, st.num_qo_heads, st.head_dim, st.dtype,
                                            want_lse, out, lse,
-                                           {"q": qd, "k_cache": kd, "v_cache": vd},
+                                           {"q": qd, **prep["cache_extents"]},
                                            note=" (q's rows)" if st.fixed else "")
         if st.fixed:
             launches, merge = prep["launches"], prep["merge"]

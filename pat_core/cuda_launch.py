@@ -208,14 +208,28 @@ def _torch_stream_handle(device: int) -> int:
 
 # ---------------------------------------------------------------------------------- helpers
 def _external_stream(cp, handle: int, device: int):
-    """CuPy object for a stream someone else owns (torch's), across CuPy versions."""
+    """CuPy object for a stream someone else owns (torch's), across CuPy versions; made once
+    per handle and device (the object only names the stream; making one costs ~10 us)."""
+    key = (handle, device)
+    st = _EXTERNAL.get(key)
+    if st is not None:
+        return st
     from_external = getattr(cp.cuda.Stream, "from_external", None)
+    st = None
     if from_external is not None:
         try:
-            return from_external(_StreamHandle(handle))
+            st = from_external(_StreamHandle(handle))
         except Exception:
             pass
-    return cp.cuda.ExternalStream(handle, device)
+    if st is None:
+        st = cp.cuda.ExternalStream(handle, device)
+    if len(_EXTERNAL) >= 64:
+        _EXTERNAL.clear()
+    _EXTERNAL[key] = st
+    return st
+
+
+_EXTERNAL: dict = {}   # (stream handle, device) -> CuPy stream object
 
 
 class _StreamHandle:

@@ -162,9 +162,9 @@ class StaticState:
                              f"{self.sm_scale} of the first plan")
         if self.fixed and self.max_rows is not None:
             self.check_inputs(plan, self.max_rows, self.num_pages)
-        if plan.cta_pages.size and int(plan.cta_pages.min()) < 0:
-            raise ValueError(f"the plan reads page {int(plan.cta_pages.min())}: page ids must "
-                             "be >= 0")
+        lo = plan.page_range()[0]
+        if lo < 0:
+            raise ValueError(f"the plan reads page {lo}: page ids must be >= 0")
 
     def check_inputs(self, plan: Plan, rows: int, num_pages: int) -> None:
         """``ValueError`` unless ``plan`` fits inputs of ``rows`` q rows and ``num_pages`` KV
@@ -175,9 +175,10 @@ class StaticState:
             toks = (f"{need} query tokens (qo_indptr[-1])" if plan.multi_token
                     else f"{need} requests")
             raise ValueError(f"the plan has {toks} but {what} {rows} rows")
-        if plan.cta_pages.size and int(plan.cta_pages.max()) >= num_pages:
+        hi = plan.page_range()[1]
+        if hi >= num_pages:
             raise ValueError(f"the KV cache (paged_kv_cache) holds {num_pages} pages but the "
-                             f"plan reads page {int(plan.cta_pages.max())}")
+                             f"plan reads page {hi}")
 
     def write(self, plan: Plan, stream_ptr: int) -> None:
         """Put ``plan`` into the device buffer: pack into pinned memory, then one asynchronous
@@ -314,11 +315,10 @@ class StaticState:
         mv = cc.MergeVariant(self.head_dim, self.dtype, cc.MERGE_WARPS, nh)   # q's dtype
         pairs = self.batch * self.num_qo_heads
         grid = pairs if per_block else (pairs // nh + mv.warps - 1) // mv.warps
-        key = (per_block, nh, grid)
+        key = (per_block, nh)
         merge = prep["merges"].get(key)
         if merge is None:
-            if len(prep["merges"]) >= 16:
-                prep["merges"].clear()
             merge = prep["merges"][key] = self._merge_launch(prep["arrays"], mv, max(1, grid),
                                                              per_block)
+        merge.set_grid(max(1, grid))      # its grid follows the batch (params do not)
         return launches, merge

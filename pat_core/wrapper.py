@@ -395,8 +395,9 @@ class PrefixAttentionWrapper:
         (the usual serving setting), else CuPy's current stream."""
         import sys
         torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            return int(torch.cuda.current_stream().cuda_stream)
+        if torch is not None and torch.cuda.is_initialized():
+            from .cuda_launch import _torch_stream_handle    # (torch.cuda.current_stream
+            return _torch_stream_handle(torch.cuda.current_device())   # costs ~20 us)
         return int(self._gpu_backend.cp.cuda.get_current_stream().ptr)
 
     def _check_backend_limits(self, head_dim, kv_dtype: str) -> None:

@@ -652,6 +652,53 @@ def test_wrapper_checks_once_per_input_set(backend, monkeypatch):
 
 
 @requires_gpu
+def test_one_query_buffer_across_batch_sizes(backend, monkeypatch):
+    """An engine's decode loop: the rows of one query buffer and one cache per layer, batches
+    of changing size.  Each step matches the float64 reference; the inputs are validated once
+    per layer (the row count is not part of a prepared input set, so a new batch size is
+    checked, not prepared again), and a plan whose batch differs from q's rows is refused."""
+    import torch
+    from pat_core import PrefixAttentionWrapper, dense_attention
+    from pat_core.inputs import as_block_table
+    from pat_core.plan import Plan
+    from pat_core.workloads import build_tree_batch
+    specs = ("1,12_33,17", "1,4_40,20", "3_50", "1,4_40,20", "2,6_16,30")
+    batches = [build_tree_batch(s, page_size=16, seed=i) for i, s in enumerate(specs)]
+    pages = max(b.num_pages for b in batches)
+    rows = max(b.batch_size for b in batches)
+    hq, hk, d = 8, 2, 64
+    layers = [make_inputs(pages, 16, rows, hq, hk, d, "float16", "NHD", s)[1:] for s in (1, 2)]
+    qbuf = make_inputs(pages, 16, rows, hq, hk, d, "float16", "NHD", 3)[0]
+    w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+    w._gpu_backend = backend
+    calls = []
+    real = Plan.check_inputs
+    monkeypatch.setattr(Plan, "check_inputs",
+                        lambda self, *a, **kw: (calls.append(1), real(self, *a, **kw))[1])
+    states, reused = [], 0                   # the device states the plans went to
+    for spec, b in zip(specs, batches):
+        plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, 16)
+        st = backend.state_for(plan)
+        if not any(s is st for s in states):
+            states.append(st)
+        else:
+            reused += st is states[-1]
+        q = qbuf[:b.batch_size]
+        bt = as_block_table(b.block_tables, b.seq_lens, 16)
+        for k, v in layers:
+            out = w.run(q, (k, v))
+            ref = dense_attention(_np64(q), (_np64(k), _np64(v)), b.block_tables, b.seq_lens,
+                                  16, sm_scale=plan.sm_scale)
+            low, _ = plain_attention(q, k, v, bt, 16, "NHD", plan.sm_scale)
+            err, err_plain = _rel(_np64(out), ref), _rel(_np64(low), ref)
+            assert err <= 2 * err_plain + 1e-6, f"{spec}: {err:.3e} vs plain {err_plain:.3e}"
+    # one validation per layer and device state (a state grows when a plan outgrows it)
+    assert reused >= 1 and len(calls) == len(layers) * len(states)
+    with pytest.raises(ValueError, match=r"plan has \d+ requests but q has"):
+        w.run(qbuf[:batches[-1].batch_size - 1], layers[0])
+
+
+@requires_gpu
 @pytest.mark.parametrize("spec", ("1,16_16384,16", "1,3,12_16,64,128", "8_64",
                                   "1,4,16_100,37,61"))
 @requires_gpu
