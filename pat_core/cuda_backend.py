@@ -404,11 +404,22 @@ class CudaBackend:
         return (self._sm90 and all(ln.fast for ln in launches) and _launch_ex() is not None)
 
     def _outputs(self, qd: _Dev, rows: int, Hq: int, D: int, dtype: str, want_lse: bool, out,
-                 lse, inputs: dict, note: str = ""):
+                 lse, inputs: dict, note: str = "", checked: dict | None = None):
         """Allocate or check ``out`` ``[rows, Hq, D]`` in ``dtype`` and (with ``want_lse``)
         ``lse`` float32 ``[rows, Hq]``; a caller's buffer must not overlap the other or the
-        ``inputs`` (``{name: _Dev or its (lo, hi) byte range}``).  Returns ``(out, lse, out_args)``, out_args being the
-        pointers and element strides the merge writes through (0 for a missing lse)."""
+        ``inputs`` (``{name: _Dev or its (lo, hi) byte range}``).  Returns ``(out, lse,
+        out_args)``, out_args being the pointers and element strides the merge writes through
+        (0 for a missing lse).  ``checked``: a dict in which the last caller buffers that
+        passed the checks are noted (a prepared input set's: its inputs are fixed but for q's
+        rows), so the same buffers again are not checked again."""
+        if checked is not None and out is not None and lse is None:
+            od = _Dev(out, "out")
+            key = (od.sig(), rows, qd.shape[0], want_lse)
+            if checked.get("out_ok") == key:
+                return out, None, (od.ptr, 0, od.strides[0], od.strides[1], 0, 0)
+            res = self._outputs(qd, rows, Hq, D, dtype, want_lse, out, lse, inputs, note)
+            checked["out_ok"] = key if not want_lse else None
+            return res
         given = {}
         if out is None:
             # allocated here, so its layout is known: no checks (this is every call of a user
@@ -446,12 +457,14 @@ class CudaBackend:
                                    for n, t in inputs.items()})
         return out, lse, (o_ptr, l_ptr, o_sb, o_sh, l_sb, l_sh)
 
-    def _enqueue(self, launches, merge, caller: int) -> None:
+    def _enqueue(self, launches, merge, caller: int, pdl: bool | None = None) -> None:
         """Forward ``launches`` on the caller's stream, each after the first a programmatic
         dependent of the one before it where the GPU has that (their blocks are placed as soon
         as the previous launch's all are; the chained last block of each waits for the launch
-        before it), then the merge (if any), a dependent of the last of them."""
-        pdl = self._pdl_ok(launches + ([merge] if merge is not None else []))
+        before it), then the merge (if any), a dependent of the last of them.  ``pdl``:
+        :meth:`_pdl_ok` of them, when the caller knows it."""
+        if pdl is None:
+            pdl = self._pdl_ok(launches + ([merge] if merge is not None else []))
         for i, ln in enumerate(launches):
             ln(caller, dependent=pdl and i > 0)
         if merge is not None:
@@ -519,16 +532,26 @@ class CudaBackend:
         out, lse, out_args = self._outputs(qd, rows, st.num_qo_heads, st.head_dim, st.dtype,
                                            want_lse, out, lse,
                                            {"q": qd, **prep["cache_extents"]},
-                                           note=" (q's rows)" if st.fixed else "")
-        if st.fixed:
-            launches, merge = prep["launches"], prep["merge"]
-        else:
-            launches, merge = st.live_launches(prep)
-        for ln in launches:
-            _set_out(ln.params.merge, out_args)
-        if merge is not None:
-            _set_out(merge.params, out_args)
-        self._enqueue(launches, merge, self._caller_stream(qd))
+                                           note=" (q's rows)" if st.fixed else "",
+                                           checked=prep)
+        # the launches of the written plan for these inputs, made once per plan (an engine
+        # calls once per layer and step: every call is a layer's first of its plan, and the
+        # host's time per call is on the decode step's critical path)
+        live = prep.get("live")
+        if live is None or live[0] is not st.plan or live[1] != st.plan_version:
+            launches, merge = ((prep["launches"], prep["merge"]) if st.fixed
+                               else st.live_launches(prep))
+            pdl = self._pdl_ok(launches + ([merge] if merge is not None else []))
+            live = prep["live"] = (st.plan, st.plan_version, launches, merge, pdl)
+            prep["out_args"] = None
+        _, _, launches, merge, pdl = live
+        if prep["out_args"] != out_args:
+            for ln in launches:
+                _set_out(ln.params.merge, out_args)
+            if merge is not None:
+                _set_out(merge.params, out_args)
+            prep["out_args"] = out_args
+        self._enqueue(launches, merge, self._caller_stream(qd), pdl)
         return (out, lse) if want_lse else out
 
 
