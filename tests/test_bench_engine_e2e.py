@@ -121,6 +121,8 @@ def test_tiny_smoke_run(tmp_path, workload):
     r = rows["paged|pat"]
     assert 0 < r["host_plan_share"] < 1
     assert 0 < r["host_copy_ms_median"] < r["host_step_ms_median"] <= r["host_step_ms_max"]
+    assert r["host_step_ms_median"] < r["attn_host_ms_median"]    # planning + the layers
+    assert len(r["repeat_attn_host_ms_median"]) == 2
     c = res["correctness"]["paged|pat"]
     assert c["requests"] == 8 and c["check_tokens"] == 16
     assert c["identical"] == 8 and c["divergences"] == []

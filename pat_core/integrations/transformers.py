@@ -193,8 +193,10 @@ class PatPagedAttention:
     the plans (``plan_kv_tokens``: read by the CTAs, one head; ``request_kv_tokens``: the
     requests' sequence lengths; sharing makes the first smaller), ``max_requests`` (the most
     requests of one pat step), ``step_host_s`` (seconds spent deciding and planning steps,
-    host copies of the metadata included) and ``step_copy_s`` (the part of it copying the
-    metadata to the host, which on CUDA includes waiting for the device); ``last_plan_stats`` is
+    host copies of the metadata included), ``step_copy_s`` (the part of it copying the
+    metadata to the host, which on CUDA includes waiting for the device) and ``layer_host_s``
+    (seconds inside the layer calls pat ran, planning included: in an engine whose step is
+    bound by host work, this is what the attention adds to it); ``last_plan_stats`` is
     :meth:`pat_core.Plan.stats` of the last plan, ``last_seq_lens`` its int64 ``[batch]``
     sequence lengths; ``fallback_reasons`` counts fallback steps by reason.
     """
@@ -226,7 +228,7 @@ class PatPagedAttention:
         self.stats = {"steps": 0, "pat_steps": 0, "multi_token_steps": 0, "plans": 0,
                       "pat_layer_calls": 0, "fallback_layer_calls": 0,
                       "plan_kv_tokens": 0, "request_kv_tokens": 0, "max_requests": 0,
-                      "step_host_s": 0.0, "step_copy_s": 0.0}
+                      "step_host_s": 0.0, "step_copy_s": 0.0, "layer_host_s": 0.0}
         self.fallback_reasons: dict = {}
         self._last_plan = None
         self.last_seq_lens: np.ndarray | None = None
@@ -336,6 +338,7 @@ class PatPagedAttention:
             raise RuntimeError(f"{self.name}: pat plans on the host at every step, so the "
                                "engine's CUDA graphs cannot capture it; turn them off with "
                                "ContinuousBatchingConfig(use_cuda_graph=False)")
+        t_call = time.perf_counter()
         step_key = (kwargs["read_index"], kwargs["write_index"], kwargs["cu_seq_lens_q"],
                     kwargs["cu_seq_lens_k"])
         with self._lock:
@@ -371,6 +374,7 @@ class PatPagedAttention:
         out = query.new_zeros((1, t_rows, hq, d)) if n < t_rows else \
             query.new_empty((1, t_rows, hq, d))
         step.runner.run(q, kv, out=out[0, :n])
+        self.stats["layer_host_s"] += time.perf_counter() - t_call
         return out, None
 
     def _query_rows(self, query, n: int):
