@@ -1,0 +1,167 @@
+"""The CUDA backend's host side on a CPU (``fake_cuda``: host memory for the device, launches
+recorded): which launches a plan gets, with which grids, whether the merge runs, what the
+plan buffer holds, and how often a layer's inputs are validated.  The GPU tests check the
+results of the same paths against float64."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fake_cuda import PROPS, FakeArray, fake_backend
+from pat_core import PrefixAttentionWrapper
+from pat_core import cuda_compile as cc
+from pat_core.launch import forward_launches, launch_grid, merge_needed
+from pat_core.plan import Plan
+from pat_core.workloads import build_tree_batch
+
+SMS = PROPS["multiProcessorCount"]
+
+
+def _inputs(batch, hq, hk, d, pages, page=16, seed=0):
+    rng = np.random.default_rng(seed)
+    q = FakeArray.of(rng.standard_normal((batch, hq, d)).astype(np.float16))
+    k = FakeArray.of(np.zeros((pages, page, hk, d), np.float16))
+    v = FakeArray.of(np.zeros((pages, page, hk, d), np.float16))
+    return q, k, v
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    """The fake device (its recorded launches); wrappers made in the test use it."""
+    return fake_backend(monkeypatch)[1]
+
+
+@pytest.mark.parametrize("spec,heads,d", [
+    ("1,12_33,17", (8, 2), 64), ("1,4,16_128,256,1024", (32, 8), 128),
+    ("8_4096", (32, 8), 128), ("1,16_16384,16", (32, 8), 128), ("64,512_512,64", (32, 8), 128),
+    ("1,3,48_1024,6144,4096", (32, 32), 128), ("1_512", (32, 8), 128), ("3_50", (16, 4), 64)])
+def test_launches_follow_the_plan(cuda, spec, heads, d):
+    """One forward launch per tile with CTAs, tallest first, each of the grid the launch
+    policy gives (resident blocks, at most one per item), then the merge exactly where
+    :func:`pat_core.launch.merge_needed` (the simulator's rule) says."""
+    fake = cuda
+    hq, hk = heads
+    b = build_tree_batch(spec, page_size=16, seed=1)
+    w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+    be = w._gpu_backend
+    plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, 16)
+    q, k, v = _inputs(b.batch_size, hq, hk, d, b.num_pages)
+    fake.launches.clear()
+    w.run(q, (k, v))
+    per_sm = [be._blocks_per_sm(cc.FwdVariant.make(int(m), int(n), d, "float16", arch=be.arch))
+              for m, n in plan.tile_configs]
+    want = []
+    for kk, (m, n), ctas in forward_launches(plan):
+        key = cc.FwdVariant.make(m, n, d, "float16", arch=be.arch).key
+        want.append((key, launch_grid(len(ctas) * hk, per_sm[kk], SMS)))
+    got = [(key, grid[0]) for key, grid, *_ in fake.launches]
+    merges = [g for g in got if g[0].startswith("pat_merge")]
+    assert [g for g in got if not g[0].startswith("pat_merge")] == want
+    assert len(merges) == int(merge_needed(plan, per_sm, SMS))
+    if merges:
+        assert got[-1] == merges[0]                     # the merge comes last
+
+
+def test_the_plan_buffer_holds_the_packed_plan(cuda):
+    """plan() copies the packed plan into the state's device buffer (one copy)."""
+    b = build_tree_batch("1,4,16_128,256,1024", page_size=16, seed=2)
+    w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+    plan = w.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
+    st = w._gpu_backend.state_for(plan)
+    assert st.plan is plan
+    packed = st.layout.pack(plan)
+    assert np.array_equal(st.buf.a[:packed.shape[0]], packed)
+
+
+def test_a_layers_inputs_are_validated_once_across_batch_sizes(cuda, monkeypatch):
+    """An engine's loop: rows of one query buffer, one cache per layer, batches of changing
+    size.  Each layer's inputs are validated (and its launches built) once per device state,
+    not once per batch size; q rows that differ from the plan's batch are refused."""
+    fake = cuda
+    from pat_core.cuda_state import StaticState
+    calls = []
+    real = Plan.check_inputs
+    monkeypatch.setattr(Plan, "check_inputs",
+                        lambda self, *a, **kw: (calls.append(1), real(self, *a, **kw))[1])
+    prepared = []
+    real_prep = StaticState.prepare
+    monkeypatch.setattr(StaticState, "prepare",
+                        lambda self, *a, **kw: (prepared.append(1), real_prep(self, *a, **kw))[1])
+    specs = ("1,12_33,17", "1,4_40,20", "3_50", "1,4_40,20", "2,6_16,30")
+    batches = [build_tree_batch(s, page_size=16, seed=i) for i, s in enumerate(specs)]
+    rows = max(b.batch_size for b in batches)
+    pages = max(b.num_pages for b in batches)
+    qbuf, k0, v0 = _inputs(rows, 8, 2, 64, pages)
+    _, k1, v1 = _inputs(rows, 8, 2, 64, pages)
+    w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+    states = []
+    for b in batches:
+        plan = w.plan(b.block_tables, b.seq_lens, 8, 2, 64, 16)
+        st = w._gpu_backend.state_for(plan)
+        assert st.plan is plan
+        if not any(s is st for s in states):
+            states.append(st)
+        q = qbuf[:b.batch_size]                      # a view of the same rows
+        for kv in ((k0, v0), (k1, v1)):
+            n = len(fake.launches)
+            w.run(q, kv)
+            assert len(fake.launches) > n
+    assert len(states) < len(specs)
+    assert len(prepared) == len(calls) == 2 * len(states)
+    with pytest.raises(ValueError, match=r"plan has \d+ requests but q has"):
+        w.run(qbuf[:batches[-1].batch_size - 1], (k0, v0))
+
+
+def test_a_caller_out_buffer_is_checked_whenever_it_changes(cuda):
+    """The last out buffer that passed the checks is not checked again; another one is, and a
+    bad one (wrong shape, or overlapping q) is refused by name."""
+    b = build_tree_batch("1,12_33,17", page_size=16, seed=0)
+    w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+    w.plan(b.block_tables, b.seq_lens, 8, 2, 64, 16)
+    q, k, v = _inputs(b.batch_size, 8, 2, 64, b.num_pages)
+    out = FakeArray((b.batch_size, 8, 64), np.float16)
+    assert w.run(q, (k, v), out=out) is out
+    assert w.run(q, (k, v), out=out) is out
+    with pytest.raises(ValueError, match="out must be"):
+        w.run(q, (k, v), out=FakeArray((b.batch_size + 1, 8, 64), np.float16))
+    with pytest.raises(ValueError, match="out overlaps q"):
+        w.run(q, (k, v), out=q)
+    assert w.run(q, (k, v), out=out) is out
+
+
+def test_cached_launches_equal_freshly_built_ones(cuda):
+    """A serving loop's calls (changing batches, two layers, the caller's out buffer) enqueue
+    the same launches, grids and parameter bytes when the backend reuses its prepared inputs,
+    its plan's launch list and its checked out buffer as when it builds them again."""
+    fake = cuda
+    specs = ("1,12_33,17", "2,6_16,30", "1,4_40,20", "3_50", "1,2_200,30", "1,12_33,17")
+    batches = [build_tree_batch(s, page_size=16, seed=i) for i, s in enumerate(specs)]
+    rows = max(b.batch_size for b in batches)
+    pages = max(b.num_pages for b in batches)
+    qbuf, k0, v0 = _inputs(rows, 8, 2, 64, pages)
+    _, k1, v1 = _inputs(rows, 8, 2, 64, pages)
+    outs = [FakeArray((rows, 8, 64), np.float16) for _ in range(2)]
+    w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+    compared, states, grids = 0, [], set()
+    for i, b in enumerate(batches):
+        plan = w.plan(b.block_tables, b.seq_lens, 8, 2, 64, 16)
+        st = w._gpu_backend.state_for(plan)
+        states += [] if any(s is st for s in states) else [st]
+        n = b.batch_size
+        for j, kv in enumerate(((k0, v0), (k1, v1))):
+            w.run(qbuf[:n], kv, out=outs[(i + j + 1) % 2][:n])
+            out = outs[(i + j) % 2][:n]          # the out buffer changes from call to call
+            got = []
+            for fresh in (False, True):
+                kept = st.prepared
+                if fresh:                        # built again, the caches left as they were
+                    st.prepared = {}
+                start = len(fake.launches)
+                w.run(qbuf[:n], kv, out=out)
+                got.append(fake.launches[start:])
+                st.prepared = kept
+            assert got[0] == got[1] and got[0]
+            compared += len(got[0])
+            grids |= {g for _, g, *_ in got[0]}
+    # the loop exercised plans of other grids on one state
+    assert len(states) < len(specs) and len(grids) >= 3 and compared >= 2 * len(specs)
