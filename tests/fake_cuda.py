@@ -142,6 +142,8 @@ def fake_backend(monkeypatch):
     fake = FakeCuda()
     # no programmatic dependent launches: those go to the real driver's cuLaunchKernelEx
     monkeypatch.setattr(cuda_launch, "_LAUNCH_EX", [None])
+    # stream objects made for the fake stay out of the process-wide cache real runs use
+    monkeypatch.setattr(cuda_launch, "_EXTERNAL", {})
     # the launcher takes CuPy's driver binding by import
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=fake.cuda))
     monkeypatch.setitem(sys.modules, "cupy.cuda", fake.cuda)
