@@ -523,11 +523,10 @@ class CudaBackend:
             prep["cache_extents"] = {"k_cache": _extent(kd), "v_cache": _extent(vd)}
         # the plan now in the state must fit these inputs (checked per plan and batch size,
         # not per call)
-        if prep["checked"] is not st.plan or prep["rows"] != qd.shape[0]:
-            if not st.fixed:
-                prep["rows"] = qd.shape[0]
-            st.check_inputs(st.plan, prep["rows"], prep["num_pages"])
-            prep["checked"] = st.plan
+        r = prep["rows"] if st.fixed else qd.shape[0]
+        if prep["checked"] is not st.plan or prep["rows"] != r:
+            st.check_inputs(st.plan, r, prep["num_pages"])     # noted only once it passed
+            prep["rows"], prep["checked"] = r, st.plan
         rows = prep["rows"] if st.fixed else st.batch
         out, lse, out_args = self._outputs(qd, rows, st.num_qo_heads, st.head_dim, st.dtype,
                                            want_lse, out, lse,

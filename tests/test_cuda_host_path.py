@@ -34,7 +34,8 @@ def cuda(monkeypatch):
 @pytest.mark.parametrize("spec,heads,d", [
     ("1,12_33,17", (8, 2), 64), ("1,4,16_128,256,1024", (32, 8), 128),
     ("8_4096", (32, 8), 128), ("1,16_16384,16", (32, 8), 128), ("64,512_512,64", (32, 8), 128),
-    ("1,3,48_1024,6144,4096", (32, 32), 128), ("1_512", (32, 8), 128), ("3_50", (16, 4), 64)])
+    ("1,3,48_1024,6144,4096", (32, 32), 128), ("1_512", (32, 8), 128), ("3_50", (16, 4), 64),
+    ("2000_40", (32, 8), 128), ("1000_300", (32, 8), 128)])
 def test_launches_follow_the_plan(cuda, spec, heads, d):
     """One forward launch per tile with CTAs, tallest first, each of the grid the launch
     policy gives (resident blocks, at most one per item), then the merge exactly where
@@ -108,8 +109,9 @@ def test_a_layers_inputs_are_validated_once_across_batch_sizes(cuda, monkeypatch
             assert len(fake.launches) > n
     assert len(states) < len(specs)
     assert len(prepared) == len(calls) == 2 * len(states)
-    with pytest.raises(ValueError, match=r"plan has \d+ requests but q has"):
-        w.run(qbuf[:batches[-1].batch_size - 1], (k0, v0))
+    for _ in range(2):                          # refused again, not noted as checked
+        with pytest.raises(ValueError, match=r"plan has \d+ requests but q has"):
+            w.run(qbuf[:batches[-1].batch_size - 1], (k0, v0))
 
 
 def test_a_caller_out_buffer_is_checked_whenever_it_changes(cuda):
@@ -124,6 +126,10 @@ def test_a_caller_out_buffer_is_checked_whenever_it_changes(cuda):
     assert w.run(q, (k, v), out=out) is out
     with pytest.raises(ValueError, match="out must be"):
         w.run(q, (k, v), out=FakeArray((b.batch_size + 1, 8, 64), np.float16))
+    big = FakeArray((b.batch_size + 1, 8, 64), np.float16)
+    assert w.run(q, (k, v), out=big[:b.batch_size]) is not None
+    with pytest.raises(ValueError, match="out must be"):
+        w.run(q, (k, v), out=big)                # the same pointer, one row too many
     with pytest.raises(ValueError, match="out overlaps q"):
         w.run(q, (k, v), out=q)
     assert w.run(q, (k, v), out=out) is out
@@ -134,7 +140,8 @@ def test_cached_launches_equal_freshly_built_ones(cuda):
     the same launches, grids and parameter bytes when the backend reuses its prepared inputs,
     its plan's launch list and its checked out buffer as when it builds them again."""
     fake = cuda
-    specs = ("1,12_33,17", "2,6_16,30", "1,4_40,20", "3_50", "1,2_200,30", "1,12_33,17")
+    specs = ("1,12_33,17", "2,6_16,30", "1,4_40,20", "3_50", "1,2_200,30", "1,12_33,17",
+             "1,3_300,40", "1,2_200,30", "1,8_300,20", "1,3_300,40")
     batches = [build_tree_batch(s, page_size=16, seed=i) for i, s in enumerate(specs)]
     rows = max(b.batch_size for b in batches)
     pages = max(b.num_pages for b in batches)
@@ -142,7 +149,7 @@ def test_cached_launches_equal_freshly_built_ones(cuda):
     _, k1, v1 = _inputs(rows, 8, 2, 64, pages)
     outs = [FakeArray((rows, 8, 64), np.float16) for _ in range(2)]
     w = PrefixAttentionWrapper(backend="cuda", packer="pat")
-    compared, states, grids = 0, [], set()
+    compared, states, grids, merge_grids = 0, [], set(), set()
     for i, b in enumerate(batches):
         plan = w.plan(b.block_tables, b.seq_lens, 8, 2, 64, 16)
         st = w._gpu_backend.state_for(plan)
@@ -163,5 +170,7 @@ def test_cached_launches_equal_freshly_built_ones(cuda):
             assert got[0] == got[1] and got[0]
             compared += len(got[0])
             grids |= {g for _, g, *_ in got[0]}
-    # the loop exercised plans of other grids on one state
+            merge_grids |= {(id(st), g) for key, g, *_ in got[0] if key.startswith("pat_merge")}
+    # the loop exercised plans of other grids on one state, merges among them
     assert len(states) < len(specs) and len(grids) >= 3 and compared >= 2 * len(specs)
+    assert any(len({g for s, g in merge_grids if s == sid}) >= 2 for sid, _ in merge_grids)

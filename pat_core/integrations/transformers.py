@@ -195,8 +195,9 @@ class PatPagedAttention:
     requests of one pat step), ``step_host_s`` (seconds spent deciding and planning steps,
     host copies of the metadata included), ``step_copy_s`` (the part of it copying the
     metadata to the host, which on CUDA includes waiting for the device) and ``layer_host_s``
-    (seconds inside the layer calls pat ran, planning included: in an engine whose step is
-    bound by host work, this is what the attention adds to it); ``last_plan_stats`` is
+    (seconds inside the layer calls pat ran, their step's planning included, a step that falls
+    back after planning not: in an engine whose step is bound by host work, this is what the
+    attention adds to it); ``last_plan_stats`` is
     :meth:`pat_core.Plan.stats` of the last plan, ``last_seq_lens`` its int64 ``[batch]``
     sequence lengths; ``fallback_reasons`` counts fallback steps by reason.
     """
