@@ -16,7 +16,7 @@ from . import cuda_compile as cc
 from . import kernel_params as kp
 from .cuda_launch import _Launch, _copy_params, _external_stream, _fwd_params, _ptr
 from .cuda_views import _Dev, _check_cache, _check_rows
-from .launch import launch_grid
+from .launch import launch_grid, merge_needed_for
 from .plan import Plan, dtype_name
 
 
@@ -215,9 +215,9 @@ class StaticState:
         # the same rules as the simulator's (pat_core.launch)
         self.plan_grids = {v: launch_grid(int(self.live[v, 1]) * Hk, self.per_sm[v],
                                           self.num_sms) for v in used}
-        # pat_core.launch.merge_needed, from the live counts the pack already made
-        self.needs_merge = plan.num_slots > plan.batch_size or any(
-            int(self.live[v, 1]) * Hk > self.plan_grids[v] for v in used)
+        # from the live counts the pack already made
+        self.needs_merge = merge_needed_for(plan, [int(self.live[v, 1]) * Hk for v in used],
+                                            [self.plan_grids[v] for v in used])
         self.merge_key = self.backend._merge_layout(plan)
 
     def prepare(self, qd: _Dev, kd: _Dev, vd: _Dev, kv_layout: str,

@@ -75,11 +75,20 @@ def merge_needed(plan, blocks_per_sm, num_sms: int) -> bool:
     has more than one partial slot, or some forward launch has more items than blocks (a block
     drew a second item, and the merge resets the work counters).  ``blocks_per_sm``: resident
     blocks per SM of each tile config's kernel (indexable by the tile index ``k``)."""
-    if plan.num_slots > plan.batch_size:        # (per token row alike: same requests)
+    if plan.num_slots > plan.batch_size:
         return True
     hk = plan.num_kv_heads
-    return any(len(ctas) * hk > launch_grid(len(ctas) * hk, blocks_per_sm[k], num_sms)
-               for k, _, ctas in forward_launches(plan))
+    items = [(len(ctas) * hk, blocks_per_sm[k]) for k, _, ctas in forward_launches(plan)]
+    return merge_needed_for(plan, [n for n, _ in items],
+                            [launch_grid(n, b, num_sms) for n, b in items])
+
+
+def merge_needed_for(plan, items, grids) -> bool:
+    """:func:`merge_needed` from the forward launches' work items and grids (int sequences of
+    equal length), for a caller that has counted them (the CUDA backend, from its pack)."""
+    if plan.num_slots > plan.batch_size:        # (per token row alike: same requests)
+        return True
+    return any(n > g for n, g in zip(items, grids))
 
 
 def merge_block_per_pair(plan, num_sms: int) -> bool:
