@@ -55,6 +55,7 @@ import threading
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from . import cuda_compile as cc
 from .cuda_launch import _launch_ex, _set_out, _torch_stream_handle
@@ -562,12 +563,24 @@ def _check_plan_tiles(plan: Plan) -> None:
             raise ValueError(f"plan: no CUDA kernel for tile (m={m}, n={n}) at head_dim "
                              f"{plan.head_dim}")
     if plan.num_ctas:
-        rows = plan.cta_rows()
-        m = plan.tile_configs[plan.cta_tile][:, 0]
-        if np.any(rows > m):
-            c = int(np.argmax(rows > m))
-            raise ValueError(f"plan: CTA {c} has {int(rows[c])} query rows but its tile has "
-                             f"m={int(m[c])}")
+        # one compiled pass over the CTAs (the token view: a request's query tokens are rows)
+        tv = plan.token_view()
+        c = _row_overflow_nb(tv.cta_req_indptr, plan.cta_tile, plan.tile_configs,
+                             plan.group_size)
+        if c >= 0:
+            rows = int(tv.cta_req_indptr[c + 1] - tv.cta_req_indptr[c]) * plan.group_size
+            raise ValueError(f"plan: CTA {c} has {rows} query rows but its tile has "
+                             f"m={int(plan.tile_configs[plan.cta_tile[c], 0])}")
+
+
+@njit(cache=True, nogil=True)
+def _row_overflow_nb(cta_req_indptr, cta_tile, tile_configs, group):
+    """The first CTA whose query rows (its token rows x ``group``) exceed its tile's ``m``,
+    or ``-1``."""
+    for c in range(cta_tile.shape[0]):
+        if (cta_req_indptr[c + 1] - cta_req_indptr[c]) * group > tile_configs[cta_tile[c], 0]:
+            return c
+    return -1
 
 
 __all__ = ["CudaBackend", "LaunchOptions", "StaticState", "is_available"]

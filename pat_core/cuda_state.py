@@ -145,8 +145,8 @@ class StaticState:
 
     def check_plan(self, plan: Plan) -> None:
         """``ValueError`` unless ``plan`` fits this state: its shape and, in graph-safe mode,
-        the inputs the launches were built for.  (The layout's limits are checked by
-        :meth:`~pat_core.static_plan.StaticLayout.pack`, which every written plan goes through.)"""
+        the inputs the launches were built for.  (The layout's limits and the page ids'
+        sign are checked by :meth:`write`, before anything is copied.)"""
         want = (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
                 self.kv_dtype, self.dtype)
         have = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.page_size,
@@ -162,9 +162,6 @@ class StaticState:
                              f"{self.sm_scale} of the first plan")
         if self.fixed and self.max_rows is not None:
             self.check_inputs(plan, self.max_rows, self.num_pages)
-        lo = plan.page_range()[0]
-        if lo < 0:
-            raise ValueError(f"the plan reads page {lo}: page ids must be >= 0")
 
     def check_inputs(self, plan: Plan, rows: int, num_pages: int) -> None:
         """``ValueError`` unless ``plan`` fits inputs of ``rows`` q rows and ``num_pages`` KV
@@ -189,7 +186,10 @@ class StaticState:
         cp = self.cp
         with cp.cuda.Device(self.device):
             self.copied.synchronize()      # the previous copy has read the staging memory
-            packed = self.layout.pack(plan, out=self.staging)
+            packed = self.layout.pack_checked(plan, out=self.staging)
+            lo = plan.page_range()[0]      # noted by the pack
+            if lo < 0:
+                raise ValueError(f"the plan reads page {lo}: page ids must be >= 0")
             cp.cuda.runtime.memcpyAsync(int(self.buf.data.ptr), self.staging.ctypes.data,
                                         packed.shape[0] * 4, cp.cuda.runtime.memcpyHostToDevice,
                                         stream_ptr)

@@ -185,9 +185,24 @@ def csr_to_padded(indptr, indices, last_page_len, page_size: int):
     of its last page.  Errors name the argument at fault, or the request whose length would
     not fit int32."""
     page_size = _check_page_size(page_size)
-    ip = _int64(_as_int_array(indptr, "indptr", 1), "indptr")
-    idx = _int64(_as_int_array(indices, "indices", 1), "indices")
-    lpl = _int64(_as_int_array(last_page_len, "last_page_len", 1), "last_page_len")
+    ip = _as_int_array(indptr, "indptr", 1)
+    idx = _as_int_array(indices, "indices", 1)
+    lpl = _as_int_array(last_page_len, "last_page_len", 1)
+    if ip.dtype.kind == idx.dtype.kind == lpl.dtype.kind == "i":
+        # a serving loop's call: every check and the fill in one compiled pass; any failure
+        # goes to the checked path below, which names the argument at fault
+        table, seq, ok = _csr_padded_nb(ip, idx, lpl, page_size)
+        if ok:
+            return table, seq
+    return _csr_to_padded_checked(ip, idx, lpl, page_size)
+
+
+def _csr_to_padded_checked(ip, idx, lpl, page_size: int):
+    """:func:`csr_to_padded` in NumPy, one check at a time (the reference for the compiled
+    pass, and the path that names what is wrong): integer host arrays, a checked
+    ``page_size``."""
+    ip, idx, lpl = (_int64(ip, "indptr"), _int64(idx, "indices"),
+                    _int64(lpl, "last_page_len"))
     if ip.shape[0] < 1 or ip[0] != 0:
         raise ValueError("indptr must start with 0")
     if ip.shape[0] == 1:
@@ -209,6 +224,34 @@ def csr_to_padded(indptr, indices, last_page_len, page_size: int):
         raise ValueError(f"request {bad} holds {int(seq[bad])} tokens; seq_lens must fit in "
                          "int32 (the limit is 2^31 - 1)")
     return _csr_fill(ip, idx, int(npages.max())), seq.astype(np.int32)
+
+
+@njit(cache=True, nogil=True)
+def _csr_padded_nb(ip, idx, lpl, page_size):
+    """:func:`csr_to_padded`'s checks and result in one pass over signed integer arrays:
+    ``(table, seq_lens, ok)``; where any check fails ``ok`` is False and the arrays are not
+    the result."""
+    B = max(ip.shape[0] - 1, 0)
+    ok = ip.shape[0] >= 2 and ip[0] == 0 and lpl.shape[0] == B and ip[B] <= idx.shape[0]
+    width = 0
+    for r in range(B if ok else 0):
+        n = np.int64(ip[r + 1]) - np.int64(ip[r])
+        last = np.int64(lpl[r])
+        if n < 1 or last < 1 or last > page_size or (n - 1) * page_size + last > 2147483647:
+            ok = False
+            break
+        width = max(width, n)
+    out = np.full((B if ok else 0, width), -1, dtype=np.int32)
+    seq = np.empty(B if ok else 0, dtype=np.int32)
+    for r in range(B if ok else 0):
+        n = ip[r + 1] - ip[r]
+        for c in range(n):
+            v = idx[ip[r] + c]
+            if v < 0 or v > 2147483647:
+                return out, seq, False
+            out[r, c] = v
+        seq[r] = (n - 1) * page_size + lpl[r]
+    return out, seq, ok
 
 
 @njit(cache=True, nogil=True)

@@ -234,7 +234,6 @@ class Plan:
         if cached is not None and cached[0] is self.cta_req and cached[1] is self.qo_indptr:
             return cached[2]
         C = self.num_ctas
-        qlen = self.q_lens().astype(np.int64)
         if not self.multi_token:
             tv = TokenView(cta_req_indptr=self.cta_req_indptr, cta_req=self.cta_req,
                            cta_slot=self.cta_slot, req_slot_indptr=self.req_slot_indptr,
@@ -242,6 +241,7 @@ class Plan:
                                                   np.diff(self.cta_req_indptr)),
                            cta_causal=np.zeros(C, dtype=np.int32))
         else:
+            qlen = self.q_lens().astype(np.int64)
             pair_n = qlen[self.cta_req]                              # tokens of each pair
             cta_of = np.repeat(np.arange(C), np.diff(self.cta_req_indptr))
             tok_ptr = np.zeros(C + 1, dtype=np.int64)
@@ -501,6 +501,11 @@ class Plan:
                else (0, -1))
         self.extra["_page_range"] = (self.cta_pages, rng)
         return rng
+
+    def note_page_range(self, lo: int, hi: int) -> None:
+        """Record :meth:`page_range` as found by a pass over ``cta_pages`` made anyway (the
+        CUDA state's pack), so it is not computed again."""
+        self.extra["_page_range"] = (self.cta_pages, (int(lo), int(hi)))
 
     def coverage_counts(self) -> list:
         """For each request, an int array ``[seq_len]`` counting the CTAs that read each token.

@@ -160,6 +160,9 @@ class StaticLayout:
             self.offset[name] = at
             at += self.size[name]
         self.total = at
+        # what every pack() needs: the offsets in FIELDS order, each tile's launch index
+        self._off = np.array([self.offset[f] for f in FIELDS], dtype=np.int64)
+        self._vidx = {t: i for i, t in enumerate(self.tiles)}
 
     @property
     def num_variants(self) -> int:
@@ -201,21 +204,27 @@ class StaticLayout:
         launch-set variant (stable), the unused tail of every array zeroed.  ``out``: int32 ``[>= n]`` to write into (pinned staging memory,
         say); the returned array is then ``out[:n]``."""
         self.check(plan)
+        return self.pack_checked(plan, out)
+
+    def pack_checked(self, plan: Plan, out: np.ndarray | None = None) -> np.ndarray:
+        """:meth:`pack` of a plan that already passed :meth:`check` (the CUDA state checks
+        before it waits for its staging memory, then packs).  Also notes the plan's page
+        range (:meth:`Plan.page_range`), found on the way."""
         n = self.offset["cta_pages"] + plan.cta_pages.shape[0]
         if out is None:
             out = np.empty(n, dtype=np.int32)
         elif out.dtype != np.int32 or out.ndim != 1 or out.shape[0] < n:
             raise ValueError(f"out: expected int32 [>= {n}], got {out.dtype} {out.shape}")
-        vidx = {t: i for i, t in enumerate(self.tiles)}
-        tile_v = np.array([vidx[(int(m), int(n_))] for m, n_ in plan.tile_configs.tolist()],
+        vidx = self._vidx
+        tile_v = np.array([vidx[(m, n_)] for m, n_ in plan.tile_configs.tolist()],
                           dtype=np.int64)
-        off = np.array([self.offset[f] for f in FIELDS], dtype=np.int64)
         tv = plan.token_view()            # one token per request: the plan's own arrays
-        _pack_nb(out, off, tile_v, self.num_variants, int(plan.num_qo_tokens),
-                 plan.cta_tile, tv.cta_req_indptr, tv.cta_req, tv.cta_slot,
-                 plan.cta_kv_start, plan.cta_kv_len, plan.cta_page_indptr, plan.cta_pages,
-                 tv.req_slot_indptr, tv.cta_kv_limit, tv.cta_causal,
-                 self.limits.multi_token)
+        _, lo, hi = _pack_nb(out, self._off, tile_v, self.num_variants,
+                             int(plan.num_qo_tokens), plan.cta_tile, tv.cta_req_indptr,
+                             tv.cta_req, tv.cta_slot, plan.cta_kv_start, plan.cta_kv_len,
+                             plan.cta_page_indptr, plan.cta_pages, tv.req_slot_indptr,
+                             tv.cta_kv_limit, tv.cta_causal, self.limits.multi_token)
+        plan.note_page_range(lo, hi)
         return out[:n]
 
     def unpack(self, buf: np.ndarray) -> dict:
@@ -254,7 +263,8 @@ def _pack_nb(out, off, tile_v, nvar, batch, cta_tile, cta_req_indptr, cta_req, c
     ``cta_req_indptr [C + 1]``, ``cta_req`` / ``cta_slot`` / ``cta_kv_limit [T]``,
     ``req_slot_indptr [batch + 1]``, ``cta_causal [C]``) are a token view's.  ``causal``: the
     layout holds ``cta_kv_limit`` / ``cta_causal`` (else they are not written).  Every element
-    from 0 to the last page entry is written."""
+    from 0 to the last page entry is written.  Returns ``(end, lo, hi)``: the elements
+    written and the least and greatest page id listed (``(0, -1)`` for none)."""
     o_live, o_lb, o_rip, o_kvs, o_kvl, o_pip, o_rsi, o_req, o_slot, o_lim, o_caus, o_pages = \
         off[0], off[1], off[2], off[3], off[4], off[5], off[6], off[7], off[8], off[9], \
         off[10], off[11]
@@ -279,6 +289,8 @@ def _pack_nb(out, off, tile_v, nvar, batch, cta_tile, cta_req_indptr, cta_req, c
     out[o_pip] = 0
     r = 0
     pg = 0
+    lo = np.int64(0)
+    hi = np.int64(-1)
     for i in range(C):
         c = order[i]
         out[o_kvs + i] = cta_kv_start[c]
@@ -293,7 +305,12 @@ def _pack_nb(out, off, tile_v, nvar, batch, cta_tile, cta_req_indptr, cta_req, c
             r += 1
         out[o_rip + i + 1] = r
         for k in range(cta_page_indptr[c], cta_page_indptr[c + 1]):
-            out[o_pages + pg] = cta_pages[k]
+            p = cta_pages[k]
+            if pg == 0:
+                lo = hi = p
+            lo = min(lo, p)
+            hi = max(hi, p)
+            out[o_pages + pg] = p
             pg += 1
         out[o_pip + i + 1] = pg
     nb = req_slot_indptr.shape[0]
@@ -307,7 +324,7 @@ def _pack_nb(out, off, tile_v, nvar, batch, cta_tile, cta_req_indptr, cta_req, c
     for j in range(11):
         for x in range(ends[j], off[j + 1]):
             out[x] = 0
-    return o_pages + pg
+    return o_pages + pg, lo, hi
 
 
 def reachable_tiles(selector, kv_tile_table=None, max_rows=None) -> tuple:

@@ -1,6 +1,10 @@
 """Every bad input raises a clear error naming the argument; every input form agrees."""
+import re
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pat_core import BlockTable, PrefixAttentionWrapper
 from pat_core.workloads import build_tree_batch, random_kv_cache
@@ -319,3 +323,68 @@ def test_numpy_bfloat16_refused_on_cpu():
     k, v = (x.astype(ml_dtypes.bfloat16) for x in random_kv_cache(1, 16, 4, 64))
     with pytest.raises(TypeError, match=r"q is a NumPy bfloat16 .*only as CPU torch tensors"):
         w.run(q, (k, v))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_csr_fast_path_matches_the_checked_one(data):
+    """The compiled CSR pass gives the checked NumPy path's table and lengths, and refuses
+    exactly what it refuses (the checked path then names the argument): random CSR arrays,
+    valid or broken in one place, int32 / int64 / uint32."""
+    from pat_core.inputs import _csr_padded_nb, _csr_to_padded_checked, csr_to_padded
+    ps = data.draw(st.integers(1, 32))
+    B = data.draw(st.integers(1, 6))
+    npages = data.draw(st.lists(st.integers(1, 5), min_size=B, max_size=B))
+    ip = np.concatenate([[0], np.cumsum(npages)]).astype(np.int64)
+    idx = np.array(data.draw(st.lists(st.integers(0, 50), min_size=int(ip[-1]),
+                                      max_size=int(ip[-1]) + 3)), dtype=np.int64)
+    lpl = np.array(data.draw(st.lists(st.integers(1, ps), min_size=B, max_size=B)),
+                   dtype=np.int64)
+    broken = data.draw(st.sampled_from(["none", "ip0", "ip_flat", "ip_long", "lpl_len",
+                                        "lpl_zero", "lpl_big", "idx_neg", "idx_big", "seq_big",
+                                        "empty"]))
+    if broken == "ip0":
+        ip = ip + 1
+    elif broken == "ip_flat" and B > 1:
+        ip[1] = ip[0]
+    elif broken == "ip_long":
+        ip[-1] = idx.shape[0] + 1
+    elif broken == "lpl_len":
+        lpl = np.append(lpl, 1)
+    elif broken == "lpl_zero":
+        lpl[-1] = 0
+    elif broken == "lpl_big":
+        lpl[0] = ps + 1
+    elif broken == "idx_neg":
+        idx[data.draw(st.integers(0, int(ip[-1]) - 1))] = -2
+    elif broken == "idx_big":
+        idx[data.draw(st.integers(0, int(ip[-1]) - 1))] = 2**31
+    elif broken == "seq_big":
+        ps = 2**30
+        lpl[:] = 1
+        ip = np.array([0, 4], dtype=np.int64)
+        idx = np.arange(4, dtype=np.int64)
+        lpl = np.array([1], dtype=np.int64)
+    elif broken == "empty":
+        ip = np.zeros(1, dtype=np.int64)
+    dt = data.draw(st.sampled_from([np.int32, np.int64, np.uint32]))
+    if dt != np.int64 and (ip.max(initial=0) > 2**31 - 1 or idx.max(initial=0) > 2**31 - 1
+                           or min(ip.min(initial=0), idx.min(initial=0)) < 0):
+        dt = np.int64                    # the values must survive the cast
+    ip, idx, lpl = ip.astype(dt), idx.astype(dt), lpl.astype(dt)
+    try:
+        want = _csr_to_padded_checked(ip, idx, lpl, ps)
+    except ValueError as e:
+        want = e
+    if ip.dtype.kind == "i":
+        table, seq, ok = _csr_padded_nb(ip, idx, lpl, ps)
+        assert ok == (not isinstance(want, Exception))
+        if ok:
+            assert table.dtype == seq.dtype == np.int32
+            assert np.array_equal(table, want[0]) and np.array_equal(seq, want[1])
+    if isinstance(want, Exception):
+        with pytest.raises(ValueError, match=re.escape(str(want))):
+            csr_to_padded(ip, idx, lpl, ps)
+    else:
+        got = csr_to_padded(ip, idx, lpl, ps)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
