@@ -29,6 +29,8 @@ def main(argv=None):
     ap.add_argument("--heads", default="16:4")
     ap.add_argument("--busy-thread", action="store_true")
     ap.add_argument("--profile", action="store_true", help="cProfile pat's steps (printed)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="time the pieces of one pat run() call in tight loops (printed)")
     a = ap.parse_args(argv)
     import torch
     import flashinfer
@@ -102,6 +104,65 @@ def main(argv=None):
               f" (p90 {np.percentile(calls, 90) * 1e3:.3f})  busy thread {a.busy_thread}",
               flush=True)
     stop.set()
+    if a.breakdown:
+        breakdown(w, q, out, caches, fi)
+
+
+def breakdown(w, q, out, caches, fi, n: int = 2000):
+    """Mean host cost (us per call, the device waits excluded) of each piece of pat's run
+    path in tight loops, the current plan's state prepared for ``caches[0]``, and FlashInfer's
+    ``run`` for comparison: what a layer call pays on this host, hot caches."""
+    import torch
+    from pat_core.cuda_launch import _torch_stream_handle
+    from pat_core.cuda_views import _Dev
+    be = w._gpu_backend
+    kv = caches[0]
+    plan = w.current_plan
+    w.run(q, kv, out=out)
+    st = next(s for s in be._states.values() if s.plan is plan)
+    prep = next(iter(st.prepared.values()))
+    launches, merge = prep["live"][2], prep["live"][3]
+    qd = _Dev(q, "q")
+    kd, vd = _Dev(kv[0], "k"), _Dev(kv[1], "v")
+    dev = qd.device
+    caller = _torch_stream_handle(dev)
+    sig = ("NHD", qd.sig_any_rows(), kd.sig(), vd.sig(), be.options, (1.0, 1.0))
+
+    def ctx():
+        with be.cp.cuda.Device(dev):
+            pass
+
+    pieces = {
+        "wrapper.run": lambda: w.run(q, kv, out=out),
+        "backend.run": lambda: be.run(plan, q, kv[0], kv[1], out=out),
+        "_run_state": lambda: be._run_state(st, qd, kv[0], kv[1], "NHD", False, out, None,
+                                            None),
+        "_Dev(q)": lambda: _Dev(q, "q"),
+        "3 x sig": lambda: (qd.sig_any_rows(), kd.sig(), vd.sig()),
+        "prepared lookup": lambda: st.prepared.get(sig),
+        "Device ctx": ctx,
+        "stream handle": lambda: _torch_stream_handle(dev),
+        "torch current_stream": lambda: torch.cuda.current_stream(),
+        "_outputs (cached)": lambda: be._outputs(qd, st.batch, st.num_qo_heads, st.head_dim,
+                                                 st.dtype, False, out, None, {}, checked=prep),
+        f"enqueue ({len(launches)} + {int(merge is not None)})":
+            lambda: be._enqueue(launches, merge, caller, prep["live"][4]),
+        "one launch": lambda: launches[0](caller),
+        "fi.run": lambda: fi.run(q, kv, out=out),
+    }
+    for name, fn in pieces.items():
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        host = 0.0
+        for _ in range(n // 100):            # chunks of 100 calls: the launch queue stays
+            t = time.perf_counter()          # short, and the waits are not counted
+            for _ in range(100):
+                fn()
+            host += time.perf_counter() - t
+            torch.cuda.synchronize()
+        dt = host / (n // 100 * 100)
+        print(f"  {name:<28} {dt * 1e6:8.2f} us", flush=True)
 
 
 if __name__ == "__main__":
