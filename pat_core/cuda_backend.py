@@ -163,6 +163,7 @@ class CudaBackend:
         self.max_smem_optin = int(props.get("sharedMemPerBlockOptin", 0) or 0)
         self._sm_counts: dict = {}    # device -> SM count
         self._states: dict = {}       # (device, shape key) -> StaticState of plain plans
+        self._last_state = None       # the state the last run() used (the next one's guess)
         self.options = LaunchOptions()
 
     @property
@@ -283,6 +284,8 @@ class CudaBackend:
             multi = multi or lim.multi_token
             # kernels of the old state's last run may still read its buffers
             self.cp.cuda.Device(dev).synchronize()
+            if self._last_state is st:
+                self._last_state = None
         grow = [max(1, (n * 5 + 3) // 4) for n in need]
         grow[4] = max(grow[4], grow[0])
         limits = StaticLimits(*grow[:4], max_num_qo_tokens=grow[4] if multi else None)
@@ -332,12 +335,17 @@ class CudaBackend:
         qd = _Dev(q, "q")
         dev = qd.device if qd.device is not None else self.cp.cuda.runtime.getDevice()
         with self.cp.cuda.Device(dev):
-            # the usual call: the plan was written by upload() (the wrapper's plan())
-            st = next((s for s in self._states.values() if s.plan is plan
-                       and s.plan_version == plan.version and s.device == dev), None)
+            # the usual call: the plan was written by upload() (the wrapper's plan()), into
+            # the state the last call used
+            st = self._last_state
+            if st is None or st.plan is not plan or st.plan_version != plan.version \
+                    or st.device != dev:
+                st = next((s for s in self._states.values() if s.plan is plan
+                           and s.plan_version == plan.version and s.device == dev), None)
             if st is None:
                 st = self.state_for(plan)
                 st.write(plan, self._caller_stream(qd))
+            self._last_state = st
             return self._run_state(st, qd, k_cache, v_cache, kv_layout, return_lse, out, lse,
                                    check, scales)
 

@@ -514,8 +514,21 @@ class PrefixAttentionWrapper:
              q_scale=None, k_scale=None, v_scale=None, window_left=None, enable_pdl=None,
              sinks=None):
         """The body of :meth:`run`, under its guard."""
-        _check_off("run", "q_scale", q_scale, (None, 1.0))
         plan = self.current_plan
+        if (self._gpu_backend is not None and not self.use_cuda_graph
+                and type(paged_kv_cache) is tuple and len(paged_kv_cache) == 2
+                and q_scale is None and k_scale is None and v_scale is None
+                and window_left is None and enable_pdl is None and sinks is None
+                and (return_lse is False or return_lse is True)):
+            # the decode loop's call (every option at its default, the cache as a pair): the
+            # backend validates an input set once (pointers, shapes, strides, dtypes) and runs
+            # these checks then, so a layer's later calls skip them
+            k_cache, v_cache = paged_kv_cache
+            return self._gpu_backend.run(plan, q, k_cache, v_cache, kv_layout=self.kv_layout,
+                                         return_lse=return_lse or lse is not None, out=out,
+                                         lse=lse, check=self._input_checks(plan, q,
+                                                                           paged_kv_cache))
+        _check_off("run", "q_scale", q_scale, (None, 1.0))
         if plan.kv_dtype in KV_ONLY_DTYPES:
             scales = (as_scale(k_scale, "k_scale"), as_scale(v_scale, "v_scale"))
             # both backends fold k_scale into the softmax scale, one float32
@@ -540,13 +553,9 @@ class PrefixAttentionWrapper:
             raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
         want_lse = bool(return_lse or lse is not None)
         if self._gpu_backend is not None and not self.use_cuda_graph:
-            # the backend runs these checks only when it validates a new input set (plan,
-            # pointers, shapes, strides, dtypes), so a decode loop pays for them once
-            def check():
-                self._check_run_dtypes(plan, q, k_cache, v_cache)
-                plan.check_inputs(q, k_cache, v_cache, self.kv_layout)
             return self._gpu_backend.run(plan, q, k_cache, v_cache, kv_layout=self.kv_layout,
-                                         return_lse=want_lse, out=out, lse=lse, check=check,
+                                         return_lse=want_lse, out=out, lse=lse,
+                                         check=self._input_checks(plan, q, paged_kv_cache),
                                          **gpu_kw)
         if self._gpu_backend is None:
             for t, name in ((q, "q"), (k_cache, "paged_kv_cache"), (v_cache, "paged_kv_cache")):
@@ -591,6 +600,17 @@ class PrefixAttentionWrapper:
         else:
             lse = res_lse
         return out, lse
+
+    def _input_checks(self, plan: Plan, q, paged_kv_cache):
+        """The checks of ``q`` and the cache against ``plan``, as a callable the CUDA backend
+        runs only when it validates a new input set (plan, pointers, shapes, strides,
+        dtypes): a decode loop pays for them once per layer, not per call."""
+        def check():
+            _check_array(q, "q")
+            k_cache, v_cache = split_kv_cache(paged_kv_cache, self.kv_layout)
+            self._check_run_dtypes(plan, q, k_cache, v_cache)
+            plan.check_inputs(q, k_cache, v_cache, self.kv_layout)
+        return check
 
     @staticmethod
     def _check_run_dtypes(plan: Plan, q, k_cache, v_cache) -> None:

@@ -174,3 +174,27 @@ def test_cached_launches_equal_freshly_built_ones(cuda):
     # the loop exercised plans of other grids on one state, merges among them
     assert len(states) < len(specs) and len(grids) >= 3 and compared >= 2 * len(specs)
     assert any(len({g for s, g in merge_grids if s == sid}) >= 2 for sid, _ in merge_grids)
+
+
+def test_the_wrappers_checks_run_when_an_input_set_is_new(cuda):
+    """A decode call with every option at its default goes straight to the backend, which runs
+    the wrapper's checks when it validates a new input set: a cache pair of unequal shapes,
+    a q of another dtype than the plan's and caches of another dtype are refused by name, each
+    time they are passed (a refused set is never cached), and a good call still runs."""
+    b = build_tree_batch("1,4_40,20", page_size=16, seed=0)
+    w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+    w.plan(b.block_tables, b.seq_lens, 8, 2, 64, 16)
+    q, k, v = _inputs(b.batch_size, 8, 2, 64, b.num_pages + 1)
+    bad = [((q, (k, v[:-1])), ValueError, "4-D with equal shapes"),
+           ((FakeArray.of(q.a.astype(np.float32)), (k, v)), TypeError, "q is float32"),
+           ((q, (FakeArray.of(k.a.astype(np.float32)), FakeArray.of(v.a.astype(np.float32)))),
+            TypeError, "float32")]
+    for args, err, match in bad:
+        for _ in range(2):
+            n = len(cuda.launches)
+            with pytest.raises(err, match=match):
+                w.run(*args)
+            assert len(cuda.launches) == n
+    assert w.run(q, (k, v)) is not None
+    with pytest.raises(ValueError, match="4-D with equal shapes"):
+        w.run(q, (k, v[:-1]))
