@@ -18,8 +18,10 @@ with the attention function and the model's forward timed per call.  Workloads (
   history and sends ``--turns`` turns, each turn's prompt extending the previous one;
 * ``none``: distinct prompts of the same lengths, nothing shared.
 
-The timed runs are repeated (``--repeats``, interleaved across the implementations) and the
-repeat with the median decode throughput is reported, with every repeat's throughput.  Per
+The timed runs are repeated (``--repeats``, interleaved across the implementations, the order
+reversed every other round) and the repeat with the median decode throughput is reported, with
+every repeat's throughput and, against ``--reference``, each round's throughput and step-time
+ratios and their medians (``paired_vs_reference``; the table's "paired" column).  Per
 implementation it reports the timed run's wall time (and the engine's set-up within it);
 prefill and decode from the engine's per-token timestamps (``record_timestamps``), counted
 from the requests' creation: time to first token per request, the decode
@@ -477,6 +479,31 @@ def median_row(runs: list) -> dict:
     return row
 
 
+def paired_ratios(rows: dict, ref: str) -> dict:
+    """Per implementation (other than ``ref``), its timed runs against ``ref``'s of the same
+    round: decode throughput over the reference's, and the reference's median decode step
+    over its own, each round's value and the median.  Runs of one round are minutes apart at
+    most, so these ratios carry less of the drift between rounds than the medians do."""
+    base = rows.get(ref)
+    if not isinstance(base, list):
+        return {}
+    out = {}
+    for impl, runs in rows.items():
+        if impl == ref or not isinstance(runs, list):
+            continue
+        tput = [a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
+                for a, b in zip(runs, base)
+                if a["decode_tokens_per_s"] and b["decode_tokens_per_s"]]
+        step = [b["decode_step_ms_median"] / a["decode_step_ms_median"]
+                for a, b in zip(runs, base)
+                if a["decode_step_ms_median"] and b["decode_step_ms_median"]]
+        out[impl] = dict(reference=ref, decode_tokens_per_s=tput,
+                         decode_tokens_per_s_median=float(np.median(tput)) if tput else None,
+                         decode_step=step,
+                         decode_step_median=float(np.median(step)) if step else None)
+    return out
+
+
 def compare_tokens(ref: list, got: list, check: int, limit: int = 20) -> dict:
     """Requests whose first ``check`` tokens equal the reference's; the first ``limit``
     divergences (request, index, both tokens, both log-probabilities when recorded)."""
@@ -547,7 +574,7 @@ def print_table(rows: list, correctness: dict, ref: str) -> None:
     base = next((r for r in rows if r["impl"] == ref and r["status"] == "ok"), None)
     print(f"{'impl':<26}{'run s':>8}{'dec tok/s':>11}{'vs ref':>8}{'TPOT ms':>9}"
           f"{'TTFT max s':>11}{'steps':>7}{'dec':>6}{'prep ms':>8}{'attn %':>8}{'plan %':>8}"
-          f"{'attn host ms':>13}{'same':>9}")
+          f"{'attn host ms':>13}{'paired':>8}{'same':>9}")
     for r in rows:
         if r["status"] != "ok":
             print(f"{r['impl']:<26}skipped: {r['reason'][:90]}")
@@ -567,6 +594,7 @@ def print_table(rows: list, correctness: dict, ref: str) -> None:
               f"{f(None if share is None else 100 * share, '.1f'):>8}"
               f"{f(None if plan is None else 100 * plan, '.1f'):>8}"
               f"{f(r.get('attn_host_ms_median'), '.2f'):>13}"
+              f"{f(r.get('paired_vs_reference', {}).get('decode_tokens_per_s_median'), '.3f'):>8}"
               f"{(str(c['identical']) + '/' + str(c['requests'])) if c else '-':>9}")
 
 
@@ -604,8 +632,10 @@ def main(argv=None):
     # timed runs, the implementations interleaved: a host-bound engine's step time drifts
     # between runs of one process (one implementation's repeats were seen 37% apart), so one
     # run each in a fixed order would credit the drift to an implementation
+    # and the order reversed every other round (A B, B A, ...), so a drift within a round
+    # favours neither; each round's ratios to the reference are reported beside the medians
     for rep in range(args.repeats):
-        for impl in impls:
+        for impl in (impls if rep % 2 == 0 else impls[::-1]):
             if isinstance(rows[impl], dict):
                 continue
             try:
@@ -616,9 +646,12 @@ def main(argv=None):
                 rows[impl] = dict(impl=impl, status="skipped",
                                   reason=f"{type(e).__name__}: {e}")
                 outputs.pop(impl, None)
+    paired = paired_ratios(rows, args.reference)
     for impl in impls:
         if isinstance(rows[impl], list):
             rows[impl] = median_row(rows[impl])
+            if impl in paired:
+                rows[impl]["paired_vs_reference"] = paired[impl]
             if args.profile_tokens > 0:
                 rows[impl]["profile"] = profile_run(model, impl, prompts, args)
         print(f"{impl}: {rows[impl]['status']}", flush=True)

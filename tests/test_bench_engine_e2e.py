@@ -68,6 +68,25 @@ def out(tokens, logprobs=()):
     return types.SimpleNamespace(generated_tokens=list(tokens), logprobs=list(logprobs))
 
 
+def test_paired_ratios_pair_runs_of_one_round():
+    """Round i of an implementation is divided by round i of the reference (not the medians),
+    and implementations that were skipped get none."""
+    from bench.engine_e2e import paired_ratios
+
+    def run(tput, step):
+        return {"decode_tokens_per_s": tput, "decode_step_ms_median": step}
+    rows = {"ref": [run(100.0, 10.0), run(200.0, 5.0), run(150.0, 8.0)],
+            "a": [run(90.0, 11.0), run(220.0, 4.0), run(150.0, 10.0)],
+            "gone": {"status": "skipped"}}
+    got = paired_ratios(rows, "ref")
+    assert set(got) == {"a"}
+    assert got["a"]["decode_tokens_per_s"] == pytest.approx([0.9, 1.1, 1.0])
+    assert got["a"]["decode_tokens_per_s_median"] == pytest.approx(1.0)
+    assert got["a"]["decode_step"] == pytest.approx([10 / 11, 1.25, 0.8])
+    assert got["a"]["decode_step_median"] == pytest.approx(10 / 11)
+    assert paired_ratios({"a": rows["a"]}, "ref") == {}
+
+
 def test_compare_tokens_reports_the_first_divergence():
     ref = [out([1, 2, 3, 4], [-1.0, -2.0, -3.0, -4.0]), out([5, 6, 7], [-1.0, -1.0, -1.0])]
     got = [out([1, 2, 3, 9], [-1.0, -2.5, -3.0, -4.1]), out([5, 6, 7], [-1.0, -1.0, -1.25])]
@@ -123,6 +142,13 @@ def test_tiny_smoke_run(tmp_path, workload):
     assert 0 < r["host_copy_ms_median"] < r["host_step_ms_median"] <= r["host_step_ms_max"]
     assert r["host_step_ms_median"] < r["attn_host_ms_median"]    # planning + the layers
     assert len(r["repeat_attn_host_ms_median"]) == 2
+    pr = r["paired_vs_reference"]
+    sdpa = rows["paged|sdpa"]["repeat_decode_tokens_per_s"]
+    assert pr["reference"] == "paged|sdpa" and len(pr["decode_tokens_per_s"]) == 2
+    assert pr["decode_tokens_per_s"] == pytest.approx(
+        [a / b for a, b in zip(r["repeat_decode_tokens_per_s"], sdpa)])
+    assert len(pr["decode_step"]) == 2 and pr["decode_step_median"] > 0
+    assert "paired_vs_reference" not in rows["paged|sdpa"]
     c = res["correctness"]["paged|pat"]
     assert c["requests"] == 8 and c["check_tokens"] == 16
     assert c["identical"] == 8 and c["divergences"] == []
