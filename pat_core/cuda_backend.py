@@ -61,7 +61,7 @@ from . import cuda_compile as cc
 from .cuda_launch import _launch_ex, _set_out, _torch_stream_handle
 from .cuda_modules import _compile_in_workers, _raw_module, _variant_from
 from .cuda_state import StaticState
-from .cuda_views import _Dev, _data_ptr, _extent
+from .cuda_views import _Dev, _data_ptr, _extent, _itemsize
 from .gpus import detect_gpu_name
 from .inputs import refuse_overlap, refuse_self_overlap
 from .launch import merge_block_per_pair, merge_heads_per_warp
@@ -165,6 +165,21 @@ class CudaBackend:
         self._states: dict = {}       # (device, shape key) -> StaticState of plain plans
         self._last_state = None       # the state the last run() used (the next one's guess)
         self.options = LaunchOptions()
+
+    @property
+    def options(self) -> LaunchOptions:
+        """How this backend launches (:class:`LaunchOptions`); setting it makes the next run()
+        of every input set prepare its launches again."""
+        return self._options
+
+    @options.setter
+    def options(self, value: LaunchOptions) -> None:
+        if not isinstance(value, LaunchOptions):
+            raise TypeError(f"options must be a LaunchOptions, got {type(value).__name__}")
+        self._options = value
+        # the options' part of a prepared input set's key, as a plain tuple (hashing the
+        # dataclass on every call costs more than the lookup it keys)
+        self._options_key = (value.fast, value.graph_fused)
 
     @property
     def fast_launch(self) -> bool:
@@ -333,15 +348,18 @@ class CudaBackend:
         dtypes; up to 64, e.g. one per model layer), so a decode loop pays for the checks once.
         """
         qd = _Dev(q, "q")
-        dev = qd.device if qd.device is not None else self.cp.cuda.runtime.getDevice()
+        current = self.cp.cuda.runtime.getDevice()
+        dev = qd.device if qd.device is not None else current
+        # the usual call: the plan was written by upload() (the wrapper's plan()), into the
+        # state the last call used, on the current device
+        st = self._last_state
+        if st is not None and st.plan is plan and st.plan_version == plan.version \
+                and st.device == dev == current:
+            return self._run_state(st, qd, k_cache, v_cache, kv_layout, return_lse, out, lse,
+                                   check, scales)
         with self.cp.cuda.Device(dev):
-            # the usual call: the plan was written by upload() (the wrapper's plan()), into
-            # the state the last call used
-            st = self._last_state
-            if st is None or st.plan is not plan or st.plan_version != plan.version \
-                    or st.device != dev:
-                st = next((s for s in self._states.values() if s.plan is plan
-                           and s.plan_version == plan.version and s.device == dev), None)
+            st = next((s for s in self._states.values() if s.plan is plan
+                       and s.plan_version == plan.version and s.device == dev), None)
             if st is None:
                 st = self.state_for(plan)
                 st.write(plan, self._caller_stream(qd))
@@ -416,17 +434,22 @@ class CudaBackend:
                  lse, inputs: dict, note: str = "", checked: dict | None = None):
         """Allocate or check ``out`` ``[rows, Hq, D]`` in ``dtype`` and (with ``want_lse``)
         ``lse`` float32 ``[rows, Hq]``; a caller's buffer must not overlap the other or the
-        ``inputs`` (``{name: _Dev or its (lo, hi) byte range}``).  Returns ``(out, lse,
+        ``inputs`` (``{name: _Dev or its (lo, hi) byte range}``, or a callable returning it,
+        called only when a caller's buffer is checked).  Returns ``(out, lse,
         out_args)``, out_args being the pointers and element strides the merge writes through
         (0 for a missing lse).  ``checked``: a dict in which the last caller buffers that
         passed the checks are noted (a prepared input set's: its inputs are fixed but for q's
         rows), so the same buffers again are not checked again."""
-        if checked is not None and out is not None and lse is None and not want_lse:
-            key = (_Dev(out, "out").sig(), rows, qd.shape[0])
+        if isinstance(out, _Dev):       # (the call below, which read it already)
+            od, out = out, out.obj
+        else:
+            od = None if out is None else _Dev(out, "out")
+        if checked is not None and od is not None and lse is None and not want_lse:
+            key = (od.sig(), rows, qd.shape[0])
             hit = checked.get("out_ok")
             if hit is not None and hit[0] == key:
                 return out, None, hit[1]
-            res = self._outputs(qd, rows, Hq, D, dtype, want_lse, out, lse, inputs, note)
+            res = self._outputs(qd, rows, Hq, D, dtype, want_lse, od, lse, inputs, note)
             checked["out_ok"] = (key, res[2])
             return res
         given = {}
@@ -440,14 +463,16 @@ class CudaBackend:
                 out = self._alloc_like(qd, (rows, Hq, D), dtype)
             o_ptr, o_sb, o_sh = _data_ptr(out), Hq * D, D
         else:
-            od = _Dev(out, "out")
             if od.shape != (rows, Hq, D) or od.dtype != dtype or (D > 1 and od.strides[-1] != 1):
                 raise ValueError(f"out must be [{rows}, {Hq}, {D}] {dtype}{note} with a "
                                  f"contiguous last dimension, got {od.shape} {od.dtype} strides "
                                  f"{od.strides}")
-            refuse_self_overlap("out", od.shape, od.strides)
             o_ptr, o_sb, o_sh = od.ptr, od.strides[0], od.strides[1]
-            given["out"] = _extent(od)
+            if od.strides == (Hq * D, D, 1):     # C-contiguous: no element twice, one span
+                given["out"] = (o_ptr, o_ptr + rows * Hq * D * _itemsize(od))
+            else:
+                refuse_self_overlap("out", od.shape, od.strides)
+                given["out"] = _extent(od)
         l_ptr = l_sb = l_sh = 0
         if want_lse:
             if lse is None:
@@ -462,6 +487,8 @@ class CudaBackend:
                 l_ptr, l_sb, l_sh = ld.ptr, ld.strides[0], ld.strides[1]
                 given["lse"] = _extent(ld)
         if given:
+            if callable(inputs):
+                inputs = inputs()
             refuse_overlap(given, {n: t if isinstance(t, tuple) else _extent(t)
                                    for n, t in inputs.items()})
         return out, lse, (o_ptr, l_ptr, o_sb, o_sh, l_sb, l_sh)
@@ -519,7 +546,7 @@ class CudaBackend:
         # not prepared again for every layer; graph-safe launches keep the rows they were
         # built for
         sig = (kv_layout, qd.sig() if st.fixed else qd.sig_any_rows(), kd.sig(), vd.sig(),
-               self.options, scales)
+               self._options_key, scales)
         prep = st.prepared.get(sig)
         if prep is None:
             if check is not None:
@@ -539,7 +566,7 @@ class CudaBackend:
         rows = prep["rows"] if st.fixed else st.batch
         out, lse, out_args = self._outputs(qd, rows, st.num_qo_heads, st.head_dim, st.dtype,
                                            want_lse, out, lse,
-                                           {"q": qd, **prep["cache_extents"]},
+                                           lambda: {"q": qd, **prep["cache_extents"]},
                                            note=" (q's rows)" if st.fixed else "",
                                            checked=prep)
         # the launches of the written plan for these inputs, made once per plan (an engine

@@ -102,11 +102,16 @@ PHASES = (("pat_core.wrapper", "PrefixAttentionWrapper", "run"),
           ("pat_core.cuda_backend", "CudaBackend", "_outputs"),
           ("pat_core.cuda_backend", "CudaBackend", "_enqueue"),
           ("pat_core.cuda_state", "StaticState", "live_launches"),
+          ("pat_core.cuda_state", "StaticState", "check_inputs"),
+          ("pat_core.wrapper", "PrefixAttentionWrapper", "plan_csr"),
+          ("pat_core.cuda_backend", "CudaBackend", "upload"),
+          ("pat_core.integrations.transformers", "PatPagedAttention", "plan_step"),
           ("pat_core.cuda_launch", "_Launch", "__call__"),
           ("pat_core.cuda_views", "_Dev", "__init__"),
           ("pat_core.integrations.transformers", "PatPagedAttention", "_query_rows"),
           ("pat_core.integrations.transformers", "PatPagedAttention", "_new_step"),
-          ("flashinfer.decode", "BatchDecodeWithPagedKVCacheWrapper", "run"))
+          ("flashinfer.decode", "BatchDecodeWithPagedKVCacheWrapper", "run"),
+          ("flashinfer.decode", "BatchDecodeWithPagedKVCacheWrapper", "plan"))
 
 
 def install_phase_timers(times: dict):
