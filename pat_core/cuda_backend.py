@@ -598,12 +598,12 @@ def _check_plan_tiles(plan: Plan) -> None:
             raise ValueError(f"plan: no CUDA kernel for tile (m={m}, n={n}) at head_dim "
                              f"{plan.head_dim}")
     if plan.num_ctas:
-        # one compiled pass over the CTAs (the token view: a request's query tokens are rows)
-        tv = plan.token_view()
-        c = _row_overflow_nb(tv.cta_req_indptr, plan.cta_tile, plan.tile_configs,
-                             plan.group_size)
+        # one compiled pass over the CTAs (a multi-token plan's token view: a request's query
+        # tokens are rows)
+        ptr = plan.token_view().cta_req_indptr if plan.multi_token else plan.cta_req_indptr
+        c = _row_overflow_nb(ptr, plan.cta_tile, plan.tile_configs, plan.group_size)
         if c >= 0:
-            rows = int(tv.cta_req_indptr[c + 1] - tv.cta_req_indptr[c]) * plan.group_size
+            rows = int(ptr[c + 1] - ptr[c]) * plan.group_size
             raise ValueError(f"plan: CTA {c} has {rows} query rows but its tile has "
                              f"m={int(plan.tile_configs[plan.cta_tile[c], 0])}")
 

@@ -218,12 +218,18 @@ class StaticLayout:
         vidx = self._vidx
         tile_v = np.array([vidx[(m, n_)] for m, n_ in plan.tile_configs.tolist()],
                           dtype=np.int64)
-        tv = plan.token_view()            # one token per request: the plan's own arrays
+        causal = self.limits.multi_token
+        if plan.multi_token or causal:
+            tv = plan.token_view()
+            req = (tv.cta_req_indptr, tv.cta_req, tv.cta_slot, tv.req_slot_indptr,
+                   tv.cta_kv_limit, tv.cta_causal)
+        else:                              # the token view would be the plan's own arrays
+            req = (plan.cta_req_indptr, plan.cta_req, plan.cta_slot, plan.req_slot_indptr,
+                   _NONE, _NONE)           # (the causal arrays are not written)
         _, lo, hi = _pack_nb(out, self._off, tile_v, self.num_variants,
-                             int(plan.num_qo_tokens), plan.cta_tile, tv.cta_req_indptr,
-                             tv.cta_req, tv.cta_slot, plan.cta_kv_start, plan.cta_kv_len,
-                             plan.cta_page_indptr, plan.cta_pages, tv.req_slot_indptr,
-                             tv.cta_kv_limit, tv.cta_causal, self.limits.multi_token)
+                             int(plan.num_qo_tokens), plan.cta_tile, req[0], req[1], req[2],
+                             plan.cta_kv_start, plan.cta_kv_len, plan.cta_page_indptr,
+                             plan.cta_pages, req[3], req[4], req[5], causal)
         plan.note_page_range(lo, hi)
         return out[:n]
 
@@ -252,6 +258,9 @@ class StaticLayout:
                 "cta_req": seg("cta_req", int(req_ptr[-1])),
                 "cta_slot": seg("cta_slot", int(req_ptr[-1])),
                 "cta_pages": seg("cta_pages", int(page_ptr[-1]))}
+
+
+_NONE = np.zeros(0, dtype=np.int32)
 
 
 @njit(cache=True, nogil=True)
@@ -291,6 +300,11 @@ def _pack_nb(out, off, tile_v, nvar, batch, cta_tile, cta_req_indptr, cta_req, c
     pg = 0
     lo = np.int64(0)
     hi = np.int64(-1)
+    if cta_page_indptr[C] > 0:
+        lo = hi = np.int64(cta_pages[0])
+        for p in cta_pages[:cta_page_indptr[C]]:
+            lo = min(lo, p)
+            hi = max(hi, p)
     for i in range(C):
         c = order[i]
         out[o_kvs + i] = cta_kv_start[c]
@@ -304,14 +318,9 @@ def _pack_nb(out, off, tile_v, nvar, batch, cta_tile, cta_req_indptr, cta_req, c
                 out[o_lim + r] = cta_kv_limit[k]
             r += 1
         out[o_rip + i + 1] = r
-        for k in range(cta_page_indptr[c], cta_page_indptr[c + 1]):
-            p = cta_pages[k]
-            if pg == 0:
-                lo = hi = p
-            lo = min(lo, p)
-            hi = max(hi, p)
-            out[o_pages + pg] = p
-            pg += 1
+        a, b = cta_page_indptr[c], cta_page_indptr[c + 1]
+        out[o_pages + pg:o_pages + pg + b - a] = cta_pages[a:b]      # one block copy
+        pg += b - a
         out[o_pip + i + 1] = pg
     nb = req_slot_indptr.shape[0]
     for b in range(nb):
