@@ -112,7 +112,7 @@ def register_flashinfer_decode(name: str = FI_IMPL):
         def __init__(self, w):
             self.w = w
 
-        def run(self, q, kv, out):
+        def run(self, q, kv, out=None):
             return self.w.run(q, kv, out=out)
 
     class FlashInferDecode(PatPagedAttention):

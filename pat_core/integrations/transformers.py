@@ -302,8 +302,9 @@ class PatPagedAttention:
         return _Step(key, True, "", int(qlen.sum()), runner)
 
     def plan_step(self, indptr, indices, last, qo_indptr, query, key_states, scaling, cache):
-        """Plan one step for all its layers and return the object whose ``run(q, kv, out=)``
-        computes a layer: pat's wrapper for the tensors' backend.  The arrays are the step's
+        """Plan one step for all its layers and return the object whose ``run(q, kv, out=None)``
+        computes a layer (into ``out``, or a new contiguous ``[rows, heads, head_dim]`` tensor
+        it returns): pat's wrapper for the tensors' backend.  The arrays are the step's
         CSR page table (int32 ``[batch + 1]``, ``[pages]``, ``[batch]``) and its int32
         ``[batch + 1]`` ``qo_indptr`` (``None`` when every request brings one token).  This is
         the seam another decode kernel plugs into (override it); ``ValueError`` / ``TypeError``
@@ -372,9 +373,13 @@ class PatPagedAttention:
         n = step.num_tokens
         t_rows, hq, d = int(query.shape[2]), int(query.shape[1]), int(query.shape[3])
         q = self._query_rows(query, n)                       # [n, num_qo_heads, head_dim]
-        out = query.new_zeros((1, t_rows, hq, d)) if n < t_rows else \
-            query.new_empty((1, t_rows, hq, d))
-        step.runner.run(q, kv, out=out[0, :n])
+        if n == t_rows:
+            # no padding rows: the kernel's own output ([n, heads, head_dim], contiguous), so
+            # no buffer is made here and no caller's buffer is checked on every call
+            out = step.runner.run(q, kv).unsqueeze(0)
+        else:
+            out = query.new_zeros((1, t_rows, hq, d))       # padding rows stay zero
+            step.runner.run(q, kv, out=out[0, :n])
         self.stats["layer_host_s"] += time.perf_counter() - t_call
         return out, None
 
