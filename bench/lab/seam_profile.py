@@ -114,12 +114,18 @@ PHASES = (("pat_core.wrapper", "PrefixAttentionWrapper", "run"),
           ("flashinfer.decode", "BatchDecodeWithPagedKVCacheWrapper", "plan"))
 
 
-def install_phase_timers(times: dict):
-    """Wrap each PHASES method with a perf_counter timer appending to ``times[name]``;
-    returns the undo list."""
+TOP = {"run", "_query_rows", "_new_step", "plan_step", "plan"}   # not nested in one another
+
+
+def install_phase_timers(times: dict, top: bool = False):
+    """Wrap each PHASES method (``top``: only those named in :data:`TOP`, so no timer runs
+    inside another) with a perf_counter timer appending to ``times[name]``; returns the undo
+    list."""
     import importlib
     undo = []
     for mod, cls, meth in PHASES:
+        if top and (meth not in TOP or cls == "CudaBackend"):
+            continue
         try:
             c = getattr(importlib.import_module(mod), cls)
         except Exception:
@@ -149,6 +155,8 @@ def main(argv=None):
     ap.add_argument("--sleep-cycles", type=int, default=4_000_000)
     ap.add_argument("--phases", action="store_true",
                     help="only time the run path's phases (one run per implementation)")
+    ap.add_argument("--top", action="store_true",
+                    help="with --phases: only the outermost calls (run, plan, query rows)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     args = e2e.parse_args(["--model", a.model, "--workload", a.workload, "--requests",
@@ -170,7 +178,7 @@ def main(argv=None):
     if a.phases:
         for impl in a.impls.split():
             times = {}
-            undo = install_phase_timers(times)
+            undo = install_phase_timers(times, a.top)
             try:
                 r = run_impl(model, impl, prompts, args, seams[impl], 0, False)
             finally:
