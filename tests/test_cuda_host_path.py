@@ -198,3 +198,32 @@ def test_the_wrappers_checks_run_when_an_input_set_is_new(cuda):
     assert w.run(q, (k, v)) is not None
     with pytest.raises(ValueError, match="4-D with equal shapes"):
         w.run(q, (k, v[:-1]))
+
+
+def test_a_plan_the_kernels_cannot_run_is_refused_before_any_copy(cuda):
+    """A plan changed in place after planning (its version bumped) is checked again when it is
+    written: a negative page id and a CTA with more query rows than its tile are refused by
+    name, and nothing is launched."""
+    b = build_tree_batch("1,12_2000,17", page_size=16, seed=0)   # a 48-row root CTA
+    w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+    plan = w.plan(b.block_tables, b.seq_lens, 8, 2, 64, 16)
+    q, k, v = _inputs(b.batch_size, 8, 2, 64, b.num_pages)
+    w.run(q, (k, v))
+    n = len(cuda.launches)
+    pages = plan.cta_pages.copy()
+    plan.cta_pages[0] = -1
+    plan.version += 1
+    with pytest.raises(ValueError, match="page ids must be >= 0"):
+        w.run(q, (k, v))
+    plan.cta_pages[:] = pages
+    rows = np.diff(plan.cta_req_indptr) * plan.group_size
+    m = plan.tile_configs[:, 0]
+    big = int(np.argmax(rows))
+    small = int(np.argmin(m))
+    assert rows[big] > m[small]                 # the plan has a CTA a smaller tile cannot hold
+    plan.cta_tile[big] = small
+    plan.version += 1
+    with pytest.raises(ValueError, match=rf"CTA {big} has {rows[big]} query rows but its tile "
+                                         rf"has m={m[small]}"):
+        w.run(q, (k, v))
+    assert len(cuda.launches) == n
