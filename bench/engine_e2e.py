@@ -109,6 +109,8 @@ def register_flashinfer_decode(name: str = FI_IMPL):
     from pat_core.integrations.transformers import PatPagedAttention
 
     class _Runner:
+        returns_output = True      # FlashInfer's run allocates its output, as pat's does
+
         def __init__(self, w):
             self.w = w
 

@@ -179,7 +179,7 @@ class CudaBackend:
         self._options = value
         # the options' part of a prepared input set's key, as a plain tuple (hashing the
         # dataclass on every call costs more than the lookup it keys)
-        self._options_key = (value.fast, value.graph_fused)
+        self._options_key = dataclasses.astuple(value)
 
     @property
     def fast_launch(self) -> bool:
@@ -560,9 +560,11 @@ class CudaBackend:
         # the plan now in the state must fit these inputs (checked per plan and batch size,
         # not per call)
         r = prep["rows"] if st.fixed else qd.shape[0]
-        if prep["checked"] is not st.plan or prep["rows"] != r:
+        if prep["checked"] is not st.plan or prep["checked_version"] != st.plan_version \
+                or prep["rows"] != r:
             st.check_inputs(st.plan, r, prep["num_pages"])     # noted only once it passed
             prep["rows"], prep["checked"] = r, st.plan
+            prep["checked_version"] = st.plan_version
         rows = prep["rows"] if st.fixed else st.batch
         out, lse, out_args = self._outputs(qd, rows, st.num_qo_heads, st.head_dim, st.dtype,
                                            want_lse, out, lse,

@@ -283,7 +283,8 @@ class StaticState:
             # "launches": the graph-safe set (its only one), or the plain one-token set
             prep = {"launches": by_set[self.causal if self.fixed else False],
                     "launches_by_set": by_set, "merges": {}, "rows": rows,
-                    "num_pages": int(num_pages), "checked": self.plan, "arrays": arrays}
+                    "num_pages": int(num_pages), "checked": self.plan,
+                    "checked_version": self.plan_version, "arrays": arrays}
             if self.fixed:
                 mv = self.merge_variant
                 pairs = lay.limits.max_tokens * Hq      # (query token, head) pairs

@@ -188,7 +188,7 @@ def csr_to_padded(indptr, indices, last_page_len, page_size: int):
     ip = _as_int_array(indptr, "indptr", 1)
     idx = _as_int_array(indices, "indices", 1)
     lpl = _as_int_array(last_page_len, "last_page_len", 1)
-    if ip.dtype.kind == idx.dtype.kind == lpl.dtype.kind == "i":
+    if all(a.dtype.kind == "i" and a.dtype.isnative for a in (ip, idx, lpl)):
         # a serving loop's call: every check and the fill in one compiled pass; any failure
         # goes to the checked path below, which names the argument at fault
         table, seq, ok = _csr_padded_nb(ip, idx, lpl, page_size)

@@ -517,12 +517,14 @@ class PrefixAttentionWrapper:
         plan = self.current_plan
         if (self._gpu_backend is not None and not self.use_cuda_graph
                 and type(paged_kv_cache) is tuple and len(paged_kv_cache) == 2
+                and all(hasattr(a, "shape") and hasattr(a, "dtype")
+                        for a in (q, *paged_kv_cache))
                 and q_scale is None and k_scale is None and v_scale is None
                 and window_left is None and enable_pdl is None and sinks is None
                 and (return_lse is False or return_lse is True)):
-            # the decode loop's call (every option at its default, the cache as a pair): the
-            # backend validates an input set once (pointers, shapes, strides, dtypes) and runs
-            # these checks then, so a layer's later calls skip them
+            # the decode loop's call (every option at its default, the cache as a pair of
+            # arrays): the backend validates an input set once (pointers, shapes, strides,
+            # dtypes) and runs these checks then, so a layer's later calls skip them
             k_cache, v_cache = paged_kv_cache
             return self._gpu_backend.run(plan, q, k_cache, v_cache, kv_layout=self.kv_layout,
                                          return_lse=return_lse or lse is not None, out=out,

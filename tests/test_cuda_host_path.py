@@ -132,6 +132,13 @@ def test_a_caller_out_buffer_is_checked_whenever_it_changes(cuda):
         w.run(q, (k, v), out=big)                # the same pointer, one row too many
     with pytest.raises(ValueError, match="out overlaps q"):
         w.run(q, (k, v), out=q)
+    n = b.batch_size                             # one buffer: q's last row is out's first
+    buf = FakeArray((2 * n - 1, 8, 64), np.float16)
+    buf[:n].a[:] = q.a
+    with pytest.raises(ValueError, match="out overlaps q"):
+        w.run(buf[:n], (k, v), out=buf[n - 1:])
+    with pytest.raises(ValueError, match="out overlaps q"):     # out's last row is q's first
+        w.run(buf[n - 1:], (k, v), out=buf[:n])
     assert w.run(q, (k, v), out=out) is out
 
 
@@ -199,6 +206,17 @@ def test_the_wrappers_checks_run_when_an_input_set_is_new(cuda):
     with pytest.raises(ValueError, match="4-D with equal shapes"):
         w.run(q, (k, v[:-1]))
 
+    class Bare:                     # the same memory, but no array attributes to check
+        def __init__(self, a):
+            self.__cuda_array_interface__ = a.__cuda_array_interface__
+    for _ in range(2):              # refused every time, though its pointers were validated
+        with pytest.raises(TypeError, match="q must be an array"):
+            w.run(Bare(q), (k, v))
+        with pytest.raises(TypeError, match="paged_kv_cache must hold arrays"):
+            w.run(q, (Bare(k), v))
+        with pytest.raises(TypeError, match="paged_kv_cache must hold arrays"):
+            w.run(q, (k.a.tolist(), v))
+
 
 def test_a_plan_the_kernels_cannot_run_is_refused_before_any_copy(cuda):
     """A plan changed in place after planning (its version bumped) is checked again when it is
@@ -211,9 +229,15 @@ def test_a_plan_the_kernels_cannot_run_is_refused_before_any_copy(cuda):
     w.run(q, (k, v))
     n = len(cuda.launches)
     pages = plan.cta_pages.copy()
-    plan.cta_pages[0] = -1
+    plan.cta_pages[-1] = -1                     # not the first entry, where the range starts
     plan.version += 1
     with pytest.raises(ValueError, match="page ids must be >= 0"):
+        w.run(q, (k, v))
+    plan.cta_pages[:] = pages
+    plan.cta_pages[-1] = b.num_pages            # past the cache: checked per plan version
+    plan.version += 1
+    with pytest.raises(ValueError, match=rf"holds {b.num_pages} pages but the plan reads "
+                                         rf"page {b.num_pages}"):
         w.run(q, (k, v))
     plan.cta_pages[:] = pages
     rows = np.diff(plan.cta_req_indptr) * plan.group_size

@@ -330,7 +330,7 @@ def test_numpy_bfloat16_refused_on_cpu():
 def test_csr_fast_path_matches_the_checked_one(data):
     """The compiled CSR pass gives the checked NumPy path's table and lengths, and refuses
     exactly what it refuses (the checked path then names the argument): random CSR arrays,
-    valid or broken in one place, int32 / int64 / uint32."""
+    valid or broken in one place, int32 / int64 / uint32, in either byte order."""
     from pat_core.inputs import _csr_padded_nb, _csr_to_padded_checked, csr_to_padded
     ps = data.draw(st.integers(1, 32))
     B = data.draw(st.integers(1, 6))
@@ -382,9 +382,11 @@ def test_csr_fast_path_matches_the_checked_one(data):
         if ok:
             assert table.dtype == seq.dtype == np.int32
             assert np.array_equal(table, want[0]) and np.array_equal(seq, want[1])
-    if isinstance(want, Exception):
-        with pytest.raises(ValueError, match=re.escape(str(want))):
-            csr_to_padded(ip, idx, lpl, ps)
-    else:
-        got = csr_to_padded(ip, idx, lpl, ps)
-        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    swapped = [a.astype(a.dtype.newbyteorder()) for a in (ip, idx, lpl)]   # same values
+    for args in ((ip, idx, lpl), swapped):
+        if isinstance(want, Exception):
+            with pytest.raises(ValueError, match=re.escape(str(want))):
+                csr_to_padded(*args, ps)
+        else:
+            got = csr_to_padded(*args, ps)
+            assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])

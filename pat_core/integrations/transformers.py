@@ -163,6 +163,7 @@ class _Step:
     reason: str = ""            # why the step falls back ("" when pat takes it)
     num_tokens: int = 0         # real query rows (padding rows excluded)
     runner: object = None       # what runs a layer (plan_step's result)
+    returns_output: bool = False    # runner.run(q, kv) returns its output (plan_step's doc)
     masks: dict = dataclasses.field(default_factory=dict)   # layer type -> fallback mask
 
 
@@ -299,12 +300,16 @@ class PatPagedAttention:
         self.stats["request_kv_tokens"] += int(seq.sum())
         self.stats["max_requests"] = max(self.stats["max_requests"], nreq)
         self.last_seq_lens = seq
-        return _Step(key, True, "", int(qlen.sum()), runner)
+        returns = isinstance(runner, PrefixAttentionWrapper) or \
+            bool(getattr(runner, "returns_output", False))
+        return _Step(key, True, "", int(qlen.sum()), runner, returns)
 
     def plan_step(self, indptr, indices, last, qo_indptr, query, key_states, scaling, cache):
-        """Plan one step for all its layers and return the object whose ``run(q, kv, out=None)``
-        computes a layer (into ``out``, or a new contiguous ``[rows, heads, head_dim]`` tensor
-        it returns): pat's wrapper for the tensors' backend.  The arrays are the step's
+        """Plan one step for all its layers and return the object whose ``run(q, kv, out=)``
+        computes a layer into ``out`` (``[rows, heads, head_dim]``): pat's wrapper for the
+        tensors' backend.  A runner with ``returns_output = True`` (pat's wrapper is one) is
+        called as ``run(q, kv)`` on steps without padding rows and must return a new
+        contiguous ``[rows, heads, head_dim]`` tensor in q's dtype.  The arrays are the step's
         CSR page table (int32 ``[batch + 1]``, ``[pages]``, ``[batch]``) and its int32
         ``[batch + 1]`` ``qo_indptr`` (``None`` when every request brings one token).  This is
         the seam another decode kernel plugs into (override it); ``ValueError`` / ``TypeError``
@@ -373,7 +378,7 @@ class PatPagedAttention:
         n = step.num_tokens
         t_rows, hq, d = int(query.shape[2]), int(query.shape[1]), int(query.shape[3])
         q = self._query_rows(query, n)                       # [n, num_qo_heads, head_dim]
-        if n == t_rows:
+        if n == t_rows and step.returns_output:
             # no padding rows: the kernel's own output ([n, heads, head_dim], contiguous), so
             # no buffer is made here and no caller's buffer is checked on every call
             out = step.runner.run(q, kv).unsqueeze(0)
