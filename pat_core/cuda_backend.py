@@ -440,18 +440,22 @@ class CudaBackend:
         (0 for a missing lse).  ``checked``: a dict in which the last caller buffers that
         passed the checks are noted (a prepared input set's: its inputs are fixed but for q's
         rows), so the same buffers again are not checked again."""
-        if isinstance(out, _Dev):       # (the call below, which read it already)
-            od, out = out, out.obj
-        else:
-            od = None if out is None else _Dev(out, "out")
-        if checked is not None and od is not None and lse is None and not want_lse:
-            key = (od.sig(), rows, qd.shape[0])
-            hit = checked.get("out_ok")
-            if hit is not None and hit[0] == key:
-                return out, None, hit[1]
-            res = self._outputs(qd, rows, Hq, D, dtype, want_lse, od, lse, inputs, note)
-            checked["out_ok"] = (key, res[2])
-            return res
+        od = None if out is None else _Dev(out, "out")
+        if checked is None or od is None or lse is not None or want_lse:
+            return self._new_outputs(qd, rows, Hq, D, dtype, want_lse, out, od, lse, inputs,
+                                     note)
+        key = (od.sig(), rows, qd.shape[0])
+        hit = checked.get("out_ok")
+        if hit is not None and hit[0] == key:
+            return out, None, hit[1]
+        res = self._new_outputs(qd, rows, Hq, D, dtype, want_lse, out, od, lse, inputs, note)
+        checked["out_ok"] = (key, res[2])
+        return res
+
+    def _new_outputs(self, qd: _Dev, rows: int, Hq: int, D: int, dtype: str, want_lse: bool,
+                     out, od, lse, inputs, note: str):
+        """:meth:`_outputs` without its cache: ``od`` is ``out`` read as a :class:`_Dev`
+        (``None`` with ``out``)."""
         given = {}
         if out is None:
             # allocated here, so its layout is known: no checks (this is every call of a user

@@ -145,8 +145,8 @@ class StaticState:
 
     def check_plan(self, plan: Plan) -> None:
         """``ValueError`` unless ``plan`` fits this state: its shape and, in graph-safe mode,
-        the inputs the launches were built for.  (The layout's limits and the page ids'
-        sign are checked by :meth:`write`, before anything is copied.)"""
+        the inputs the launches were built for, and no negative page id.  (The layout's limits
+        are checked by :meth:`write`, before it waits for its staging memory.)"""
         want = (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
                 self.kv_dtype, self.dtype)
         have = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.page_size,
@@ -162,6 +162,9 @@ class StaticState:
                              f"{self.sm_scale} of the first plan")
         if self.fixed and self.max_rows is not None:
             self.check_inputs(plan, self.max_rows, self.num_pages)
+        lo = plan.page_range()[0]
+        if lo < 0:
+            raise ValueError(f"the plan reads page {lo}: page ids must be >= 0")
 
     def check_inputs(self, plan: Plan, rows: int, num_pages: int) -> None:
         """``ValueError`` unless ``plan`` fits inputs of ``rows`` q rows and ``num_pages`` KV
@@ -187,9 +190,6 @@ class StaticState:
         with cp.cuda.Device(self.device):
             self.copied.synchronize()      # the previous copy has read the staging memory
             packed = self.layout.pack_checked(plan, out=self.staging)
-            lo = plan.page_range()[0]      # noted by the pack
-            if lo < 0:
-                raise ValueError(f"the plan reads page {lo}: page ids must be >= 0")
             cp.cuda.runtime.memcpyAsync(int(self.buf.data.ptr), self.staging.ctypes.data,
                                         packed.shape[0] * 4, cp.cuda.runtime.memcpyHostToDevice,
                                         stream_ptr)

@@ -493,19 +493,15 @@ class Plan:
 
     def page_range(self) -> tuple:
         """``(min, max)`` page id the plan reads (``(0, -1)`` when it reads none); computed once
-        per ``cta_pages`` array, since every run checks it."""
+        per ``cta_pages`` array and :attr:`version` (an in-place change bumps it), since every
+        run checks it."""
         cached = self.extra.get("_page_range")
-        if cached is not None and cached[0] is self.cta_pages:
-            return cached[1]
+        if cached is not None and cached[0] is self.cta_pages and cached[1] == self.version:
+            return cached[2]
         rng = ((int(self.cta_pages.min()), int(self.cta_pages.max())) if self.cta_pages.size
                else (0, -1))
-        self.extra["_page_range"] = (self.cta_pages, rng)
+        self.extra["_page_range"] = (self.cta_pages, self.version, rng)
         return rng
-
-    def note_page_range(self, lo: int, hi: int) -> None:
-        """Record :meth:`page_range` as found by a pass over ``cta_pages`` made anyway (the
-        CUDA state's pack), so it is not computed again."""
-        self.extra["_page_range"] = (self.cta_pages, (int(lo), int(hi)))
 
     def coverage_counts(self) -> list:
         """For each request, an int array ``[seq_len]`` counting the CTAs that read each token.

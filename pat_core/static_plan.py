@@ -208,8 +208,7 @@ class StaticLayout:
 
     def pack_checked(self, plan: Plan, out: np.ndarray | None = None) -> np.ndarray:
         """:meth:`pack` of a plan that already passed :meth:`check` (the CUDA state checks
-        before it waits for its staging memory, then packs).  Also notes the plan's page
-        range (:meth:`Plan.page_range`), found on the way."""
+        before it waits for its staging memory, then packs)."""
         n = self.offset["cta_pages"] + plan.cta_pages.shape[0]
         if out is None:
             out = np.empty(n, dtype=np.int32)
@@ -226,11 +225,9 @@ class StaticLayout:
         else:                              # the token view would be the plan's own arrays
             req = (plan.cta_req_indptr, plan.cta_req, plan.cta_slot, plan.req_slot_indptr,
                    _NONE, _NONE)           # (the causal arrays are not written)
-        _, lo, hi = _pack_nb(out, self._off, tile_v, self.num_variants,
-                             int(plan.num_qo_tokens), plan.cta_tile, req[0], req[1], req[2],
-                             plan.cta_kv_start, plan.cta_kv_len, plan.cta_page_indptr,
-                             plan.cta_pages, req[3], req[4], req[5], causal)
-        plan.note_page_range(lo, hi)
+        _pack_nb(out, self._off, tile_v, self.num_variants, int(plan.num_qo_tokens),
+                 plan.cta_tile, req[0], req[1], req[2], plan.cta_kv_start, plan.cta_kv_len,
+                 plan.cta_page_indptr, plan.cta_pages, req[3], req[4], req[5], causal)
         return out[:n]
 
     def unpack(self, buf: np.ndarray) -> dict:
@@ -272,8 +269,7 @@ def _pack_nb(out, off, tile_v, nvar, batch, cta_tile, cta_req_indptr, cta_req, c
     ``cta_req_indptr [C + 1]``, ``cta_req`` / ``cta_slot`` / ``cta_kv_limit [T]``,
     ``req_slot_indptr [batch + 1]``, ``cta_causal [C]``) are a token view's.  ``causal``: the
     layout holds ``cta_kv_limit`` / ``cta_causal`` (else they are not written).  Every element
-    from 0 to the last page entry is written.  Returns ``(end, lo, hi)``: the elements
-    written and the least and greatest page id listed (``(0, -1)`` for none)."""
+    from 0 to the last page entry is written."""
     o_live, o_lb, o_rip, o_kvs, o_kvl, o_pip, o_rsi, o_req, o_slot, o_lim, o_caus, o_pages = \
         off[0], off[1], off[2], off[3], off[4], off[5], off[6], off[7], off[8], off[9], \
         off[10], off[11]
@@ -298,13 +294,6 @@ def _pack_nb(out, off, tile_v, nvar, batch, cta_tile, cta_req_indptr, cta_req, c
     out[o_pip] = 0
     r = 0
     pg = 0
-    lo = np.int64(0)
-    hi = np.int64(-1)
-    if cta_page_indptr[C] > 0:
-        lo = hi = np.int64(cta_pages[0])
-        for p in cta_pages[:cta_page_indptr[C]]:
-            lo = min(lo, p)
-            hi = max(hi, p)
     for i in range(C):
         c = order[i]
         out[o_kvs + i] = cta_kv_start[c]
@@ -318,9 +307,9 @@ def _pack_nb(out, off, tile_v, nvar, batch, cta_tile, cta_req_indptr, cta_req, c
                 out[o_lim + r] = cta_kv_limit[k]
             r += 1
         out[o_rip + i + 1] = r
-        a, b = cta_page_indptr[c], cta_page_indptr[c + 1]
-        out[o_pages + pg:o_pages + pg + b - a] = cta_pages[a:b]      # one block copy
-        pg += b - a
+        p0, p1 = cta_page_indptr[c], cta_page_indptr[c + 1]
+        out[o_pages + pg:o_pages + pg + p1 - p0] = cta_pages[p0:p1]      # one block copy
+        pg += p1 - p0
         out[o_pip + i + 1] = pg
     nb = req_slot_indptr.shape[0]
     for b in range(nb):
@@ -333,7 +322,7 @@ def _pack_nb(out, off, tile_v, nvar, batch, cta_tile, cta_req_indptr, cta_req, c
     for j in range(11):
         for x in range(ends[j], off[j + 1]):
             out[x] = 0
-    return o_pages + pg, lo, hi
+    return o_pages + pg
 
 
 def reachable_tiles(selector, kv_tile_table=None, max_rows=None) -> tuple:
