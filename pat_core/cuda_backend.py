@@ -58,7 +58,7 @@ import numpy as np
 from numba import njit
 
 from . import cuda_compile as cc
-from .cuda_launch import _launch_ex, _set_out, _torch_stream_handle
+from .cuda_launch import _external_stream, _launch_ex, _set_out, _torch_stream_handle
 from .cuda_modules import _compile_in_workers, _raw_module, _variant_from
 from .cuda_state import StaticState
 from .cuda_views import _Dev, _data_ptr, _extent, _itemsize
@@ -164,6 +164,7 @@ class CudaBackend:
         self._sm_counts: dict = {}    # device -> SM count
         self._states: dict = {}       # (device, shape key) -> StaticState of plain plans
         self._last_state = None       # the state the last run() used (the next one's guess)
+        self._retired: list = []      # [(StaticState, [events])]: replaced, maybe still read
         self.options = LaunchOptions()
 
     @property
@@ -277,6 +278,8 @@ class CudaBackend:
         multi-token kernels); once made, it serves the one-token plans too."""
         from .static_plan import StaticLayout, StaticLimits, order_tiles
         _check_plan_tiles(plan)
+        if self._retired:
+            self._reap()
         dev = self.cp.cuda.runtime.getDevice()
         shape = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.page_size,
                  plan.io_dtype, float(plan.sm_scale))
@@ -297,10 +300,9 @@ class CudaBackend:
             tiles |= set(st.layout.tiles)
             need = tuple(max(n, h) for n, h in zip(need, have))
             multi = multi or lim.multi_token
-            # kernels of the old state's last run may still read its buffers
-            self.cp.cuda.Device(dev).synchronize()
-            if self._last_state is st:
-                self._last_state = None
+            # kernels of the old state's last run may still read its buffers: kept until
+            # they have finished (never waited for here)
+            self._retire(st)
         grow = [max(1, (n * 5 + 3) // 4) for n in need]
         grow[4] = max(grow[4], grow[0])
         limits = StaticLimits(*grow[:4], max_num_qo_tokens=grow[4] if multi else None)
@@ -308,6 +310,33 @@ class CudaBackend:
         st = StaticState(self, layout, *shape, fixed=False, kv_dtype=kv_dtype)
         self._states[key] = st
         return st
+
+    def _retire(self, st: "StaticState") -> None:
+        """Replace ``st`` without waiting for the device: an event on each stream its copies
+        and launches went to, and the state (its device and pinned buffers) kept until every
+        event has completed (:meth:`_reap`, polled by later plans).  Where an event cannot be
+        recorded (a stream destroyed since), the device is synchronised instead."""
+        if self._last_state is st:
+            self._last_state = None
+        cp = self.cp
+        with cp.cuda.Device(st.device):
+            try:
+                events = []
+                for s in st.streams:
+                    ev = cp.cuda.Event(disable_timing=True)
+                    ev.record(_external_stream(cp, s, st.device))
+                    events.append(ev)
+            except Exception as e:      # CUDA errors differ across CuPy versions
+                log.debug("retiring a state: %s; synchronising the device", e)
+                cp.cuda.Device(st.device).synchronize()
+                return
+        if events:
+            self._retired.append((st, events))
+
+    def _reap(self) -> None:
+        """Drop the retired states whose work has finished (a query, never a wait)."""
+        self._retired = [(st, evs) for st, evs in self._retired
+                         if not all(ev.done for ev in evs)]
 
     def upload(self, plan: Plan, stream_ptr: int | None = None) -> None:
         """Write ``plan`` into its device state (:meth:`state_for`): one asynchronous copy from
@@ -592,7 +621,9 @@ class CudaBackend:
             if merge is not None:
                 _set_out(merge.params, out_args)
             prep["out_args"] = out_args
-        self._enqueue(launches, merge, self._caller_stream(qd), pdl)
+        caller = self._caller_stream(qd)
+        st.streams.add(caller)
+        self._enqueue(launches, merge, caller, pdl)
         return (out, lse) if want_lse else out
 
 

@@ -84,14 +84,22 @@ class StaticState:
         self.o_part = cp.empty(lim.max_partials * self.num_qo_heads * self.head_dim,
                                dtype=cp.float32)
         self.l_part = cp.empty(lim.max_partials * self.num_qo_heads, dtype=cp.float32)
-        self._pinned = cp.cuda.alloc_pinned_memory(layout.total * 4)
-        self.staging = np.frombuffer(self._pinned, dtype=np.int32, count=layout.total)
-        self.copied = cp.cuda.Event(disable_timing=True)
-        self.copied.record()
+        # two pinned staging buffers, used in turn: a plan is packed into the one whose copy
+        # was issued two plans ago, so write() waits only on that copy (planning the next step
+        # while the last one's copy is still queued behind the GPU's work does not wait)
+        self._pinned = [cp.cuda.alloc_pinned_memory(layout.total * 4) for _ in range(2)]
+        self._staging = [np.frombuffer(b, dtype=np.int32, count=layout.total)
+                         for b in self._pinned]
+        # not recorded yet (waiting on such an event returns at once; one recorded here, on
+        # CuPy's current stream, would make the first write wait for the work queued there)
+        self._copied = [cp.cuda.Event(disable_timing=True) for _ in range(2)]
+        self._half = 0              # the staging buffer the next write() packs into
+        # caller streams this state's copies and launches were enqueued on (a plain state
+        # that is replaced is kept until the work on them has finished: CudaBackend._retire)
+        self.streams: set = set()
         self.merge_variant = cc.MergeVariant(self.head_dim, self.dtype)
         self.fused = bool(fused) and self.fixed
-        props = cp.cuda.runtime.getDeviceProperties(self.device)
-        self.num_sms = int(props["multiProcessorCount"])
+        self.num_sms = backend._num_sms()
         # kernel sets by causal flag: the one-token variants, and for a multi-token layout the
         # multi-token ones (graph-safe: those alone, every step may hold several tokens)
         if lim.multi_token:
@@ -187,13 +195,17 @@ class StaticState:
         self.check_plan(plan)
         self.layout.check(plan)            # a plan past a limit fails before any wait
         cp = self.cp
+        h = self._half
+        staging, copied = self._staging[h], self._copied[h]
         with cp.cuda.Device(self.device):
-            self.copied.synchronize()      # the previous copy has read the staging memory
-            packed = self.layout.pack_checked(plan, out=self.staging)
-            cp.cuda.runtime.memcpyAsync(int(self.buf.data.ptr), self.staging.ctypes.data,
+            copied.synchronize()           # the copy of two plans ago has read this buffer
+            packed = self.layout.pack_checked(plan, out=staging)
+            cp.cuda.runtime.memcpyAsync(int(self.buf.data.ptr), staging.ctypes.data,
                                         packed.shape[0] * 4, cp.cuda.runtime.memcpyHostToDevice,
                                         stream_ptr)
-            self.copied.record(_external_stream(cp, stream_ptr, self.device))
+            copied.record(_external_stream(cp, stream_ptr, self.device))
+        self._half = 1 - h
+        self.streams.add(stream_ptr)
         self.batch = plan.num_qo_tokens
         self.plan, self.plan_version = plan, plan.version
         off = self.layout.offset["live"]

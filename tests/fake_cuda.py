@@ -48,18 +48,27 @@ class FakeArray:
 
 
 class _Event:
-    def __init__(self, disable_timing=False):
-        pass
+    """An event: remembers the stream it was last recorded on; ``done`` is False while the
+    fake's ``busy`` is set (work "still running"); every ``synchronize`` is counted."""
+
+    def __init__(self, fake, disable_timing=False):
+        self.fake = fake
+        self.stream = None
 
     def record(self, stream=None):
-        pass
+        self.stream = None if stream is None else int(stream.ptr)
 
     def synchronize(self):
-        pass
+        self.fake.event_waits.append(self)
+
+    @property
+    def done(self):
+        return not self.fake.busy
 
 
 class _Device:
-    def __init__(self, id=0):
+    def __init__(self, fake, id=0):
+        self.fake = fake
         self.id = 0 if id is None else int(id)
 
     def __enter__(self):
@@ -69,7 +78,7 @@ class _Device:
         return False
 
     def synchronize(self):
-        pass
+        self.fake.device_syncs += 1
 
 
 class _Stream:
@@ -92,13 +101,17 @@ class FakeCuda:
         self._keys: dict = {}        # fake function handle -> variant key
         self._handles = itertools.count(0x1000)
         self._pinned: list = []
+        self.device_syncs = 0        # Device.synchronize() calls
+        self.event_waits: list = []  # events waited for (Event.synchronize), in order
+        self.busy = False            # events report not done while set
         rt = types.SimpleNamespace(
             getDeviceCount=lambda: 1, getDevice=lambda: 0,
             getDeviceProperties=lambda dev: dict(PROPS),
             memcpyHostToDevice=1, memcpyAsync=self._memcpy)
         driver = types.SimpleNamespace(launchKernel=self._launch)
         self.cuda = types.SimpleNamespace(
-            runtime=rt, driver=driver, Device=_Device, Event=_Event, Stream=_Stream,
+            runtime=rt, driver=driver, Device=lambda id=None: _Device(self, id),
+            Event=lambda disable_timing=False: _Event(self, disable_timing), Stream=_Stream,
             ExternalStream=lambda handle, device: _Stream(handle),
             get_current_stream=lambda: _Stream(0),
             alloc_pinned_memory=self._alloc_pinned)

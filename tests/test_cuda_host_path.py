@@ -251,3 +251,44 @@ def test_a_plan_the_kernels_cannot_run_is_refused_before_any_copy(cuda):
                                          rf"has m={m[small]}"):
         w.run(q, (k, v))
     assert len(cuda.launches) == n
+
+
+def test_planning_never_waits_for_the_device(cuda):
+    """A serving loop whose batches outgrow the plain device state, with the GPU "busy" (no
+    event completes): no plan() synchronises the device.  A replaced state is kept, with an
+    event on the stream its copies and launches went to, until that work has finished, and
+    is dropped by the first plan after it has.  Each write waits only for the copy of two
+    writes before (two pinned staging buffers in turn), so a plan never waits for the last
+    one's copy, which is queued behind the GPU's work."""
+    fake = cuda
+    w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+    be = w._gpu_backend
+    fake.busy = True
+    states, same = [], 0
+    for i, spec in enumerate(("2_64", "8_300", "40_300", "40_300", "160_700", "160_700")):
+        b = build_tree_batch(spec, page_size=16, seed=i)
+        plan = w.plan(b.block_tables, b.seq_lens, 8, 2, 64, 16)
+        st = be.state_for(plan)
+        q, k, v = _inputs(b.batch_size, 8, 2, 64, b.num_pages)
+        w.run(q, (k, v))
+        if not any(s is st for s in states):
+            states.append(st)
+        # this write packed into one staging buffer after waiting on its last copy's event;
+        # the other buffer still holds the plan before (same state), untouched
+        h = 1 - st._half
+        assert fake.event_waits[-1] is st._copied[h]
+        packed = st.layout.pack(plan)
+        assert np.array_equal(st._staging[h][:packed.shape[0]], packed)
+        if i and prev_state is st:
+            assert np.array_equal(st._staging[1 - h][:prev.shape[0]], prev)
+            same += 1
+        prev, prev_state = packed, st
+    assert len(states) >= 3 and same >= 2       # the state grew, and was written twice in a row
+    assert fake.device_syncs == 0
+    retired = [s for s, _ in be._retired]
+    assert retired == states[:-1]               # kept while their work may run
+    for _, events in be._retired:
+        assert [ev.stream for ev in events] == [0]   # CuPy's current stream: plan and run's
+    fake.busy = False                           # the work finished: the next plan drops them
+    w.plan(b.block_tables, b.seq_lens, 8, 2, 64, 16)
+    assert be._retired == [] and fake.device_syncs == 0

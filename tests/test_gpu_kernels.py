@@ -331,6 +331,47 @@ def test_runs_on_callers_stream(backend):
 
 
 @requires_gpu
+def test_a_replaced_state_is_kept_while_its_work_runs(backend):
+    """plan() replaces a device state too small for a batch without waiting for the GPU: with
+    the stream held up by a long sleep, batches that each outgrow the last are planned and run
+    (every state but the last replaced while its kernels are still queued, so none of them may
+    be freed yet); once the GPU is done, every output equals the same batch's run on an idle
+    GPU, and the replaced states are dropped."""
+    import torch
+    from pat_core import PrefixAttentionWrapper
+    from pat_core.cuda_backend import CudaBackend
+    from pat_core.workloads import build_tree_batch
+    batches = [build_tree_batch(s, page_size=16, seed=i)
+               for i, s in enumerate(("2_64", "1,40_300,40", "1,160_700,60"))]
+    inputs = [make_inputs(b.num_pages, 16, b.batch_size, 32, 8, 128, "float16", "NHD", i)
+              for i, b in enumerate(batches)]
+
+    def run_all(busy):
+        be = CudaBackend()            # a fresh one: its first state is the smallest batch's
+        w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+        w._gpu_backend = be
+        torch.cuda.synchronize()
+        if busy:
+            torch.cuda._sleep(400_000_000)        # ~0.2 s of GPU time ahead of everything
+        outs = []
+        for b, (q, k, v) in zip(batches, inputs):
+            w.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
+            outs.append(w.run(q, (k, v)))
+            if not busy:
+                torch.cuda.synchronize()
+        return be, outs
+
+    _, want = run_all(False)
+    be, got = run_all(True)
+    assert len(be._retired) == len(batches) - 1       # no plan() waited for the sleep
+    torch.cuda.synchronize()
+    for g, r in zip(got, want):
+        assert torch.equal(g, r)
+    be._reap()
+    assert be._retired == []
+
+
+@requires_gpu
 def test_cupy_inputs(backend):
     import cupy
     import torch
