@@ -419,6 +419,38 @@ def sync(model):
         torch.cuda.synchronize()
 
 
+class GcTimer:
+    """Python's garbage collections during a run, per generation: their count and the time they
+    took (``gc.callbacks``; removed by :meth:`remove`).  A collection stops whatever thread
+    triggered it, the engine's step included, and its cost grows with every tracked object in
+    the process (the model, the engine's per-request lists), not with the triggering code."""
+
+    def __init__(self):
+        import gc
+        self._gc = gc
+        self.count = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._t = None
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase, info):
+        if phase == "start":
+            self._t = time.perf_counter()
+        elif self._t is not None:
+            g = int(info["generation"])
+            self.count[g] += 1
+            self.seconds[g] += time.perf_counter() - self._t
+            self._t = None
+
+    def remove(self):
+        if self._cb in self._gc.callbacks:
+            self._gc.callbacks.remove(self._cb)
+
+    def summary(self) -> dict:
+        return {"gc_collections": list(self.count),
+                "gc_ms": [round(t * 1e3, 3) for t in self.seconds]}
+
+
 def timed_run(model, impl: str, prompts: list, args, pat_fn=None) -> tuple:
     """``(row, outputs)``: one timed ``generate_batch`` of ``impl`` (``pat_fn``: its
     PatPagedAttention when it runs through pat's seam, for its counters)."""
@@ -426,6 +458,7 @@ def timed_run(model, impl: str, prompts: list, args, pat_fn=None) -> tuple:
         pat_fn.reset_stats()
     rec = StepRecorder(model, seam=pat_fn)
     host = EngineHostTimer()
+    gct = GcTimer()
     try:
         sync(model)
         t0 = time.perf_counter()
@@ -435,8 +468,9 @@ def timed_run(model, impl: str, prompts: list, args, pat_fn=None) -> tuple:
     finally:
         rec.remove()
         host.remove()
+        gct.remove()
     row = dict(impl=impl, status="ok", **token_metrics(outs, t0, t1), **rec.summary(),
-               **host.summary())
+               **host.summary(), **gct.summary())
     if pat_fn is not None:
         s = dict(pat_fn.stats)
         row["seam_stats"] = s
@@ -478,6 +512,9 @@ def median_row(runs: list) -> dict:
     row["repeat_decode_step_ms_median"] = [r["decode_step_ms_median"] for r in runs]
     if "attn_host_ms_median" in row:
         row["repeat_attn_host_ms_median"] = [r.get("attn_host_ms_median") for r in runs]
+    if "gc_ms" in row:
+        row["repeat_gc_ms"] = [r.get("gc_ms") for r in runs]
+        row["repeat_gc_collections"] = [r.get("gc_collections") for r in runs]
     return row
 
 

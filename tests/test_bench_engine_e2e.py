@@ -87,6 +87,25 @@ def test_paired_ratios_pair_runs_of_one_round():
     assert paired_ratios({"a": rows["a"]}, "ref") == {}
 
 
+def test_gc_timer_counts_each_generation_while_installed():
+    """Collections run while the timer is installed are counted in their generation, with
+    their time; none after remove()."""
+    import gc
+    from bench.engine_e2e import GcTimer
+    t = GcTimer()
+    try:
+        gc.collect(0)
+        gc.collect(2)
+        gc.collect(2)
+    finally:
+        t.remove()
+    s = t.summary()
+    gc.collect(2)
+    assert t.summary() == s                         # removed: not counted
+    assert s["gc_collections"][0] >= 1 and s["gc_collections"][2] >= 2
+    assert all(ms >= 0 for ms in s["gc_ms"]) and s["gc_ms"][2] > 0
+
+
 def test_compare_tokens_reports_the_first_divergence():
     ref = [out([1, 2, 3, 4], [-1.0, -2.0, -3.0, -4.0]), out([5, 6, 7], [-1.0, -1.0, -1.0])]
     got = [out([1, 2, 3, 9], [-1.0, -2.5, -3.0, -4.1]), out([5, 6, 7], [-1.0, -1.0, -1.25])]
