@@ -341,7 +341,9 @@ class PatPagedAttention:
             # not a continuous-batching forward: the wrapped implementation raises its error
             return self._run_fallback(module, query, key, value, attention_mask, dropout,
                                       scaling, kwargs, None)
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        # (query.is_cuda, not torch.cuda.is_available(): that one reads the environment
+        # and NVML on every call, and this runs per layer)
+        if query.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"{self.name}: pat plans on the host at every step, so the "
                                "engine's CUDA graphs cannot capture it; turn them off with "
                                "ContinuousBatchingConfig(use_cuda_graph=False)")
