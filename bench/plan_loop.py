@@ -11,8 +11,11 @@ under a few shared prompts.  Each step is planned twice, in the same process:
 * ``fresh``: a new ``Planner`` per step (the whole chain from the block table).
 
 Both are timed with ``time.perf_counter`` around ``plan()`` alone (the loop's own table
-update is not timed); the first ``--warmup`` steps are planned but not counted (Numba loads
-its cache there).  ``--check`` compares the two plans' arrays at every step (not timed) and
+update is not timed).  Before the loop the planner is warmed up as an engine would at
+start-up (``Planner.warmup`` / ``PrefixAttentionWrapper.warmup``: every planning path's compiled
+code loaded, and with ``--backend cuda`` the configuration's kernels), timed apart
+(``warmup_s``; ``--no-warmup`` skips it); the first ``--warmup`` steps are then planned but
+not counted.  ``--check`` compares the two plans' arrays at every step (not timed) and
 counts the steps where they differ.  ``--tree`` also times fresh plans of a tree batch
 (``pat_core.workloads.build_tree_batch``), median of ``--tree-reps``.
 
@@ -76,6 +79,10 @@ def run_loop(args, requests: int, hq: int, hk: int) -> dict:
     loop = ServingLoop(requests, args.prompts, args.prompt_len, (lo, hi), args.page_size,
                        seed=args.seed, order=args.order)
     inc = Planner(args.packer, args.gpu)
+    t_w = time.perf_counter()
+    if not args.no_warmup:
+        inc.warmup(hq, hk, args.head_dim, args.page_size)
+    warmup_s = time.perf_counter() - t_w
     t_inc, t_fresh, paths, entries, ctas, by_path = [], [], {}, [], [], {}
     differ = 0
     for step in range(args.warmup + args.steps):
@@ -101,7 +108,7 @@ def run_loop(args, requests: int, hq: int, hk: int) -> dict:
             if args.check and not plans_equal(p_inc, p_fresh):
                 differ += 1
     row = dict(requests=requests, shared_prompts=args.prompts, prompt_len=args.prompt_len,
-               private=[lo, hi], page_size=args.page_size, order=args.order,
+               private=[lo, hi], page_size=args.page_size, order=args.order, warmup_s=warmup_s,
                steps=args.steps, seed=args.seed,
                page_entries_mean=float(np.mean(entries)), ctas_mean=float(np.mean(ctas)),
                incremental=summary(t_inc), paths=paths,
@@ -126,6 +133,10 @@ def run_device_loop(args, requests: int, hq: int, hk: int) -> dict:
     loop = ServingLoop(requests, args.prompts, args.prompt_len, (lo, hi), args.page_size,
                        seed=args.seed, order=args.order)
     w = pat_core.PrefixAttentionWrapper(backend="cuda", packer=args.packer)
+    t_w = time.perf_counter()
+    if not args.no_warmup:
+        w.warmup(hq, hk, args.head_dim, args.page_size)
+    warmup_s = time.perf_counter() - t_w
     # cycles of torch.cuda._sleep per millisecond, from one timed sleep
     torch.cuda.synchronize()
     ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -165,7 +176,7 @@ def run_device_loop(args, requests: int, hq: int, hk: int) -> dict:
             paths[path] = paths.get(path, 0) + 1
     planner_ts = planner_ts[args.warmup:]
     row = dict(requests=requests, backend="cuda", device=torch.cuda.get_device_name(),
-               busy_ms=args.busy_ms, steps=args.steps, order=args.order,
+               busy_ms=args.busy_ms, warmup_s=warmup_s, steps=args.steps, order=args.order,
                plan_and_copy=summary(ts), planner=summary(planner_ts),
                rest=summary(np.subtract(ts, planner_ts)), paths=paths)
     if prof is not None:
@@ -209,6 +220,9 @@ def main(argv=None):
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--steps", type=int, default=300, help="timed steps")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="skip the planner's warmup() before the loop (first-use loads then "
+                         "fall in the steps)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--order", default="keep", choices=SERVING_ORDERS,
                     help="how the engine keeps its rows when requests leave")

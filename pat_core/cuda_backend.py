@@ -268,6 +268,31 @@ class CudaBackend:
             self._function(v)
         return [v.key for v in variants]
 
+    def warmup_configuration(self, tiles, head_dim: int, dtype: str, kv_dtype: str,
+                             jobs: int | None = None) -> list:
+        """:meth:`warmup` of the one-token forward variants of ``tiles`` (``(m, n)`` pairs)
+        at ``head_dim`` for ``dtype`` queries over a ``kv_dtype`` cache, and of the merges
+        for ``dtype``; returns their keys."""
+        dtype, kv_dtype = dtype_name(dtype), dtype_name(kv_dtype)
+        kv = kv_dtype if kv_dtype != dtype else None
+        fwd = [cc.FwdVariant.make(int(m), int(n), head_dim, dtype, arch=self.arch, kv_dtype=kv)
+               for m, n in tiles if cc.fwd_variant_supported(int(m), int(n), head_dim, kv)]
+        merges = [cc.MergeVariant(head_dim, dtype, cc.MERGE_WARPS, nh) for nh in cc.MERGE_HEADS]
+        return self.warmup(variants=fwd + merges, jobs=jobs)
+
+    def warmup_host(self, plans) -> None:
+        """Run the host code that puts a plan on the device (its checks, and the pack into a
+        host buffer) on each of ``plans``, so its compiled parts are loaded; no device work."""
+        from .static_plan import StaticLayout, StaticLimits, order_tiles
+        for plan in plans:
+            _check_plan_tiles(plan)
+            lim = StaticLimits(plan.batch_size, max(1, int(plan.cta_pages.shape[0])),
+                               max(1, plan.num_ctas), max(1, plan.num_partial_rows))
+            tiles = order_tiles({(int(m), int(n)) for m, n in plan.tile_configs.tolist()})
+            layout = StaticLayout(lim, tiles)
+            layout.check(plan)
+            layout.pack_checked(plan, out=np.empty(layout.total, dtype=np.int32))
+
     # ------------------------------------------------------------------ plain plans
     def state_for(self, plan: Plan) -> "StaticState":
         """The device state that holds ``plan`` on the current device: the one of its problem

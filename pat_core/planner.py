@@ -762,6 +762,51 @@ class Planner:
         share = self.tuning.request_share
         return request_share(group) if share is None else float(share)
 
+    #: what :meth:`warmup` walks through: every planning path of a serving loop
+    WARMUP_PATHS = ("full", "lengths", "reuse", "rows")
+
+    def warmup(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *,
+               kv_data_type="float16", q_data_type=None, table_dtypes=("int32", "int64")) -> list:
+        """Load the compiled code every planning path runs, for one configuration, before the
+        first step needs it.
+
+        Each compiled function loads once per process and argument types (from the on-disk
+        cache, a few milliseconds each; compiled where the cache has none), and the first step
+        that takes a path pays for its functions: half a second at the first plan, then several
+        milliseconds the first time requests grow, or leave and join.  This plans a small
+        serving loop (a fresh plan, requests growing by a token, the same step again, requests
+        leaving and joining: :attr:`WARMUP_PATHS`) with a throwaway planner of the same packer,
+        GPU and tuning, once per block-table dtype in ``table_dtypes`` (the caller's table is
+        read by compiled code, so its integer type selects the code).  This planner's own
+        state is untouched: its next plan is planned as if warmup had not run.  Returns the
+        plans of the first loop, the last of each path (a caller warming code that runs on
+        plans, e.g. the CUDA backend's host side, uses them)."""
+        from .workloads import ServingLoop
+        ps = check_size(page_size, "page_size")
+        last = {}
+        for i, dt in enumerate(table_dtypes):
+            dt = np.dtype(dt)
+            p = Planner(self.packer, self.gpu, self.tuning)
+            # short private parts (one to three pages) make requests leave and join within
+            # a few steps; two shared prompts give the forest shared nodes
+            loop = ServingLoop(8, 2, 4 * ps, (1, 3 * ps), ps, seed=0)
+            seen = set()
+            for _ in range(64 * ps):
+                table, lens = loop.step()
+                table = table.astype(dt)
+                for _again in range(2):          # the second plan of a step: "reuse"
+                    plan = p.plan(table, lens, num_qo_heads, num_kv_heads, head_dim, ps,
+                                  kv_data_type=kv_data_type, q_data_type=q_data_type)
+                    seen.add(p.last_path)
+                    if i == 0:
+                        last[p.last_path] = plan
+                if seen >= set(self.WARMUP_PATHS):
+                    break
+            else:
+                raise RuntimeError(f"warmup: the serving loop took only {sorted(seen)} of "
+                                   f"{list(self.WARMUP_PATHS)}")
+        return list(last.values())
+
     def tile_selector(self, head_dim: int, kv_data_type="float16", tile=None) -> TileSelector:
         """The tile selector :meth:`plan` uses for this head_dim and dtype (the GPU's KV-length
         table, or the tuning's; the tuning's ``exclude_tiles`` left out; ``tile`` forces one

@@ -318,6 +318,47 @@ class PrefixAttentionWrapper:
         finally:
             self._busy.release()
 
+    def warmup(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *,
+               kv_data_type=None, q_data_type=None, kernels: bool = True,
+               jobs: int | None = None) -> None:
+        """Load before the first decode step what the first steps would load on first use, so
+        that none of them stalls: an engine calls this once at start-up, per configuration.
+
+        - the planner's compiled paths for this configuration (:meth:`pat_core.planner.
+          Planner.warmup`: half a second at the first plan, then several milliseconds the
+          first time requests grow, leave or join), for int32 and int64 block tables, and the
+          CSR conversion of :meth:`plan_csr` for int32 and int64 arrays;
+        - on the CUDA backend, the host code that checks and packs a plan for the device and,
+          with ``kernels``, every forward kernel the planner can pick for this configuration
+          and the merge kernels (1-2 s each the first time a variant is used; compiled in
+          ``jobs`` processes where the kernel cache has none, loaded otherwise).
+
+        Arguments as :meth:`plan`.  Nothing is planned or allocated for later use: the next
+        :meth:`plan` is planned as if this had not run.  Safe to call again (later calls find
+        everything loaded)."""
+        from .inputs import csr_to_padded
+        kv_dtype = (dtype_name(kv_data_type, "kv_data_type") if kv_data_type is not None
+                    else (dtype_name(q_data_type, "q_data_type") if q_data_type is not None
+                          else "float16"))
+        q_dtype = fp8_q_dtype(kv_dtype, q_data_type)
+        self._check_backend_limits(head_dim, kv_dtype)
+        plans = self.planner.warmup(num_qo_heads, num_kv_heads, head_dim, page_size,
+                                    kv_data_type=kv_dtype, q_data_type=q_dtype)
+        bt = plans[0].extra["block_table"]
+        for dt in (np.int32, np.int64):           # plan_csr's conversion, per integer type
+            n = bt.num_pages.astype(np.int64)
+            indptr = np.zeros(n.size + 1, dtype=dt)
+            np.cumsum(n, out=indptr[1:])
+            indices = np.concatenate([bt.table[r, :n[r]] for r in range(n.size)]).astype(dt)
+            last = ((bt.seq_lens.astype(np.int64) - 1) % bt.page_size + 1).astype(dt)
+            csr_to_padded(indptr, indices, last, bt.page_size)
+        if self._gpu_backend is not None:
+            self._gpu_backend.warmup_host(plans)
+            if kernels:
+                sel = self.planner.tile_selector(head_dim, kv_dtype)
+                self._gpu_backend.warmup_configuration(sel.feasible, head_dim, q_dtype,
+                                                       kv_dtype, jobs=jobs)
+
     def _graph_safe_tuning(self, num_qo_heads, num_kv_heads, head_dim, kv_dtype, tile) -> None:
         """Before the first graph-safe plan, unless the planner's tuning already names them:
         the KV tile table (:func:`~pat_core.static_plan.graph_safe_tile_table`: one width when
