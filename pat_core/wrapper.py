@@ -42,6 +42,7 @@ need ``max_num_qo_tokens``).
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 
 import numpy as np
@@ -331,7 +332,8 @@ class PrefixAttentionWrapper:
         - on the CUDA backend, the host code that checks and packs a plan for the device and,
           with ``kernels``, every forward kernel the planner can pick for this configuration
           and the merge kernels (1-2 s each the first time a variant is used; compiled in
-          ``jobs`` processes where the kernel cache has none, loaded otherwise).
+          ``jobs`` processes, default one per CPU, where the kernel cache has none, loaded
+          otherwise).
 
         Arguments as :meth:`plan`.  Nothing is planned or allocated for later use: the next
         :meth:`plan` is planned as if this had not run.  Safe to call again (later calls find
@@ -357,7 +359,7 @@ class PrefixAttentionWrapper:
             if kernels:
                 sel = self.planner.tile_selector(head_dim, kv_dtype)
                 self._gpu_backend.warmup_configuration(sel.feasible, head_dim, q_dtype,
-                                                       kv_dtype, jobs=jobs)
+                                                       kv_dtype, jobs=jobs or os.cpu_count())
 
     def _graph_safe_tuning(self, num_qo_heads, num_kv_heads, head_dim, kv_dtype, tile) -> None:
         """Before the first graph-safe plan, unless the planner's tuning already names them:
