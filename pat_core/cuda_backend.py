@@ -311,7 +311,7 @@ class CudaBackend:
         kv_dtype = dtype_name(plan.kv_dtype)
         key = (dev, shape, kv_dtype)
         st = self._states.get(key)
-        tiles = {(int(m), int(n)) for m, n in plan.tile_configs.tolist()}
+        tiles = set(map(tuple, plan.tile_configs.tolist()))
         need = (plan.batch_size, max(1, int(plan.cta_pages.shape[0]) - plan.num_ctas),
                 max(1, plan.num_ctas), max(1, plan.num_partial_rows), plan.num_qo_tokens)
         multi = plan.multi_token
@@ -319,7 +319,7 @@ class CudaBackend:
             lim = st.layout.limits
             have = (lim.max_batch_size, lim.max_num_pages, lim.max_ctas, lim.max_partials,
                     lim.max_tokens)
-            if tiles <= set(st.layout.tiles) and all(n <= h for n, h in zip(need, have)) \
+            if tiles <= st.layout.tile_set and all(n <= h for n, h in zip(need, have)) \
                     and (lim.multi_token or not multi):
                 return st
             tiles |= set(st.layout.tiles)
@@ -654,9 +654,12 @@ class CudaBackend:
 
 def _check_plan_tiles(plan: Plan) -> None:
     """Every launch group's tile has a kernel and every CTA's rows fit its tile's m."""
-    for _, (m, n), b, e in plan.groups():
-        kv = plan.kv_dtype if plan.kv_dtype in cc.KV_CTYPE else None
-        if e > b and not cc.fwd_variant_supported(m, n, plan.head_dim, kv):
+    kv = plan.kv_dtype if plan.kv_dtype in cc.KV_CTYPE else None
+    configs = plan.tile_configs.tolist()
+    ptr = plan.group_indptr.tolist()
+    for g, t in enumerate(plan.group_tile.tolist()):
+        m, n = configs[t]
+        if ptr[g + 1] > ptr[g] and not cc.fwd_variant_supported(m, n, plan.head_dim, kv):
             raise ValueError(f"plan: no CUDA kernel for tile (m={m}, n={n}) at head_dim "
                              f"{plan.head_dim}")
     if plan.num_ctas:

@@ -140,6 +140,7 @@ class StaticLayout:
     def __init__(self, limits: StaticLimits, tiles):
         self.limits = limits
         self.tiles = tuple((int(m), int(n)) for m, n in tiles)
+        self.tile_set = frozenset(self.tiles)
         if not self.tiles:
             raise ValueError("tiles: the launch set is empty")
         if len(set(self.tiles)) != len(self.tiles):
@@ -191,9 +192,8 @@ class StaticLayout:
             raise ValueError(f"the plan lists {n_pages} page entries, more than max_num_pages + "
                              f"max_ctas = {lim.page_entries} of this graph-safe wrapper; create "
                              "it with a larger max_num_pages")
-        known = set(self.tiles)
         for m, n in plan.tile_configs.tolist():
-            if (m, n) not in known:
+            if (m, n) not in self.tile_set:
                 raise ValueError(f"the plan uses tile ({m}, {n}), which is not in the graph-safe "
                                  f"launch set {self.tiles}")
 

@@ -292,3 +292,23 @@ def test_planning_never_waits_for_the_device(cuda):
     fake.busy = False                           # the work finished: the next plan drops them
     w.plan(b.block_tables, b.seq_lens, 8, 2, 64, 16)
     assert be._retired == [] and fake.device_syncs == 0
+
+
+def test_a_tile_without_a_kernel_is_refused_by_name(cuda):
+    """A plan whose launch group names a tile no kernel exists for is refused when it is put on
+    the device, naming the tile; a tile config no group with CTAs uses is not checked."""
+    from pat_core.cuda_backend import _check_plan_tiles
+    b = build_tree_batch("1,4,16_128,256,64", page_size=16, seed=1)
+    w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+    plan = w.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
+    _check_plan_tiles(plan)
+    g = int(np.argmax(np.diff(plan.group_indptr)))          # a group with CTAs
+    t = int(plan.group_tile[g])
+    configs = plan.tile_configs.copy()
+    plan.tile_configs = np.concatenate([configs, [[48, 48]]]).astype(configs.dtype)
+    _check_plan_tiles(plan)                                  # listed, used by no group: fine
+    plan.tile_configs = configs.copy()
+    plan.tile_configs[t] = (configs[t, 0], 48)
+    plan.version += 1
+    with pytest.raises(ValueError, match=rf"no CUDA kernel for tile \(m={configs[t, 0]}, n=48\)"):
+        w._gpu_backend.upload(plan)
