@@ -787,9 +787,10 @@ class Planner:
         for i, dt in enumerate(table_dtypes):
             dt = np.dtype(dt)
             p = Planner(self.packer, self.gpu, self.tuning)
-            # short private parts (one to three pages) make requests leave and join within
-            # a few steps; two shared prompts give the forest shared nodes
-            loop = ServingLoop(8, 2, 4 * ps, (1, 3 * ps), ps, seed=0)
+            # short private parts (up to three pages, at least 32 tokens) make requests leave
+            # and join within a few steps, with steps between where none does; two shared
+            # prompts give the forest shared nodes
+            loop = ServingLoop(8, 2, 4 * ps, (1, max(3 * ps, 32)), ps, seed=0)
             seen = set()
             for _ in range(64 * ps):
                 table, lens = loop.step()

@@ -79,6 +79,23 @@ def _equal(a, b) -> bool:
         return False
 
 
+def _plan_dtypes(kv_data_type, q_data_type) -> tuple:
+    """``(kv_dtype, q_dtype)`` canonical names from :meth:`PrefixAttentionWrapper.plan`'s
+    arguments: the cache's defaults to ``q_data_type``, else float16; the queries' to the
+    cache's (float16 for an fp8 cache).  Mixed precision other than 16-bit queries over an
+    fp8 cache raises ``ValueError`` naming both."""
+    q_dtype = dtype_name(q_data_type, "q_data_type") if q_data_type is not None else None
+    kv_dtype = (dtype_name(kv_data_type, "kv_data_type") if kv_data_type is not None
+                else q_dtype or "float16")
+    q_dtype = fp8_q_dtype(kv_dtype, q_dtype)    # fp16 by default for an fp8 cache
+    if q_dtype != kv_dtype and kv_dtype not in KV_ONLY_DTYPES:
+        raise ValueError(f"q_data_type={q_dtype!r} differs from kv_data_type={kv_dtype!r}: "
+                         "mixed-precision attention is not supported (q and the KV cache "
+                         "share one dtype, except float16/bfloat16 q with a "
+                         "float8_e4m3fn cache)")
+    return kv_dtype, q_dtype
+
+
 class PrefixAttentionWrapper:
     """Prefix-aware paged decode attention.
 
@@ -279,15 +296,7 @@ class PrefixAttentionWrapper:
                     raise ValueError(f"data_type={data_type!r} (FlashInfer's older name for "
                                      f"kv_data_type) disagrees with kv_data_type={kv_data_type!r}")
                 kv_data_type = data_type
-            q_dtype = dtype_name(q_data_type, "q_data_type") if q_data_type is not None else None
-            kv_dtype = (dtype_name(kv_data_type, "kv_data_type") if kv_data_type is not None
-                        else q_dtype or "float16")
-            q_dtype = fp8_q_dtype(kv_dtype, q_dtype)    # fp16 by default for an fp8 cache
-            if q_dtype != kv_dtype and kv_dtype not in KV_ONLY_DTYPES:
-                raise ValueError(f"q_data_type={q_dtype!r} differs from kv_data_type={kv_dtype!r}: "
-                                 "mixed-precision attention is not supported (q and the KV cache "
-                                 "share one dtype, except float16/bfloat16 q with a "
-                                 "float8_e4m3fn cache)")
+            kv_dtype, q_dtype = _plan_dtypes(kv_data_type, q_data_type)
             if o_data_type is not None and dtype_name(o_data_type, "o_data_type") != q_dtype:
                 _not_supported("plan", "o_data_type", o_data_type, None)
             self._check_backend_limits(head_dim, kv_dtype)
@@ -333,16 +342,14 @@ class PrefixAttentionWrapper:
           with ``kernels``, every forward kernel the planner can pick for this configuration
           and the merge kernels (1-2 s each the first time a variant is used; compiled in
           ``jobs`` processes, default one per CPU, where the kernel cache has none, loaded
-          otherwise).
+          otherwise).  A graph-safe wrapper compiles its launch set, fused kernels included,
+          at its first plan in any case.
 
         Arguments as :meth:`plan`.  Nothing is planned or allocated for later use: the next
         :meth:`plan` is planned as if this had not run.  Safe to call again (later calls find
         everything loaded)."""
         from .inputs import csr_to_padded
-        kv_dtype = (dtype_name(kv_data_type, "kv_data_type") if kv_data_type is not None
-                    else (dtype_name(q_data_type, "q_data_type") if q_data_type is not None
-                          else "float16"))
-        q_dtype = fp8_q_dtype(kv_dtype, q_data_type)
+        kv_dtype, q_dtype = _plan_dtypes(kv_data_type, q_data_type)
         self._check_backend_limits(head_dim, kv_dtype)
         plans = self.planner.warmup(num_qo_heads, num_kv_heads, head_dim, page_size,
                                     kv_data_type=kv_dtype, q_data_type=q_dtype)

@@ -80,7 +80,7 @@ def test_warmup_leaves_the_planners_state_alone():
     p = Planner("pat", "h100")
     first = p.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
     plans = p.warmup(32, 8, 128, 16)
-    assert {q.batch_size for q in plans} and set(p.WARMUP_PATHS) >= {"full", "rows"}
+    assert len(plans) == len(Planner.WARMUP_PATHS)     # the last plan of each path
     again = p.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
     assert p.last_path == "reuse" and again is first
     fresh = Planner("pat", "h100").plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
@@ -113,5 +113,14 @@ def test_warmup_refuses_what_plan_refuses():
     w = PrefixAttentionWrapper(backend="cpu")
     with pytest.raises(ValueError, match="page_size"):
         w.warmup(32, 8, 128, 0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="num_kv_heads"):
         w.warmup(32, 7, 128, 16)
+    with pytest.raises(ValueError, match="mixed-precision"):
+        w.warmup(32, 8, 128, 16, kv_data_type="float16", q_data_type="bfloat16")
+
+
+@pytest.mark.parametrize("page_size", (1, 16, 64))
+def test_warmup_takes_every_path_at_any_page_size(page_size):
+    """The warm-up's serving loop reaches every planning path (it raises otherwise)."""
+    plans = Planner("pat", "h100").warmup(8, 2, 64, page_size, table_dtypes=("int32",))
+    assert len(plans) == len(Planner.WARMUP_PATHS)
