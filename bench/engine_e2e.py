@@ -264,7 +264,7 @@ class StepRecorder:
 
     def _host_counters(self) -> tuple:
         st = self.seam.stats
-        return (st["step_host_s"], st["step_copy_s"], st["layer_host_s"])
+        return (st["step_host_s"], st["step_copy_s"], st["layer_host_s"], st["layer_cpu_s"])
 
     def _post(self, module, args, output):
         if self.events and self.steps:
@@ -308,7 +308,9 @@ class StepRecorder:
                 out.update(host_step_ms_median=float(np.median(dec[:, 0])),
                            host_step_ms_max=float(dec[:, 0].max()),
                            host_copy_ms_median=float(np.median(dec[:, 1])),
-                           attn_host_ms_median=float(np.median(dec[:, 2])))
+                           attn_host_ms_median=float(np.median(dec[:, 2])),
+                           # the part of it on the CPU (the rest: off the CPU, waiting)
+                           attn_cpu_ms_median=float(np.median(dec[:, 3])))
         if self.events:
             if self.cuda:
                 self._torch.cuda.synchronize()
@@ -512,6 +514,7 @@ def median_row(runs: list) -> dict:
     row["repeat_decode_step_ms_median"] = [r["decode_step_ms_median"] for r in runs]
     if "attn_host_ms_median" in row:
         row["repeat_attn_host_ms_median"] = [r.get("attn_host_ms_median") for r in runs]
+        row["repeat_attn_cpu_ms_median"] = [r.get("attn_cpu_ms_median") for r in runs]
     if "gc_ms" in row:
         row["repeat_gc_ms"] = [r.get("gc_ms") for r in runs]
         row["repeat_gc_collections"] = [r.get("gc_collections") for r in runs]

@@ -161,6 +161,7 @@ def test_tiny_smoke_run(tmp_path, workload):
     assert 0 < r["host_copy_ms_median"] < r["host_step_ms_median"] <= r["host_step_ms_max"]
     assert r["host_step_ms_median"] < r["attn_host_ms_median"]    # planning + the layers
     assert len(r["repeat_attn_host_ms_median"]) == 2
+    assert 0 < r["attn_cpu_ms_median"] <= r["attn_host_ms_median"] * 1.05
     pr = r["paired_vs_reference"]
     sdpa = rows["paged|sdpa"]["repeat_decode_tokens_per_s"]
     assert pr["reference"] == "paged|sdpa" and len(pr["decode_tokens_per_s"]) == 2

@@ -175,6 +175,7 @@ def test_generate_batch_matches_engine_attention(pat_impl, heads):
     assert s["multi_token_steps"] >= 1
     assert s["plan_kv_tokens"] < s["request_kv_tokens"]  # pat saw the shared pages
     assert 0 < s["step_host_s"] < s["layer_host_s"]    # planning is inside the layer calls
+    assert 0 < s["layer_cpu_s"] <= s["layer_host_s"] * 1.05   # CPU time: at most the wall's
     last = pat_impl.last_plan_stats                      # the last step's plan, read now
     assert last["num_ctas"] >= 1 and 0 < last["kv_tokens"] <= s["plan_kv_tokens"]
     assert sum(last["tiles"].values()) == last["num_ctas"]

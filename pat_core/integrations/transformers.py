@@ -198,7 +198,9 @@ class PatPagedAttention:
     metadata to the host, which on CUDA includes waiting for the device) and ``layer_host_s``
     (seconds inside the layer calls pat ran, their step's planning included, a step that falls
     back after planning not: in an engine whose step is bound by host work, this is what the
-    attention adds to it); ``last_plan_stats`` is
+    attention adds to it), ``layer_cpu_s`` (the calling thread's CPU time in those calls:
+    ``layer_host_s`` less the time the thread was off the CPU, waiting for the device, for
+    the GIL or for a copy); ``last_plan_stats`` is
     :meth:`pat_core.Plan.stats` of the last plan, ``last_seq_lens`` its int64 ``[batch]``
     sequence lengths; ``fallback_reasons`` counts fallback steps by reason.
     """
@@ -230,7 +232,8 @@ class PatPagedAttention:
         self.stats = {"steps": 0, "pat_steps": 0, "multi_token_steps": 0, "plans": 0,
                       "pat_layer_calls": 0, "fallback_layer_calls": 0,
                       "plan_kv_tokens": 0, "request_kv_tokens": 0, "max_requests": 0,
-                      "step_host_s": 0.0, "step_copy_s": 0.0, "layer_host_s": 0.0}
+                      "step_host_s": 0.0, "step_copy_s": 0.0, "layer_host_s": 0.0,
+                      "layer_cpu_s": 0.0}
         self.fallback_reasons: dict = {}
         self._last_plan = None
         self.last_seq_lens: np.ndarray | None = None
@@ -347,7 +350,7 @@ class PatPagedAttention:
             raise RuntimeError(f"{self.name}: pat plans on the host at every step, so the "
                                "engine's CUDA graphs cannot capture it; turn them off with "
                                "ContinuousBatchingConfig(use_cuda_graph=False)")
-        t_call = time.perf_counter()
+        t_call, c_call = time.perf_counter(), time.thread_time()
         step_key = (kwargs["read_index"], kwargs["write_index"], kwargs["cu_seq_lens_q"],
                     kwargs["cu_seq_lens_k"])
         with self._lock:
@@ -388,6 +391,7 @@ class PatPagedAttention:
             out = query.new_zeros((1, t_rows, hq, d))       # padding rows stay zero
             step.runner.run(q, kv, out=out[0, :n])
         self.stats["layer_host_s"] += time.perf_counter() - t_call
+        self.stats["layer_cpu_s"] += time.thread_time() - c_call
         return out, None
 
     def _query_rows(self, query, n: int):
