@@ -777,15 +777,17 @@ class Planner:
         serving loop (a fresh plan, requests growing by a token, the same step again, requests
         leaving and joining: :attr:`WARMUP_PATHS`) with a throwaway planner of the same packer,
         GPU and tuning, once per block-table dtype in ``table_dtypes`` (the caller's table is
-        read by compiled code, so its integer type selects the code).  This planner's own
+        read by compiled code, so its integer type selects the code), each as a contiguous
+        array and as a view of a wider buffer (an engine's persistent table; the layout
+        selects the code too).  This planner's own
         state is untouched: its next plan is planned as if warmup had not run.  Returns the
         plans of the first loop, the last of each path (a caller warming code that runs on
         plans, e.g. the CUDA backend's host side, uses them)."""
         from .workloads import ServingLoop
         ps = check_size(page_size, "page_size")
         last = {}
-        for i, dt in enumerate(table_dtypes):
-            dt = np.dtype(dt)
+        runs = [(np.dtype(dt), view) for dt in table_dtypes for view in (False, True)]
+        for i, (dt, view) in enumerate(runs):
             p = Planner(self.packer, self.gpu, self.tuning)
             # short private parts (up to three pages, at least 32 tokens) make requests leave
             # and join within a few steps, with steps between where none does; two shared
@@ -794,7 +796,12 @@ class Planner:
             seen = set()
             for _ in range(64 * ps):
                 table, lens = loop.step()
-                table = table.astype(dt)
+                if view:
+                    buf = np.zeros((table.shape[0] + 1, table.shape[1] + 1), dtype=dt)
+                    buf[:-1, :-1] = table
+                    table = buf[:-1, :-1]
+                else:
+                    table = table.astype(dt)
                 for _again in range(2):          # the second plan of a step: "reuse"
                     plan = p.plan(table, lens, num_qo_heads, num_kv_heads, head_dim, ps,
                                   kv_data_type=kv_data_type, q_data_type=q_data_type)

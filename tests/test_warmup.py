@@ -32,9 +32,15 @@ def _dispatchers() -> dict:
 
 
 def _serve(w, dtype, csr: bool, steps: int = 60):
+    """A serving loop's steps planned by ``w``, the table handed over as an engine's persistent
+    buffer gives it: a view of the live rows and columns (not contiguous), of ``dtype``."""
     loop = ServingLoop(64, 3, 512, (16, 400), 16, seed=7, order="swap")
     for _ in range(steps):
         table, lens = loop.step()
+        if np.dtype(dtype) != table.dtype:       # the same view of a buffer of this dtype
+            buf = np.zeros((table.shape[0] + 3, table.shape[1] + 5), dtype=dtype)
+            buf[:table.shape[0], :table.shape[1]] = table
+            table = buf[:table.shape[0], :table.shape[1]]
         if csr:
             n = (lens.astype(np.int64) + 15) // 16
             indptr = np.zeros(n.size + 1, dtype=dtype)
@@ -43,7 +49,7 @@ def _serve(w, dtype, csr: bool, steps: int = 60):
             last = ((lens.astype(np.int64) - 1) % 16 + 1).astype(dtype)
             w.plan_csr(indptr, indices, last, 32, 8, 128, 16)
         else:
-            w.plan(table.astype(dtype), lens, 32, 8, 128, 16)
+            w.plan(table, lens, 32, 8, 128, 16)
 
 
 def _fake_cuda(monkeypatch):
