@@ -14,7 +14,7 @@ Both are timed with ``time.perf_counter`` around ``plan()`` alone (the loop's ow
 update is not timed).  Before the loop the planner is warmed up as an engine would at
 start-up (``Planner.warmup`` / ``PrefixAttentionWrapper.warmup``: every planning path's compiled
 code loaded, and with ``--backend cuda`` the configuration's kernels), timed apart
-(``warmup_s``; ``--no-warmup`` skips it); the first ``--warmup`` steps are then planned but
+(``warmup_s``; ``--no-planner-warmup`` skips it); the first ``--warmup`` steps are then planned but
 not counted.  ``--check`` compares the two plans' arrays at every step (not timed) and
 counts the steps where they differ.  ``--tree`` also times fresh plans of a tree batch
 (``pat_core.workloads.build_tree_batch``), median of ``--tree-reps``.
@@ -80,7 +80,7 @@ def run_loop(args, requests: int, hq: int, hk: int) -> dict:
                        seed=args.seed, order=args.order)
     inc = Planner(args.packer, args.gpu)
     t_w = time.perf_counter()
-    if not args.no_warmup:
+    if not args.no_planner_warmup:
         inc.warmup(hq, hk, args.head_dim, args.page_size)
     warmup_s = time.perf_counter() - t_w
     t_inc, t_fresh, paths, entries, ctas, by_path = [], [], {}, [], [], {}
@@ -134,7 +134,7 @@ def run_device_loop(args, requests: int, hq: int, hk: int) -> dict:
                        seed=args.seed, order=args.order)
     w = pat_core.PrefixAttentionWrapper(backend="cuda", packer=args.packer)
     t_w = time.perf_counter()
-    if not args.no_warmup:
+    if not args.no_planner_warmup:
         w.warmup(hq, hk, args.head_dim, args.page_size)
     warmup_s = time.perf_counter() - t_w
     # cycles of torch.cuda._sleep per millisecond, from one timed sleep
@@ -220,7 +220,7 @@ def main(argv=None):
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--steps", type=int, default=300, help="timed steps")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first")
-    ap.add_argument("--no-warmup", action="store_true",
+    ap.add_argument("--no-planner-warmup", action="store_true",
                     help="skip the planner's warmup() before the loop (first-use loads then "
                          "fall in the steps)")
     ap.add_argument("--seed", type=int, default=0)
