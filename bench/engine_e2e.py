@@ -309,7 +309,8 @@ class StepRecorder:
                            host_step_ms_max=float(dec[:, 0].max()),
                            host_copy_ms_median=float(np.median(dec[:, 1])),
                            attn_host_ms_median=float(np.median(dec[:, 2])),
-                           # the part of it on the CPU (the rest: off the CPU, waiting)
+                           # the part of it on the CPU (the rest: asleep, for the GIL or
+                           # in a blocking call that yields; a spinning device wait is CPU)
                            attn_cpu_ms_median=float(np.median(dec[:, 3])))
         if self.events:
             if self.cuda:

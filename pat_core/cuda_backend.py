@@ -277,6 +277,8 @@ class CudaBackend:
         kv = kv_dtype if kv_dtype != dtype else None
         fwd = [cc.FwdVariant.make(int(m), int(n), head_dim, dtype, arch=self.arch, kv_dtype=kv)
                for m, n in tiles if cc.fwd_variant_supported(int(m), int(n), head_dim, kv)]
+        if self.max_smem_optin:           # a GPU with less shared memory than the H100's
+            fwd = [v for v in fwd if v.smem_bytes <= self.max_smem_optin]
         merges = [cc.MergeVariant(head_dim, dtype, cc.MERGE_WARPS, nh) for nh in cc.MERGE_HEADS]
         return self.warmup(variants=fwd + merges, jobs=jobs)
 
@@ -336,14 +338,23 @@ class CudaBackend:
         self._states[key] = st
         return st
 
+    #: a replaced state used on more streams than this is retired by a device synchronize
+    RETIRE_MAX_STREAMS = 8
+
     def _retire(self, st: "StaticState") -> None:
         """Replace ``st`` without waiting for the device: an event on each stream its copies
         and launches went to, and the state (its device and pinned buffers) kept until every
-        event has completed (:meth:`_reap`, polled by later plans).  Where an event cannot be
-        recorded (a stream destroyed since), the device is synchronised instead."""
+        event has completed (:meth:`_reap`, polled by later plans).  CuPy streams are kept
+        alive by the state, torch's pooled streams are never destroyed; a state used on more
+        than :attr:`RETIRE_MAX_STREAMS` streams (a caller making a new stream per step), or one
+        whose event cannot be recorded, synchronises the device instead."""
         if self._last_state is st:
             self._last_state = None
         cp = self.cp
+        if len(st.streams) > self.RETIRE_MAX_STREAMS:
+            with cp.cuda.Device(st.device):
+                cp.cuda.Device(st.device).synchronize()
+            return
         with cp.cuda.Device(st.device):
             try:
                 events = []
@@ -647,7 +658,8 @@ class CudaBackend:
                 _set_out(merge.params, out_args)
             prep["out_args"] = out_args
         caller = self._caller_stream(qd)
-        st.streams.add(caller)
+        if caller not in st.streams:
+            st.note_stream(caller)
         self._enqueue(launches, merge, caller, pdl)
         return (out, lse) if want_lse else out
 

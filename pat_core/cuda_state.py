@@ -78,9 +78,12 @@ class StaticState:
         self.device = cp.cuda.runtime.getDevice()
         lim = layout.limits
         V = layout.num_variants
-        self.buf = cp.zeros(layout.total, dtype=cp.int32)
-        self.counters = cp.zeros(V, dtype=cp.int32)     # zeroed again by every merge
-        self.chain = cp.zeros(V, dtype=cp.int32)        # chained launches' block counts
+        # zeroed by the first write(), on the stream of its copy (cp.zeros would zero them on
+        # CuPy's current stream, which a caller's stream need not be ordered after)
+        self.buf = cp.empty(layout.total, dtype=cp.int32)
+        self.counters = cp.empty(V, dtype=cp.int32)     # zeroed again by every merge
+        self.chain = cp.empty(V, dtype=cp.int32)        # chained launches' block counts
+        self._zeroed = False
         self.o_part = cp.empty(lim.max_partials * self.num_qo_heads * self.head_dim,
                                dtype=cp.float32)
         self.l_part = cp.empty(lim.max_partials * self.num_qo_heads, dtype=cp.float32)
@@ -94,9 +97,11 @@ class StaticState:
         # CuPy's current stream, would make the first write wait for the work queued there)
         self._copied = [cp.cuda.Event(disable_timing=True) for _ in range(2)]
         self._half = 0              # the staging buffer the next write() packs into
-        # caller streams this state's copies and launches were enqueued on (a plain state
-        # that is replaced is kept until the work on them has finished: CudaBackend._retire)
-        self.streams: set = set()
+        # caller streams this state's copies and launches were enqueued on, each with the
+        # CuPy stream object when it is CuPy's (kept, so the stream outlives the work), or None
+        # (torch's pooled streams are never destroyed): a plain state that is replaced is kept
+        # until the work on them has finished (CudaBackend._retire)
+        self.streams: dict = {}
         self.merge_variant = cc.MergeVariant(self.head_dim, self.dtype)
         self.fused = bool(fused) and self.fixed
         self.num_sms = backend._num_sms()
@@ -197,15 +202,25 @@ class StaticState:
         cp = self.cp
         h = self._half
         staging, copied = self._staging[h], self._copied[h]
+        self.note_stream(stream_ptr)       # before anything is enqueued on it
         with cp.cuda.Device(self.device):
             copied.synchronize()           # the copy of two plans ago has read this buffer
             packed = self.layout.pack_checked(plan, out=staging)
-            cp.cuda.runtime.memcpyAsync(int(self.buf.data.ptr), staging.ctypes.data,
-                                        packed.shape[0] * 4, cp.cuda.runtime.memcpyHostToDevice,
-                                        stream_ptr)
-            copied.record(_external_stream(cp, stream_ptr, self.device))
+            rt = cp.cuda.runtime
+            try:
+                if not self._zeroed:
+                    for a in (self.buf, self.counters, self.chain):
+                        rt.memsetAsync(int(a.data.ptr), 0, a.nbytes, stream_ptr)
+                rt.memcpyAsync(int(self.buf.data.ptr), staging.ctypes.data,
+                               packed.shape[0] * 4, rt.memcpyHostToDevice, stream_ptr)
+                copied.record(_external_stream(cp, stream_ptr, self.device))
+            except Exception:
+                # a copy may be queued from this staging buffer with no event after it: wait
+                # until nothing reads it (an error path: the one wait write() ever makes)
+                cp.cuda.Device(self.device).synchronize()
+                raise
+        self._zeroed = True
         self._half = 1 - h
-        self.streams.add(stream_ptr)
         self.batch = plan.num_qo_tokens
         self.plan, self.plan_version = plan, plan.version
         off = self.layout.offset["live"]
@@ -214,6 +229,14 @@ class StaticState:
             # plain: the multi-token variants only for a plan that needs them
             self._use(plan.multi_token)
             self._plain_schedule(plan)
+
+    def note_stream(self, handle: int) -> None:
+        """Note that work reading this state is enqueued on stream ``handle`` (before it is):
+        with the CuPy stream object when ``handle`` is CuPy's current stream, kept so that the
+        stream is not destroyed while :meth:`CudaBackend._retire` may record on it."""
+        if handle not in self.streams:
+            cur = self.cp.cuda.get_current_stream()
+            self.streams[handle] = cur if int(cur.ptr) == int(handle) else None
 
     def _plain_schedule(self, plan: Plan) -> None:
         """Plain plans: which launches run (the tiles with CTAs, in the launch set's order,

@@ -28,6 +28,7 @@ class FakeArray:
         self.a = base if base is not None else (np.zeros if zero else np.empty)(shape, dtype)
         self.data = types.SimpleNamespace(ptr=self.a.ctypes.data)
         self.shape, self.dtype = self.a.shape, self.a.dtype
+        self.size, self.nbytes = self.a.size, self.a.nbytes
 
     @classmethod
     def of(cls, host: np.ndarray) -> "FakeArray":
@@ -104,10 +105,12 @@ class FakeCuda:
         self.device_syncs = 0        # Device.synchronize() calls
         self.event_waits: list = []  # events waited for (Event.synchronize), in order
         self.busy = False            # events report not done while set
+        # ("memset" | "memcpy", device pointer, bytes, stream) of every asynchronous copy/fill
+        self.copies: list = []
         rt = types.SimpleNamespace(
             getDeviceCount=lambda: 1, getDevice=lambda: 0,
             getDeviceProperties=lambda dev: dict(PROPS),
-            memcpyHostToDevice=1, memcpyAsync=self._memcpy)
+            memcpyHostToDevice=1, memcpyAsync=self._memcpy, memsetAsync=self._memset)
         driver = types.SimpleNamespace(launchKernel=self._launch)
         self.cuda = types.SimpleNamespace(
             runtime=rt, driver=driver, Device=lambda id=None: _Device(self, id),
@@ -127,8 +130,12 @@ class FakeCuda:
         self._pinned.append(buf)
         return buf
 
-    @staticmethod
-    def _memcpy(dst, src, nbytes, kind, stream):
+    def _memset(self, ptr, value, nbytes, stream):
+        self.copies.append(("memset", int(ptr), int(nbytes), int(stream)))
+        ctypes.memset(int(ptr), int(value), int(nbytes))
+
+    def _memcpy(self, dst, src, nbytes, kind, stream):
+        self.copies.append(("memcpy", int(dst), int(nbytes), int(stream)))
         ctypes.memmove(int(dst), int(src), int(nbytes))
 
     def _launch(self, fptr, gx, gy, gz, bx, by, bz, smem, stream, args, extra):

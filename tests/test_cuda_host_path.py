@@ -312,3 +312,87 @@ def test_a_tile_without_a_kernel_is_refused_by_name(cuda):
     plan.version += 1
     with pytest.raises(ValueError, match=rf"no CUDA kernel for tile \(m={configs[t, 0]}, n=48\)"):
         w._gpu_backend.upload(plan)
+
+
+def test_a_new_state_is_zeroed_on_the_stream_of_its_first_copy(cuda):
+    """A new device state's plan buffer, work counters and chain counters are zeroed on the
+    stream of its first plan copy, before the copy (not on CuPy's current stream, which the
+    caller's stream need not follow); later writes only copy."""
+    from pat_core.cuda_state import StaticState
+    fake = cuda
+    b = build_tree_batch("1,4,16_128,256,64", page_size=16, seed=1)
+    w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+    be = w._gpu_backend
+    plan = w.planner.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
+    st = be.state_for(plan)
+    assert isinstance(st, StaticState) and st.plan is None
+    fake.copies.clear()
+    st.write(plan, 0x55)
+    fills = {(ptr, n) for op, ptr, n, s in fake.copies if op == "memset" and s == 0x55}
+    assert fills == {(int(a.data.ptr), a.nbytes) for a in (st.buf, st.counters, st.chain)}
+    assert [op for op, *_ in fake.copies] == ["memset"] * 3 + ["memcpy"]
+    assert all(s == 0x55 for *_, s in fake.copies)
+    assert not st.counters.a.any() and not st.chain.a.any()
+    fake.copies.clear()
+    st.write(plan, 0x55)
+    assert [op for op, *_ in fake.copies] == ["memcpy"]
+
+
+def test_a_failed_write_waits_for_its_copy_and_keeps_the_buffers_in_turn(cuda, monkeypatch):
+    """If write() fails after its copy was queued (the event cannot be recorded), it waits
+    for the device before raising, so the staging buffer is free again, and the stream stays
+    noted for the state's retirement."""
+    from pat_core import cuda_state
+    fake = cuda
+    b = build_tree_batch("8_300", page_size=16, seed=0)
+    w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+    plan = w.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
+    st = w._gpu_backend.state_for(plan)
+    real = cuda_state._external_stream
+
+    def broken(cp, handle, device):
+        if handle == 0x77:
+            raise RuntimeError("no such stream")
+        return real(cp, handle, device)
+    monkeypatch.setattr(cuda_state, "_external_stream", broken)
+    half, syncs = st._half, fake.device_syncs
+    with pytest.raises(RuntimeError, match="no such stream"):
+        st.write(plan, 0x77)
+    assert fake.device_syncs == syncs + 1 and st._half == half and 0x77 in st.streams
+    assert fake.copies[-1][0] == "memcpy" and fake.copies[-1][3] == 0x77
+
+
+def test_a_state_used_on_many_streams_is_retired_by_a_device_wait(cuda):
+    """A state whose work went to more streams than the backend tracks (a caller making a new
+    stream per step) is replaced after a device synchronize; CuPy's stream objects are kept by
+    the state while it may be retired."""
+    fake = cuda
+    w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+    be = w._gpu_backend
+    b = build_tree_batch("2_64", page_size=16, seed=0)
+    plan = w.plan(b.block_tables, b.seq_lens, 8, 2, 64, 16)
+    st = be.state_for(plan)
+    assert st.streams[0] is not None               # CuPy's current stream, kept
+    for h in range(1, be.RETIRE_MAX_STREAMS + 1):
+        st.note_stream(0x1000 + h)
+    assert st.streams[0x1001] is None              # not CuPy's current stream (torch's)
+    fake.busy = True
+    b = build_tree_batch("1,160_700,60", page_size=16, seed=1)
+    w.plan(b.block_tables, b.seq_lens, 8, 2, 64, 16)
+    assert be.state_for(w.current_plan) is not st
+    assert fake.device_syncs == 1 and be._retired == []
+
+
+def test_warmup_skips_tiles_past_the_gpus_shared_memory(cuda):
+    """On a GPU with less shared memory per block than the tile table assumes, warmup()
+    compiles only the kernels that fit (the others could never be launched there)."""
+    from pat_core import cuda_compile as cc
+    w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+    be = w._gpu_backend
+    be.max_smem_optin = 99 * 1024
+    keys = be.warmup_configuration(w.planner.tile_selector(128, "float16").feasible, 128,
+                                   "float16", "float16")
+    fwd = [k for k in keys if not k.startswith("pat_merge")]
+    sizes = {v.key: v.smem_bytes for v in cc.all_fwd_variants(head_dims=(128,))}
+    assert fwd and all(k in sizes and sizes[k] <= 99 * 1024 for k in fwd)
+    assert len(fwd) < len(w.planner.tile_selector(128, "float16").feasible)

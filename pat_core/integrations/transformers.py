@@ -199,8 +199,9 @@ class PatPagedAttention:
     (seconds inside the layer calls pat ran, their step's planning included, a step that falls
     back after planning not: in an engine whose step is bound by host work, this is what the
     attention adds to it), ``layer_cpu_s`` (the calling thread's CPU time in those calls:
-    ``layer_host_s`` less the time the thread was off the CPU, waiting for the device, for
-    the GIL or for a copy); ``last_plan_stats`` is
+    ``layer_host_s`` less the time the thread slept, waiting for the GIL or in a blocking call
+    that yields the CPU; a device wait that spins, CUDA's default with few contexts, counts
+    as CPU time); ``last_plan_stats`` is
     :meth:`pat_core.Plan.stats` of the last plan, ``last_seq_lens`` its int64 ``[batch]``
     sequence lengths; ``fallback_reasons`` counts fallback steps by reason.
     """
