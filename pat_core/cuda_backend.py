@@ -338,20 +338,17 @@ class CudaBackend:
         self._states[key] = st
         return st
 
-    #: a replaced state used on more streams than this is retired by a device synchronize
-    RETIRE_MAX_STREAMS = 8
-
     def _retire(self, st: "StaticState") -> None:
         """Replace ``st`` without waiting for the device: an event on each stream its copies
         and launches went to, and the state (its device and pinned buffers) kept until every
         event has completed (:meth:`_reap`, polled by later plans).  CuPy streams are kept
         alive by the state, torch's pooled streams are never destroyed; a state used on more
-        than :attr:`RETIRE_MAX_STREAMS` streams (a caller making a new stream per step), or one
-        whose event cannot be recorded, synchronises the device instead."""
+        than :attr:`StaticState.MAX_STREAMS` streams (a caller making a new stream per step),
+        or one whose event cannot be recorded, synchronises the device instead."""
         if self._last_state is st:
             self._last_state = None
         cp = self.cp
-        if len(st.streams) > self.RETIRE_MAX_STREAMS:
+        if st.streams_overflow:
             with cp.cuda.Device(st.device):
                 cp.cuda.Device(st.device).synchronize()
             return

@@ -102,6 +102,7 @@ class StaticState:
         # (torch's pooled streams are never destroyed): a plain state that is replaced is kept
         # until the work on them has finished (CudaBackend._retire)
         self.streams: dict = {}
+        self.streams_overflow = False   # more than MAX_STREAMS: retired by a device wait
         self.merge_variant = cc.MergeVariant(self.head_dim, self.dtype)
         self.fused = bool(fused) and self.fixed
         self.num_sms = backend._num_sms()
@@ -230,13 +231,23 @@ class StaticState:
             self._use(plan.multi_token)
             self._plain_schedule(plan)
 
+    #: streams a state tracks for its retirement; past them it is retired by a device wait
+    MAX_STREAMS = 8
+
     def note_stream(self, handle: int) -> None:
         """Note that work reading this state is enqueued on stream ``handle`` (before it is):
         with the CuPy stream object when ``handle`` is CuPy's current stream, kept so that the
-        stream is not destroyed while :meth:`CudaBackend._retire` may record on it."""
-        if handle not in self.streams:
-            cur = self.cp.cuda.get_current_stream()
-            self.streams[handle] = cur if int(cur.ptr) == int(handle) else None
+        stream is not destroyed while :meth:`CudaBackend._retire` may record on it.  Past
+        :data:`MAX_STREAMS` streams (a caller making a stream per step) nothing more is kept,
+        and those kept are let go: the state will be retired by a device synchronize."""
+        if handle in self.streams or self.streams_overflow:
+            return
+        if len(self.streams) >= self.MAX_STREAMS:
+            self.streams_overflow = True
+            self.streams.clear()
+            return
+        cur = self.cp.cuda.get_current_stream()
+        self.streams[handle] = cur if int(cur.ptr) == int(handle) else None
 
     def _plain_schedule(self, plan: Plan) -> None:
         """Plain plans: which launches run (the tiles with CTAs, in the launch set's order,

@@ -373,9 +373,11 @@ def test_a_state_used_on_many_streams_is_retired_by_a_device_wait(cuda):
     plan = w.plan(b.block_tables, b.seq_lens, 8, 2, 64, 16)
     st = be.state_for(plan)
     assert st.streams[0] is not None               # CuPy's current stream, kept
-    for h in range(1, be.RETIRE_MAX_STREAMS + 1):
-        st.note_stream(0x1000 + h)
+    st.note_stream(0x1001)
     assert st.streams[0x1001] is None              # not CuPy's current stream (torch's)
+    for h in range(2, st.MAX_STREAMS + 1):
+        st.note_stream(0x1000 + h)
+    assert st.streams_overflow and st.streams == {}    # nothing kept past the limit
     fake.busy = True
     b = build_tree_batch("1,160_700,60", page_size=16, seed=1)
     w.plan(b.block_tables, b.seq_lens, 8, 2, 64, 16)
