@@ -217,7 +217,7 @@ class StaticState:
                 copied.record(_external_stream(cp, stream_ptr, self.device))
             except Exception:
                 # a copy may be queued from this staging buffer with no event after it: wait
-                # until nothing reads it (an error path: the one wait write() ever makes)
+                # until nothing reads it (an error path only)
                 cp.cuda.Device(self.device).synchronize()
                 raise
         self._zeroed = True
