@@ -372,6 +372,39 @@ def test_a_replaced_state_is_kept_while_its_work_runs(backend):
 
 
 @requires_gpu
+def test_a_new_state_on_a_side_stream_is_zeroed_on_that_stream(backend):
+    """A device state's first plan and run on a non-blocking side stream while the default
+    stream is held up by a long sleep: the state's buffers (plan, work and chain counters) are
+    zeroed on the side stream before its copy, so the output equals an idle GPU's.  (Zeroed on
+    CuPy's current stream, the default one, the fill would wait behind the sleep and the
+    kernels would read counters left in reused memory: here -1, put there first.)"""
+    import cupy as cp
+    import torch
+    from pat_core import PrefixAttentionWrapper
+    from pat_core.cuda_backend import CudaBackend
+    from pat_core.workloads import build_tree_batch
+    b = build_tree_batch("1,40_300,40", page_size=16, seed=2)
+    q, k, v = make_inputs(b.num_pages, 16, b.batch_size, 32, 8, 128, "float16", "NHD", 3)
+
+    def run(busy):
+        w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+        w._gpu_backend = CudaBackend()          # a fresh state, made by this plan
+        junk = cp.full(1 << 22, -1, dtype=cp.int32)
+        del junk                                # its memory back in CuPy's pool, not zero
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        if busy:
+            torch.cuda._sleep(400_000_000)      # the default stream held up (~0.2 s)
+        with torch.cuda.stream(side):
+            w.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16)
+            out = w.run(q, (k, v))
+        torch.cuda.synchronize()
+        return out
+
+    assert torch.equal(run(True), run(False))
+
+
+@requires_gpu
 def test_cupy_inputs(backend):
     import cupy
     import torch
