@@ -284,14 +284,11 @@ class CudaBackend:
 
     def warmup_host(self, plans) -> None:
         """Run the host code that puts a plan on the device (its checks, and the pack into a
-        host buffer) on each of ``plans``, so its compiled parts are loaded; no device work."""
-        from .static_plan import StaticLayout, StaticLimits, order_tiles
+        host buffer of the layout :meth:`state_for` would size) on each of ``plans``, so its
+        compiled parts are loaded; no device work."""
         for plan in plans:
             _check_plan_tiles(plan)
-            lim = StaticLimits(plan.batch_size, max(1, int(plan.cta_pages.shape[0])),
-                               max(1, plan.num_ctas), max(1, plan.num_partial_rows))
-            tiles = order_tiles({(int(m), int(n)) for m, n in plan.tile_configs.tolist()})
-            layout = StaticLayout(lim, tiles)
+            layout = _grown_layout(*_plan_needs(plan))
             layout.check(plan)
             layout.pack_checked(plan, out=np.empty(layout.total, dtype=np.int32))
 
@@ -303,7 +300,6 @@ class CudaBackend:
         old state's and the plan's), which replaces the old one once the device is idle.  A
         multi-token plan needs a state with ``max_num_qo_tokens`` (the causal limits and the
         multi-token kernels); once made, it serves the one-token plans too."""
-        from .static_plan import StaticLayout, StaticLimits, order_tiles
         _check_plan_tiles(plan)
         if self._retired:
             self._reap()
@@ -313,10 +309,7 @@ class CudaBackend:
         kv_dtype = dtype_name(plan.kv_dtype)
         key = (dev, shape, kv_dtype)
         st = self._states.get(key)
-        tiles = set(map(tuple, plan.tile_configs.tolist()))
-        need = (plan.batch_size, max(1, int(plan.cta_pages.shape[0]) - plan.num_ctas),
-                max(1, plan.num_ctas), max(1, plan.num_partial_rows), plan.num_qo_tokens)
-        multi = plan.multi_token
+        tiles, need, multi = _plan_needs(plan)
         if st is not None:
             lim = st.layout.limits
             have = (lim.max_batch_size, lim.max_num_pages, lim.max_ctas, lim.max_partials,
@@ -324,17 +317,14 @@ class CudaBackend:
             if tiles <= st.layout.tile_set and all(n <= h for n, h in zip(need, have)) \
                     and (lim.multi_token or not multi):
                 return st
-            tiles |= set(st.layout.tiles)
+            tiles |= st.layout.tile_set
             need = tuple(max(n, h) for n, h in zip(need, have))
             multi = multi or lim.multi_token
             # kernels of the old state's last run may still read its buffers: kept until
             # they have finished (never waited for here)
             self._retire(st)
-        grow = [max(1, (n * 5 + 3) // 4) for n in need]
-        grow[4] = max(grow[4], grow[0])
-        limits = StaticLimits(*grow[:4], max_num_qo_tokens=grow[4] if multi else None)
-        layout = StaticLayout(limits, order_tiles(tiles))
-        st = StaticState(self, layout, *shape, fixed=False, kv_dtype=kv_dtype)
+        st = StaticState(self, _grown_layout(tiles, need, multi), *shape, fixed=False,
+                         kv_dtype=kv_dtype)
         self._states[key] = st
         return st
 
@@ -348,22 +338,21 @@ class CudaBackend:
         if self._last_state is st:
             self._last_state = None
         cp = self.cp
-        if st.streams_overflow:
+        events = None
+        if not st.streams_overflow:
             with cp.cuda.Device(st.device):
-                cp.cuda.Device(st.device).synchronize()
-            return
-        with cp.cuda.Device(st.device):
-            try:
-                events = []
-                for s in st.streams:
-                    ev = cp.cuda.Event(disable_timing=True)
-                    ev.record(_external_stream(cp, s, st.device))
-                    events.append(ev)
-            except Exception as e:      # CUDA errors differ across CuPy versions
-                log.debug("retiring a state: %s; synchronising the device", e)
-                cp.cuda.Device(st.device).synchronize()
-                return
-        if events:
+                try:
+                    events = []
+                    for s in st.streams:
+                        ev = cp.cuda.Event(disable_timing=True)
+                        ev.record(_external_stream(cp, s, st.device))
+                        events.append(ev)
+                except Exception as e:      # CUDA errors differ across CuPy versions
+                    log.debug("retiring a state: %s; synchronising the device", e)
+                    events = None
+        if events is None:
+            cp.cuda.Device(st.device).synchronize()
+        elif events:
             self._retired.append((st, events))
 
     def _reap(self) -> None:
@@ -659,6 +648,26 @@ class CudaBackend:
             st.note_stream(caller)
         self._enqueue(launches, merge, caller, pdl)
         return (out, lse) if want_lse else out
+
+
+def _plan_needs(plan: Plan) -> tuple:
+    """``(tiles, need, multi)`` of a plain device state that holds ``plan``: its tile set, the
+    limits ``(requests, page entries less CTAs, CTAs, partial rows, query tokens)`` and
+    whether it needs the multi-token kernels."""
+    tiles = set(map(tuple, plan.tile_configs.tolist()))
+    need = (plan.batch_size, max(1, int(plan.cta_pages.shape[0]) - plan.num_ctas),
+            max(1, plan.num_ctas), max(1, plan.num_partial_rows), plan.num_qo_tokens)
+    return tiles, need, plan.multi_token
+
+
+def _grown_layout(tiles, need, multi: bool):
+    """The layout of a plain device state for ``need`` (:func:`_plan_needs`), each limit a
+    quarter larger, so the next steps' growth does not make a new state every time."""
+    from .static_plan import StaticLayout, StaticLimits, order_tiles
+    grow = [max(1, (n * 5 + 3) // 4) for n in need]
+    grow[4] = max(grow[4], grow[0])
+    limits = StaticLimits(*grow[:4], max_num_qo_tokens=grow[4] if multi else None)
+    return StaticLayout(limits, order_tiles(tiles))
 
 
 def _check_plan_tiles(plan: Plan) -> None:

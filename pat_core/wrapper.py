@@ -354,13 +354,9 @@ class PrefixAttentionWrapper:
         plans = self.planner.warmup(num_qo_heads, num_kv_heads, head_dim, page_size,
                                     kv_data_type=kv_dtype, q_data_type=q_dtype)
         bt = plans[0].extra["block_table"]
+        csr = bt.to_csr()
         for dt in (np.int32, np.int64):           # plan_csr's conversion, per integer type
-            n = bt.num_pages.astype(np.int64)
-            indptr = np.zeros(n.size + 1, dtype=dt)
-            np.cumsum(n, out=indptr[1:])
-            indices = np.concatenate([bt.table[r, :n[r]] for r in range(n.size)]).astype(dt)
-            last = ((bt.seq_lens.astype(np.int64) - 1) % bt.page_size + 1).astype(dt)
-            csr_to_padded(indptr, indices, last, bt.page_size)
+            csr_to_padded(*(a.astype(dt) for a in csr), bt.page_size)
         if self._gpu_backend is not None:
             self._gpu_backend.warmup_host(plans)
             if kernels:

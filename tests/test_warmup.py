@@ -12,6 +12,7 @@ import pytest
 
 import pat_core
 from pat_core import PrefixAttentionWrapper
+from pat_core.inputs import BlockTable
 from pat_core.planner import Planner
 from pat_core.workloads import ServingLoop, build_tree_batch
 
@@ -42,12 +43,8 @@ def _serve(w, dtype, csr: bool, steps: int = 60):
             buf[:table.shape[0], :table.shape[1]] = table
             table = buf[:table.shape[0], :table.shape[1]]
         if csr:
-            n = (lens.astype(np.int64) + 15) // 16
-            indptr = np.zeros(n.size + 1, dtype=dtype)
-            np.cumsum(n, out=indptr[1:])
-            indices = np.concatenate([table[r, :n[r]] for r in range(n.size)]).astype(dtype)
-            last = ((lens.astype(np.int64) - 1) % 16 + 1).astype(dtype)
-            w.plan_csr(indptr, indices, last, 32, 8, 128, 16)
+            csr_arrays = BlockTable.from_padded(table, lens, 16).to_csr()
+            w.plan_csr(*(a.astype(dtype) for a in csr_arrays), 32, 8, 128, 16)
         else:
             w.plan(table, lens, 32, 8, 128, 16)
 
