@@ -40,6 +40,14 @@ part), the median as a share of the median decode step.
 ``paged|fi-decode`` plugs FlashInfer's batch decode wrapper into the same seam as pat
 (:func:`register_flashinfer_decode`): the fair kernel comparison inside the engine.
 
+Each run also records the engine thread's resource use per decode step and per call of the
+engine's host methods (``usage()``: CPU time, page faults, context switches, the process's CPU
+time) and the growth of torch's CUDA allocator counters (``cuda_allocator``): what tells a
+slower host step's causes apart (more work, memory given back and faulted in again, sleeping,
+other threads, a device-synchronising allocation).  ``--probe`` adds one run per
+implementation that waits for the device before each step's ``prepare_next_batch`` and times
+the wait (``probe``: the previous step's GPU work still queued then).
+
 The profiled run gives the attention share of a decode step: the time inside the
 registered attention function over the model's forward (CUDA events on a GPU, ``perf_counter``
 on the CPU), summed over the decode-like steps; it wraps the function under its own name for
@@ -230,6 +238,38 @@ def build_model(name: str, dtype: str, device: str, layers: int | None = None, s
 
 
 # ---------------------------------------------------------------- timing helpers
+#: usage() fields: the calling thread's CPU seconds, its minor and major page faults, its
+#: voluntary and involuntary context switches, and the whole process's CPU seconds
+USAGE_FIELDS = ("cpu_s", "minflt", "majflt", "nvcsw", "nivcsw", "process_cpu_s")
+
+
+def usage() -> tuple:
+    """The calling thread's resource counters (``USAGE_FIELDS``; Linux's per-thread
+    ``getrusage``, the process's where the platform has none).  A step whose wall time grows
+    without its CPU time was asleep (a lock, the GIL, a blocking call); one whose CPU time grows
+    with its page faults paid for memory the allocator gave back and took again; process CPU
+    beyond the thread's is other threads' work."""
+    import resource
+    who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+    r = resource.getrusage(who)
+    p = resource.getrusage(resource.RUSAGE_SELF) if who != resource.RUSAGE_SELF else r
+    return (r.ru_utime + r.ru_stime, r.ru_minflt, r.ru_majflt, r.ru_nvcsw, r.ru_nivcsw,
+            p.ru_utime + p.ru_stime)
+
+
+def usage_medians(prefix: str, deltas) -> dict:
+    """Median per call of each ``usage()`` field's growth (rows of ``deltas``), named
+    ``<prefix>_<field>_median`` (seconds as ms)."""
+    d = np.asarray(deltas, dtype=float).reshape(-1, len(USAGE_FIELDS))
+    out = {}
+    for i, f in enumerate(USAGE_FIELDS):
+        v = float(np.median(d[:, i])) if d.shape[0] else None
+        if f.endswith("_s"):
+            f, v = f[:-2] + "_ms", None if v is None else v * 1e3
+        out[f"{prefix}_{f}_median"] = v
+    return out
+
+
 class StepRecorder:
     """Forward hooks on the model that note each engine step (one forward): its host start
     time and whether it is decode-like (the engine's ``max_seqlen_q`` <= 16).  With
@@ -255,7 +295,7 @@ class StepRecorder:
 
     def _pre(self, module, args, kwargs):
         step = dict(t=time.perf_counter(), decode=int(kwargs.get("max_seqlen_q", 0) or 0)
-                    <= MAX_QO_LEN, attn=[])
+                    <= MAX_QO_LEN, attn=[], usage=usage())
         if self.seam is not None:
             step["host"] = self._host_counters()
         if self.events:
@@ -296,6 +336,9 @@ class StepRecorder:
         out = dict(steps=len(self.steps),
                    decode_steps=sum(s["decode"] for s in self.steps),
                    decode_step_ms_median=float(np.median(dec_gaps)) if dec_gaps else None)
+        # the engine thread's resources from one decode step's start to the next
+        use = np.diff(np.array([s["usage"] for s in self.steps], dtype=float), axis=0)
+        out.update(usage_medians("step", use[[s["decode"] for s in self.steps[:-1]]]))
         if self.seam is not None and self.steps:
             # a step's host seconds: the counters' growth until the next step starts
             marks = np.array([s["host"] for s in self.steps] + [self._host_counters()])
@@ -338,23 +381,36 @@ class EngineHostTimer:
 
     METHODS = ("prepare_next_batch", "update_batch")
 
-    def __init__(self):
+    def __init__(self, sync_probe: bool = False):
         from transformers.generation.continuous_batching import continuous_api
+        import torch
         self._cls = continuous_api.ContinuousBatchProcessor
         self.times = {m: [] for m in self.METHODS}
+        self.usage = {m: [] for m in self.METHODS}
+        # sync_probe: wait for the device before each prepare_next_batch and time the wait
+        # (the previous step's GPU work still queued then); it removes that overlap, so a
+        # run with it measures where the step's time goes, not the throughput
+        self.backlog = [] if sync_probe and torch.cuda.is_available() else None
+        self._sync = torch.cuda.synchronize
         self._orig = {m: getattr(self._cls, m) for m in self.METHODS}
         for m in self.METHODS:
             setattr(self._cls, m, self._timed(m, self._orig[m]))
 
     def _timed(self, name, fn):
-        times = self.times[name]
+        times, use = self.times[name], self.usage[name]
+        probe = self.backlog if name == "prepare_next_batch" else None
 
         def timed(*a, **kw):
-            t = time.perf_counter()
+            if probe is not None:
+                t = time.perf_counter()
+                self._sync()
+                probe.append(time.perf_counter() - t)
+            u, t = usage(), time.perf_counter()
             try:
                 return fn(*a, **kw)
             finally:
                 times.append(time.perf_counter() - t)
+                use.append(np.subtract(usage(), u))
         return timed
 
     def remove(self):
@@ -362,9 +418,17 @@ class EngineHostTimer:
             setattr(self._cls, m, self._orig[m])
 
     def summary(self) -> dict:
-        """Median ms per call of each method (``engine_<method>_ms_median``)."""
-        return {f"engine_{m}_ms_median": float(np.median(ts)) * 1e3 if ts else None
-                for m, ts in self.times.items()}
+        """Median ms per call of each method (``engine_<method>_ms_median``), the medians of
+        its resource use (``usage_medians``, ``engine_<method>_<field>_median``) and, with the
+        probe, the median device wait before ``prepare_next_batch`` (``gpu_backlog_ms_median``)."""
+        out = {f"engine_{m}_ms_median": float(np.median(ts)) * 1e3 if ts else None
+               for m, ts in self.times.items()}
+        for m, use in self.usage.items():
+            out.update(usage_medians(f"engine_{m}", use))
+        if self.backlog is not None:
+            out["gpu_backlog_ms_median"] = (float(np.median(self.backlog)) * 1e3
+                                            if self.backlog else None)
+        return out
 
 
 def token_metrics(outputs: list, t0: float, t1: float) -> dict:
@@ -454,14 +518,30 @@ class GcTimer:
                 "gc_ms": [round(t * 1e3, 3) for t in self.seconds]}
 
 
-def timed_run(model, impl: str, prompts: list, args, pat_fn=None) -> tuple:
+#: torch's CUDA allocator counters a run reports the growth of (cudaMalloc / cudaFree calls;
+#: retries: a failed cudaMalloc made it free its cache, synchronising the device, and retry)
+ALLOC_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+
+
+def alloc_counters(model) -> np.ndarray:
+    import torch
+    if not next(model.parameters()).is_cuda:
+        return np.zeros(len(ALLOC_COUNTERS), dtype=np.int64)
+    st = torch.cuda.memory_stats()
+    return np.array([st.get(k, 0) for k in ALLOC_COUNTERS], dtype=np.int64)
+
+
+def timed_run(model, impl: str, prompts: list, args, pat_fn=None,
+              sync_probe: bool = False) -> tuple:
     """``(row, outputs)``: one timed ``generate_batch`` of ``impl`` (``pat_fn``: its
-    PatPagedAttention when it runs through pat's seam, for its counters)."""
+    PatPagedAttention when it runs through pat's seam, for its counters; ``sync_probe``:
+    :class:`EngineHostTimer`'s device-wait probe)."""
     if pat_fn is not None:
         pat_fn.reset_stats()
     rec = StepRecorder(model, seam=pat_fn)
-    host = EngineHostTimer()
+    host = EngineHostTimer(sync_probe)
     gct = GcTimer()
+    alloc0 = alloc_counters(model)
     try:
         sync(model)
         t0 = time.perf_counter()
@@ -472,8 +552,9 @@ def timed_run(model, impl: str, prompts: list, args, pat_fn=None) -> tuple:
         rec.remove()
         host.remove()
         gct.remove()
+    alloc = dict(zip(ALLOC_COUNTERS, (alloc_counters(model) - alloc0).tolist()))
     row = dict(impl=impl, status="ok", **token_metrics(outs, t0, t1), **rec.summary(),
-               **host.summary(), **gct.summary())
+               **host.summary(), **gct.summary(), cuda_allocator=alloc)
     if pat_fn is not None:
         s = dict(pat_fn.stats)
         row["seam_stats"] = s
@@ -484,6 +565,20 @@ def timed_run(model, impl: str, prompts: list, args, pat_fn=None) -> tuple:
             if step_ms and row.get("host_step_ms_median") is not None:
                 row["host_plan_share"] = row["host_step_ms_median"] / step_ms
     return row, outs
+
+
+#: what a probe run (``--probe``) reports
+PROBE_KEYS = ("gpu_backlog_ms_median", "decode_step_ms_median",
+              "engine_prepare_next_batch_ms_median", "engine_prepare_next_batch_cpu_ms_median",
+              "attn_host_ms_median", "attn_cpu_ms_median")
+
+
+def probe_run(model, impl: str, prompts: list, args, pat_fn=None) -> dict:
+    """One more run of ``impl`` that waits for the device before each step's
+    ``prepare_next_batch`` and times the wait: how much of the previous step's GPU work was
+    still queued when the engine's host work for the next began (``PROBE_KEYS``)."""
+    row, _ = timed_run(model, impl, prompts, args, pat_fn, sync_probe=True)
+    return {k: row.get(k) for k in PROBE_KEYS}
 
 
 def profile_run(model, impl: str, prompts: list, args) -> dict:
@@ -590,6 +685,9 @@ def parse_args(argv):
                     help="new tokens of the warm-up run (same prompts; 0: none)")
     ap.add_argument("--profile-tokens", type=int, default=16,
                     help="new tokens of the profiled run (attention share; 0: none)")
+    ap.add_argument("--probe", action="store_true",
+                    help="one more run per implementation that times the device wait before "
+                         "each step's host work (the GPU work still queued; see probe_run)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed runs per implementation, interleaved; the median is reported")
     ap.add_argument("--check-tokens", type=int, default=32)
@@ -697,6 +795,8 @@ def main(argv=None):
                 rows[impl]["paired_vs_reference"] = paired[impl]
             if args.profile_tokens > 0:
                 rows[impl]["profile"] = profile_run(model, impl, prompts, args)
+            if args.probe:
+                rows[impl]["probe"] = probe_run(model, impl, prompts, args, seam_fns.get(impl))
         print(f"{impl}: {rows[impl]['status']}", flush=True)
     rows = [rows[impl] for impl in impls]
     correctness = {}

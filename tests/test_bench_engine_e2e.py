@@ -132,7 +132,7 @@ def test_tiny_smoke_run(tmp_path, workload):
     # the CPU path on any machine (pat's kernels refuse the tiny model's head_dim 16)
     res = main(["--model", "tiny", "--device", "cpu", "--requests", "8", "--prompt-tokens", "64",
                 "--new-tokens", "16", "--dtype", "float32", "--num-blocks", "128",
-                "--max-batch-tokens", "256", "--repeats", "2",
+                "--max-batch-tokens", "256", "--repeats", "2", "--probe",
                 "--workload", workload, "--out", str(path)])
     assert json.loads(path.read_text()) == json.loads(json.dumps(res))
     assert res["benchmark"] == "engine_e2e" and res["git_sha"]
@@ -153,6 +153,17 @@ def test_tiny_smoke_run(tmp_path, workload):
         assert 0 < r["profile"]["attention_share"] < 1
         assert 0 < r["engine_prepare_next_batch_ms_median"] < r["decode_step_ms_median"]
         assert 0 < r["engine_update_batch_ms_median"] < r["decode_step_ms_median"]
+        # the engine thread's resources: its CPU time within the step's wall time, and the
+        # process's at least the thread's
+        assert 0 < r["step_cpu_ms_median"] <= r["decode_step_ms_median"] * 1.05
+        assert r["step_process_cpu_ms_median"] >= r["step_cpu_ms_median"]
+        assert 0 < r["engine_prepare_next_batch_cpu_ms_median"] <= \
+            r["engine_prepare_next_batch_ms_median"] * 1.05
+        assert r["step_minflt_median"] >= 0 and r["step_nvcsw_median"] >= 0
+        assert r["cuda_allocator"] == {"num_device_alloc": 0, "num_device_free": 0,
+                                       "num_alloc_retries": 0}      # a CPU run
+        p = r["probe"]                  # no device to wait for on the CPU: no backlog key
+        assert p["gpu_backlog_ms_median"] is None and p["decode_step_ms_median"] > 0
     s = rows["paged|pat"]["seam_stats"]
     assert s["plans"] == s["pat_steps"] >= 15
     assert s["plan_kv_tokens"] < s["request_kv_tokens"]
