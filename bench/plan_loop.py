@@ -27,7 +27,8 @@ the host plans the next one), times ``plan()``, then waits for the stream (the e
 the step's output).  A ``plan()`` that waited for the device would take at least ``busy_ms``:
 the row reports the longest plan against it.
 
-Writes JSON with the machine (CPU model, cores), the versions (Python, NumPy, Numba) and the
+Writes JSON with the machine (CPU model, cores, and its speed on three fixed kernels,
+``cpu_speed``, so that two machines' plan times compare), the versions (Python, NumPy, Numba) and the
 git sha; prints one line per configuration.  Targets (issue 37, a CI-like 2-core CPU, medians
 over >= 200 steps, p99 <= 3x median): incremental <= 0.15 ms per step at 128 requests,
 <= 0.5 ms at 512, <= 1.5 ms at 2048; a fresh plan of a 1024-request five-level tree <= 1 ms.
@@ -64,6 +65,44 @@ def plans_equal(a, b) -> bool:
             (b.batch_size, b.packer, b.serial, b.num_qo_heads, b.num_kv_heads):
         return False
     return all(np.array_equal(getattr(a, f), getattr(b, f)) for f in a.ARRAY_FIELDS)
+
+
+def cpu_speed(reps: int = 5) -> dict:
+    """The host's speed on three fixed kernels of the kinds planning is made of (median ms of
+    ``reps``): a Python loop of 200k iterations (the glue), a NumPy sort of 1M int64 (vectorised
+    work) and a compiled Numba walk over 4M int64 (the planner's own loops), so plan times of two
+    machines compare through them: a host slower on all three by one factor is a slower CPU,
+    not a slower planner."""
+    from numba import njit
+
+    @njit(cache=False, nogil=True)
+    def walk(a):
+        s = 0
+        for i in range(a.shape[0]):
+            s += a[i] ^ (s >> 3)
+        return s
+
+    rng = np.random.default_rng(0)
+    keys = rng.integers(0, 1 << 40, 1 << 20)
+    big = rng.integers(0, 1 << 20, 1 << 22)
+    walk(big[:16])                                   # compile outside the clock
+
+    def py_loop():
+        s = 0
+        for i in range(200_000):
+            s += i & 7
+        return s
+
+    out = {}
+    for name, fn in (("python_loop_ms", py_loop), ("numpy_sort_ms", lambda: np.sort(keys)),
+                     ("numba_walk_ms", lambda: walk(big))):
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        out[name] = float(np.median(ts)) * 1e3
+    return out
 
 
 def summary(ts) -> dict:
@@ -284,7 +323,7 @@ def main(argv=None):
         command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
         machine=dict(cpu=cpu_name(), cores=os.cpu_count(), platform=platform.platform(),
                      loadavg_at_end=list(os.getloadavg()),
-                     loadavg_at_start=load_start),
+                     loadavg_at_start=load_start, speed=cpu_speed()),
         versions=dict(python=platform.python_version(), numpy=np.__version__,
                       numba=numba.__version__, pat=pat_core.__version__),
         targets_ms=dict(incremental={str(k): v for k, v in TARGETS_MS.items()},

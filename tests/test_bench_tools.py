@@ -221,3 +221,24 @@ def test_block_timeline_cases_and_summary():
     assert s["peak_blocks"] == 2             # [0, 4000] overlaps both others, they do not
     assert s["merge_span_us"] == 1.5          # from the merge block's ready time
     assert s["step_span_us"] == 11.0
+
+
+def test_plan_loop_smoke(tmp_path):
+    """The serving-loop planning benchmark end to end on the CPU: incremental and fresh plans
+    of every step equal (``--check``), the rows' timings and the machine's speed recorded."""
+    from bench.plan_loop import main
+    path = tmp_path / "loop.json"
+    res = main(["--requests", "16", "--steps", "12", "--warmup", "2", "--prompt-len", "256",
+                "--private", "8,64", "--check", "--tree", "1,4_64,32", "--tree-reps", "3",
+                "--out", str(path)])
+    assert json.loads(path.read_text()) == json.loads(json.dumps(res))
+    assert res["benchmark"] == "plan_loop" and res["git_sha"]
+    (row,) = res["rows"]
+    assert row["steps_differing_from_fresh"] == 0
+    for part in ("incremental", "fresh"):
+        s = row[part]
+        assert 0 < s["median_ms"] <= s["p99_ms"] <= s["max_ms"]
+    assert res["tree"]["fresh"]["median_ms"] > 0
+    speed = res["machine"]["speed"]
+    assert set(speed) == {"python_loop_ms", "numpy_sort_ms", "numba_walk_ms"}
+    assert all(v > 0 for v in speed.values())
