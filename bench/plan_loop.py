@@ -25,7 +25,8 @@ one asynchronous copy on the current stream).  Each step first enqueues ``--busy
 work (``torch.cuda._sleep``, standing in for the step's attention that is still running while
 the host plans the next one), times ``plan()``, then waits for the stream (the engine reading
 the step's output).  A ``plan()`` that waited for the device would take at least ``busy_ms``:
-the row reports the longest plan against it.
+the row reports the longest plan against it.  Each ``plan()`` also runs under torch's
+sync-debug mode ``"error"``, which raises at any torch operation that would synchronise.
 
 Writes JSON with the machine (CPU model, cores, and its speed on three fixed kernels,
 ``cpu_speed``, so that two machines' plan times compare), the versions (Python, NumPy, Numba) and the
@@ -203,9 +204,16 @@ def run_device_loop(args, requests: int, hq: int, hk: int) -> dict:
         torch.cuda._sleep(int(args.busy_ms * cycles_per_ms))
         if prof is not None and step >= args.warmup:
             prof.enable()
+        # torch's sync-debug mode raises at any torch operation in plan() that would wait
+        # for the device (a .cpu(), .item(), a blocking copy); pat's own copy goes through
+        # CuPy, which the busy GPU checks instead (a plan that waited lasts >= busy_ms)
+        torch.cuda.set_sync_debug_mode("error")
         t0 = time.perf_counter()
-        w.plan(table, lens, hq, hk, args.head_dim, args.page_size)
-        t1 = time.perf_counter()
+        try:
+            w.plan(table, lens, hq, hk, args.head_dim, args.page_size)
+        finally:
+            t1 = time.perf_counter()
+            torch.cuda.set_sync_debug_mode("default")
         if prof is not None:
             prof.disable()
         torch.cuda.synchronize()
@@ -229,6 +237,7 @@ def run_device_loop(args, requests: int, hq: int, hk: int) -> dict:
     row["waited_for_device"] = bool(row["plan_and_copy"]["max_ms"] >= args.busy_ms)
     # steps whose plan() took the GPU's queued time or longer: the ones that may have waited
     row["steps_at_least_busy"] = int(sum(t * 1e3 >= args.busy_ms for t in ts))
+    row["sync_debug_mode"] = "error"     # every plan() ran under it (a sync would have raised)
     return row
 
 

@@ -372,6 +372,47 @@ def test_a_replaced_state_is_kept_while_its_work_runs(backend):
 
 
 @requires_gpu
+def test_steps_planned_on_another_thread_while_the_last_runs(backend):
+    """A pipelined decode loop on one wrapper: each next step is planned on a worker thread
+    while the steps before it are still queued on the GPU (held up by a sleep), and run on the
+    main thread with ``run(plan=...)``; every step's output equals the same step's run on an
+    idle GPU, and the second plan is made while the GPU is still busy (nothing waited)."""
+    import threading
+    import torch
+    from pat_core import PrefixAttentionWrapper
+    from pat_core.workloads import ServingLoop
+    loop = ServingLoop(24, 2, 256, (8, 64), 16, seed=5)
+    steps = [tuple(np.array(a) for a in loop.step()) for _ in range(6)]
+    pages = max(int(t.max()) for t, _ in steps) + 1
+    q, k, v = make_inputs(pages, 16, 24, 32, 8, 128, "float16", "NHD", 7)
+
+    def run_all(busy):
+        w = PrefixAttentionWrapper(backend="cuda", packer="pat")
+        made, outs, busy_after_second_plan = {}, [], None
+
+        def plan(i):        # the worker thread's current stream is the default one, as here
+            made[i] = w.plan(*steps[i], 32, 8, 128, 16)
+        torch.cuda.synchronize()
+        if busy:
+            torch.cuda._sleep(300_000_000)            # ~0.15 s of GPU time ahead of it all
+        for i in range(len(steps)):
+            t = threading.Thread(target=plan, args=(i,))
+            t.start()
+            t.join()
+            if i == 1:
+                busy_after_second_plan = not torch.cuda.current_stream().query()
+            outs.append(w.run(q, (k, v), plan=made[i]))
+        torch.cuda.synchronize()
+        return outs, busy_after_second_plan
+
+    want, _ = run_all(False)
+    got, still_busy = run_all(True)
+    assert still_busy, "the second plan waited for the GPU"
+    for i, (g, r) in enumerate(zip(got, want)):
+        assert torch.equal(g, r), f"step {i}"
+
+
+@requires_gpu
 def test_a_new_state_on_a_side_stream_is_zeroed_on_that_stream(backend):
     """A device state's first plan and run on a non-blocking side stream while the default
     stream is held up by a long sleep: the state's buffers (plan, work and chain counters) are
