@@ -5,7 +5,9 @@
 Builds a Llama model from its config with random weights (no downloads; ``--model llama8b``:
 Llama-3.1-8B's shapes, ``gqa-small``: a 1B-class GQA model, ``tiny``: a CPU smoke model) and
 runs ``generate_batch`` (greedy, ``--new-tokens``, block sharing on, CUDA graphs off: pat plans
-on the host per step) per attention implementation of ``--impls``: once to warm up
+on the host per step; an ``--impls`` entry ending in ``+graph``, e.g. ``paged|sdpa+graph``,
+runs that implementation with the engine's CUDA graphs on) per attention implementation of
+``--impls``: once to warm up
 (``--warmup-tokens``), ``--repeats`` times timed, and (``--profile-tokens`` > 0) once more
 with the attention function and the model's forward timed per call.  Workloads (random token ids):
 
@@ -458,15 +460,27 @@ def token_metrics(outputs: list, t0: float, t1: float) -> dict:
 
 
 # ---------------------------------------------------------------- one implementation
+#: an implementation name ending in it runs with the engine's CUDA graphs on
+GRAPH_SUFFIX = "+graph"
+
+
+def base_impl(impl: str) -> tuple:
+    """``(registered name, CUDA graphs on)`` of an ``--impls`` entry (``GRAPH_SUFFIX``)."""
+    if impl.endswith(GRAPH_SUFFIX):
+        return impl[:-len(GRAPH_SUFFIX)], True
+    return impl, False
+
+
 def generate(model, impl: str, prompts: list, new_tokens: int, args, *, timestamps=False):
     """``generate_batch`` greedy with block sharing on; the outputs in request order."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
-    model.set_attn_implementation(impl)
+    name, graphs = base_impl(impl)
+    model.set_attn_implementation(name)
     gc = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1,
                           pad_token_id=0)
     cb = ContinuousBatchingConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                                   max_batch_tokens=args.max_batch_tokens,
-                                  allow_block_sharing=True, use_cuda_graph=False,
+                                  allow_block_sharing=True, use_cuda_graph=graphs,
                                   return_logprobs=not args.no_logprobs)
     out = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb,
                                record_timestamps=timestamps, progress_bar=False)
@@ -763,7 +777,7 @@ def main(argv=None):
                     seam_fns[impl] = register_pat(PAT_IMPL)
                 else:
                     seam_fns[impl] = register_flashinfer_decode(FI_IMPL)
-            elif impl not in AttentionInterface().valid_keys():
+            elif base_impl(impl)[0] not in AttentionInterface().valid_keys():
                 raise ValueError(f"{impl!r} is not a registered attention implementation")
             if args.warmup_tokens > 0:
                 generate(model, impl, prompts, args.warmup_tokens, args)
@@ -818,7 +832,8 @@ def main(argv=None):
                     warmup_tokens=args.warmup_tokens, profile_tokens=args.profile_tokens,
                     block_size=args.block_size, num_blocks=args.num_blocks,
                     max_batch_tokens=args.max_batch_tokens, allow_block_sharing=True,
-                    use_cuda_graph=False, return_logprobs=not args.no_logprobs,
+                    use_cuda_graph=[i for i in impls if base_impl(i)[1]],
+                    return_logprobs=not args.no_logprobs,
                     reference=args.reference, seed=args.seed),
         impls=rows, correctness=correctness,
     )

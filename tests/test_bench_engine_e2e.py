@@ -199,3 +199,9 @@ def test_unknown_implementation_is_skipped_with_its_reason():
     assert rows["paged|no_such_impl"]["status"] == "skipped"
     assert "no_such_impl" in rows["paged|no_such_impl"]["reason"]
     assert res["correctness"] == {}
+
+
+def test_graph_suffix_names_the_registered_implementation():
+    from bench.engine_e2e import base_impl
+    assert base_impl("paged|sdpa+graph") == ("paged|sdpa", True)
+    assert base_impl("paged|pat") == ("paged|pat", False)
