@@ -129,7 +129,7 @@ def tiny_llama(num_heads, num_kv_heads, layers=2, head_dim=16, seed=0):
 
 
 def generate(model, impl, prompts, new_tokens, *, block_size=16, max_batch_tokens=64,
-             num_return_sequences=None):
+             num_return_sequences=None, graphs=False):
     from transformers import ContinuousBatchingConfig, GenerationConfig
     model.set_attn_implementation(impl)
     # several samples need do_sample; top_k=1 keeps them greedy (deterministic, comparable)
@@ -138,7 +138,8 @@ def generate(model, impl, prompts, new_tokens, *, block_size=16, max_batch_token
     gc = GenerationConfig(max_new_tokens=new_tokens, eos_token_id=-1,
                           pad_token_id=0, num_return_sequences=num_return_sequences, **sample)
     cb = ContinuousBatchingConfig(block_size=block_size, num_blocks=128, allow_block_sharing=True,
-                                  max_batch_tokens=max_batch_tokens, use_cuda_graph=False)
+                                  max_batch_tokens=max_batch_tokens, use_cuda_graph=graphs,
+                                  use_async_batching=False)
     out = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb,
                                progress_bar=False)
     return {k: list(v.generated_tokens) for k, v in out.items()}
@@ -364,6 +365,56 @@ def test_gpu_layer_output_and_tokens(dtype):
         prompts = shared_prompts(5, suffixes=(3, 5, 9, 2))
         assert generate(model, impl.name, prompts, 32) == generate(model, "paged|sdpa",
                                                                    prompts, 32)
+
+
+@needs_hf
+@pytest.mark.gpu
+def test_gpu_engine_cuda_graphs():
+    """With the engine's CUDA graphs on, pat's decode steps run from the engine's graphs (the
+    hook plans each step before the replay; layer calls happen only while a graph is
+    captured), the prefill steps eagerly, and the float16 greedy tokens equal the engine's
+    paged|sdpa without graphs and pat's without graphs."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    from pat_core.integrations.transformers import register_pat
+    model = tiny_llama(8, 2, layers=2, head_dim=64).to("cuda", torch.float16)
+    prompts = shared_prompts(6, suffixes=(3, 5, 9, 2, 6))
+    impl = register_pat("paged|pat_gpu_graphs", strict=True)
+    want = generate(model, "paged|sdpa", prompts, 32)
+    assert generate(model, impl.name, prompts, 32) == want
+    impl.reset_stats()
+    assert generate(model, impl.name, prompts, 32, graphs=True) == want
+    s = impl.stats
+    assert s["graph_steps"] >= 28 and s["graph_steps"] == s["pat_steps"]
+    # a replay calls no layer: only a graph's capture does (2 layers, called twice: the
+    # engine's warm-up run and the capture), once per padded size, so far fewer layer calls
+    # than the 2 per step of eager steps
+    assert 0 < s["pat_layer_calls"] <= s["graph_steps"], s
+    assert s["steps"] > s["pat_steps"]          # the prefill steps, run eagerly
+    assert s["fallback_layer_calls"] >= 2 * (s["steps"] - s["pat_steps"])
+
+
+@needs_hf
+def test_engine_hook_refuses_async_batching_and_runs_fallback_steps_eagerly():
+    """The engine hook: async batching with CUDA graphs is refused by name; a step the seam
+    runs eagerly makes the engine's forward-function choice say "no graph"."""
+    import types
+    from transformers.generation.continuous_batching.input_outputs import \
+        ContinuousBatchingAsyncIOs
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
+    from pat_core.integrations.transformers import register_pat
+    pat = register_pat("paged|pat_hook")
+    runner = types.SimpleNamespace(
+        inputs_and_outputs=object.__new__(ContinuousBatchingAsyncIOs))
+    with pytest.raises(RuntimeError, match="use_async_batching=False"):
+        pat.engine_step(runner, None, {}, lambda *a: None)
+    r = object.__new__(ModelRunner)
+    r._compiled_varlen, r._compiled_decode = None, None
+    r.use_cuda_graph_varlen, r.use_cuda_graph_decode = True, True
+    assert r._get_forward_fn(use_block_table=False)[1] is True
+    r._pat_eager = True
+    assert r._get_forward_fn(use_block_table=False)[1] is False
 
 
 @needs_hf

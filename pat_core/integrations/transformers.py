@@ -25,11 +25,19 @@ and pass it their per-step metadata.  Per engine step (one forward pass over all
    layout, no copy; a block is a page) and runs the plan on the backend the tensors are on
    (``"cpu"``: the CPU executor, ``"cuda"``: the kernels).
 
+With the engine's CUDA graphs on (``ContinuousBatchingConfig(use_cuda_graph=True,
+use_async_batching=False)``), a hook on the engine's ``ModelRunner.compute_batch`` (installed by
+:func:`register_pat`) decides and plans each step before the engine captures or replays its
+graph: pat's steps plan into a graph-safe wrapper whose launches the graph holds (one token per
+request, every padded query row passed, rows past the requests left zero); the steps pat does
+not take run eagerly.
+
 transformers and torch are imported inside the functions that need them: importing this module
 needs neither, and ``pat_core`` never imports it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -201,7 +209,9 @@ class PatPagedAttention:
     attention adds to it), ``layer_cpu_s`` (the calling thread's CPU time in those calls:
     ``layer_host_s`` less the time the thread slept, waiting for the GIL or in a blocking call
     that yields the CPU; a device wait that spins, CUDA's default with few contexts, counts
-    as CPU time); ``last_plan_stats`` is
+    as CPU time); ``graph_steps`` counts the pat steps run under the engine's CUDA graphs
+    (captured or replayed: their layer calls are counted only when captured, and add nothing
+    to the layer timers); ``last_plan_stats`` is
     :meth:`pat_core.Plan.stats` of the last plan, ``last_seq_lens`` its int64 ``[batch]``
     sequence lengths; ``fallback_reasons`` counts fallback steps by reason.
     """
@@ -226,6 +236,13 @@ class PatPagedAttention:
         self._q_bufs: dict = {}        # (device, dtype, heads, head_dim) -> query row buffer
         self._step: _Step | None = None
         self._lock = threading.Lock()
+        # CUDA-graph steps (the engine hook): the layer shape seen first, the graph-safe
+        # wrapper per device, the query buffer per padded row count (a captured graph reads
+        # it), and the step being captured or replayed
+        self._shape: tuple | None = None
+        self._graph_wrappers: dict = {}
+        self._graph_q: dict = {}
+        self._graph_step: _Step | None = None
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -234,7 +251,7 @@ class PatPagedAttention:
                       "pat_layer_calls": 0, "fallback_layer_calls": 0,
                       "plan_kv_tokens": 0, "request_kv_tokens": 0, "max_requests": 0,
                       "step_host_s": 0.0, "step_copy_s": 0.0, "layer_host_s": 0.0,
-                      "layer_cpu_s": 0.0}
+                      "layer_cpu_s": 0.0, "graph_steps": 0}
         self.fallback_reasons: dict = {}
         self._last_plan = None
         self.last_seq_lens: np.ndarray | None = None
@@ -252,8 +269,10 @@ class PatPagedAttention:
         self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
         return _Step(key, False, reason)
 
-    def _new_step(self, key: tuple, query, key_states, scaling, kwargs) -> _Step:
-        """Decide the step and, when pat takes it, plan it (once for all its layers)."""
+    def _new_step(self, key: tuple, kwargs, plan) -> _Step:
+        """Decide the step and, when pat takes it, plan it (once for all its layers) with
+        ``plan(indptr, indices, last, qo_indptr, cache)`` (:meth:`plan_step`'s arrays; its
+        ``ValueError`` / ``TypeError`` make the step fall back)."""
         cache = kwargs["cache"]
         read_index, cu_q, cu_k = kwargs["read_index"], kwargs["cu_seq_lens_q"], \
             kwargs["cu_seq_lens_k"]
@@ -291,8 +310,7 @@ class PatPagedAttention:
             qo = np.zeros(nreq + 1, dtype=np.int32)
             np.cumsum(qlen, out=qo[1:])
         try:
-            runner = self.plan_step(indptr, indices, last, qo, query, key_states, scaling,
-                                     cache)
+            runner = plan(indptr, indices, last, qo, cache)
         except (ValueError, TypeError) as e:       # a limit the kernel refuses by name
             if self.strict:
                 raise
@@ -347,10 +365,17 @@ class PatPagedAttention:
                                       scaling, kwargs, None)
         # (query.is_cuda, not torch.cuda.is_available(): that one reads the environment
         # and NVML on every call, and this runs per layer)
+        if self._graph_step is not None:
+            # a step of the engine's CUDA graphs that pat takes, planned by the engine hook
+            return self._graph_layer(module, query, key, value, dropout, kwargs)
         if query.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{self.name}: pat plans on the host at every step, so the "
-                               "engine's CUDA graphs cannot capture it; turn them off with "
-                               "ContinuousBatchingConfig(use_cuda_graph=False)")
+            raise RuntimeError(f"{self.name}: a CUDA graph is being captured around a layer "
+                               "call the engine hook did not plan (register_pat installs the "
+                               "hook for transformers' continuous batching; other capture "
+                               "is not supported)")
+        if self._shape is None:     # what the engine hook plans CUDA-graph steps with
+            self._shape = (int(query.shape[1]), int(key.shape[1]), int(query.shape[3]),
+                           scaling, query.dtype, query.device)
         t_call, c_call = time.perf_counter(), time.thread_time()
         step_key = (kwargs["read_index"], kwargs["write_index"], kwargs["cu_seq_lens_q"],
                     kwargs["cu_seq_lens_k"])
@@ -359,7 +384,9 @@ class PatPagedAttention:
             if step is None or any(a is not b for a, b in zip(step_key, step.key)):
                 self.stats["steps"] += 1
                 t0 = time.perf_counter()
-                step = self._new_step(step_key, query, key, scaling, kwargs)
+                step = self._new_step(
+                    step_key, kwargs, lambda i, x, last, qo, c: self.plan_step(
+                        i, x, last, qo, query, key, scaling, c))
                 self.stats["step_host_s"] += time.perf_counter() - t0
                 self._step = step
         cache = kwargs["cache"]
@@ -448,6 +475,137 @@ class PatPagedAttention:
         return mask
 
 
+    # ------------------------------------------------------------------ CUDA graphs
+    def engine_step(self, runner, model, batch_data, compute):
+        """One engine step with the engine's CUDA graphs on (called by the hook that
+        :func:`register_pat` installs on the engine's ``ModelRunner.compute_batch``; ``compute``
+        is the engine's own).  The step is decided and, when pat takes it, planned here on the
+        host, before the engine captures or replays its graph, into a graph-safe wrapper's
+        device state (``use_cuda_graph=True``, limits from the engine's static sizes), with
+        the copy on the engine's compute stream; the graph holds pat's launches, which read
+        each step's plan from that state.  A step pat does not take (prefill, several tokens
+        per request, a limit) runs eagerly, never from a graph holding pat's kernels."""
+        import torch
+        from transformers.generation.continuous_batching.input_outputs import \
+            ContinuousBatchingAsyncIOs
+        io = runner.inputs_and_outputs
+        if isinstance(io, ContinuousBatchingAsyncIOs):
+            raise RuntimeError(f"{self.name}: CUDA graphs with async batching are not "
+                               "supported; use ContinuousBatchingConfig(use_async_batching="
+                               "False)")
+        key = (batch_data["read_index"], batch_data["write_index"],
+               batch_data["cu_seq_lens_q"], batch_data["cu_seq_lens_k"])
+        if io.use_block_table:       # the flash decode path: not a paged|pat step
+            return compute(runner, model, batch_data)
+        with self._lock:
+            self.stats["steps"] += 1
+            t0 = time.perf_counter()
+            step = self._new_step(key, batch_data,
+                                  lambda i, x, last, qo, c: self._plan_graph(i, x, last, qo, c,
+                                                                             io, torch))
+            self.stats["step_host_s"] += time.perf_counter() - t0
+        if step.use_pat:
+            self.stats["graph_steps"] += 1
+            self._graph_step = step
+            try:
+                return compute(runner, model, batch_data)
+            finally:
+                self._graph_step = None
+        self._step = step            # its layers find the decision by the metadata's identity
+        runner._pat_eager = True     # read by the hook on ModelRunner._get_forward_fn
+        try:
+            return compute(runner, model, batch_data)
+        finally:
+            runner._pat_eager = False
+
+    def _plan_graph(self, indptr, indices, last, qo_indptr, cache, io, torch):
+        """Plan a CUDA-graph step into the graph-safe wrapper of the layers' device (made at
+        the first such step, for the engine's largest step: ``max_batch_tokens`` query rows and
+        the page entries its read-index storage can hold)."""
+        if qo_indptr is not None:
+            raise ValueError("a multi-token step (pat's CUDA-graph steps take one token per "
+                             "request)")
+        if self._shape is None:
+            raise ValueError("no layer call seen yet (the step's shapes are not known)")
+        hq, hk, d, scaling, q_dtype, device = self._shape
+        w = self._graph_wrappers.get(device)
+        ps = int(cache.block_size)
+        if w is None:
+            rows = int(cache.max_batch_tokens)
+            pages = int(io.read_index_storage.shape[-1]) // ps + rows
+            w = PrefixAttentionWrapper(backend="cuda", packer=self.packer, use_cuda_graph=True,
+                                       max_batch_size=rows, max_num_pages=pages)
+            self._graph_wrappers[device] = w
+        stream = io.compute_stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            plan = w.plan_csr(indptr, indices, last, hq, hk, d, ps, sm_scale=scaling,
+                              kv_data_type=cache.key_cache[0].dtype, q_data_type=q_dtype)
+        self._last_plan = plan
+        self.stats["plan_kv_tokens"] += int(plan.cta_kv_len.sum(dtype=np.int64))
+        return w
+
+    def _graph_layer(self, module, query, key, value, dropout, kwargs):
+        """One layer of a CUDA-graph step (captured once per engine graph, then replayed):
+        the cache writes, every padded query row into a buffer kept for that row count, and
+        the graph-safe run, whose output rows past the step's requests stay zero."""
+        if (module.training and dropout > 0) or hasattr(module, "sinks") or \
+                kwargs.get("sliding_window") is not None or kwargs.get("softcap"):
+            raise RuntimeError(f"{self.name}: layer {module.layer_idx} needs an attention pat "
+                               "does not run (dropout, sinks, sliding window or softcap), "
+                               "which a CUDA-graph step cannot fall back from; turn the "
+                               "engine's CUDA graphs off")
+        self.stats["pat_layer_calls"] += 1
+        cache = kwargs["cache"]
+        group, j = cache.layer_index_to_group_indices[module.layer_idx]
+        k_cache, v_cache = cache.key_cache[j], cache.value_cache[j]
+        write = kwargs["write_index"][group]
+        k_cache.index_copy_(0, write, key[0].transpose(0, 1))
+        v_cache.index_copy_(0, write, value[0].transpose(0, 1))
+        bs = int(cache.block_size)
+        shape = (k_cache.shape[0] // bs, bs, k_cache.shape[1], k_cache.shape[2])
+        kv = (k_cache.view(shape), v_cache.view(shape))
+        t, hq, d = int(query.shape[2]), int(query.shape[1]), int(query.shape[3])
+        k = (query.device, query.dtype, hq, d, t)
+        q = self._graph_q.get(k)
+        if q is None:
+            q = self._graph_q[k] = query.new_empty((t, hq, d))
+        q.copy_(query[0].transpose(0, 1))
+        out = query.new_zeros((1, t, hq, d))
+        self._graph_step.runner.run(q, kv, out=out[0])
+        return out, None
+
+
+#: the seams registered by name, for the engine hook (register_pat)
+_SEAMS: dict = {}
+_HOOKED: list = []
+
+
+def _install_engine_hook() -> None:
+    """Wrap transformers' ``ModelRunner.compute_batch`` (once per process) so that a step of a
+    model whose attention implementation is a registered seam runs through
+    :meth:`PatPagedAttention.engine_step` when the engine's CUDA graphs are on, and
+    ``ModelRunner._get_forward_fn`` so that a step the seam runs eagerly does not use a graph.
+    Other models and implementations pass through unchanged."""
+    if _HOOKED:
+        return
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
+    compute, forward_fn = ModelRunner.compute_batch, ModelRunner._get_forward_fn
+
+    def compute_batch(runner, model, batch_data):
+        seam = _SEAMS.get(getattr(model.config, "_attn_implementation", None))
+        if seam is None or not runner.use_cuda_graph_varlen:
+            return compute(runner, model, batch_data)
+        return seam.engine_step(runner, model, batch_data, compute)
+
+    def get_forward_fn(runner, use_block_table):
+        fn, use_graph = forward_fn(runner, use_block_table)
+        return fn, use_graph and not getattr(runner, "_pat_eager", False)
+
+    ModelRunner.compute_batch = compute_batch
+    ModelRunner._get_forward_fn = get_forward_fn
+    _HOOKED.append((compute, forward_fn))
+
+
 def register_pat(name: str = "paged|pat", fallback: str = "paged|sdpa", *,
                  packer: str = "pat", gpu: str | None = None, strict: bool = False,
                  check_version: bool = True) -> PatPagedAttention:
@@ -455,7 +613,9 @@ def register_pat(name: str = "paged|pat", fallback: str = "paged|sdpa", *,
 
     ``model.set_attn_implementation(register_pat().name)`` then makes ``generate_batch`` and
     ``ContinuousBatchingManager`` run pat on their decode steps and ``fallback`` on the rest
-    (see :class:`PatPagedAttention` for the arguments).  ``check_version``: refuse transformers
+    (see :class:`PatPagedAttention` for the arguments), with the engine's CUDA graphs on or off
+    (on: ``use_async_batching=False``; the first call installs the engine hook, see
+    :meth:`PatPagedAttention.engine_step`).  ``check_version``: refuse transformers
     releases outside :data:`SUPPORTED_TRANSFORMERS` (``RuntimeError``).  Registering a name
     again replaces the earlier function.
     """
@@ -469,4 +629,6 @@ def register_pat(name: str = "paged|pat", fallback: str = "paged|sdpa", *,
                          f"(registered: {sorted(registered)})")
     fn = PatPagedAttention(name, fallback, packer=packer, gpu=gpu, strict=strict)
     AttentionInterface.register(name, fn)
+    _install_engine_hook()
+    _SEAMS[name] = fn
     return fn
