@@ -6,7 +6,8 @@ Builds a Llama model from its config with random weights (no downloads; ``--mode
 Llama-3.1-8B's shapes, ``gqa-small``: a 1B-class GQA model, ``tiny``: a CPU smoke model) and
 runs ``generate_batch`` (greedy, ``--new-tokens``, block sharing on, CUDA graphs off: pat plans
 on the host per step; an ``--impls`` entry ending in ``+graph``, e.g. ``paged|sdpa+graph``,
-runs that implementation with the engine's CUDA graphs on) per attention implementation of
+runs that implementation with the engine's CUDA graphs on, async batching off as pat's
+graph steps need) per attention implementation of
 ``--impls``: once to warm up
 (``--warmup-tokens``), ``--repeats`` times timed, and (``--profile-tokens`` > 0) once more
 with the attention function and the model's forward timed per call.  Workloads (random token ids):
@@ -481,6 +482,7 @@ def generate(model, impl: str, prompts: list, new_tokens: int, args, *, timestam
     cb = ContinuousBatchingConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                                   max_batch_tokens=args.max_batch_tokens,
                                   allow_block_sharing=True, use_cuda_graph=graphs,
+                                  use_async_batching=False,
                                   return_logprobs=not args.no_logprobs)
     out = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb,
                                record_timestamps=timestamps, progress_bar=False)
@@ -771,13 +773,16 @@ def main(argv=None):
     # warm-up per implementation (an implementation that cannot load or run is recorded)
     for impl in impls:
         try:
-            if impl not in seam_fns and impl in (PAT_IMPL, FI_IMPL):
-                if impl == PAT_IMPL:
-                    from pat_core.integrations.transformers import register_pat
-                    seam_fns[impl] = register_pat(PAT_IMPL)
-                else:
-                    seam_fns[impl] = register_flashinfer_decode(FI_IMPL)
-            elif base_impl(impl)[0] not in AttentionInterface().valid_keys():
+            name = base_impl(impl)[0]
+            if name in (PAT_IMPL, FI_IMPL):
+                if name not in seam_fns:
+                    if name == PAT_IMPL:
+                        from pat_core.integrations.transformers import register_pat
+                        seam_fns[name] = register_pat(PAT_IMPL)
+                    else:
+                        seam_fns[name] = register_flashinfer_decode(FI_IMPL)
+                seam_fns[impl] = seam_fns[name]
+            elif name not in AttentionInterface().valid_keys():
                 raise ValueError(f"{impl!r} is not a registered attention implementation")
             if args.warmup_tokens > 0:
                 generate(model, impl, prompts, args.warmup_tokens, args)
