@@ -386,11 +386,14 @@ def test_gpu_engine_cuda_graphs():
     impl.reset_stats()
     assert generate(model, impl.name, prompts, 32, graphs=True) == want
     s = impl.stats
-    assert s["graph_steps"] >= 28 and s["graph_steps"] == s["pat_steps"]
+    # one-token steps from graphs; the few steps where a late request brings several tokens
+    # on top of the shared prompt's cache run pat eagerly
+    assert s["graph_steps"] >= 24 and s["graph_steps"] + s["multi_token_steps"] == \
+        s["pat_steps"], s
     # a replay calls no layer: only a graph's capture does (2 layers, called twice: the
     # engine's warm-up run and the capture), once per padded size, so far fewer layer calls
     # than the 2 per step of eager steps
-    assert 0 < s["pat_layer_calls"] <= s["graph_steps"], s
+    assert 0 < s["pat_layer_calls"] - 2 * s["multi_token_steps"] <= s["graph_steps"], s
     assert s["steps"] > s["pat_steps"]          # the prefill steps, run eagerly
     assert s["fallback_layer_calls"] >= 2 * (s["steps"] - s["pat_steps"])
 

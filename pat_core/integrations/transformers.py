@@ -28,9 +28,9 @@ and pass it their per-step metadata.  Per engine step (one forward pass over all
 With the engine's CUDA graphs on (``ContinuousBatchingConfig(use_cuda_graph=True,
 use_async_batching=False)``), a hook on the engine's ``ModelRunner.compute_batch`` (installed by
 :func:`register_pat`) decides and plans each step before the engine captures or replays its
-graph: pat's steps plan into a graph-safe wrapper whose launches the graph holds (one token per
-request, every padded query row passed, rows past the requests left zero); the steps pat does
-not take run eagerly.
+graph: pat's one-token steps plan into a graph-safe wrapper whose launches the graph holds
+(every padded query row passed, rows past the requests left zero); multi-token steps run pat
+and the steps pat does not take run the fallback, both eagerly.
 
 transformers and torch are imported inside the functions that need them: importing this module
 needs neither, and ``pat_core`` never imports it.
@@ -483,8 +483,9 @@ class PatPagedAttention:
         host, before the engine captures or replays its graph, into a graph-safe wrapper's
         device state (``use_cuda_graph=True``, limits from the engine's static sizes), with
         the copy on the engine's compute stream; the graph holds pat's launches, which read
-        each step's plan from that state.  A step pat does not take (prefill, several tokens
-        per request, a limit) runs eagerly, never from a graph holding pat's kernels."""
+        each step's plan from that state.  A step with several query tokens per request runs
+        pat eagerly, and a step pat does not take (prefill, a limit) the fallback: never from a
+        graph holding pat's graph-safe kernels."""
         import torch
         from transformers.generation.continuous_batching.input_outputs import \
             ContinuousBatchingAsyncIOs
@@ -504,32 +505,41 @@ class PatPagedAttention:
                                   lambda i, x, last, qo, c: self._plan_graph(i, x, last, qo, c,
                                                                              io, torch))
             self.stats["step_host_s"] += time.perf_counter() - t0
-        if step.use_pat:
+        if step.use_pat and step.runner.use_cuda_graph:
             self.stats["graph_steps"] += 1
             self._graph_step = step
             try:
                 return compute(runner, model, batch_data)
             finally:
                 self._graph_step = None
-        self._step = step            # its layers find the decision by the metadata's identity
-        runner._pat_eager = True     # read by the hook on ModelRunner._get_forward_fn
+        # eager (a fallback step, or pat's multi-token plan): its layers find the decision by
+        # the metadata's identity; the flag is read by the hook on _get_forward_fn
+        self._step = step
+        runner._pat_eager = True
         try:
             return compute(runner, model, batch_data)
         finally:
             runner._pat_eager = False
 
     def _plan_graph(self, indptr, indices, last, qo_indptr, cache, io, torch):
-        """Plan a CUDA-graph step into the graph-safe wrapper of the layers' device (made at
+        """Plan a one-token step into the graph-safe wrapper of the layers' device (made at
         the first such step, for the engine's largest step: ``max_batch_tokens`` query rows and
-        the page entries its read-index storage can hold)."""
-        if qo_indptr is not None:
-            raise ValueError("a multi-token step (pat's CUDA-graph steps take one token per "
-                             "request)")
+        the page entries its read-index storage can hold); a multi-token step into pat's
+        plain wrapper (run eagerly)."""
         if self._shape is None:
             raise ValueError("no layer call seen yet (the step's shapes are not known)")
         hq, hk, d, scaling, q_dtype, device = self._shape
-        w = self._graph_wrappers.get(device)
         ps = int(cache.block_size)
+        kw = dict(sm_scale=scaling, kv_data_type=cache.key_cache[0].dtype, q_data_type=q_dtype)
+        if qo_indptr is not None:
+            # several tokens per request: pat's plain wrapper, run eagerly (a graph-safe
+            # state sized for them would run every graph step on the multi-token kernels)
+            w = self._wrapper("cuda")
+            self._last_plan = plan = w.plan_csr(indptr, indices, last, hq, hk, d, ps,
+                                                qo_indptr=qo_indptr, **kw)
+            self.stats["plan_kv_tokens"] += int(plan.cta_kv_len.sum(dtype=np.int64))
+            return w
+        w = self._graph_wrappers.get(device)
         if w is None:
             rows = int(cache.max_batch_tokens)
             pages = int(io.read_index_storage.shape[-1]) // ps + rows
@@ -538,8 +548,7 @@ class PatPagedAttention:
             self._graph_wrappers[device] = w
         stream = io.compute_stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            plan = w.plan_csr(indptr, indices, last, hq, hk, d, ps, sm_scale=scaling,
-                              kv_data_type=cache.key_cache[0].dtype, q_data_type=q_dtype)
+            plan = w.plan_csr(indptr, indices, last, hq, hk, d, ps, **kw)
         self._last_plan = plan
         self.stats["plan_kv_tokens"] += int(plan.cta_kv_len.sum(dtype=np.int64))
         return w
