@@ -16,7 +16,9 @@ start-up (``Planner.warmup`` / ``PrefixAttentionWrapper.warmup``: every planning
 code loaded, and with ``--backend cuda`` the configuration's kernels), timed apart
 (``warmup_s``; ``--no-planner-warmup`` skips it); the first ``--warmup`` steps are then planned but
 not counted.  ``--check`` compares the two plans' arrays at every step (not timed) and
-counts the steps where they differ.  ``--tree`` also times fresh plans of a tree batch
+counts the steps where they differ.  ``--gap-ms`` puts that many ms of other Python work
+before each step's plan (an engine's step between two plans; the caches are then as cold as
+the engine leaves them).  ``--tree`` also times fresh plans of a tree batch
 (``pat_core.workloads.build_tree_batch``), median of ``--tree-reps``.
 
 ``--backend cuda`` (a GPU machine) times ``PrefixAttentionWrapper(backend="cuda").plan()``
@@ -66,6 +68,17 @@ def plans_equal(a, b) -> bool:
             (b.batch_size, b.packer, b.serial, b.num_qo_heads, b.num_kv_heads):
         return False
     return all(np.array_equal(getattr(a, f), getattr(b, f)) for f in a.ARRAY_FIELDS)
+
+
+def other_work(ms: float) -> None:
+    """``ms`` milliseconds of Python work (a loop over a list), standing in for what an engine
+    does between two plans: it pushes the planner's code and data out of the CPU's caches."""
+    if ms <= 0:
+        return
+    end = time.perf_counter() + ms / 1e3
+    junk = list(range(4096))
+    while time.perf_counter() < end:
+        sum(junk)
 
 
 def cpu_speed(reps: int = 5) -> dict:
@@ -127,6 +140,7 @@ def run_loop(args, requests: int, hq: int, hk: int) -> dict:
     differ = 0
     for step in range(args.warmup + args.steps):
         table, lens = loop.step()
+        other_work(args.gap_ms)
         t0 = time.perf_counter()
         p_inc = inc.plan(table, lens, hq, hk, args.head_dim, args.page_size)
         t1 = time.perf_counter()
@@ -148,6 +162,7 @@ def run_loop(args, requests: int, hq: int, hk: int) -> dict:
             if args.check and not plans_equal(p_inc, p_fresh):
                 differ += 1
     row = dict(requests=requests, shared_prompts=args.prompts, prompt_len=args.prompt_len,
+               gap_ms=args.gap_ms,
                private=[lo, hi], page_size=args.page_size, order=args.order, warmup_s=warmup_s,
                steps=args.steps, seed=args.seed,
                page_entries_mean=float(np.mean(entries)), ctas_mean=float(np.mean(ctas)),
@@ -271,6 +286,9 @@ def main(argv=None):
     ap.add_argument("--no-planner-warmup", action="store_true",
                     help="skip the planner's warmup() before the loop (first-use loads then "
                          "fall in the steps)")
+    ap.add_argument("--gap-ms", type=float, default=0.0,
+                    help="CPU loop: ms of other Python work before each step's plan (an "
+                         "engine's step between two plans; 0: plans back to back)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--order", default="keep", choices=SERVING_ORDERS,
                     help="how the engine keeps its rows when requests leave")

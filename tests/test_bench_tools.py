@@ -230,11 +230,11 @@ def test_plan_loop_smoke(tmp_path):
     path = tmp_path / "loop.json"
     res = main(["--requests", "16", "--steps", "12", "--warmup", "2", "--prompt-len", "256",
                 "--private", "8,64", "--check", "--tree", "1,4_64,32", "--tree-reps", "3",
-                "--out", str(path)])
+                "--gap-ms", "1", "--out", str(path)])
     assert json.loads(path.read_text()) == json.loads(json.dumps(res))
     assert res["benchmark"] == "plan_loop" and res["git_sha"]
     (row,) = res["rows"]
-    assert row["steps_differing_from_fresh"] == 0
+    assert row["steps_differing_from_fresh"] == 0 and row["gap_ms"] == 1
     for part in ("incremental", "fresh"):
         s = row[part]
         assert 0 < s["median_ms"] <= s["p99_ms"] <= s["max_ms"]
