@@ -68,6 +68,7 @@ recorded with the reason and skipped.  Writes JSON (``--out``) and prints a tabl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import sys
@@ -113,17 +114,19 @@ def register_flashinfer_decode(name: str = FI_IMPL):
     same fallback to ``paged|sdpa`` for prefill and multi-token steps); only
     ``plan_step`` differs: it plans a ``flashinfer.BatchDecodeWithPagedKVCacheWrapper``
     (tensor cores when a KV head serves >= 4 query heads, as in ``bench/compare.py``), so the
-    engine's time with it against ``paged|pat`` compares the two kernels and their planning."""
+    engine's time with it against ``paged|pat`` compares the two kernels and their planning.
+    Under the engine's CUDA graphs (``paged|fi-decode+graph``) ``plan_graph_step`` plans
+    FlashInfer's CUDA-graph wrapper, one per padded row count (it fixes its batch size)."""
     import flashinfer
     import torch
-    from transformers import AttentionInterface
     from pat_core.integrations.transformers import PatPagedAttention
 
     class _Runner:
         returns_output = True      # FlashInfer's run allocates its output, as pat's does
 
-        def __init__(self, w):
+        def __init__(self, w, graph=False):
             self.w = w
+            self.use_cuda_graph = graph
 
         def run(self, q, kv, out=None):
             return self.w.run(q, kv, out=out)
@@ -150,9 +153,44 @@ def register_flashinfer_decode(name: str = FI_IMPL):
                    q_data_type=query.dtype, kv_data_type=cache.key_cache[0].dtype)
             return _Runner(w)
 
+        def plan_graph_step(self, indptr, indices, last, qo_indptr, cache, io, rows):
+            # FlashInfer's CUDA-graph decode wrapper fixes its batch size: one wrapper per
+            # padded row count (one per engine graph), the batch padded to ``rows`` requests
+            # that read one page each (page 0: finite values in rows the engine drops)
+            if qo_indptr is not None:
+                raise ValueError("a multi-token step (the decode kernel takes one token per "
+                                 "request)")
+            if self._shape is None:
+                raise ValueError("no layer call seen yet")
+            hq, hk, d, scaling, q_dtype, device = self._shape
+            ps, n = int(cache.block_size), int(indptr.shape[0]) - 1
+            pad = rows - n
+            if pad < 0:
+                raise ValueError(f"{n} requests in {rows} rows")
+            indptr = np.concatenate([indptr, indptr[-1] + np.arange(1, pad + 1)]).astype(np.int32)
+            indices = np.concatenate([indices, np.zeros(pad, np.int32)]).astype(np.int32)
+            last = np.concatenate([last, np.ones(pad, np.int32)]).astype(np.int32)
+            w = self._graph_fi.get(rows)
+            if w is None:
+                pages = int(io.read_index_storage.shape[-1]) // ps + int(cache.max_batch_tokens)
+                i32 = dict(dtype=torch.int32, device=device)
+                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    torch.zeros(64 << 20, dtype=torch.uint8, device=device), "NHD",
+                    use_cuda_graph=True, use_tensor_cores=hq // hk >= 4,
+                    paged_kv_indptr_buffer=torch.zeros(rows + 1, **i32),
+                    paged_kv_indices_buffer=torch.zeros(pages, **i32),
+                    paged_kv_last_page_len_buffer=torch.zeros(rows, **i32))
+                self._graph_fi[rows] = w
+            stream = io.compute_stream
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                w.plan(torch.from_numpy(indptr), torch.from_numpy(indices),
+                       torch.from_numpy(last), hq, hk, d, ps, sm_scale=scaling,
+                       q_data_type=q_dtype, kv_data_type=cache.key_cache[0].dtype)
+            return _Runner(w, graph=True)
+
     fn = FlashInferDecode(name)
-    AttentionInterface.register(name, fn)
-    return fn
+    fn._graph_fi = {}          # padded rows -> FlashInfer's CUDA-graph wrapper
+    return fn.register()
 
 
 # ---------------------------------------------------------------- workloads

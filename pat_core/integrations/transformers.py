@@ -475,6 +475,15 @@ class PatPagedAttention:
         return mask
 
 
+    def register(self) -> "PatPagedAttention":
+        """Register this function under its name with transformers' ``AttentionInterface``
+        and the engine hook (:meth:`engine_step`); returns it."""
+        from transformers import AttentionInterface
+        AttentionInterface.register(self.name, self)
+        _install_engine_hook()
+        _SEAMS[self.name] = self
+        return self
+
     # ------------------------------------------------------------------ CUDA graphs
     def engine_step(self, runner, model, batch_data, compute):
         """One engine step with the engine's CUDA graphs on (called by the hook that
@@ -486,7 +495,6 @@ class PatPagedAttention:
         each step's plan from that state.  A step with several query tokens per request runs
         pat eagerly, and a step pat does not take (prefill, a limit) the fallback: never from a
         graph holding pat's graph-safe kernels."""
-        import torch
         from transformers.generation.continuous_batching.input_outputs import \
             ContinuousBatchingAsyncIOs
         io = runner.inputs_and_outputs
@@ -501,11 +509,12 @@ class PatPagedAttention:
         with self._lock:
             self.stats["steps"] += 1
             t0 = time.perf_counter()
+            rows = int(batch_data["input_ids"].shape[-1])       # the step's padded tokens
             step = self._new_step(key, batch_data,
-                                  lambda i, x, last, qo, c: self._plan_graph(i, x, last, qo, c,
-                                                                             io, torch))
+                                  lambda i, x, last, qo, c: self.plan_graph_step(
+                                      i, x, last, qo, c, io, rows))
             self.stats["step_host_s"] += time.perf_counter() - t0
-        if step.use_pat and step.runner.use_cuda_graph:
+        if step.use_pat and getattr(step.runner, "use_cuda_graph", False):
             self.stats["graph_steps"] += 1
             self._graph_step = step
             try:
@@ -521,11 +530,19 @@ class PatPagedAttention:
         finally:
             runner._pat_eager = False
 
-    def _plan_graph(self, indptr, indices, last, qo_indptr, cache, io, torch):
-        """Plan a one-token step into the graph-safe wrapper of the layers' device (made at
-        the first such step, for the engine's largest step: ``max_batch_tokens`` query rows and
-        the page entries its read-index storage can hold); a multi-token step into pat's
-        plain wrapper (run eagerly)."""
+    def plan_graph_step(self, indptr, indices, last, qo_indptr, cache, io, rows: int):
+        """Plan a step of the engine's CUDA graphs (:meth:`engine_step`) and return its runner:
+        the arrays as :meth:`plan_step`'s, ``io`` the engine's inputs (static sizes, compute
+        stream), ``rows`` the step's padded query rows (the graph's ``q`` and output rows).  A
+        runner whose ``use_cuda_graph`` is true runs the step from the graph, ``run(q, kv,
+        out=)`` with all ``rows`` rows, and must read everything that changes from step to step
+        from device memory written here, on the compute stream; any other runner runs the step
+        eagerly as :meth:`plan_step`'s.  ``ValueError`` / ``TypeError`` make the step fall back.
+        pat's: a one-token step into the graph-safe wrapper of the layers' device (made at the
+        first such step, for the engine's largest step: ``max_batch_tokens`` query rows and the
+        page entries its read-index storage can hold); a multi-token step into pat's plain
+        wrapper."""
+        import torch
         if self._shape is None:
             raise ValueError("no layer call seen yet (the step's shapes are not known)")
         hq, hk, d, scaling, q_dtype, device = self._shape
@@ -636,8 +653,4 @@ def register_pat(name: str = "paged|pat", fallback: str = "paged|sdpa", *,
     if fallback not in registered:
         raise ValueError(f"fallback={fallback!r} is not a registered attention implementation "
                          f"(registered: {sorted(registered)})")
-    fn = PatPagedAttention(name, fallback, packer=packer, gpu=gpu, strict=strict)
-    AttentionInterface.register(name, fn)
-    _install_engine_hook()
-    _SEAMS[name] = fn
-    return fn
+    return PatPagedAttention(name, fallback, packer=packer, gpu=gpu, strict=strict).register()
