@@ -415,17 +415,27 @@ class StepRecorder:
 
 
 class EngineHostTimer:
-    """Times the engine's own host work per step while it is installed: transformers 5.17's
+    """Times the engine's own work per step while it is installed: transformers 5.17's
     ``ContinuousBatchProcessor.prepare_next_batch`` (scheduling, and the per-token read and
-    write indices of every request) and ``update_batch`` (the sampled tokens back into the
-    requests), wrapped on the class and restored by :meth:`remove`."""
+    write indices of every request), ``ModelRunner.compute_batch`` (the forward: eager
+    launches, or the step's graph capture or replay; with a seam's engine hook, its planning
+    too), ``ContinuousBatchingIOs.retrieve_device_outputs`` (the sampled tokens to the host:
+    the wait for the step's GPU work) and ``ContinuousBatchProcessor.update_batch`` (the
+    tokens back into the requests), each wrapped on its class and restored by
+    :meth:`remove`."""
 
-    METHODS = ("prepare_next_batch", "update_batch")
+    METHODS = ("prepare_next_batch", "compute_batch", "retrieve_device_outputs",
+               "update_batch")
 
     def __init__(self, sync_probe: bool = False):
-        from transformers.generation.continuous_batching import continuous_api
+        from transformers.generation.continuous_batching import (continuous_api,
+                                                                 input_outputs, model_runner)
         import torch
-        self._cls = continuous_api.ContinuousBatchProcessor
+        owner = {"prepare_next_batch": continuous_api.ContinuousBatchProcessor,
+                 "update_batch": continuous_api.ContinuousBatchProcessor,
+                 "compute_batch": model_runner.ModelRunner,
+                 "retrieve_device_outputs": input_outputs.ContinuousBatchingIOs}
+        self._owner = owner
         self.times = {m: [] for m in self.METHODS}
         self.usage = {m: [] for m in self.METHODS}
         # sync_probe: wait for the device before each prepare_next_batch and time the wait
@@ -433,9 +443,9 @@ class EngineHostTimer:
         # run with it measures where the step's time goes, not the throughput
         self.backlog = [] if sync_probe and torch.cuda.is_available() else None
         self._sync = torch.cuda.synchronize
-        self._orig = {m: getattr(self._cls, m) for m in self.METHODS}
+        self._orig = {m: getattr(owner[m], m) for m in self.METHODS}
         for m in self.METHODS:
-            setattr(self._cls, m, self._timed(m, self._orig[m]))
+            setattr(owner[m], m, self._timed(m, self._orig[m]))
 
     def _timed(self, name, fn):
         times, use = self.times[name], self.usage[name]
@@ -456,7 +466,7 @@ class EngineHostTimer:
 
     def remove(self):
         for m in self.METHODS:
-            setattr(self._cls, m, self._orig[m])
+            setattr(self._owner[m], m, self._orig[m])
 
     def summary(self) -> dict:
         """Median ms per call of each method (``engine_<method>_ms_median``), the medians of

@@ -153,6 +153,8 @@ def test_tiny_smoke_run(tmp_path, workload):
         assert 0 < r["profile"]["attention_share"] < 1
         assert 0 < r["engine_prepare_next_batch_ms_median"] < r["decode_step_ms_median"]
         assert 0 < r["engine_update_batch_ms_median"] < r["decode_step_ms_median"]
+        assert 0 < r["engine_compute_batch_ms_median"] < r["decode_step_ms_median"]
+        assert r["engine_retrieve_device_outputs_ms_median"] >= 0
         # the engine thread's resources: its CPU time within the step's wall time, and the
         # process's at least the thread's
         assert 0 < r["step_cpu_ms_median"] <= r["decode_step_ms_median"] * 1.05
