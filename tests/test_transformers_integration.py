@@ -129,7 +129,7 @@ def tiny_llama(num_heads, num_kv_heads, layers=2, head_dim=16, seed=0):
 
 
 def generate(model, impl, prompts, new_tokens, *, block_size=16, max_batch_tokens=64,
-             num_return_sequences=None, graphs=False):
+             num_return_sequences=None, graphs=False, **cb_options):
     from transformers import ContinuousBatchingConfig, GenerationConfig
     model.set_attn_implementation(impl)
     # several samples need do_sample; top_k=1 keeps them greedy (deterministic, comparable)
@@ -139,7 +139,7 @@ def generate(model, impl, prompts, new_tokens, *, block_size=16, max_batch_token
                           pad_token_id=0, num_return_sequences=num_return_sequences, **sample)
     cb = ContinuousBatchingConfig(block_size=block_size, num_blocks=128, allow_block_sharing=True,
                                   max_batch_tokens=max_batch_tokens, use_cuda_graph=graphs,
-                                  use_async_batching=False)
+                                  use_async_batching=False, **cb_options)
     out = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb,
                                progress_bar=False)
     return {k: list(v.generated_tokens) for k, v in out.items()}
@@ -384,7 +384,10 @@ def test_gpu_engine_cuda_graphs():
     want = generate(model, "paged|sdpa", prompts, 32)
     assert generate(model, impl.name, prompts, 32) == want
     impl.reset_stats()
-    assert generate(model, impl.name, prompts, 32, graphs=True) == want
+    # query rows padded to multiples of 4: the engine captures a graph per padded size, and
+    # the steps' batch sizes (3 to 5 requests) go up and down between them
+    assert generate(model, impl.name, prompts, 32, graphs=True, q_padding_interval_size=4) \
+        == want
     s = impl.stats
     # one-token steps from graphs; the few steps where a late request brings several tokens
     # on top of the shared prompt's cache run pat eagerly
@@ -393,7 +396,9 @@ def test_gpu_engine_cuda_graphs():
     # a replay calls no layer: only a graph's capture does (2 layers, called twice: the
     # engine's warm-up run and the capture), once per padded size, so far fewer layer calls
     # than the 2 per step of eager steps
-    assert 0 < s["pat_layer_calls"] - 2 * s["multi_token_steps"] <= s["graph_steps"], s
+    captured = s["pat_layer_calls"] - 2 * s["multi_token_steps"]
+    assert 0 < captured <= s["graph_steps"], s
+    assert captured >= 2 * 2 * 2, s              # at least two graphs (padded sizes)
     assert s["steps"] > s["pat_steps"]          # the prefill steps, run eagerly
     assert s["fallback_layer_calls"] >= 2 * (s["steps"] - s["pat_steps"])
 

@@ -29,8 +29,9 @@ With the engine's CUDA graphs on (``ContinuousBatchingConfig(use_cuda_graph=True
 use_async_batching=False)``), a hook on the engine's ``ModelRunner.compute_batch`` (installed by
 :func:`register_pat`) decides and plans each step before the engine captures or replays its
 graph: pat's one-token steps plan into a graph-safe wrapper whose launches the graph holds
-(every padded query row passed, rows past the requests left zero); multi-token steps run pat
-and the steps pat does not take run the fallback, both eagerly.
+(the padded query rows copied into one query buffer all graphs share, the output written to
+one output buffer); multi-token steps run pat and the steps pat does not take run the fallback,
+both eagerly.
 
 transformers and torch are imported inside the functions that need them: importing this module
 needs neither, and ``pat_core`` never imports it.
@@ -237,11 +238,12 @@ class PatPagedAttention:
         self._step: _Step | None = None
         self._lock = threading.Lock()
         # CUDA-graph steps (the engine hook): the layer shape seen first, the graph-safe
-        # wrapper per device, the query buffer per padded row count (a captured graph reads
-        # it), and the step being captured or replayed
+        # wrapper per device, the query and output buffers the captured graphs read and write
+        # (kept for good: a graph holds their addresses), and the step being captured or
+        # replayed
         self._shape: tuple | None = None
         self._graph_wrappers: dict = {}
-        self._graph_q: dict = {}
+        self._graph_bufs: dict = {}
         self._graph_step: _Step | None = None
         self.reset_stats()
 
@@ -533,10 +535,12 @@ class PatPagedAttention:
     def plan_graph_step(self, indptr, indices, last, qo_indptr, cache, io, rows: int):
         """Plan a step of the engine's CUDA graphs (:meth:`engine_step`) and return its runner:
         the arrays as :meth:`plan_step`'s, ``io`` the engine's inputs (static sizes, compute
-        stream), ``rows`` the step's padded query rows (the graph's ``q`` and output rows).  A
-        runner whose ``use_cuda_graph`` is true runs the step from the graph, ``run(q, kv,
-        out=)`` with all ``rows`` rows, and must read everything that changes from step to step
-        from device memory written here, on the compute stream; any other runner runs the step
+        stream), ``rows`` the step's padded query rows.  A runner whose ``use_cuda_graph`` is
+        true runs the step from the graph, as ``run(q, kv, out=)`` on query and output buffers
+        of ``rows`` rows (of ``static_limits.max_batch_size`` rows where the runner has
+        ``static_limits``, as pat's graph-safe wrapper does), the step's rows first, and must
+        read everything that changes from step to step from device memory written here, on
+        the compute stream; any other runner runs the step
         eagerly as :meth:`plan_step`'s.  ``ValueError`` / ``TypeError`` make the step fall back.
         pat's: a one-token step into the graph-safe wrapper of the layers' device (made at the
         first such step, for the engine's largest step: ``max_batch_tokens`` query rows and the
@@ -572,8 +576,9 @@ class PatPagedAttention:
 
     def _graph_layer(self, module, query, key, value, dropout, kwargs):
         """One layer of a CUDA-graph step (captured once per engine graph, then replayed):
-        the cache writes, every padded query row into a buffer kept for that row count, and
-        the graph-safe run, whose output rows past the step's requests stay zero."""
+        the cache writes, the step's padded query rows into the query buffer and the run into
+        the output buffer (:meth:`_graph_buffers`), whose first rows are returned.  Rows past
+        the step's requests hold finite values the engine drops."""
         if (module.training and dropout > 0) or hasattr(module, "sinks") or \
                 kwargs.get("sliding_window") is not None or kwargs.get("softcap"):
             raise RuntimeError(f"{self.name}: layer {module.layer_idx} needs an attention pat "
@@ -590,15 +595,28 @@ class PatPagedAttention:
         bs = int(cache.block_size)
         shape = (k_cache.shape[0] // bs, bs, k_cache.shape[1], k_cache.shape[2])
         kv = (k_cache.view(shape), v_cache.view(shape))
-        t, hq, d = int(query.shape[2]), int(query.shape[1]), int(query.shape[3])
-        k = (query.device, query.dtype, hq, d, t)
-        q = self._graph_q.get(k)
-        if q is None:
-            q = self._graph_q[k] = query.new_empty((t, hq, d))
-        q.copy_(query[0].transpose(0, 1))
-        out = query.new_zeros((1, t, hq, d))
-        self._graph_step.runner.run(q, kv, out=out[0])
-        return out, None
+        runner = self._graph_step.runner
+        t = int(query.shape[2])
+        q, out = self._graph_buffers(runner, query, t)
+        q[:t].copy_(query[0].transpose(0, 1))
+        runner.run(q, kv, out=out)
+        return out[:t].unsqueeze(0), None
+
+    def _graph_buffers(self, runner, query, t: int) -> tuple:
+        """The query and output buffers ``[rows, heads, head_dim]`` of a graph step, made
+        zeroed at first use and kept: pat's graph-safe wrapper takes one pair of
+        ``max_batch_size`` rows for every engine graph (its launches are prepared for one q
+        buffer, and later plans are checked against that buffer's rows), another runner a pair
+        of the step's ``t`` padded rows (its ``run`` then sees exactly the graph's rows)."""
+        hq, d = int(query.shape[1]), int(query.shape[3])
+        limits = getattr(runner, "static_limits", None)
+        rows = t if limits is None else int(limits.max_batch_size)
+        key = (query.device, query.dtype, hq, d, rows)
+        bufs = self._graph_bufs.get(key)
+        if bufs is None:
+            bufs = self._graph_bufs[key] = (query.new_zeros((rows, hq, d)),
+                                            query.new_zeros((rows, hq, d)))
+        return bufs
 
 
 #: the seams registered by name, for the engine hook (register_pat)
