@@ -543,11 +543,12 @@ class PrefixAttentionWrapper:
         Pipelining (CUDA backend): ``plan()`` does host work and puts its device copy on the
         calling thread's current stream, behind the work already queued there, so once the
         current step's last ``run()`` has returned the next step can be planned, on this thread
-        or another (then run it with ``plan=``), while the current step's kernels still run; one wrapper and one stream serve such a loop, since
-        the copy reaches the device state only after the kernels that read the last plan.  The
-        planning thread's current stream must be the one the steps run on (torch's is per
-        thread: ``with torch.cuda.stream(s):``).  ``plan()`` waits for the device only to
-        reuse a pinned staging buffer whose copy, issued two plans earlier, has not run yet.
+        or another (then run it with ``plan=``), while the current step's kernels still run.
+        One wrapper and one stream serve such a loop, since the copy reaches the device state
+        only after the kernels that read the last plan.  The planning thread's current stream
+        must be the one the steps run on (torch's is per thread: ``with
+        torch.cuda.stream(s):``).  ``plan()`` waits for the device only to reuse a pinned
+        staging buffer whose copy, issued two plans earlier, has not run yet.
         """
         self._enter("run")
         try:

@@ -476,7 +476,7 @@ class PatPagedAttention:
         step.masks[layer_type] = mask
         return mask
 
-
+    # ------------------------------------------------------------------ registration
     def register(self) -> "PatPagedAttention":
         """Register this function under its name with transformers' ``AttentionInterface``
         and the engine hook (:meth:`engine_step`); returns it."""
@@ -540,12 +540,11 @@ class PatPagedAttention:
         of ``rows`` rows (of ``static_limits.max_batch_size`` rows where the runner has
         ``static_limits``, as pat's graph-safe wrapper does), the step's rows first, and must
         read everything that changes from step to step from device memory written here, on
-        the compute stream; any other runner runs the step
-        eagerly as :meth:`plan_step`'s.  ``ValueError`` / ``TypeError`` make the step fall back.
-        pat's: a one-token step into the graph-safe wrapper of the layers' device (made at the
-        first such step, for the engine's largest step: ``max_batch_tokens`` query rows and the
-        page entries its read-index storage can hold); a multi-token step into pat's plain
-        wrapper."""
+        the compute stream; any other runner runs the step eagerly as :meth:`plan_step`'s.
+        ``ValueError`` / ``TypeError`` make the step fall back.  pat's: a one-token step into
+        the graph-safe wrapper of the layers' device (made at the first such step, for the
+        engine's largest step: ``max_batch_tokens`` query rows and the page entries its
+        read-index storage can hold); a multi-token step into pat's plain wrapper."""
         import torch
         if self._shape is None:
             raise ValueError("no layer call seen yet (the step's shapes are not known)")
@@ -562,10 +561,10 @@ class PatPagedAttention:
             return w
         w = self._graph_wrappers.get(device)
         if w is None:
-            rows = int(cache.max_batch_tokens)
-            pages = int(io.read_index_storage.shape[-1]) // ps + rows
+            most = int(cache.max_batch_tokens)
+            pages = int(io.read_index_storage.shape[-1]) // ps + most
             w = PrefixAttentionWrapper(backend="cuda", packer=self.packer, use_cuda_graph=True,
-                                       max_batch_size=rows, max_num_pages=pages)
+                                       max_batch_size=most, max_num_pages=pages)
             self._graph_wrappers[device] = w
         stream = io.compute_stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
