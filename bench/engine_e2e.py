@@ -7,8 +7,7 @@ Llama-3.1-8B's shapes, ``gqa-small``: a 1B-class GQA model, ``tiny``: a CPU smok
 runs ``generate_batch`` (greedy, ``--new-tokens``, block sharing on, CUDA graphs off: pat plans
 on the host per step; an ``--impls`` entry ending in ``+graph``, e.g. ``paged|sdpa+graph``,
 runs that implementation with the engine's CUDA graphs on, async batching off as pat's
-graph steps need) per attention implementation of
-``--impls``: once to warm up
+graph steps need) per attention implementation of ``--impls``: once to warm up
 (``--warmup-tokens``), ``--repeats`` times timed, and (``--profile-tokens`` > 0) once more
 with the attention function and the model's forward timed per call.  Workloads (random token ids):
 
