@@ -32,9 +32,10 @@ sync-debug mode ``"error"``, which raises at any torch operation that would sync
 
 Writes JSON with the machine (CPU model, cores, and its speed on three fixed kernels,
 ``cpu_speed``, so that two machines' plan times compare), the versions (Python, NumPy,
-Numba) and the git sha; prints one line per configuration.  Targets (issue 37, a CI-like 2-core CPU, medians
-over >= 200 steps, p99 <= 3x median): incremental <= 0.15 ms per step at 128 requests,
-<= 0.5 ms at 512, <= 1.5 ms at 2048; a fresh plan of a 1024-request five-level tree <= 1 ms.
+Numba) and the git sha; prints one line per configuration.  Targets (issue 37, a CI-like
+2-core CPU, medians over >= 200 steps, p99 <= 3x median): incremental <= 0.15 ms per step at
+128 requests, <= 0.5 ms at 512, <= 1.5 ms at 2048; a fresh plan of a 1024-request five-level
+tree <= 1 ms.
 """
 from __future__ import annotations
 
