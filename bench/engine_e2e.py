@@ -7,7 +7,10 @@ Llama-3.1-8B's shapes, ``gqa-small``: a 1B-class GQA model, ``tiny``: a CPU smok
 runs ``generate_batch`` (greedy, ``--new-tokens``, block sharing on, CUDA graphs off: pat plans
 on the host per step; an ``--impls`` entry ending in ``+graph``, e.g. ``paged|sdpa+graph``,
 runs that implementation with the engine's CUDA graphs on, async batching off as pat's
-graph steps need) per attention implementation of ``--impls``: once to warm up
+graph steps need; a graph replay calls no forward hook and the engine pads every step's query
+length, so such a run reports no per-step fields, decode steps or profile, only the token
+timings, the engine's per-call times and the seam's counters) per attention implementation of
+``--impls``: once to warm up
 (``--warmup-tokens``), ``--repeats`` times timed, and (``--profile-tokens`` > 0) once more
 with the attention function and the model's forward timed per call.  Workloads (random token ids):
 
@@ -169,19 +172,21 @@ def register_flashinfer_decode(name: str = FI_IMPL):
             indptr = np.concatenate([indptr, indptr[-1] + np.arange(1, pad + 1)]).astype(np.int32)
             indices = np.concatenate([indices, np.zeros(pad, np.int32)]).astype(np.int32)
             last = np.concatenate([last, np.ones(pad, np.int32)]).astype(np.int32)
-            w = self._graph_fi.get(rows)
-            if w is None:
-                pages = int(io.read_index_storage.shape[-1]) // ps + int(cache.max_batch_tokens)
-                i32 = dict(dtype=torch.int32, device=device)
-                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    torch.zeros(64 << 20, dtype=torch.uint8, device=device), "NHD",
-                    use_cuda_graph=True, use_tensor_cores=hq // hk >= 4,
-                    paged_kv_indptr_buffer=torch.zeros(rows + 1, **i32),
-                    paged_kv_indices_buffer=torch.zeros(pages, **i32),
-                    paged_kv_last_page_len_buffer=torch.zeros(rows, **i32))
-                self._graph_fi[rows] = w
             stream = io.compute_stream
+            # the buffers' zero-fill and the plan's copies on the stream the step runs on
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                w = self._graph_fi.get(rows)
+                if w is None:
+                    pages = int(io.read_index_storage.shape[-1]) // ps + \
+                        int(cache.max_batch_tokens)
+                    i32 = dict(dtype=torch.int32, device=device)
+                    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                        torch.zeros(64 << 20, dtype=torch.uint8, device=device), "NHD",
+                        use_cuda_graph=True, use_tensor_cores=hq // hk >= 4,
+                        paged_kv_indptr_buffer=torch.zeros(rows + 1, **i32),
+                        paged_kv_indices_buffer=torch.zeros(pages, **i32),
+                        paged_kv_last_page_len_buffer=torch.zeros(rows, **i32))
+                    self._graph_fi[rows] = w
                 w.plan(torch.from_numpy(indptr), torch.from_numpy(indices),
                        torch.from_numpy(last), hq, hk, d, ps, sm_scale=scaling,
                        q_data_type=q_dtype, kv_data_type=cache.key_cache[0].dtype)
@@ -859,7 +864,8 @@ def main(argv=None):
             rows[impl] = median_row(rows[impl])
             if impl in paired:
                 rows[impl]["paired_vs_reference"] = paired[impl]
-            if args.profile_tokens > 0:
+            # (a graph replay calls no forward hook: nothing to profile under graphs)
+            if args.profile_tokens > 0 and not base_impl(impl)[1]:
                 rows[impl]["profile"] = profile_run(model, impl, prompts, args)
             if args.probe:
                 rows[impl]["probe"] = probe_run(model, impl, prompts, args, seam_fns.get(impl))

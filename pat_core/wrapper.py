@@ -548,7 +548,8 @@ class PrefixAttentionWrapper:
         only after the kernels that read the last plan.  The planning thread's current stream
         must be the one the steps run on (torch's is per thread: ``with
         torch.cuda.stream(s):``).  ``plan()`` waits for the device only to reuse a pinned
-        staging buffer whose copy, issued two plans earlier, has not run yet.
+        staging buffer whose copy, issued two plans earlier, has not run yet, and to replace a
+        device state used on more than 8 streams (its growth otherwise allocates, no wait).
         """
         self._enter("run")
         try:

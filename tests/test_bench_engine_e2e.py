@@ -207,3 +207,17 @@ def test_graph_suffix_names_the_registered_implementation():
     from bench.engine_e2e import base_impl
     assert base_impl("paged|sdpa+graph") == ("paged|sdpa", True)
     assert base_impl("paged|pat") == ("paged|pat", False)
+
+
+@needs_hf
+def test_graph_runs_skip_the_profile():
+    """A ``+graph`` implementation runs (on the CPU the engine turns its graphs off) and is not
+    profiled (a graph replay calls no forward hook), with profiling on for the others."""
+    from bench.engine_e2e import main
+    res = main(["--model", "tiny", "--device", "cpu", "--requests", "2", "--prompt-tokens", "16",
+                "--new-tokens", "4", "--dtype", "float32", "--num-blocks", "32",
+                "--max-batch-tokens", "64", "--repeats", "1", "--profile-tokens", "2",
+                "--impls", "paged|sdpa paged|sdpa+graph"])
+    rows = {r["impl"]: r for r in res["impls"]}
+    assert rows["paged|sdpa+graph"]["status"] == "ok" and "profile" not in rows["paged|sdpa+graph"]
+    assert "profile" in rows["paged|sdpa"]

@@ -211,8 +211,9 @@ class PatPagedAttention:
     ``layer_host_s`` less the time the thread slept, waiting for the GIL or in a blocking call
     that yields the CPU; a device wait that spins, CUDA's default with few contexts, counts
     as CPU time); ``graph_steps`` counts the pat steps run under the engine's CUDA graphs
-    (captured or replayed: their layer calls are counted only when captured, and add nothing
-    to the layer timers); ``last_plan_stats`` is
+    (captured or replayed: their layer calls are counted when a graph is captured, twice per
+    graph, the engine's warm-up pass and the capture, and add nothing to the layer timers);
+    ``last_plan_stats`` is
     :meth:`pat_core.Plan.stats` of the last plan, ``last_seq_lens`` its int64 ``[batch]``
     sequence lengths; ``fallback_reasons`` counts fallback steps by reason.
     """
@@ -237,10 +238,10 @@ class PatPagedAttention:
         self._q_bufs: dict = {}        # (device, dtype, heads, head_dim) -> query row buffer
         self._step: _Step | None = None
         self._lock = threading.Lock()
-        # CUDA-graph steps (the engine hook): the layer shape seen first, the graph-safe
-        # wrapper per device, the query and output buffers the captured graphs read and write
-        # (kept for good: a graph holds their addresses), and the step being captured or
-        # replayed
+        # CUDA-graph steps (the engine hook): the layer shape of the last eager step, the
+        # graph-safe wrappers (per device, model shape and engine size), the query and output
+        # buffers the captured graphs read and write (kept for good: a graph holds their
+        # addresses), and the step being captured or replayed
         self._shape: tuple | None = None
         self._graph_wrappers: dict = {}
         self._graph_bufs: dict = {}
@@ -375,15 +376,16 @@ class PatPagedAttention:
                                "call the engine hook did not plan (register_pat installs the "
                                "hook for transformers' continuous batching; other capture "
                                "is not supported)")
-        if self._shape is None:     # what the engine hook plans CUDA-graph steps with
-            self._shape = (int(query.shape[1]), int(key.shape[1]), int(query.shape[3]),
-                           scaling, query.dtype, query.device)
         t_call, c_call = time.perf_counter(), time.thread_time()
         step_key = (kwargs["read_index"], kwargs["write_index"], kwargs["cu_seq_lens_q"],
                     kwargs["cu_seq_lens_k"])
         with self._lock:
             step = self._step
             if step is None or any(a is not b for a, b in zip(step_key, step.key)):
+                # what the engine hook plans CUDA-graph steps with (read at every new eager
+                # step, so a later model through the same seam plans with its own)
+                self._shape = (int(query.shape[1]), int(key.shape[1]), int(query.shape[3]),
+                               scaling, query.dtype, query.device)
                 self.stats["steps"] += 1
                 t0 = time.perf_counter()
                 step = self._new_step(
@@ -551,24 +553,32 @@ class PatPagedAttention:
         hq, hk, d, scaling, q_dtype, device = self._shape
         ps = int(cache.block_size)
         kw = dict(sm_scale=scaling, kv_data_type=cache.key_cache[0].dtype, q_data_type=q_dtype)
-        if qo_indptr is not None:
-            # several tokens per request: pat's plain wrapper, run eagerly (a graph-safe
-            # state sized for them would run every graph step on the multi-token kernels)
-            w = self._wrapper("cuda")
-            self._last_plan = plan = w.plan_csr(indptr, indices, last, hq, hk, d, ps,
-                                                qo_indptr=qo_indptr, **kw)
-            self.stats["plan_kv_tokens"] += int(plan.cta_kv_len.sum(dtype=np.int64))
-            return w
-        w = self._graph_wrappers.get(device)
-        if w is None:
-            most = int(cache.max_batch_tokens)
-            pages = int(io.read_index_storage.shape[-1]) // ps + most
-            w = PrefixAttentionWrapper(backend="cuda", packer=self.packer, use_cuda_graph=True,
-                                       max_batch_size=most, max_num_pages=pages)
-            self._graph_wrappers[device] = w
         stream = io.compute_stream
+        # the plan's copy (and a new state's zero-fill) on the stream the step runs on, graph
+        # or eager: the engine's compute stream does not wait for the default one
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            plan = w.plan_csr(indptr, indices, last, hq, hk, d, ps, **kw)
+            if qo_indptr is not None:
+                # several tokens per request: pat's plain wrapper, run eagerly (a graph-safe
+                # state sized for them would run every graph step on the multi-token kernels)
+                w = self._wrapper("cuda")
+                plan = w.plan_csr(indptr, indices, last, hq, hk, d, ps, qo_indptr=qo_indptr,
+                                  **kw)
+            else:
+                most = int(cache.max_batch_tokens)
+                pages = int(io.read_index_storage.shape[-1]) // ps + most
+                if rows > most:
+                    raise ValueError(f"the step has {rows} padded rows, more than the "
+                                     f"engine's max_batch_tokens={most}")
+                # one graph-safe wrapper per device, model shape and engine size (a later
+                # engine or model gets its own)
+                wkey = (device, self._shape, most, pages)
+                w = self._graph_wrappers.get(wkey)
+                if w is None:
+                    w = PrefixAttentionWrapper(backend="cuda", packer=self.packer,
+                                               use_cuda_graph=True, max_batch_size=most,
+                                               max_num_pages=pages)
+                    self._graph_wrappers[wkey] = w
+                plan = w.plan_csr(indptr, indices, last, hq, hk, d, ps, **kw)
         self._last_plan = plan
         self.stats["plan_kv_tokens"] += int(plan.cta_kv_len.sum(dtype=np.int64))
         return w
