@@ -453,6 +453,61 @@ def test_engine_hook_refuses_async_batching_and_runs_fallback_steps_eagerly():
 
 
 @needs_hf
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 2], ids=["graph-safe", "multi-token"])
+def test_gpu_graph_step_plans_on_the_compute_stream(tokens):
+    """plan_graph_step plans on the engine's compute stream: a step planned while the default
+    stream is held up by a long sleep and run on a non-blocking compute stream (the one-token
+    step on the graph-safe wrapper with its full-size buffers, the multi-token step on pat's
+    plain wrapper, as the engine runs it eagerly) equals the same step on an idle GPU.  Planned
+    on the default stream, a new state's zero-fill and copy would land behind the sleep, after
+    the kernels that read them (here: counters left at -1 in reused memory)."""
+    import types
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    import cupy as cp
+    from pat_core.inputs import BlockTable
+    from pat_core.integrations.transformers import PatPagedAttention
+    from pat_core.workloads import build_tree_batch
+    hq, hk, d, ps, rows = 8, 2, 64, 16, 64
+    b = build_tree_batch("1,6_48,20", page_size=ps, seed=3)
+    indptr, indices, last = BlockTable.from_padded(b.block_tables, b.seq_lens, ps).to_csr()
+    n = b.batch_size * tokens
+    qo = None if tokens == 1 else np.arange(0, n + 1, tokens, dtype=np.int32)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    k, v = (torch.randn((b.num_pages, ps, hk, d), generator=g, device="cuda").half()
+            for _ in range(2))
+    q = torch.zeros((rows, hq, d), device="cuda", dtype=torch.float16)
+    q[:n] = torch.randn((n, hq, d), generator=g, device="cuda").half()
+    cache = types.SimpleNamespace(block_size=ps, key_cache=[k], max_batch_tokens=rows)
+
+    def step(busy):
+        fn = PatPagedAttention("paged|pat_stream_test")     # fresh wrappers and states
+        fn._shape = (hq, hk, d, None, torch.float16, q.device)
+        stream = torch.cuda.Stream()                        # torch's: non-blocking
+        io = types.SimpleNamespace(compute_stream=stream,
+                                   read_index_storage=torch.empty((1, 4096)))
+        torch.cuda.synchronize()
+        junk = cp.full(1 << 22, -1, dtype=cp.int32)
+        del junk                        # its memory back in CuPy's pool, not zero
+        if busy:
+            torch.cuda._sleep(400_000_000)                  # ~0.2 s on the default stream
+        runner = fn.plan_graph_step(indptr, indices, last, qo, cache, io, rows)
+        assert bool(getattr(runner, "use_cuda_graph", False)) == (tokens == 1)
+        with torch.cuda.stream(stream):
+            if tokens == 1:
+                out = torch.zeros_like(q)
+                runner.run(q, (k, v), out=out)
+            else:
+                out = runner.run(q[:n], (k, v))
+        torch.cuda.synchronize()
+        return out[:n]
+
+    assert torch.equal(step(True), step(False))
+
+
+@needs_hf
 def test_register_pat_refuses_bad_names():
     from pat_core.integrations.transformers import register_pat
     with pytest.raises(ValueError, match="name"):
