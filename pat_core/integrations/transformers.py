@@ -393,25 +393,11 @@ class PatPagedAttention:
                         i, x, last, qo, query, key, scaling, c))
                 self.stats["step_host_s"] += time.perf_counter() - t0
                 self._step = step
-        cache = kwargs["cache"]
-        layer = module.layer_idx
-        layer_ok = (step.use_pat and not (module.training and dropout > 0)
-                    and not hasattr(module, "sinks") and kwargs.get("sliding_window") is None
-                    and not kwargs.get("softcap"))
-        if not layer_ok:
+        if not (step.use_pat and _layer_runs_pat(module, dropout, kwargs)):
             return self._run_fallback(module, query, key, value, attention_mask, dropout,
                                       scaling, kwargs, step)
         self.stats["pat_layer_calls"] += 1
-        group, j = cache.layer_index_to_group_indices[layer]
-        k_cache, v_cache = cache.key_cache[j], cache.value_cache[j]
-        # the new tokens' K/V into the cache, as the engine's update() writes them: rows of
-        # [T, num_kv_heads, head_dim] at write_index (padding rows go to its trash block)
-        write = kwargs["write_index"][group]
-        k_cache.index_copy_(0, write, key[0].transpose(0, 1))
-        v_cache.index_copy_(0, write, value[0].transpose(0, 1))
-        bs = int(cache.block_size)
-        shape = (k_cache.shape[0] // bs, bs, k_cache.shape[1], k_cache.shape[2])
-        kv = (k_cache.view(shape), v_cache.view(shape))   # pat's NHD pages, no copy
+        kv = _write_and_view_cache(module, key, value, kwargs)
         n = step.num_tokens
         t_rows, hq, d = int(query.shape[2]), int(query.shape[1]), int(query.shape[3])
         q = self._query_rows(query, n)                       # [n, num_qo_heads, head_dim]
@@ -588,22 +574,13 @@ class PatPagedAttention:
         the cache writes, the step's padded query rows into the query buffer and the run into
         the output buffer (:meth:`_graph_buffers`), whose first rows are returned.  Rows past
         the step's requests hold finite values the engine drops."""
-        if (module.training and dropout > 0) or hasattr(module, "sinks") or \
-                kwargs.get("sliding_window") is not None or kwargs.get("softcap"):
+        if not _layer_runs_pat(module, dropout, kwargs):
             raise RuntimeError(f"{self.name}: layer {module.layer_idx} needs an attention pat "
                                "does not run (dropout, sinks, sliding window or softcap), "
                                "which a CUDA-graph step cannot fall back from; turn the "
                                "engine's CUDA graphs off")
         self.stats["pat_layer_calls"] += 1
-        cache = kwargs["cache"]
-        group, j = cache.layer_index_to_group_indices[module.layer_idx]
-        k_cache, v_cache = cache.key_cache[j], cache.value_cache[j]
-        write = kwargs["write_index"][group]
-        k_cache.index_copy_(0, write, key[0].transpose(0, 1))
-        v_cache.index_copy_(0, write, value[0].transpose(0, 1))
-        bs = int(cache.block_size)
-        shape = (k_cache.shape[0] // bs, bs, k_cache.shape[1], k_cache.shape[2])
-        kv = (k_cache.view(shape), v_cache.view(shape))
+        kv = _write_and_view_cache(module, key, value, kwargs)
         runner = self._graph_step.runner
         t = int(query.shape[2])
         q, out = self._graph_buffers(runner, query, t)
@@ -626,6 +603,29 @@ class PatPagedAttention:
             bufs = self._graph_bufs[key] = (query.new_zeros((rows, hq, d)),
                                             query.new_zeros((rows, hq, d)))
         return bufs
+
+
+def _layer_runs_pat(module, dropout: float, kwargs) -> bool:
+    """Whether pat computes this layer's attention: not for training with dropout, attention
+    sinks, a per-call sliding window or a logit soft-cap (the wrapped implementation does)."""
+    return not ((module.training and dropout > 0) or hasattr(module, "sinks")
+                or kwargs.get("sliding_window") is not None or kwargs.get("softcap"))
+
+
+def _write_and_view_cache(module, key, value, kwargs) -> tuple:
+    """Write the step's new K/V rows into the layer's cache, as the engine's ``update()``
+    does (rows of ``[T, num_kv_heads, head_dim]`` at ``write_index``; padding rows go to its
+    trash block), and return the cache as pat's NHD pages ``(k, v)``, each ``[num_blocks + 2,
+    block_size, num_kv_heads, head_dim]`` views (no copy)."""
+    cache = kwargs["cache"]
+    group, j = cache.layer_index_to_group_indices[module.layer_idx]
+    k_cache, v_cache = cache.key_cache[j], cache.value_cache[j]
+    write = kwargs["write_index"][group]
+    k_cache.index_copy_(0, write, key[0].transpose(0, 1))
+    v_cache.index_copy_(0, write, value[0].transpose(0, 1))
+    bs = int(cache.block_size)
+    shape = (k_cache.shape[0] // bs, bs, k_cache.shape[1], k_cache.shape[2])
+    return k_cache.view(shape), v_cache.view(shape)
 
 
 #: the seams registered by name, for the engine hook (register_pat)
