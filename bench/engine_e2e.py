@@ -423,13 +423,14 @@ class EngineHostTimer:
     ``ContinuousBatchProcessor.prepare_next_batch`` (scheduling, and the per-token read and
     write indices of every request), ``ModelRunner.compute_batch`` (the forward: eager
     launches, or the step's graph capture or replay; with a seam's engine hook, its planning
-    too), ``ContinuousBatchingIOs.retrieve_device_outputs`` (the sampled tokens to the host:
-    the wait for the step's GPU work) and ``ContinuousBatchProcessor.update_batch`` (the
+    too), ``ModelRunner._capture_graph`` (inside ``compute_batch``: a graph's warm-up forward
+    and capture), ``ContinuousBatchingIOs.retrieve_device_outputs`` (the sampled tokens to the
+    host: the wait for the step's GPU work) and ``ContinuousBatchProcessor.update_batch`` (the
     tokens back into the requests), each wrapped on its class and restored by
     :meth:`remove`."""
 
-    METHODS = ("prepare_next_batch", "compute_batch", "retrieve_device_outputs",
-               "update_batch")
+    METHODS = ("prepare_next_batch", "compute_batch", "_capture_graph",
+               "retrieve_device_outputs", "update_batch")
 
     def __init__(self, sync_probe: bool = False):
         from transformers.generation.continuous_batching import (continuous_api,
@@ -438,9 +439,11 @@ class EngineHostTimer:
         owner = {"prepare_next_batch": continuous_api.ContinuousBatchProcessor,
                  "update_batch": continuous_api.ContinuousBatchProcessor,
                  "compute_batch": model_runner.ModelRunner,
+                 "_capture_graph": model_runner.ModelRunner,
                  "retrieve_device_outputs": input_outputs.ContinuousBatchingIOs}
         self._owner = owner
         self.times = {m: [] for m in self.METHODS}
+        self.order = []          # method names in call order (which call a capture was in)
         self.usage = {m: [] for m in self.METHODS}
         # sync_probe: wait for the device before each prepare_next_batch and time the wait
         # (the previous step's GPU work still queued then); it removes that overlap, so a
@@ -454,8 +457,10 @@ class EngineHostTimer:
     def _timed(self, name, fn):
         times, use = self.times[name], self.usage[name]
         probe = self.backlog if name == "prepare_next_batch" else None
+        order = self.order
 
         def timed(*a, **kw):
+            order.append(name)
             if probe is not None:
                 t = time.perf_counter()
                 self._sync()
@@ -475,11 +480,16 @@ class EngineHostTimer:
     def summary(self) -> dict:
         """Median ms per call of each method (``engine_<method>_ms_median``), the medians of
         its resource use (``usage_medians``, ``engine_<method>_<field>_median``) and, with the
-        probe, the median device wait before ``prepare_next_batch`` (``gpu_backlog_ms_median``)."""
-        out = {f"engine_{m}_ms_median": float(np.median(ts)) * 1e3 if ts else None
+        probe, the median device wait before ``prepare_next_batch`` (``gpu_backlog_ms_median``);
+        every call's ms in call order (``engine_calls``: [method, ms]; the medians mix
+        prefill, capture and replay steps, the list tells them apart)."""
+        out = {f"engine_{m.lstrip('_')}_ms_median": float(np.median(ts)) * 1e3 if ts else None
                for m, ts in self.times.items()}
+        seen = {m: iter(ts) for m, ts in self.times.items()}
+        out["engine_calls"] = [[m.lstrip("_"), round(next(seen[m]) * 1e3, 3)]
+                               for m in self.order]
         for m, use in self.usage.items():
-            out.update(usage_medians(f"engine_{m}", use))
+            out.update(usage_medians(f"engine_{m.lstrip('_')}", use))
         if self.backlog is not None:
             out["gpu_backlog_ms_median"] = (float(np.median(self.backlog)) * 1e3
                                             if self.backlog else None)

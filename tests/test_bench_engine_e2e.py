@@ -155,6 +155,12 @@ def test_tiny_smoke_run(tmp_path, workload):
         assert 0 < r["engine_update_batch_ms_median"] < r["decode_step_ms_median"]
         assert 0 < r["engine_compute_batch_ms_median"] < r["decode_step_ms_median"]
         assert r["engine_retrieve_device_outputs_ms_median"] >= 0
+        # every engine call in order; no graphs on the CPU, so no capture
+        calls = r["engine_calls"]
+        assert [m for m, _ in calls[:4]] == ["prepare_next_batch", "compute_batch",
+                                             "retrieve_device_outputs", "update_batch"]
+        assert sum(m == "compute_batch" for m, _ in calls) == r["steps"]
+        assert all(t >= 0 for _, t in calls) and r["engine_capture_graph_ms_median"] is None
         # the engine thread's resources: its CPU time within the step's wall time, and the
         # process's at least the thread's
         assert 0 < r["step_cpu_ms_median"] <= r["decode_step_ms_median"] * 1.05
