@@ -382,13 +382,14 @@ def test_gpu_engine_cuda_graphs():
     prompts = shared_prompts(6, suffixes=(3, 5, 9, 2, 6))
     impl = register_pat("paged|pat_gpu_graphs", strict=True)
     want = generate(model, "paged|sdpa", prompts, 32)
-    assert generate(model, impl.name, prompts, 32) == want
-    impl.reset_stats()
+    # the graph run first, on a seam no eager run has used: its shapes come from the graph
+    # run's own prefill steps
     # query rows padded to multiples of 4: the engine captures a graph per padded size, and
     # the steps' batch sizes (3 to 5 requests) go up and down between them
     assert generate(model, impl.name, prompts, 32, graphs=True, q_padding_interval_size=4) \
         == want
-    s = impl.stats
+    s = dict(impl.stats)
+    assert generate(model, impl.name, prompts, 32) == want
     # one-token steps from graphs; the few steps where a late request brings several tokens
     # on top of the shared prompt's cache run pat eagerly
     assert s["graph_steps"] >= 24 and s["multi_token_steps"] >= 1, s
@@ -450,6 +451,40 @@ def test_engine_hook_refuses_async_batching_and_runs_fallback_steps_eagerly():
     model = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation=pat.name))
     ModelRunner.compute_batch(r, model, batch)
     assert routed == [r]
+
+
+@needs_hf
+def test_a_step_the_hook_decided_records_the_layer_shape():
+    """The layer shape graph steps are planned with is read from the layer calls of the steps
+    before them, also of steps the engine hook decided (with graphs on, every step goes
+    through the hook: the prefill steps before the first graph step too).  Without it a graph
+    run's decode steps were refused until some eager run had called a layer."""
+    import types
+    import torch
+    from transformers import AttentionInterface
+    from pat_core.integrations.transformers import register_pat
+    AttentionInterface.register(
+        "paged|shape_fallback",
+        lambda module, q, k, v, mask, dropout=0.0, scaling=None, **kw: (q.transpose(1, 2), None))
+    pat = register_pat("paged|pat_shape", fallback="paged|shape_fallback")
+    runner = types.SimpleNamespace(
+        inputs_and_outputs=types.SimpleNamespace(use_block_table=False, compute_stream=None),
+        _pat_eager=False)
+    cache = types.SimpleNamespace(num_groups=1, sliding_windows={0: 1})
+    batch = {"read_index": [torch.zeros(0, dtype=torch.int64)], "write_index": [None],
+             "cu_seq_lens_q": torch.tensor([0, 5], dtype=torch.int32),
+             "cu_seq_lens_k": torch.tensor([0, 5], dtype=torch.int32),
+             "input_ids": torch.zeros(1, 5, dtype=torch.int64), "cache": cache}
+    q = torch.zeros(1, 4, 5, 16, dtype=torch.float16)
+    k = torch.zeros(1, 2, 5, 16, dtype=torch.float16)
+    layer = types.SimpleNamespace(layer_idx=0)
+
+    def compute(r, model, bd):
+        return pat(layer, q, k, k, None, scaling=0.25, **bd)
+    assert pat._shape is None
+    pat.engine_step(runner, None, batch, compute)
+    assert pat.fallback_reasons == {"no cache read (prefill)": 1}
+    assert pat._shape == (4, 2, 16, 0.25, torch.float16, q.device)
 
 
 @needs_hf

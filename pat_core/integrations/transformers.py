@@ -174,6 +174,7 @@ class _Step:
     runner: object = None       # what runs a layer (plan_step's result)
     returns_output: bool = False    # runner.run(q, kv) returns its output (plan_step's doc)
     masks: dict = dataclasses.field(default_factory=dict)   # layer type -> fallback mask
+    shape_read: bool = False    # a layer call of the step has set the seam's layer shape
 
 
 class PatPagedAttention:
@@ -382,10 +383,6 @@ class PatPagedAttention:
         with self._lock:
             step = self._step
             if step is None or any(a is not b for a, b in zip(step_key, step.key)):
-                # what the engine hook plans CUDA-graph steps with (read at every new eager
-                # step, so a later model through the same seam plans with its own)
-                self._shape = (int(query.shape[1]), int(key.shape[1]), int(query.shape[3]),
-                               scaling, query.dtype, query.device)
                 self.stats["steps"] += 1
                 t0 = time.perf_counter()
                 step = self._new_step(
@@ -393,6 +390,13 @@ class PatPagedAttention:
                         i, x, last, qo, query, key, scaling, c))
                 self.stats["step_host_s"] += time.perf_counter() - t0
                 self._step = step
+            if not step.shape_read:
+                # what the engine hook plans CUDA-graph steps with: read at the first layer
+                # call of every eager step, also of one the hook decided (the prefill steps
+                # before any graph step), so a later model through the seam plans with its own
+                self._shape = (int(query.shape[1]), int(key.shape[1]), int(query.shape[3]),
+                               scaling, query.dtype, query.device)
+                step.shape_read = True
         if not (step.use_pat and _layer_runs_pat(module, dropout, kwargs)):
             return self._run_fallback(module, query, key, value, attention_mask, dropout,
                                       scaling, kwargs, step)
