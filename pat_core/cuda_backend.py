@@ -607,8 +607,8 @@ class CudaBackend:
             if check is not None:
                 check()
             prep = st.prepare(qd, kd, vd, kv_layout, scales)
-            if len(st.prepared) >= (1 if st.fixed else 64):   # e.g. one per model layer
-                st.prepared.clear()
+            if len(st.prepared) >= 64:      # e.g. one per model layer (graph-safe too: an
+                st.prepared.clear()         # engine captures each layer once per graph)
             st.prepared[sig] = prep
             # the caches' byte ranges, for the overlap check of a caller's out/lse
             prep["cache_extents"] = {"k_cache": _extent(kd), "v_cache": _extent(vd)}

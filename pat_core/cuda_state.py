@@ -124,7 +124,7 @@ class StaticState:
         self.plan_grids = {}        # plain plans: variant -> blocks of its launch
         self.needs_merge = True
         self.merge_key = (False, 1)
-        self.max_rows = None        # graph-safe: q rows and KV pages of the inputs the
+        self.max_rows = None        # graph-safe: the fewest q rows and KV pages of the inputs
         self.num_pages = None       # launches were built for (a later plan must fit them)
 
     def _kernel_set(self, causal: bool, kv) -> dict:
@@ -297,8 +297,13 @@ class StaticState:
         if self.plan is not None:
             self.check_inputs(self.plan, rows, int(num_pages))
         if self.fixed:
-            # a captured graph keeps these inputs: later plans must fit them
-            self.max_rows, self.num_pages = rows, int(num_pages)
+            # a captured graph keeps these inputs: later plans must fit them, and those of
+            # every input set prepared before (graphs captured with them may be replayed)
+            if self.max_rows is None:
+                self.max_rows, self.num_pages = rows, int(num_pages)
+            else:
+                self.max_rows = min(self.max_rows, rows)
+                self.num_pages = min(self.num_pages, int(num_pages))
         lay = self.layout
         base_ptr = int(self.buf.data.ptr)
         arrays = {name: base_ptr + 4 * lay.offset[name] for name in lay.offset}

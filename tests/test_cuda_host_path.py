@@ -114,6 +114,41 @@ def test_a_layers_inputs_are_validated_once_across_batch_sizes(cuda, monkeypatch
             w.run(qbuf[:batches[-1].batch_size - 1], (k0, v0))
 
 
+def test_graph_safe_layers_are_prepared_once_and_plans_fit_every_prepared_set(cuda, monkeypatch):
+    """Graph-safe mode under an engine that captures its layers (one cache each) for several
+    graphs: each layer's inputs are prepared once across plans, not again whenever another
+    layer ran in between; and a plan must fit the q rows of every input set prepared, since
+    a graph captured with any of them may be replayed (with the fewest rows last prepared
+    for another set, a plan of more requests was accepted and would write past them)."""
+    from pat_core.cuda_state import StaticState
+    prepared = []
+    real_prep = StaticState.prepare
+    monkeypatch.setattr(StaticState, "prepare",
+                        lambda self, *a, **kw: (prepared.append(1), real_prep(self, *a, **kw))[1])
+    batches = [build_tree_batch(s, page_size=16, seed=0)
+               for s in ("1,12_33,17", "1,4_40,20", "3_50")]
+    pages = max(b.num_pages for b in batches)
+    w = PrefixAttentionWrapper(backend="cuda", use_cuda_graph=True, max_batch_size=16,
+                               max_num_pages=pages)
+    qbuf, k0, v0 = _inputs(16, 8, 2, 64, pages)
+    _, k1, v1 = _inputs(16, 8, 2, 64, pages)
+    for b in batches:
+        w.plan(b.block_tables, b.seq_lens, 8, 2, 64, 16)
+        for kv in ((k0, v0), (k1, v1)):
+            w.run(qbuf, kv)
+    assert len(prepared) == 2
+    w.run(qbuf[:3], (k0, v0))                   # a 3-row query buffer: prepared for it
+    w.run(qbuf, (k1, v1))                       # the 16-row set again: kept
+    assert len(prepared) == 3
+    _, k2, v2 = _inputs(16, 8, 2, 64, pages)
+    w.run(qbuf, (k2, v2))                       # a new layer's 16-row set
+    assert len(prepared) == 4
+    big = batches[0]
+    with pytest.raises(ValueError, match="the plan has 12 requests but the q buffer the "
+                                         "launches were built for has 3 rows"):
+        w.plan(big.block_tables, big.seq_lens, 8, 2, 64, 16)
+
+
 def test_a_caller_out_buffer_is_checked_whenever_it_changes(cuda):
     """The last out buffer that passed the checks is not checked again; another one is, and a
     bad one (wrong shape, or overlapping q) is refused by name."""
