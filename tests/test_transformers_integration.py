@@ -488,6 +488,45 @@ def test_a_step_the_hook_decided_records_the_layer_shape():
 
 
 @needs_hf
+def test_graph_steps_key_the_engines_graphs_by_query_rows_alone():
+    """A graph step pat (or another runner through plan_graph_step) takes is looked up and
+    stored under a key of its padded query rows, not the engine's (rows, padded KV read, ...):
+    its graph reads no read index, and the engine's key made a new capture every KV padding
+    interval.  Outside such a step the engine's own key is back."""
+    import types
+    import torch
+    from pat_core.integrations.transformers import GRAPH_KEY_TAG, register_pat
+
+    class IO:
+        use_block_table = False
+        num_q_tokens = 4
+
+        def _get_graph_key(self):
+            return (self.num_q_tokens, 32)
+    io = IO()
+    runner = types.SimpleNamespace(inputs_and_outputs=io, _pat_eager=False)
+    pat = register_pat("paged|pat_graph_key")
+    graph_runner = types.SimpleNamespace(use_cuda_graph=True)
+    pat.plan_graph_step = lambda *a: graph_runner
+    cache = types.SimpleNamespace(num_groups=1, sliding_windows={0: 1}, block_size=16)
+    batch = {"read_index": [torch.arange(32, dtype=torch.int64)], "write_index": [None],
+             "cu_seq_lens_q": torch.tensor([0, 1, 2, 2, 2], dtype=torch.int32),
+             "cu_seq_lens_k": torch.tensor([0, 16, 32, 32, 32], dtype=torch.int32),
+             "input_ids": torch.zeros(1, 4, dtype=torch.int64), "cache": cache}
+    keys = []
+
+    def compute(r, model, bd):
+        keys.append(r.inputs_and_outputs._get_graph_key())
+    pat.engine_step(runner, None, batch, compute)
+    assert pat.stats["graph_steps"] == 1, pat.fallback_reasons
+    assert keys == [(GRAPH_KEY_TAG, 4)]
+    assert io._get_graph_key() == (4, 32)            # the engine's own key outside the step
+    pat.plan_graph_step = lambda *a: types.SimpleNamespace(use_cuda_graph=False)
+    pat.engine_step(runner, None, batch, compute)   # an eager step: the engine's key
+    assert keys[-1] == (4, 32)
+
+
+@needs_hf
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 2], ids=["graph-safe", "multi-token"])
 def test_gpu_graph_step_plans_on_the_compute_stream(tokens):

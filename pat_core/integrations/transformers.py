@@ -511,10 +511,16 @@ class PatPagedAttention:
         if step.use_pat and getattr(step.runner, "use_cuda_graph", False):
             self.stats["graph_steps"] += 1
             self._graph_step = step
+            # the engine keys its graphs by the padded query rows and the padded KV read, so
+            # a batch whose KV grows captures a new graph every padding interval; a graph
+            # step's graph reads no read index (the runner reads its plan from device
+            # memory), so its graphs are keyed by the padded query rows alone
+            io._get_graph_key = lambda: (GRAPH_KEY_TAG, int(io.num_q_tokens))
             try:
                 return compute(runner, model, batch_data)
             finally:
                 self._graph_step = None
+                del io._get_graph_key
         # eager (a fallback step, or pat's multi-token plan): its layers find the decision by
         # the metadata's identity; the flag is read by the hook on _get_forward_fn
         self._step = step
@@ -631,6 +637,10 @@ def _write_and_view_cache(module, key, value, kwargs) -> tuple:
     shape = (k_cache.shape[0] // bs, bs, k_cache.shape[1], k_cache.shape[2])
     return k_cache.view(shape), v_cache.view(shape)
 
+
+#: the first element of the engine's graph keys for graph steps a seam runs (the engine's own
+#: keys are tuples of sizes, all >= 0)
+GRAPH_KEY_TAG = -1
 
 #: the seams registered by name, for the engine hook (register_pat)
 _SEAMS: dict = {}
