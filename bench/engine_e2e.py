@@ -482,7 +482,9 @@ class EngineHostTimer:
         its resource use (``usage_medians``, ``engine_<method>_<field>_median``) and, with the
         probe, the median device wait before ``prepare_next_batch`` (``gpu_backlog_ms_median``);
         every call's ms in call order (``engine_calls``: [method, ms]; the medians mix
-        prefill, capture and replay steps, the list tells them apart)."""
+        prefill, capture and replay steps, the list tells them apart; with CUDA graphs the
+        engine's warm-up captures come first, ``compute_batch`` calls with no
+        ``prepare_next_batch`` before them)."""
         out = {f"engine_{m.lstrip('_')}_ms_median": float(np.median(ts)) * 1e3 if ts else None
                for m, ts in self.times.items()}
         seen = {m: iter(ts) for m, ts in self.times.items()}

@@ -607,8 +607,10 @@ class CudaBackend:
             if check is not None:
                 check()
             prep = st.prepare(qd, kd, vd, kv_layout, scales)
-            if len(st.prepared) >= 64:      # e.g. one per model layer (graph-safe too: an
-                st.prepared.clear()         # engine captures each layer once per graph)
+            # one set per model layer (graph-safe too: an engine captures each layer once
+            # per graph); more than the deepest models' layers, so none is prepared twice
+            if len(st.prepared) >= 256:
+                st.prepared.clear()
             st.prepared[sig] = prep
             # the caches' byte ranges, for the overlap check of a caller's out/lse
             prep["cache_extents"] = {"k_cache": _extent(kd), "v_cache": _extent(vd)}

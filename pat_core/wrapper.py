@@ -120,7 +120,10 @@ class PrefixAttentionWrapper:
         read the ``q``, KV cache and ``out``/``lse`` buffers given at capture: copy each step's
         queries into that ``q`` (it may have ``max_batch_size`` rows; rows past the live batch
         are neither read nor written), and replay on the stream :meth:`plan` ran on (or order
-        the two).  A plan beyond a limit raises ``ValueError`` naming the limit.  The first
+        the two).  Since any graph captured may replay, every later plan must fit the fewest
+        ``q`` rows and KV-cache pages of all the inputs :meth:`run` has been given (one set per
+        model layer, say): run with buffers of the sizes you capture with.  A plan beyond a
+        limit raises ``ValueError`` naming the limit.  The first
         plan fixes the heads, head_dim, page size, dtype, ``sm_scale`` and the launch set (the
         tiles its selector can pick, or the one ``tile=`` forces); ``serial`` is ignored.
         When every CTA fits one 16-row tile (``max_batch_size x`` the GQA group ``<= 16``),

@@ -515,12 +515,16 @@ class PatPagedAttention:
             # a batch whose KV grows captures a new graph every padding interval; a graph
             # step's graph reads no read index (the runner reads its plan from device
             # memory), so its graphs are keyed by the padded query rows alone
+            own = io.__dict__.get("_get_graph_key")
             io._get_graph_key = lambda: (GRAPH_KEY_TAG, int(io.num_q_tokens))
             try:
                 return compute(runner, model, batch_data)
             finally:
                 self._graph_step = None
-                del io._get_graph_key
+                if own is None:
+                    del io._get_graph_key
+                else:
+                    io._get_graph_key = own
         # eager (a fallback step, or pat's multi-token plan): its layers find the decision by
         # the metadata's identity; the flag is read by the hook on _get_forward_fn
         self._step = step
@@ -538,7 +542,9 @@ class PatPagedAttention:
         of ``rows`` rows (of ``static_limits.max_batch_size`` rows where the runner has
         ``static_limits``, as pat's graph-safe wrapper does), the step's rows first, and must
         read everything that changes from step to step from device memory written here, on
-        the compute stream; any other runner runs the step eagerly as :meth:`plan_step`'s.
+        the compute stream (the engine keys such a step's graph by its padded query rows
+        alone, so the graph must not depend on the padded KV read: the read index's length,
+        ``max_seqlen_k``); any other runner runs the step eagerly as :meth:`plan_step`'s.
         ``ValueError`` / ``TypeError`` make the step fall back.  pat's: a one-token step into
         the graph-safe wrapper of the layers' device (made at the first such step, for the
         engine's largest step: ``max_batch_tokens`` query rows and the page entries its
