@@ -270,49 +270,91 @@ def time_all(steps_dir, out_dir, *, heads=("32:8",), methods=("pat", "pat-graph-
     return summary
 
 
+def graph_safe_launch_set(planner, limits, group: int, head_dim: int, kv_dtype: str):
+    """The launch set ``(tiles, False)`` of a graph-safe wrapper with ``limits`` (a
+    :class:`~pat_core.static_plan.StaticLimits`) whose plans equal ``planner``'s plain ones,
+    or ``None`` where the wrapper plans otherwise: a fused bucket, or one whose KV tile table
+    the wrapper replaces (:func:`~pat_core.static_plan.graph_safe_tile_table`); those the
+    simulator does not price as graph-safe."""
+    from pat_core.static_plan import graph_safe_fused, graph_safe_tile_table, reachable_tiles
+    tiles = reachable_tiles(planner.tile_selector(head_dim, kv_dtype),
+                            max_rows=limits.max_cta_rows(group))
+    if graph_safe_fused(limits, len(tiles)) or graph_safe_tile_table(limits, group) is not None:
+        return None
+    return tiles, False
+
+
 def sim_error(steps_dir, results, *, gpu: str = "h100") -> dict:
     """The simulator against a measured ``devset.json`` (``results``): every step planned as
     the measured ``pat`` method plans it (default planner, that file's heads, head_dim, KV
     dtype and query tokens per request), predicted in graph and eager timing
     (:func:`sim.simulate`, packaged constants), and the relative error
-    ``predicted / measured - 1`` per part: median and largest absolute, mean signed.  Runs on
-    the CPU."""
+    ``predicted / measured - 1`` per part: median and largest absolute, mean signed.  The
+    graph-safe methods measured in the file (``pat-graph``, ``pat-graph-bucket``; one token
+    per request) are priced the same way with their wrapper's launch set
+    (:func:`graph_safe_launch_set`; ``simulate(..., launch_set=)``), under keys ending in the
+    method's name, where the wrapper plans as the plain planner does (``skipped``: the steps
+    where it does not).  Runs on the CPU."""
     import numpy as np
     from pat_core import Planner
+    from pat_core.static_plan import StaticLimits
     from sim import simulate
+    from bench.trace_replay import GRAPH_SAFE, batch_bucket, graph_safe_buckets
     res = json.loads(Path(results).read_text())
     d = int(res.get("head_dim", 128))
     kv_dtype, q_len = res.get("kv_dtype", "float16"), int(res.get("q_len", 1))
-    meas = {(r["part"], r["step"], r["heads"]): r for r in res["rows"] if r["method"] == "pat"}
+    methods = ["pat"] + ([m for m in GRAPH_SAFE if m in res["methods"]] if q_len == 1 else [])
+    meas = {(r["part"], r["step"], r["heads"], r["method"]): r for r in res["rows"]}
+    planner = Planner("pat", gpu)
     out = {}
     for part in sorted({r["part"] for r in res["rows"]}):
         meta, steps = load_steps(Path(steps_dir) / f"{part}.npz")
         ps = meta["config"]["page_size"]
         for heads in res["heads"]:
             hq, hk = (int(x) for x in heads.split(":"))
-            errs = {"graph": [], "eager": []}
-            for m, table, lens in steps:
-                row = meas.get((part, m["step"], heads))
-                if row is None:
-                    continue
-                plan = Planner("pat", gpu).plan(table, lens, hq, hk, d, ps,
-                                                **pat_plan_kw(kv_dtype, q_len, len(lens)))
-                for timing in errs:
-                    if row.get(f"{timing}_us"):
-                        pred = simulate(plan, gpu, timing=timing).latency_us
-                        errs[timing].append(pred / row[f"{timing}_us"] - 1.0)
-            for timing, e in errs.items():
-                if e:
-                    a = np.abs(e)
-                    out[f"{part} {heads} {timing}"] = dict(
-                        steps=len(e), median_abs=round(float(np.median(a)), 4),
-                        max_abs=round(float(a.max()), 4), mean=round(float(np.mean(e)), 4))
+            plans = [planner.plan(table, lens, hq, hk, d, ps,
+                                  **pat_plan_kw(kv_dtype, q_len, len(lens)))
+                     for _, table, lens in steps]
+            for method in methods:
+                errs = {"graph": [], "eager": []}
+                sets, skipped = {}, 0
+                if method != "pat":
+                    buckets = method == "pat-graph-bucket"
+                    for key, lim in graph_safe_buckets(plans, steps, ps, buckets).items():
+                        sets[key] = graph_safe_launch_set(planner, StaticLimits.make(*lim),
+                                                          hq // hk, d, kv_dtype)
+                for (m, _, _), plan in zip(steps, plans):
+                    row = meas.get((part, m["step"], heads, method))
+                    if row is None:
+                        continue
+                    launch_set = None
+                    if method != "pat":
+                        launch_set = sets[batch_bucket(plan.batch_size, buckets)]
+                        if launch_set is None:
+                            skipped += 1
+                            continue
+                    for timing in errs:
+                        if row.get(f"{timing}_us"):
+                            pred = simulate(plan, gpu, timing=timing,
+                                            launch_set=launch_set).latency_us
+                            errs[timing].append(pred / row[f"{timing}_us"] - 1.0)
+                tag = "" if method == "pat" else f" {method}"
+                for timing, e in errs.items():
+                    if e:
+                        a = np.abs(e)
+                        out[f"{part} {heads} {timing}{tag}"] = dict(
+                            steps=len(e), median_abs=round(float(np.median(a)), 4),
+                            max_abs=round(float(a.max()), 4), mean=round(float(np.mean(e)), 4),
+                            skipped=skipped)
     for timing in ("graph", "eager"):
-        every = [k for k in out if k.endswith(" " + timing)]
-        if every:
-            print(f"{timing}: " + ", ".join(f"{k.rsplit(' ', 1)[0]} median "
-                                            f"{100 * out[k]['median_abs']:.1f}% (max "
-                                            f"{100 * out[k]['max_abs']:.1f}%)" for k in every))
+        for method in methods:
+            tag = "" if method == "pat" else f" {method}"
+            every = [k for k in out if k.endswith(f" {timing}{tag}")
+                     and (tag or k.endswith(f" {timing}"))]
+            if every:
+                print(f"{timing}{tag}: " + ", ".join(
+                    f"{k.split(' ')[0]} median {100 * out[k]['median_abs']:.1f}% (max "
+                    f"{100 * out[k]['max_abs']:.1f}%)" for k in every))
     return out
 
 

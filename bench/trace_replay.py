@@ -339,6 +339,28 @@ def pat_plan_kw(kv_dtype: str, q_len: int, batch: int, invariant: bool = False) 
     return kw
 
 
+def graph_safe_buckets(plans, steps, ps: int, buckets: bool) -> dict:
+    """The graph-safe wrappers :class:`_GraphSafe` makes for a run of steps: ``{bucket:
+    (max_batch_size, max_num_pages, max_ctas, max_partials)}`` from the steps' plain
+    ``plans`` (``steps``: ``(meta, table, seq_lens)``), one bucket (key 0) sized for the
+    largest step, or with ``buckets`` one per power-of-two batch size (:func:`batch_bucket`)."""
+    limits = {}
+    for p, (_, _, ln) in zip(plans, steps):
+        key = batch_bucket(p.batch_size, buckets)
+        entries = int(((ln.astype(np.int64) + ps - 1) // ps).sum())
+        old = limits.get(key, (0, 0, 0, 0))
+        limits[key] = (max(old[0], key if buckets else p.batch_size),
+                       max(old[1], entries), max(old[2], p.num_ctas),
+                       max(old[3], p.num_partial_rows))   # max_partials: rows
+    return limits
+
+
+def batch_bucket(batch: int, buckets: bool) -> int:
+    """The graph-safe bucket of a step of ``batch`` requests: the power of two at or above it,
+    or 0 (one bucket) without ``buckets``."""
+    return 1 << max(0, int(batch) - 1).bit_length() if buckets else 0
+
+
 class _GraphSafe:
     """pat's graph-safe mode over a run of steps: one wrapper sized for the largest step, one
     graph captured at the first plan and replayed for every later one.  With ``buckets``, as
@@ -356,14 +378,7 @@ class _GraphSafe:
         probe = Planner("pat", detect_gpu_name(torch.cuda.get_device_name()) or "h100")
         plans = [probe.plan(t, ln, hq, hk, d, ps, **self._kw(len(ln))) for _, t, ln in steps]
         self.buckets = buckets
-        self.limits = {}
-        for p, (_, _, ln) in zip(plans, steps):
-            key = self._bucket(p.batch_size)
-            entries = int(((ln.astype(np.int64) + ps - 1) // ps).sum())
-            old = self.limits.get(key, (0, 0, 0, 0))
-            self.limits[key] = (max(old[0], key if buckets else p.batch_size),
-                                max(old[1], entries), max(old[2], p.num_ctas),
-                                max(old[3], p.num_partial_rows))   # max_partials: rows
+        self.limits = graph_safe_buckets(plans, steps, ps, buckets)
         self.states = {}       # bucket -> [wrapper, q, out, graph]
         self.cur = None
         self.batch = 0
@@ -376,7 +391,7 @@ class _GraphSafe:
         return kw
 
     def _bucket(self, batch: int) -> int:
-        return 1 << max(0, int(batch) - 1).bit_length() if self.buckets else 0
+        return batch_bucket(batch, self.buckets)
 
     def plan(self, table, lens):
         key = self._bucket(table.shape[0])

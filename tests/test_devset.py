@@ -163,7 +163,7 @@ def test_sim_error_reports_the_simulators_error(tmp_path, kv_dtype, q_len):
 
     from pat_core import Planner
     from sim import simulate
-    specs = ["1,4,16_128,256,1024", "8_512"]
+    specs = ["1,4,16_128,256,1024", "40_300"]      # a bucket of 40 requests: not fused
     prepare_synthetic_steps(specs, tmp_path / "synthetic.npz", page_size=16, verbose=False)
     rows = []
     for i, spec in enumerate(specs):
@@ -175,15 +175,38 @@ def test_sim_error_reports_the_simulators_error(tmp_path, kv_dtype, q_len):
         rows.append(dict(part="synthetic", step=i, heads="32:8", method="pat",
                          graph_us=1.25 * simulate(plan, "h100").latency_us,
                          eager_us=0.8 * simulate(plan, "h100", timing="eager").latency_us))
+        # a graph-safe run of both steps, one wrapper sized for the larger: its launch set
+        # priced on top, the measurement again 1.25x the prediction
+        if q_len == 1:
+            from bench.trace_replay import graph_safe_buckets
+            from pat_core.static_plan import StaticLimits
+            steps = devset.load_steps(tmp_path / "synthetic.npz")[1]
+            planner = Planner("pat", "h100")
+            plans = [planner.plan(t, ln, 32, 8, 128, 16, kv_data_type=kv_dtype)
+                     for _, t, ln in steps]
+            lim = StaticLimits.make(*graph_safe_buckets(plans, steps, 16, False)[0])
+            ls = devset.graph_safe_launch_set(planner, lim, 4, 128, kv_dtype)
+            assert ls is not None and len(ls[0]) > 1
+            rows.append(dict(part="synthetic", step=i, heads="32:8", method="pat-graph",
+                             graph_us=1.25 * simulate(plan, "h100",
+                                                      launch_set=ls).latency_us))
     res = tmp_path / "devset.json"
+    methods = ["pat"] + (["pat-graph"] if q_len == 1 else [])
     res.write_text(json.dumps(dict(heads=["32:8"], head_dim=128, kv_dtype=kv_dtype, q_len=q_len,
-                                   rows=rows)))
+                                   methods=methods, rows=rows)))
     out = devset.sim_error(tmp_path, res)
     g, e = out["synthetic 32:8 graph"], out["synthetic 32:8 eager"]
     assert g["steps"] == e["steps"] == 2
     assert g["median_abs"] == pytest.approx(0.2, abs=1e-3) and g["mean"] == pytest.approx(-0.2,
                                                                                         abs=1e-3)
     assert e["max_abs"] == pytest.approx(0.25, abs=1e-3)
+    if q_len == 1:
+        gs = out["synthetic 32:8 graph pat-graph"]
+        assert gs["steps"] == 2 and gs["skipped"] == 0
+        assert gs["median_abs"] == pytest.approx(0.2, abs=1e-3)
+        assert "synthetic 32:8 eager pat-graph" not in out        # no eager time measured
+    else:
+        assert not any(k.endswith("pat-graph") for k in out)
 
 
 @pytest.mark.parametrize("head_dim", (64, 128, 256))

@@ -232,3 +232,33 @@ def test_json_block_table_batch(tmp_path):
                     '"page_size": 16}')
     r = simulate(make_plan(load_batch(str(path)), "pat", 8, 8, 128))
     assert r.bytes["kv"] == make_plan(load_batch(str(path)), "pat", 8, 8, 128).stats()["kv_bytes"]
+
+
+def test_graph_safe_launch_set_adds_its_idle_launches():
+    """``simulate(plan, launch_set=(tiles, fused))``: each tile of graph-safe mode's launch set
+    the plan gives no CTA, and the merge where the plan alone needs none, adds one per-launch
+    time of the timing mode; a fused set adds only the merge; a set without one of the plan's
+    tiles is refused by name."""
+    from pat_core.static_plan import reachable_tiles
+    for spec in ("64_4160", "1,4,16_128,256,1024"):
+        b = build_tree_batch(spec, page_size=16)
+        plan = _plan(b, "pat", hq=16, hk=4)
+        c = load_constants(H100)
+        used = {tuple(int(x) for x in plan.tile_configs[k]) for k in set(plan.cta_tile.tolist())}
+        tiles = reachable_tiles(Planner("pat", "h100").tile_selector(128, "float16"),
+                                max_rows=1024)
+        assert used < set(tiles)
+        for timing in ("graph", "eager"):
+            plain = simulate(plan, "h100", timing=timing)
+            merge = any(ln.kind == "merge" for ln in plain.timeline.launches)
+            per = c.launch_costs(timing)[0]
+            gs = simulate(plan, "h100", timing=timing, launch_set=(tiles, False))
+            idle = len(set(tiles) - used) + (0 if merge else 1)
+            assert gs.extra["idle_launches"] == idle
+            assert gs.latency_ns == pytest.approx(plain.latency_ns + idle * per)
+            fused = simulate(plan, "h100", timing=timing, launch_set=(tiles, True))
+            assert fused.latency_ns == pytest.approx(plain.latency_ns + (0 if merge else per))
+            exact = simulate(plan, "h100", timing=timing, launch_set=(sorted(used), False))
+            assert exact.extra["idle_launches"] == (0 if merge else 1)
+        with pytest.raises(ValueError, match="launch_set: the plan uses tiles"):
+            simulate(plan, "h100", launch_set=([(128, 64)], False))
