@@ -303,7 +303,8 @@ def sim_error(steps_dir, results, *, gpu: str = "h100") -> dict:
     res = json.loads(Path(results).read_text())
     d = int(res.get("head_dim", 128))
     kv_dtype, q_len = res.get("kv_dtype", "float16"), int(res.get("q_len", 1))
-    methods = ["pat"] + ([m for m in GRAPH_SAFE if m in res["methods"]] if q_len == 1 else [])
+    methods = ["pat"] + ([m for m in GRAPH_SAFE if m in res.get("methods", ())]
+                         if q_len == 1 else [])
     meas = {(r["part"], r["step"], r["heads"], r["method"]): r for r in res["rows"]}
     planner = Planner("pat", gpu)
     out = {}

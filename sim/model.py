@@ -420,15 +420,15 @@ def simulate(plan, gpu=None, constants: SimConstants | str | None = None,
     mrg = ~fwd
     start = float(np.nanmin(tl.block_start))
     end = tl.makespan
+    fwd_end = float(np.nanmax(tl.block_end[fwd])) if fwd.any() else start
+    fwd_start = float(np.nanmin(tl.block_start[fwd])) if fwd.any() else start
+    merge_span = (end - float(np.nanmin(tl.block_start[mrg]))) if mrg.any() else 0.0
     extra = {}
     if launch_set is not None:
         idle = idle_launches(plan, launch_set, has_merge=any(ln.kind == "merge"
                                                              for ln in tl.launches))
-        end += idle * constants.launch_costs(timing)[0]
+        end += idle * constants.launch_costs(timing)[0]     # the step ends that much later
         extra["idle_launches"] = idle
-    fwd_end = float(np.nanmax(tl.block_end[fwd])) if fwd.any() else start
-    fwd_start = float(np.nanmin(tl.block_start[fwd])) if fwd.any() else start
-    merge_span = (end - float(np.nanmin(tl.block_start[mrg]))) if mrg.any() else 0.0
     return SimResult(
         plan=plan, gpu=wl.gpu, constants=constants, timeline=tl,
         bytes=bytes_by_kind(plan), bytes_level=bytes_by_level(wl),
