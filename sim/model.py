@@ -93,7 +93,8 @@ from pat_core.launch import (dependent_launch_ok, forward_launches, merge_heads_
 
 from .constants import SimConstants, check_timing, load_constants
 from .l2 import l2_split, l2_window
-from .occupancy import (MERGE_WARPS, merge_resources, plan_occupancy, resource_vector,
+from .occupancy import (MERGE_WARPS, config_resources, merge_resources, plan_occupancy,
+                        resource_vector,
                         sm_capacity, smem_class)
 from .timeline import Launch, Timeline, run_engine
 from .traffic import bytes_by_kind, forward_work, merge_work, padding_waste
@@ -137,12 +138,18 @@ class Workload:
     cfg_class: np.ndarray | None = None    # int [configs + 2]: sim.occupancy.smem_class (-1: any)
 
 
-def prepare(plan, gpu=None, l2_window_bytes: float | None = None) -> Workload:
+def prepare(plan, gpu=None, l2_window_bytes: float | None = None,
+            fused_tiles=None) -> Workload:
     """Lay out ``plan``'s thread blocks as launches (see module docstring).
 
     ``gpu``: spec or name to simulate (default: the GPU the plan was made for).
     ``l2_window_bytes``: L2 reuse window (default :func:`sim.l2.l2_window` of the GPU; ``0``
     turns L2 hits off).
+    ``fused_tiles``: the ``(m, n)`` tiles of a fused launch (graph-safe mode's fused pull
+    launch: every tile in one kernel): the plan's items all go to that one launch, and every
+    block takes the largest threads, registers per thread and shared memory of those tiles,
+    so an item of a small tile runs at the fused block's residency (its own warps and
+    stages otherwise).
     """
     gpu = get_gpu(gpu if gpu is not None else plan.gpu)
     occ = plan_occupancy(plan, gpu)
@@ -151,6 +158,11 @@ def prepare(plan, gpu=None, l2_window_bytes: float | None = None) -> Workload:
     for k, o in enumerate(occ):
         r = o.resources
         need[k] = resource_vector(r.threads, r.registers, r.smem)
+    if fused_tiles is not None:
+        res = [config_resources(int(m), int(n), plan.head_dim, plan.kv_dtype, gpu)
+               for m, n in fused_tiles]
+        need[:T] = resource_vector(max(r.threads for r in res), max(r.registers for r in res),
+                                   max(r.smem for r in res))
     mr = merge_resources()
     need[T] = resource_vector(mr.threads, mr.registers, mr.smem)
     # which forward blocks may share an SM (the merge's share with any)
@@ -166,7 +178,8 @@ def prepare(plan, gpu=None, l2_window_bytes: float | None = None) -> Workload:
     w = forward_work(plan)
     hk = plan.num_kv_heads
     fwd = forward_launches(plan)
-    chained = len(fwd) >= 2 and dependent_launch_ok(gpu)
+    fused = fused_tiles is not None
+    chained = not fused and len(fwd) >= 2 and dependent_launch_ok(gpu)
     launches, cfg, cta, head, lau, byt, til, flo, slo = [], [], [], [], [], [], [], [], []
     # each block runs its own variant's code: its warps and stages
     cfg_warps = np.array([o.resources.threads // 32 for o in occ], dtype=np.float64)
@@ -178,10 +191,14 @@ def prepare(plan, gpu=None, l2_window_bytes: float | None = None) -> Workload:
     for i, (k, (m, n), ctas) in enumerate(fwd):
         idx = np.repeat(ctas, hk)                            # a CTA's KV heads adjacent
         hh = np.tile(np.arange(hk, dtype=np.int32), ctas.shape[0])
-        launches.append(Launch(name=f"forward {m}x{n}", kind="forward", config=k, begin=pos,
-                               end=pos + idx.shape[0], issue_ns=0.0,
-                               phase=0 if chained else i,
-                               gate=i - 1 if chained and i > 0 else -1))
+        if fused and launches:                  # the one fused launch takes these items too
+            launches[0].end = pos + idx.shape[0]
+        else:
+            launches.append(Launch(name="forward fused" if fused else f"forward {m}x{n}",
+                                   kind="forward", config=k, begin=pos,
+                                   end=pos + idx.shape[0], issue_ns=0.0,
+                                   phase=0 if chained or fused else i,
+                                   gate=i - 1 if chained and i > 0 else -1))
         cfg.append(np.full(idx.shape[0], k, np.int32))
         cta.append(idx.astype(np.int32))
         head.append(hh)
@@ -192,7 +209,7 @@ def prepare(plan, gpu=None, l2_window_bytes: float | None = None) -> Workload:
         slo.append(np.zeros(idx.shape[0]))
         pos += idx.shape[0]
     nf_launch = len(cta)                          # forward launches' arrays come first
-    fwd_phases = 1 if chained else len(fwd)
+    fwd_phases = 1 if chained or fused else len(fwd)
     # the merge: blocks for the requests of more than one slot; where there are none but a
     # forward block drew a second item, a launch of blocks that only reset the work counters
     mw = merge_work(plan)
@@ -404,15 +421,17 @@ def simulate(plan, gpu=None, constants: SimConstants | str | None = None,
         plan gives no CTA (none when fused) is one more launch, and the merge is launched even
         where the plan alone needs none; each such launch, whose blocks move nothing, costs
         the timing's per-launch time (``graph_launch_ns`` / ``launch_ns``) after the forward
-        phase (:func:`idle_launches`).  The fused kernel's own block size is not modelled: a
-        fused set is priced as the plan's plain launches.  Measured (bench/NOTES.md): a
+        phase (:func:`idle_launches`).  A fused set runs the plan's items in one launch of
+        blocks the size of the set's largest tile (:func:`prepare`'s ``fused_tiles``).
+        Measured (bench/NOTES.md): a
         graph-safe replay on the H100 costs 1-2.5 us per idle launch over the plain one, and
         the per-launch constant, fitted on plain plans alone, brings the predicted graph-safe
         replays of the development set (one wrapper per part) from 2.0 / 1.6 / 18.7% median
         error (conversation, agent, synthetic) to 0.5 / 2.1 / 6.0%.
     """
     check_timing(timing)
-    wl = prepare(plan, gpu)
+    fused = launch_set is not None and bool(launch_set[1])
+    wl = prepare(plan, gpu, fused_tiles=launch_set[0] if fused else None)
     if constants is None or isinstance(constants, str):
         constants = load_constants(wl.gpu, constants)
     tl = run_timeline(wl, constants, timing)

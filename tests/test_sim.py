@@ -256,9 +256,36 @@ def test_graph_safe_launch_set_adds_its_idle_launches():
             idle = len(set(tiles) - used) + (0 if merge else 1)
             assert gs.extra["idle_launches"] == idle
             assert gs.latency_ns == pytest.approx(plain.latency_ns + idle * per)
+            # fused: the plan's items in one launch of blocks the size of the set's largest
+            # tile, no idle tile launch (the merge where the plan has none)
             fused = simulate(plan, "h100", timing=timing, launch_set=(tiles, True))
-            assert fused.latency_ns == pytest.approx(plain.latency_ns + (0 if merge else per))
+            assert fused.extra["idle_launches"] == (0 if merge else 1)
+            assert [ln.kind for ln in fused.timeline.launches].count("forward") == 1
             exact = simulate(plan, "h100", timing=timing, launch_set=(sorted(used), False))
             assert exact.extra["idle_launches"] == (0 if merge else 1)
         with pytest.raises(ValueError, match="launch_set: the plan uses tiles"):
             simulate(plan, "h100", launch_set=([(128, 64)], False))
+        T = plan.tile_configs.shape[0]
+        wl, wf = prepare(plan, "h100"), prepare(plan, "h100", fused_tiles=tiles)
+        assert (wf.need[:T] == wf.need[0]).all() and (wf.need[:T] >= wl.need[:T]).all()
+        assert (wf.need[T] == wl.need[T]).all()             # the merge keeps its own size
+
+
+def test_a_fused_set_of_the_plans_one_tile_is_its_plain_launch():
+    """A fused launch set holding only the tile of a one-tile plan prices as the plain launch
+    (plus the merge graph-safe mode always launches); a larger set's bigger blocks hold fewer
+    per SM, so a step of many items is slower."""
+    from pat_core.static_plan import reachable_tiles
+    b = build_tree_batch("256_512", page_size=16)
+    plan = _plan(b, "pat")
+    assert plan.tile_configs.shape[0] == 1
+    tile = [tuple(int(x) for x in plan.tile_configs[0])]
+    plain = simulate(plan, "h100")
+    merge = any(ln.kind == "merge" for ln in plain.timeline.launches)
+    per = load_constants(H100).launch_costs("graph")[0]
+    one = simulate(plan, "h100", launch_set=(tile, True))
+    assert one.latency_ns == pytest.approx(plain.latency_ns + (0 if merge else per))
+    every = reachable_tiles(Planner("pat", "h100").tile_selector(128, "float16"))
+    # 16x64 items in blocks of the 128-row tile's size: fewer per SM, a bandwidth-bound
+    # step of 2048 items about a tenth slower
+    assert simulate(plan, "h100", launch_set=(every, True)).latency_ns > 1.05 * one.latency_ns
