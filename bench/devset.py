@@ -270,18 +270,20 @@ def time_all(steps_dir, out_dir, *, heads=("32:8",), methods=("pat", "pat-graph-
     return summary
 
 
-def graph_safe_launch_set(planner, limits, group: int, head_dim: int, kv_dtype: str):
-    """The launch set ``(tiles, False)`` of a graph-safe wrapper with ``limits`` (a
-    :class:`~pat_core.static_plan.StaticLimits`) whose plans equal ``planner``'s plain ones,
-    or ``None`` where the wrapper plans otherwise: a fused bucket, or one whose KV tile table
-    the wrapper replaces (:func:`~pat_core.static_plan.graph_safe_tile_table`); those the
-    simulator does not price as graph-safe."""
-    from pat_core.static_plan import graph_safe_fused, graph_safe_tile_table, reachable_tiles
-    tiles = reachable_tiles(planner.tile_selector(head_dim, kv_dtype),
-                            max_rows=limits.max_cta_rows(group))
-    if graph_safe_fused(limits, len(tiles)) or graph_safe_tile_table(limits, group) is not None:
-        return None
-    return tiles, False
+def graph_safe_bucket(gpu: str, limits, group: int, head_dim: int, kv_dtype: str) -> tuple:
+    """``(planner, launch_set)`` of a graph-safe wrapper with ``limits`` (a
+    :class:`~pat_core.static_plan.StaticLimits`) on ``gpu``, as the wrapper sets them up
+    (default tuning, the backend's default ``graph_fused``): the planner with the tuning the
+    wrapper gives it (:func:`~pat_core.static_plan.graph_safe_tuning`) and the launch set
+    ``(tiles, fused)`` (:func:`~pat_core.static_plan.graph_safe_launch_set`)."""
+    import dataclasses
+    from pat_core import Planner
+    from pat_core.static_plan import graph_safe_launch_set, graph_safe_tuning
+    planner = Planner("pat", gpu)
+    auto = graph_safe_tuning(planner.gpu, planner.tuning, limits, group, head_dim, kv_dtype)
+    planner.tuning = dataclasses.replace(planner.tuning, **auto)
+    return planner, graph_safe_launch_set(planner.gpu, planner.tuning, limits, group,
+                                          head_dim, kv_dtype)
 
 
 def sim_error(steps_dir, results, *, gpu: str = "h100") -> dict:
@@ -291,10 +293,9 @@ def sim_error(steps_dir, results, *, gpu: str = "h100") -> dict:
     (:func:`sim.simulate`, packaged constants), and the relative error
     ``predicted / measured - 1`` per part: median and largest absolute, mean signed.  The
     graph-safe methods measured in the file (``pat-graph``, ``pat-graph-bucket``; one token
-    per request) are priced the same way with their wrapper's launch set
-    (:func:`graph_safe_launch_set`; ``simulate(..., launch_set=)``), under keys ending in the
-    method's name, where the wrapper plans as the plain planner does (``skipped``: the steps
-    where it does not).  Runs on the CPU."""
+    per request) are priced with their wrapper's planner tuning and launch set
+    (:func:`graph_safe_bucket`; ``simulate(..., launch_set=)``), under keys ending in the
+    method's name.  Runs on the CPU."""
     import numpy as np
     from pat_core import Planner
     from pat_core.static_plan import StaticLimits
@@ -318,22 +319,22 @@ def sim_error(steps_dir, results, *, gpu: str = "h100") -> dict:
                      for _, table, lens in steps]
             for method in methods:
                 errs = {"graph": [], "eager": []}
-                sets, skipped = {}, 0
+                sets = {}
                 if method != "pat":
                     buckets = method == "pat-graph-bucket"
                     for key, lim in graph_safe_buckets(plans, steps, ps, buckets).items():
-                        sets[key] = graph_safe_launch_set(planner, StaticLimits.make(*lim),
-                                                          hq // hk, d, kv_dtype)
-                for (m, _, _), plan in zip(steps, plans):
+                        sets[key] = graph_safe_bucket(gpu, StaticLimits.make(*lim), hq // hk,
+                                                      d, kv_dtype)
+                for (m, table, lens), plan in zip(steps, plans):
                     row = meas.get((part, m["step"], heads, method))
                     if row is None:
                         continue
                     launch_set = None
                     if method != "pat":
-                        launch_set = sets[batch_bucket(plan.batch_size, buckets)]
-                        if launch_set is None:
-                            skipped += 1
-                            continue
+                        bp, launch_set = sets[batch_bucket(plan.batch_size, buckets)]
+                        if bp.tuning != planner.tuning:      # the wrapper plans otherwise
+                            plan = bp.plan(table, lens, hq, hk, d, ps,
+                                           **pat_plan_kw(kv_dtype, q_len, len(lens)))
                     for timing in errs:
                         if row.get(f"{timing}_us"):
                             pred = simulate(plan, gpu, timing=timing,
@@ -345,8 +346,7 @@ def sim_error(steps_dir, results, *, gpu: str = "h100") -> dict:
                         a = np.abs(e)
                         out[f"{part} {heads} {timing}{tag}"] = dict(
                             steps=len(e), median_abs=round(float(np.median(a)), 4),
-                            max_abs=round(float(a.max()), 4), mean=round(float(np.mean(e)), 4),
-                            skipped=skipped)
+                            max_abs=round(float(a.max()), 4), mean=round(float(np.mean(e)), 4))
     for timing in ("graph", "eager"):
         for method in methods:
             tag = "" if method == "pat" else f" {method}"

@@ -514,6 +514,17 @@ def fp8_q_dtype(kv_dtype: str, q_data_type) -> str:
     return q_dtype
 
 
+def tile_selector_for(gpu, tuning: Tuning, head_dim: int, kv_data_type="float16",
+                      tile=None) -> TileSelector:
+    """The tile selector a planner with ``gpu`` (a :class:`~pat_core.gpus.GPUSpec`) and
+    ``tuning`` uses (:meth:`Planner.tile_selector`): the tuning's KV-length table or the
+    GPU's, the tuning's ``exclude_tiles`` left out, ``tile`` forcing one config."""
+    if tuning.kv_tile_table is not None:
+        gpu = dataclasses.replace(gpu, kv_tile_table=tuple(tuning.kv_tile_table))
+    return TileSelector(head_dim, dtype_name(kv_data_type, "kv_data_type"), gpu, fixed=tile,
+                        exclude=None if tile is not None else tuning.exclude_tiles)
+
+
 class Planner:
     """Plans decode batches for one packer and remembers the last one (incremental update,
     module docstring).
@@ -819,11 +830,7 @@ class Planner:
         """The tile selector :meth:`plan` uses for this head_dim and dtype (the GPU's KV-length
         table, or the tuning's; the tuning's ``exclude_tiles`` left out; ``tile`` forces one
         config)."""
-        gpu = self.gpu
-        if self.tuning.kv_tile_table is not None:
-            gpu = dataclasses.replace(gpu, kv_tile_table=tuple(self.tuning.kv_tile_table))
-        return TileSelector(head_dim, dtype_name(kv_data_type, "kv_data_type"), gpu, fixed=tile,
-                            exclude=None if tile is not None else self.tuning.exclude_tiles)
+        return tile_selector_for(self.gpu, self.tuning, head_dim, kv_data_type, tile)
 
     def _length_update(self, c: dict, nbt: BlockTable, changed: np.ndarray, added: int):
         """The plan when the rows are the last step's and only ``changed`` rows (int ``[k]``)

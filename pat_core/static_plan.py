@@ -491,6 +491,70 @@ def fused_pull_max_rows(tiles, head_dim: int, dtype: str, gpu):
     return cap
 
 
+def graph_safe_max_rows(limits: StaticLimits, group: int, cap=None) -> int:
+    """Most query rows a CTA of a graph-safe plan can hold: the limits' (every query token x
+    the GQA ``group``) under a planner row cap ``cap`` (``Tuning.max_rows``), as
+    :meth:`pat_core.planner.Planner.plan` applies it."""
+    rows = limits.max_cta_rows(group)
+    return rows if cap is None else min(rows, max(int(group), int(cap)))
+
+
+def graph_safe_tuning(gpu, tuning, limits: StaticLimits, group: int, head_dim: int,
+                      kv_dtype: str, mode: str = "auto", tile=None) -> dict:
+    """The planner tuning fields a graph-safe wrapper with ``limits`` sets before its first
+    plan, where ``tuning`` (a :class:`~pat_core.tuning.Tuning`) leaves them unset: the KV tile
+    table (:func:`graph_safe_tile_table`: one width when every CTA fits a 16-row tile or the
+    bucket runs as one fused pull launch) and, for a fused bucket, the tiles left out and the
+    row cap that keep its block at two per SM (:func:`fused_pull_exclusions`,
+    :func:`fused_pull_max_rows`).  ``gpu``: the planner's :class:`~pat_core.gpus.GPUSpec`;
+    ``mode``: the backend's ``graph_fused``; ``tile``: a forced tile (never fused).  Returns
+    ``{field: value}`` (empty when nothing changes); each decision sees the ones before it."""
+    import dataclasses
+    from .planner import tile_selector_for
+    auto = {}
+
+    def selector():
+        return tile_selector_for(gpu, dataclasses.replace(tuning, **auto), head_dim, kv_dtype)
+
+    def tiles_now() -> tuple:
+        cap = auto.get("max_rows", tuning.max_rows)
+        return reachable_tiles(selector(), max_rows=graph_safe_max_rows(limits, group, cap))
+
+    def fused_now() -> bool:
+        return tile is None and graph_safe_fused(limits, len(tiles_now()), mode)
+
+    if tuning.kv_tile_table is None:
+        table = graph_safe_tile_table(limits, group, fused=fused_now())
+        if table is not None:
+            auto["kv_tile_table"] = table
+    if not fused_now():
+        return auto
+    if tuning.exclude_tiles is None:
+        ex = fused_pull_exclusions(tiles_now(), head_dim, kv_dtype, gpu,
+                                   feasible=selector().feasible)
+        if ex:
+            auto["exclude_tiles"] = ex
+    if tuning.max_rows is None:
+        cap = fused_pull_max_rows(tiles_now(), head_dim, kv_dtype, gpu)
+        if cap is not None and cap >= group:
+            auto["max_rows"] = cap
+    return auto
+
+
+def graph_safe_launch_set(gpu, tuning, limits: StaticLimits, group: int, head_dim: int,
+                          kv_dtype: str, mode: str = "auto", tile=None) -> tuple:
+    """``(tiles, fused)``: the fixed launch set of a graph-safe wrapper whose planner has
+    ``gpu`` and ``tuning`` (after :func:`graph_safe_tuning`): every tile its selector can give
+    a CTA of at most :func:`graph_safe_max_rows` rows (or the forced ``tile``), and whether
+    they run as one fused pull launch (:func:`graph_safe_fused` under ``mode``).  What
+    ``sim.simulate(..., launch_set=)`` takes."""
+    from .planner import tile_selector_for
+    sel = tile_selector_for(gpu, tuning, head_dim, kv_dtype, tile)
+    tiles = reachable_tiles(sel, max_rows=graph_safe_max_rows(limits, group, tuning.max_rows))
+    return tiles, graph_safe_fused(limits, len(tiles), mode)
+
+
 __all__ = ["FUSED_TILE_TABLE", "StaticLayout", "StaticLimits", "fused_block_per_sm",
            "fused_pull_exclusions", "fused_pull_max_rows", "graph_safe_fused",
-           "graph_safe_tile_table", "reachable_tiles"]
+           "graph_safe_launch_set", "graph_safe_max_rows", "graph_safe_tile_table",
+           "graph_safe_tuning", "reachable_tiles"]

@@ -368,57 +368,28 @@ class PrefixAttentionWrapper:
                                                        kv_dtype, jobs=jobs or os.cpu_count())
 
     def _graph_safe_tuning(self, num_qo_heads, num_kv_heads, head_dim, kv_dtype, tile) -> None:
-        """Before the first graph-safe plan, unless the planner's tuning already names them:
-        the KV tile table (:func:`~pat_core.static_plan.graph_safe_tile_table`: one width when
-        every CTA fits a 16-row tile or the bucket runs as one fused pull launch) and,
-        for a fused bucket, the tiles left out and the row cap that keep its block at two per
-        SM (:func:`~pat_core.static_plan.fused_pull_exclusions`,
-        :func:`~pat_core.static_plan.fused_pull_max_rows`)."""
-        from .static_plan import (fused_pull_exclusions, fused_pull_max_rows, graph_safe_fused,
-                                  graph_safe_tile_table, reachable_tiles)
+        """Before the first graph-safe plan: the planner tuning fields graph-safe mode sets
+        where the tuning leaves them unset (:func:`~pat_core.static_plan.graph_safe_tuning`:
+        the KV tile table, and for a fused bucket the tiles left out and the row cap)."""
+        from .static_plan import graph_safe_tuning
         # undo what an earlier first plan that was refused set, unless changed since
         undo = {k: None for k, v in self._auto_tuning.items()
                 if getattr(self.planner.tuning, k) == v}
         if undo:
             self.planner.tuning = dataclasses.replace(self.planner.tuning, **undo)
         self._auto_tuning = {}
-
-        def set_auto(**kw):
-            self.planner.tuning = dataclasses.replace(self.planner.tuning, **kw)
-            self._auto_tuning.update({k: getattr(self.planner.tuning, k) for k in kw})
         hq, hk, _ = check_heads(num_qo_heads, num_kv_heads, head_dim)   # the planner's check
-        limits, mode = self.static_limits, self._graph_fused_mode()
-
-        def tiles_now() -> tuple:
-            return reachable_tiles(self.planner.tile_selector(head_dim, kv_dtype),
-                                   max_rows=self._static_max_rows(hq // hk))
-
-        def fused_now() -> bool:
-            return tile is None and graph_safe_fused(limits, len(tiles_now()), mode)
-
-        if self.planner.tuning.kv_tile_table is None:
-            table = graph_safe_tile_table(limits, hq // hk, fused=fused_now())
-            if table is not None:
-                set_auto(kv_tile_table=table)
-        if not fused_now():
-            return
-        if self.planner.tuning.exclude_tiles is None:
-            ex = fused_pull_exclusions(tiles_now(), head_dim, kv_dtype, self.planner.gpu,
-                                       feasible=self.planner.tile_selector(head_dim,
-                                                                           kv_dtype).feasible)
-            if ex:
-                set_auto(exclude_tiles=ex)
-        if self.planner.tuning.max_rows is None:
-            cap = fused_pull_max_rows(tiles_now(), head_dim, kv_dtype, self.planner.gpu)
-            if cap is not None and cap >= hq // hk:
-                set_auto(max_rows=cap)
+        auto = graph_safe_tuning(self.planner.gpu, self.planner.tuning, self.static_limits,
+                                 hq // hk, head_dim, kv_dtype, self._graph_fused_mode(), tile)
+        if auto:
+            self.planner.tuning = dataclasses.replace(self.planner.tuning, **auto)
+            self._auto_tuning = dict(auto)
 
     def _static_max_rows(self, group: int) -> int:
-        """Most query rows a CTA of a graph-safe plan can hold: the bucket's (limits) under the
-        planner's row cap, as :meth:`pat_core.planner.Planner.plan` applies it."""
-        rows = self.static_limits.max_cta_rows(group)
-        cap = self.planner.tuning.max_rows
-        return rows if cap is None else min(rows, max(group, int(cap)))
+        """Most query rows a CTA of a graph-safe plan can hold
+        (:func:`~pat_core.static_plan.graph_safe_max_rows` under the planner's row cap)."""
+        from .static_plan import graph_safe_max_rows
+        return graph_safe_max_rows(self.static_limits, group, self.planner.tuning.max_rows)
 
     def _graph_fused_mode(self) -> str:
         """The CUDA backend's ``graph_fused`` setting (``"auto"`` without a backend)."""
@@ -427,13 +398,12 @@ class PrefixAttentionWrapper:
     def _write_static(self, plan: Plan, tile) -> None:
         """Graph-safe mode: make the fixed state on the first plan, then copy each plan in."""
         if self._static is None:
-            from .static_plan import StaticLayout, graph_safe_fused, reachable_tiles
-            sel = self.planner.tile_selector(plan.head_dim, plan.kv_dtype, tile)
-            max_rows = self._static_max_rows(plan.group_size)
-            layout = StaticLayout(self.static_limits, reachable_tiles(sel, max_rows=max_rows))
+            from .static_plan import StaticLayout, graph_safe_launch_set
+            tiles, fused = graph_safe_launch_set(
+                self.planner.gpu, self.planner.tuning, self.static_limits, plan.group_size,
+                plan.head_dim, plan.kv_dtype, self._graph_fused_mode(), tile)
+            layout = StaticLayout(self.static_limits, tiles)
             layout.check(plan)          # refuse before allocating anything
-            fused = graph_safe_fused(self.static_limits, len(layout.tiles),
-                                     self._graph_fused_mode())
             self._static = self._gpu_backend.static_state(
                 layout, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.page_size,
                 plan.io_dtype, plan.sm_scale, fused=fused, kv_dtype=plan.kv_dtype)

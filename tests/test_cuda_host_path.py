@@ -433,3 +433,31 @@ def test_warmup_skips_tiles_past_the_gpus_shared_memory(cuda):
     sizes = {v.key: v.smem_bytes for v in cc.all_fwd_variants(head_dims=(128,))}
     assert fwd and all(k in sizes and sizes[k] <= 99 * 1024 for k in fwd)
     assert len(fwd) < len(w.planner.tile_selector(128, "float16").feasible)
+
+
+@pytest.mark.parametrize("max_batch,heads,mode", [
+    (4, (32, 8), "auto"), (12, (32, 8), "auto"), (16, (64, 8), "auto"), (12, (32, 32), "off"),
+    (40, (32, 8), "auto"), (40, (16, 4), "on"), (200, (32, 8), "auto")])
+def test_a_graph_safe_wrappers_setup_is_static_plans(cuda, max_batch, heads, mode):
+    """What a graph-safe wrapper decides before its first plan (planner tuning, launch set,
+    fused or not) is what :func:`pat_core.static_plan.graph_safe_tuning` and
+    :func:`~pat_core.static_plan.graph_safe_launch_set` say for its limits, so the simulator's
+    tools price the wrapper a GPU would run."""
+    import dataclasses
+    from pat_core import Planner
+    from pat_core.static_plan import graph_safe_launch_set, graph_safe_tuning
+    hq, hk = heads
+    b = build_tree_batch(f"1,{max_batch}_64,20", page_size=16)
+    w = PrefixAttentionWrapper(backend="cuda", use_cuda_graph=True, max_batch_size=max_batch,
+                               max_num_pages=4096)
+    w._gpu_backend.graph_fused = mode
+    plan = w.plan(b.block_tables, b.seq_lens, hq, hk, 128, 16)
+    p = Planner("pat", w.planner.gpu)
+    auto = graph_safe_tuning(p.gpu, p.tuning, w.static_limits, hq // hk, 128, "float16", mode)
+    p.tuning = dataclasses.replace(p.tuning, **auto)
+    assert w.planner.tuning == p.tuning
+    tiles, fused = graph_safe_launch_set(p.gpu, p.tuning, w.static_limits, hq // hk, 128,
+                                         "float16", mode)
+    assert w._static.layout.tiles == tiles and w._static.fused == fused
+    assert np.array_equal(plan.tile_configs, p.plan(b.block_tables, b.seq_lens, hq, hk, 128,
+                                                    16).tile_configs)

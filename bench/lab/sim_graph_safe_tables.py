@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import numpy as np  # noqa: E402
 
-from bench.devset import DEFAULT_DIR, PARTS, graph_safe_launch_set  # noqa: E402
+from bench.devset import DEFAULT_DIR, PARTS, graph_safe_bucket  # noqa: E402
 from bench.trace_replay import batch_bucket, graph_safe_buckets, load_steps  # noqa: E402
 
 
@@ -63,7 +63,8 @@ def study(steps_dir, gpu: str, heads, tables, head_dim: int = 128) -> list:
                 sizes = graph_safe_buckets(plans, steps, ps, buckets)
                 for (m, t, ln), plain in zip(steps, plans):
                     lim = StaticLimits.make(*sizes[batch_bucket(plain.batch_size, buckets)])
-                    if graph_safe_launch_set(base, lim, hq // hk, head_dim, "float16") is None:
+                    bp, (_, fused) = graph_safe_bucket(gpu, lim, hq // hk, head_dim, "float16")
+                    if fused or bp.tuning != base.tuning:
                         continue        # a bucket the wrapper plans otherwise (small, fused)
                     row = dict(part=part, step=int(m["step"]), heads=f"{hq}:{hk}",
                                buckets=buckets, batch=int(plain.batch_size), us={}, tiles={})
