@@ -383,7 +383,8 @@ class PrefixAttentionWrapper:
                                  hq // hk, head_dim, kv_dtype, self._graph_fused_mode(), tile)
         if auto:
             self.planner.tuning = dataclasses.replace(self.planner.tuning, **auto)
-            self._auto_tuning = dict(auto)
+            # as the tuning holds them (normalised), for the undo's comparison
+            self._auto_tuning = {k: getattr(self.planner.tuning, k) for k in auto}
 
     def _static_max_rows(self, group: int) -> int:
         """Most query rows a CTA of a graph-safe plan can hold
