@@ -94,8 +94,7 @@ from pat_core.launch import (dependent_launch_ok, forward_launches, merge_heads_
 from .constants import SimConstants, check_timing, load_constants
 from .l2 import l2_split, l2_window
 from .occupancy import (MERGE_WARPS, config_resources, merge_resources, plan_occupancy,
-                        resource_vector,
-                        sm_capacity, smem_class)
+                        resource_vector, sm_capacity, smem_class)
 from .timeline import Launch, Timeline, run_engine
 from .traffic import bytes_by_kind, forward_work, merge_work, padding_waste
 
