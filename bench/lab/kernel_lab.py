@@ -187,6 +187,10 @@ TUNINGS = {
     # 16x32 on one warp and one stage, and n = 32 only up to 32 tokens (one tile per CTA)
     "short32-w1s1": {"kv_tile_table": ((16, 16), (32, 32), (1 << 62, 64)),
                      "layouts": {(16, 16): (1, 1, 16), (16, 32): (1, 1, 16)}},
+    # head_dim 256: the KV tile capped at 32 or 16 tokens for every KV length (the 16x64
+    # tile's d256 layout holds one block of 4 warps per SM; 16x32 two of 2, 16x16 four of 1)
+    "kv32": {"kv_tile_table": ((16, 16), (1 << 62, 32))},
+    "kv16": {"kv_tile_table": ((1 << 62, 16),)},
     # shared-prefix CTAs first in their tile's launch
     "shared-first": {"order": "shared"},
     # the pat packer's per-request rule off (pat_core.packers.request_packing)

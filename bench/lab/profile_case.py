@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-dtype", default="float16", choices=("float16", "float8_e4m3fn"),
                     help="the cache's dtype (FP8: scales 0.5 and 0.75; q stays float16)")
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--q-len", type=int, default=1,
+                    help="query tokens per request, causal among themselves (pat only)")
     ap.add_argument("--tile", default=None, help="M,N: force pat's tile")
     ap.add_argument("--layout", default=None,
                     help="WARPS,STAGES,ROWS_PER_WARP: the forced tile's kernel layout")
@@ -60,7 +62,10 @@ def main(argv=None) -> int:
     sc = dict(k_scale=0.5, v_scale=0.75) if fp8 else {}
     if fp8:
         k, v = (k / 0.5).to(torch.float8_e4m3fn), (v / 0.75).to(torch.float8_e4m3fn)
-    q = torch.randn((b.batch_size, hq, d), generator=g, device="cuda", dtype=torch.float16)
+    ql = args.q_len
+    if ql > 1 and args.method != "pat":
+        ap.error("--q-len > 1 runs pat only")
+    q = torch.randn((b.batch_size * ql, hq, d), generator=g, device="cuda", dtype=torch.float16)
     if args.method == "fasttree":
         if not args.fasttree:
             ap.error("fasttree needs --fasttree DIR")
@@ -86,16 +91,17 @@ def main(argv=None) -> int:
             if tile is None:
                 ap.error("--layout needs --tile")
             cc.VARIANT_OVERRIDES[tile] = tuple(int(x) for x in args.layout.split(","))
+        qo = np.arange(b.batch_size + 1, dtype=np.int32) * ql if ql > 1 else None
         plan = w.plan(b.block_tables, b.seq_lens, hq, hk, d, ps, kv_data_type=args.kv_dtype,
-                      q_data_type="float16", tile=tile)
+                      q_data_type="float16", tile=tile, qo_indptr=qo)
         st = plan.stats()
         print(f"{st['num_ctas']} CTAs, tiles {st['tiles']}, {st['total_bytes'] / 1e6:.1f} MB")
         fn = lambda: w.run(q, (k, v), **sc)  # noqa: E731
     out = fn()
-    ref = reference_fp64(torch, q, k, v, b.block_tables, b.seq_lens, ps, **sc)
+    ref = reference_fp64(torch, q, k, v, b.block_tables, b.seq_lens, ps, q_len=ql, **sc)
     err = rel_err(torch, out, ref)
-    plain = rel_err(torch, torch_attention(torch, q, k, v, b.block_tables, b.seq_lens, ps, **sc),
-                    ref)
+    plain = rel_err(torch, torch_attention(torch, q, k, v, b.block_tables, b.seq_lens, ps,
+                                           q_len=ql, **sc), ref)
     print(f"rel err {err:.2e} (plain torch {plain:.2e})")
     if err > max(2 * plain, 2.0 ** -11):
         print("WRONG OUTPUT: not profiling")
