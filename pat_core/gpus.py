@@ -25,6 +25,18 @@ its pipeline start is not hidden behind another CTA); at 4096 all reach 98-100%.
 never preferred: the table stops at 64.  A CTA of at most 16 tokens takes n = 16: a 32-token step
 would be half padding, and the one-warp 16x16 block leaves room for more blocks per SM (on
 ``1,1024_1024,16``, 1024 leaves of 16 tokens, the step time fell 10-22%; see bench/NOTES.md).
+
+``busy_kv_tile_tables`` replaces that table, per head_dim, in steps that fill the GPU many times
+over: a step whose packs times KV heads number at least ``busy_items_per_sm`` x the SMs (before
+the long-KV split) plans with it (:meth:`pat_core.tiles.TileSelector.for_step`).  At head_dim
+256 the 16x64 tile's layout holds one 4-warp block per SM (200 KB of shared memory) and 16x32
+two 2-warp blocks: on an H200 (graph replay, 32:8) the n <= 32 table took 0.79-1.00x the
+time on the eight development batches of 832 to 4608 such items (``512_1024`` 1067.7 -> 1012.8
+us, the 256-leaf trees 580.9 -> 530.4 and 133.9 -> 124.6, ``32,256_1024,128`` 215.3 -> 168.9)
+and 0.94-1.60x on the eleven of at most 592 (``8_4096`` 73.7 -> 113.6,
+``1,3,48_1024,6144,4096`` 474.8 -> 510.2): with few items, a 2-warp block is half the
+per-item throughput.  Measured on sm_90 only (the threshold lies between 592 and 832); the
+A100 has no busy table.
 """
 from __future__ import annotations
 
@@ -50,11 +62,18 @@ class GPUSpec:
     l2_bandwidth: float = 0.0   # bytes / ns, L2 hits to the SMs (estimate, see module docstring)
     achieved_bw_fraction: float = 0.85  # copy-kernel bandwidth / datasheet bandwidth (estimate)
     kv_tile_table: tuple = field(default=((16, 16), (96, 32), (1 << 62, 64)))
+    # {head_dim: table} as ((head_dim, table), ...): the table of busy steps (docstring)
+    busy_kv_tile_tables: tuple = ()
+    busy_items_per_sm: float = 6.0
 
     @property
     def bytes_per_ns(self) -> float:
         """Datasheet HBM bandwidth in bytes per nanosecond."""
         return self.hbm_bandwidth
+
+    def busy_kv_tile_table(self, head_dim: int):
+        """The KV-length table of busy steps at ``head_dim`` (``None``: the one table)."""
+        return dict(self.busy_kv_tile_tables).get(int(head_dim))
 
     def preferred_n(self, kv_len: int) -> int:
         """KV tile ``n`` the piecewise table prefers for a CTA of ``kv_len`` tokens."""
@@ -65,6 +84,8 @@ class GPUSpec:
 
 
 _KIB = 1024
+# head_dim 256: n <= 32 for every KV length longer than 16 tokens in busy steps
+_BUSY_SM90 = ((256, ((16, 16), (1 << 62, 32))),)
 
 A100 = GPUSpec(
     name="A100-SXM4-80GB", num_sms=108, smem_per_sm=164 * _KIB, smem_per_block=163 * _KIB,
@@ -77,14 +98,14 @@ H100 = GPUSpec(
     name="H100-SXM5-80GB", num_sms=132, smem_per_sm=228 * _KIB, smem_per_block=227 * _KIB,
     regs_per_sm=65536, regs_per_thread=255, max_threads_per_sm=2048, max_ctas_per_sm=32,
     hbm_bandwidth=3350.0, mem_latency_ns=650.0, l2_bytes=50 * 1024 * _KIB, sm_clock_ghz=1.755,
-    l2_bandwidth=round(5120 * 1.755, 1),
+    l2_bandwidth=round(5120 * 1.755, 1), busy_kv_tile_tables=_BUSY_SM90,
 )
 
 H200 = GPUSpec(
     name="H200-SXM-141GB", num_sms=132, smem_per_sm=228 * _KIB, smem_per_block=227 * _KIB,
     regs_per_sm=65536, regs_per_thread=255, max_threads_per_sm=2048, max_ctas_per_sm=32,
     hbm_bandwidth=4800.0, mem_latency_ns=650.0, l2_bytes=60 * 1024 * _KIB, sm_clock_ghz=1.755,
-    l2_bandwidth=round(5120 * 1.755, 1),
+    l2_bandwidth=round(5120 * 1.755, 1), busy_kv_tile_tables=_BUSY_SM90,
 )
 
 GPUS = {"a100": A100, "h100": H100, "h200": H200}

@@ -283,6 +283,7 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
     :meth:`Packs.pack_rows` (its requests' query tokens x the GQA group)."""
     tuning = tuning or Tuning()
     group = num_qo_heads // num_kv_heads
+    selector = selector.for_step(packs.kv_start.shape[0] * num_kv_heads)
     gpu = selector.gpu
     weight = None
     rule = (split if isinstance(split, str) else "sm") if split else None
@@ -519,10 +520,34 @@ def tile_selector_for(gpu, tuning: Tuning, head_dim: int, kv_data_type="float16"
     """The tile selector a planner with ``gpu`` (a :class:`~pat_core.gpus.GPUSpec`) and
     ``tuning`` uses (:meth:`Planner.tile_selector`): the tuning's KV-length table or the
     GPU's, the tuning's ``exclude_tiles`` left out, ``tile`` forcing one config."""
+    kv = dtype_name(kv_data_type, "kv_data_type")
+    exclude = None if tile is not None else tuning.exclude_tiles
+    # one selector per configuration (a full plan asks for it; building one costs 10-25 us)
+    key = (gpu, tuning.kv_tile_table, exclude, head_dim, kv,
+           None if tile is None else tuple(tile))
+    try:
+        sel = _SELECTORS.get(key)
+    except TypeError:             # an unhashable tile: TileSelector names what is wrong
+        sel = key = None
+    if sel is not None:
+        return sel
     if tuning.kv_tile_table is not None:
         gpu = dataclasses.replace(gpu, kv_tile_table=tuple(tuning.kv_tile_table))
-    return TileSelector(head_dim, dtype_name(kv_data_type, "kv_data_type"), gpu, fixed=tile,
-                        exclude=None if tile is not None else tuning.exclude_tiles)
+    sel = TileSelector(head_dim, kv, gpu, fixed=tile, exclude=exclude)
+    busy = gpu.busy_kv_tile_table(head_dim)
+    if busy is not None and tile is None and tuning.kv_tile_table is None:
+        # steps that fill the GPU many times over take the busy table (GPUSpec docstring)
+        sel.busy = TileSelector(head_dim, kv, dataclasses.replace(gpu, kv_tile_table=busy),
+                                exclude=exclude)
+        sel.busy_items = int(math.ceil(gpu.busy_items_per_sm * gpu.num_sms))
+    if key is not None:
+        if len(_SELECTORS) >= 256:
+            _SELECTORS.clear()
+        _SELECTORS[key] = sel
+    return sel
+
+
+_SELECTORS: dict = {}   # tile_selector_for's selectors by configuration
 
 
 class Planner:

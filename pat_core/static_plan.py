@@ -327,23 +327,26 @@ def _pack_nb(out, off, tile_v, nvar, batch, cta_tile, cta_req_indptr, cta_req, c
 
 def reachable_tiles(selector, kv_tile_table=None, max_rows=None) -> tuple:
     """Every ``(m, n)`` the tile selector can give a CTA: for each feasible ``m``, the ``n`` it
-    picks in each bucket of the KV-length table.  With ``max_rows`` (the most query rows a CTA
+    picks in each bucket of the KV-length table (and of its busy-step table, unless
+    ``kv_tile_table`` replaces the selector's).  With ``max_rows`` (the most query rows a CTA
     can hold: ``max_batch_size x`` the GQA group), only the ``m`` up to the smallest one that
     holds ``max_rows`` (the selector never gives a CTA a larger tile).  Every launch of the set
     costs a graph replay ~1-2 us even when it has no work (bench/NOTES.md), so a graph captured
     for a small batch bucket should not carry the 128-row tiles.  Sorted by ``m`` descending
     (the largest tiles, usually the longest CTAs, are launched first), then ``n`` descending."""
-    table = tuple(kv_tile_table or selector.gpu.kv_tile_table)
     ms = [int(m) for m in selector.m_values]
     if max_rows is not None:
         if int(max_rows) < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         top = next((m for m in ms if m >= int(max_rows)), ms[-1])
         ms = [m for m in ms if m <= top]
+    # the selector's busy-step table too, where it has one (TileSelector.for_step)
+    sels = (selector,) if kv_tile_table or selector.busy is None else (selector, selector.busy)
     out = set()
-    for m in ms:
-        for max_len, _ in table:
-            out.add((m, int(selector.pick_n(m, int(min(max_len, 1 << 30))))))
+    for sel in sels:
+        for max_len, _ in tuple(kv_tile_table or sel.gpu.kv_tile_table):
+            for m in ms:
+                out.add((m, int(sel.pick_n(m, int(min(max_len, 1 << 30))))))
     return order_tiles(out)
 
 

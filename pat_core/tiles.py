@@ -290,6 +290,15 @@ class TileSelector:
         self._lookup = None             # lookup()'s arrays, once built
         self.n_by_m = {int(m): sorted(n for mm, n in self.feasible if mm == m)
                        for m in self.m_values}
+        # the selector of busy steps (GPUSpec.busy_kv_tile_tables; set by
+        # pat_core.planner.tile_selector_for) and the items from which a step is busy
+        self.busy = None
+        self.busy_items = 0
+
+    def for_step(self, items: int) -> "TileSelector":
+        """The selector a step of ``items`` work items (packs x KV heads, before the long-KV
+        split) plans with: :attr:`busy` from :attr:`busy_items` on, else this one."""
+        return self.busy if self.busy is not None and items >= self.busy_items else self
 
     def measured_speed(self, m: int, n: int):
         """Measured fraction of copy bandwidth of tile ``(m, n)`` (``None`` if not measured).

@@ -117,6 +117,60 @@ def _check_fp16(b, out, lse, q, k, v):
     assert np.abs(lse - ref_lse).max() <= 1e-3
 
 
+def _tile_ns(plan) -> set:
+    return {int(n) for _, n in plan.tile_configs[plan.cta_tile]}
+
+
+@pytest.mark.parametrize("gpu", ("h100", "h200"))
+def test_busy_steps_take_the_narrow_kv_tiles(gpu):
+    """At head_dim 256 a step of at least busy_items_per_sm x SMs packs x KV heads plans with
+    n <= 32 (GPUSpec.busy_kv_tile_tables); a smaller one, a tuning's own table, a forced tile
+    and head_dim 128 keep the one table; a step growing across the line plans incrementally
+    exactly as from scratch; the graph-safe launch set holds both tables' tiles."""
+    from pat_core.static_plan import reachable_tiles
+    g = get_gpu(gpu)
+    line = int(np.ceil(g.busy_items_per_sm * g.num_sms))       # 792 on both
+    big = build_tree_batch("128_2048", page_size=16, seed=0)   # 128 packs x 8 heads = 1024
+    small = build_tree_batch("64_2048", page_size=16, seed=0)  # 512
+    assert small.batch_size * 8 < line <= big.batch_size * 8
+    p = Planner("pat", g)
+    assert _tile_ns(p.plan(big.block_tables, big.seq_lens, 32, 8, D, 16)) == {32}
+    assert _tile_ns(p.plan(small.block_tables, small.seq_lens, 32, 8, D, 16)) == {64}
+    assert _tile_ns(p.plan(big.block_tables, big.seq_lens, 32, 8, 128, 16)) == {64}
+    assert _tile_ns(p.plan(big.block_tables, big.seq_lens, 32, 16, D, 16)) == {32}
+    assert _tile_ns(p.plan(big.block_tables, big.seq_lens, 32, 4, D, 16)) == {64}  # 512
+    own = Planner("pat", g, Tuning(kv_tile_table=g.kv_tile_table))
+    assert _tile_ns(own.plan(big.block_tables, big.seq_lens, 32, 8, D, 16)) == {64}
+    assert _tile_ns(p.plan(big.block_tables, big.seq_lens, 32, 8, D, 16, tile=(16, 64))) \
+        == {64}
+    assert p.tile_selector(D, "float16", (16, 64)).busy is None
+    assert Planner("pat", "a100").tile_selector(D).busy is None
+    assert set(reachable_tiles(p.tile_selector(D).busy)) <= set(
+        reachable_tiles(p.tile_selector(D)))
+    # a GPU whose one table never gives n = 32: its busy table's tiles join the launch set
+    import dataclasses
+    odd = dataclasses.replace(g, kv_tile_table=((1 << 62, 64),),
+                              busy_kv_tile_tables=((D, ((1 << 62, 32),)),))
+    sel = Planner("pat", odd).tile_selector(D)
+    assert {n for _, n in reachable_tiles(sel)} == {32, 64}
+    assert {n for _, n in reachable_tiles(sel, kv_tile_table=odd.kv_tile_table)} == {64}
+    # 96 requests sharing nothing, then growing to 104 by new requests (the "rows" path)
+    # and by a token each (the "lengths" path): the same plans as fresh ones
+    rng = np.random.default_rng(0)
+    lens = rng.integers(1500, 2000, 120)
+    table = np.arange(120 * 128, dtype=np.int32).reshape(120, 128)
+    inc, paths = Planner("pat", g), []
+    for b in (96, 98, 100, 104, 104):
+        lens[:b] += 1
+        plan = inc.plan(table[:b], lens[:b], 32, 8, D, 16)
+        fresh = Planner("pat", g).plan(table[:b], lens[:b], 32, 8, D, 16)
+        paths.append(inc.last_path)
+        assert _tile_ns(plan) == ({32} if b * 8 >= line else {64})
+        for name in plan.ARRAY_FIELDS:
+            assert np.array_equal(getattr(plan, name), getattr(fresh, name)), (b, name)
+    assert paths == ["full", "rows", "rows", "rows", "lengths"], paths
+
+
 @settings(max_examples=40, deadline=None)
 @given(b=prefix_batches(max_requests=10, max_node_pages=2), heads=head_configs(),
        packer=st.sampled_from(PACKERS), seed=st.integers(0, 1000))

@@ -191,6 +191,9 @@ TUNINGS = {
     # tile's d256 layout holds one block of 4 warps per SM; 16x32 two of 2, 16x16 four of 1)
     "kv32": {"kv_tile_table": ((16, 16), (1 << 62, 32))},
     "kv16": {"kv_tile_table": ((1 << 62, 16),)},
+    # the GPU's one KV-length table at every step size (a tuning's own table turns off the
+    # busy-step table, GPUSpec.busy_kv_tile_tables): the ablation of that rule
+    "one-table": {"kv_tile_table": ((16, 16), (96, 32), (1 << 62, 64))},
     # shared-prefix CTAs first in their tile's launch
     "shared-first": {"order": "shared"},
     # the pat packer's per-request rule off (pat_core.packers.request_packing)
