@@ -178,6 +178,9 @@ TUNINGS = {
     "m64n128-w8r32": {"n_by_m": {64: 128}, "layouts": {(64, 128): (8, 2, 32)}},
     "m128-w8r32": {"layouts": {(128, 64): (8, 2, 32)}},
     "m128-w8r16": {"layouts": {(128, 64): (8, 2, 16)}},
+    # the split's shortest part (default 256 tokens): only the smallest batches move
+    "mp128": {"min_part": 128},
+    "mp64": {"min_part": 64},
     "s4-mp64": {"split_share": 4.0, "min_part": 64},
     "s6-mp64": {"split_share": 6.0, "min_part": 64},
     "l64-w4s3": {"layouts": {(16, 64): (4, 3, 16)}},
