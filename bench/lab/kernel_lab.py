@@ -181,6 +181,7 @@ TUNINGS = {
     # the split's shortest part (default 256 tokens): only the smallest batches move
     "mp128": {"min_part": 128},
     "mp64": {"min_part": 64},
+    "mp256": {"min_part": 256},   # the default before MIN_PART_TOKENS
     "s4-mp64": {"split_share": 4.0, "min_part": 64},
     "s6-mp64": {"split_share": 6.0, "min_part": 64},
     "l64-w4s3": {"layouts": {(16, 64): (4, 3, 16)}},
