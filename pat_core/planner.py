@@ -36,8 +36,8 @@ from .packers import (PACKERS, Packs, chunk_packs, narrow_packing, narrow_wins, 
                       request_packing, request_share, request_wins)
 from .plan import DTYPE_BYTES, KV_ONLY_DTYPES, Plan, dtype_name, token_slot_indptr
 from .sorting import stable_argsort
-from .split import (INVARIANT_CHUNK_TOKENS, LOADED_LATENCY, SPLIT_RULES, _choose_threshold_nb,
-                    _left, _price_constants, _split_parts, auto_split_share,
+from .split import (INVARIANT_CHUNK_TOKENS, LOADED_LATENCY, SPLIT_RULES, _MAX_CANDIDATE,
+                    _choose_threshold_nb, _left, _price_constants, _split_parts, auto_split_share,
                     invariant_chunk, split_long_kv, split_threshold)
 from .tiles import TileSelector
 from .tuning import Tuning, _tuning_key  # noqa: F401  (Tuning: re-exported)
@@ -280,8 +280,34 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
     default split rule one compiled call, :func:`_sm_plan_nb`, chooses the threshold and
     builds every array; the other rules choose it in NumPy, then :func:`_tail_nb` and
     :func:`_layout` run, unless the tuning splits by work).  A pack's query rows are
-    :meth:`Packs.pack_rows` (its requests' query tokens x the GQA group)."""
+    :meth:`Packs.pack_rows` (its requests' query tokens x the GQA group).
+
+    Parts are at least ``tuning.min_part`` tokens; a plan that merges anyway (more partial
+    slots than requests) is split again with parts down to ``tuning.merge_min_part``, where
+    that can cut finer (a small step: see :class:`~pat_core.tuning.Tuning`)."""
     tuning = tuning or Tuning()
+    kw = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+              sm_scale=sm_scale, packer=packer, selector=selector, kv_dtype=kv_dtype,
+              serial=serial, split=split)
+    plan = _assemble(bt, packs, tuning=tuning, **kw)
+    fine = min(tuning.merge_min_part, tuning.min_part)
+    if fine < tuning.min_part and split and plan.num_slots > plan.batch_size \
+            and packs.kv_start.size:
+        length = packs.kv_end - packs.kv_start
+        # the coarse bound binds only where a part under some share would be shorter than
+        # it (split.CANDIDATE_SHARES go up to _MAX_CANDIDATE blocks per SM)
+        per_sm = float(length.sum()) * num_kv_heads / (_MAX_CANDIDATE * selector.gpu.num_sms)
+        if int(length.max()) > fine and (per_sm < tuning.min_part
+                                         or tuning.split_by != "tokens"):
+            plan = _assemble(bt, packs, tuning=dataclasses.replace(tuning, min_part=fine),
+                             **kw)
+    return plan
+
+
+def _assemble(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_heads: int,
+              head_dim: int, sm_scale: float, packer: str, selector: TileSelector,
+              kv_dtype: str, serial: bool, split, tuning: Tuning) -> Plan:
+    """:func:`assemble_plan` at ``tuning.min_part``."""
     group = num_qo_heads // num_kv_heads
     selector = selector.for_step(packs.kv_start.shape[0] * num_kv_heads)
     gpu = selector.gpu

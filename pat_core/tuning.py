@@ -25,6 +25,16 @@ class Tuning:
     at most 1, so that the cut CTAs make no more blocks than SMs, when a cut pack has more
     rows), or another share where the pull-launch model predicts it clearly faster).
     ``min_part``: shortest part the split makes (tokens).
+    ``merge_min_part``: shortest part of a plan that merges anyway (more partial slots than
+    requests: shared nodes or a cut request; tokens; ``min_part`` or more turns the rule
+    off).  Such a plan is split again with parts down to this length where the
+    coarser bound stopped the split (steps of a few requests: the GPU is underfilled and the
+    finer parts add no merge launch).  Chosen on 35 small batches at 32:8 (1-32 requests,
+    one H100, graph replay; ``bench/NOTES.md``): 64 against 256 took 0.946x the time in
+    geometric mean at head_dim 128 (0.82-1.09x) and 0.924x at 256 (0.72-1.15x), and left two
+    of them below FlashInfer 0.2.5 decode's speed where twelve were.  A plan without a merge
+    (the per-request rule's, one CTA per request) keeps ``min_part``: cutting it would add the
+    merge (up to 1.3x slower).
     ``partial_weight``: multiplies the partial-result bytes in the ``pat`` profit model (above 1
     favours merging short nodes into their children's CTAs: fewer partials and thread blocks
     for more KV re-read; see :data:`pat_core.packers.PARTIAL_WEIGHT`).
@@ -64,6 +74,7 @@ class Tuning:
     max_rows: int | None = None
     split_share: float | None = None
     min_part: int = 256
+    merge_min_part: int = 64
     partial_weight: float = PARTIAL_WEIGHT
     kv_tile_table: tuple | None = None
     order: str = "work"
@@ -99,6 +110,10 @@ class Tuning:
                              f"{self.invariant_chunk!r}")
         if not isinstance(self.min_part, (int, np.integer)) or self.min_part < 1:
             raise ValueError(f"min_part must be a positive int, got {self.min_part!r}")
+        if not isinstance(self.merge_min_part, (int, np.integer)) or \
+                isinstance(self.merge_min_part, (bool, np.bool_)) or self.merge_min_part < 1:
+            raise ValueError(f"merge_min_part must be a positive int, got "
+                             f"{self.merge_min_part!r}")
         if self.split_by not in ("tokens", "work"):
             raise ValueError(f"split_by must be 'tokens' or 'work', got {self.split_by!r}")
         if self.order not in ("tile", "work", "shared"):

@@ -107,11 +107,11 @@ def test_sm_scale_is_applied(packer):
 def test_one_call_plan_equals_the_step_by_step_plan(b, packer, heads, multi, data):
     """The default split rule's one compiled call (threshold, split, tiles, layout) makes the
     arrays of the steps it fuses: ``choose_split_threshold_fast``'s threshold, then
-    ``_tail_layout_nb`` at it."""
+    ``_tail_layout_nb`` at it (at either shortest part :func:`assemble_plan` splits with)."""
     from pat_core.forest import PrefixForest
     from pat_core.inputs import as_block_table
     from pat_core.packers import pack
-    from pat_core.planner import _ORDER_MODE, _plan_of_arrays, _tail_layout_nb, assemble_plan
+    from pat_core.planner import _ORDER_MODE, _assemble, _plan_of_arrays, _tail_layout_nb
     from pat_core.split import choose_split_threshold_fast
     from pat_core.tuning import Tuning
     from strategies import qo_indptrs
@@ -127,10 +127,13 @@ def test_one_call_plan_equals_the_step_by_step_plan(b, packer, heads, multi, dat
     packs = pack(PrefixForest(bt), packer, group, sel.max_rows, 64, 2, 2, q_lens=q_lens)
     kw = dict(num_qo_heads=hq, num_kv_heads=hk, head_dim=64, sm_scale=0.125, packer=packer,
               selector=sel, kv_dtype="float16")
-    got = assemble_plan(bt, packs, **kw)
+    tuning = Tuning(min_part=data.draw(st.sampled_from([Tuning().min_part,
+                                                        Tuning().merge_min_part])))
+    got = _assemble(bt, packs, serial=False, split=True, tuning=tuning, **kw)
     thr, _ = choose_split_threshold_fast(packs.req_indptr, packs.kv_start, packs.kv_end, group,
                                          num_kv_heads=hk, head_dim=64, kv_bytes=2,
-                                         gpu=sel.gpu, selector=sel, rows=packs.rows)
+                                         gpu=sel.gpu, selector=sel, rows=packs.rows,
+                                         min_part=tuning.min_part)
     m_values, bounds, fid, configs = sel.lookup()
     arrays = _tail_layout_nb(packs.req_indptr, packs.reqs, packs.kv_start, packs.kv_end,
                              packs.level, thr, packs.pack_rows(group), m_values, bounds, fid,

@@ -337,7 +337,7 @@ def test_fused_pull_exclusions_keep_the_fused_block_small():
         (64, 64), (32, 32), (16, 64))
     # the planner with the exclusion: 17-32-row CTAs over long KV take (32, 32), not (32, 64)
     planner = Planner("pat", "h100")
-    b = build_tree_batch("1,8_2048,40", page_size=16)          # 8 requests x group 4 = 32 rows
+    b = build_tree_batch("1,8_16384,40", page_size=16)         # 8 requests x group 4 = 32 rows
     full = planner.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16, kv_data_type="float32")
     assert (32, 64) in {tuple(t) for t in full.tile_configs[full.cta_tile].tolist()}
     planner.tuning = dataclasses.replace(planner.tuning, exclude_tiles=ex)

@@ -444,11 +444,12 @@ assert q_total / big_totals["pat"] > st_["query"]["total_bytes"] / st_["pat"]["t
 # SM, never more cut blocks than SMs, where a cut CTA holds more rows, whose partials grow with
 # every part; where a model of the forward launch predicts another share clearly faster, the
 # planner takes that one (`pat_core.split.choose_split_share`). The big batch below has a cut
-# CTA of 64 rows, but there every share falls under the 256-token minimum part, so the default
-# plan is the share-2 plan (the cell checks these numbers). The PAT paper's rule, the batch's
-# mean CTA length, is `split="mean"`. The split is on by default; above we turned it off
-# to keep the picture one CTA per pack. Below, the threshold of each rule and what it does, on
-# the small batch and on the big one:
+# CTA of 64 rows, but there every share falls under the 256-token minimum part, so the
+# share-2 plan is the plan at that minimum (the cell checks these numbers). The PAT paper's
+# rule, the batch's mean CTA length, is `split="mean"`. The split is on by default; above we
+# turned it off to keep the picture one CTA per pack. Below, the threshold of each rule and
+# what it does, on the small batch and on the big one, with the 256-token minimum alone (the
+# tuning's `merge_min_part` set to `min_part`; the next cell shows what the default adds):
 
 # %%
 from pat_core import split as split_rules
@@ -458,6 +459,7 @@ gpu = pat_core.get_gpu("h100")
 assert (split_rules.DEFAULT_SPLIT_SHARE, split_rules.SHORT_ROWS_SPLIT_SHARE,
         split_rules.MANY_ROWS_SPLIT_SHARE, split_rules.SHORT_ROWS) == (2, 3, 1, 16)
 assert pat_core.Tuning().min_part == 256
+coarse = pat_core.Tuning(merge_min_part=256)       # parts of at least 256 tokens, always
 for name, b, heads, d_ in (("small", batch, (num_qo_heads, num_kv_heads), head_dim),
                            ("big", big, (32, 8), 128)):
     ps = b.page_size if hasattr(b, "page_size") else 4
@@ -466,21 +468,48 @@ for name, b, heads, d_ in (("small", batch, (num_qo_heads, num_kv_heads), head_d
     plans_by_rule = {}
     for rule in ("sm", "mean"):
         thr = split_threshold(off.cta_kv_len, heads[1], gpu.num_sms, rule=rule)
-        pl = pat_core.Planner("pat", "h100").plan(b.block_tables, b.seq_lens, *heads, d_, ps,
-                                                  split=rule)
+        pl = pat_core.Planner("pat", "h100", coarse).plan(b.block_tables, b.seq_lens, *heads,
+                                                          d_, ps, split=rule)
         print(f"{name} batch, split={rule!r}: threshold {thr} tokens; {off.num_ctas} CTAs -> "
               f"{pl.num_ctas}, longest CTA {int(off.cta_kv_len.max())} -> "
               f"{int(pl.cta_kv_len.max())} tokens")
         # every CTA longer than the threshold became ceil(length / threshold) parts
         assert pl.num_ctas - off.num_ctas == sum(-(-int(n) // thr) - 1 for n in off.cta_kv_len)
         plans_by_rule[rule] = pl
-    default = pat_core.Planner("pat", "h100").plan(b.block_tables, b.seq_lens, *heads, d_, ps)
-    assert np.array_equal(default.cta_kv_len, plans_by_rule["sm"].cta_kv_len)   # the default
+    default = pat_core.Planner("pat", "h100", coarse).plan(b.block_tables, b.seq_lens, *heads,
+                                                           d_, ps)
+    assert np.array_equal(default.cta_kv_len, plans_by_rule["sm"].cta_kv_len)   # split=True
     if name == "big":   # a cut CTA of 64 rows; every share's threshold is the 256-token minimum
         cut = off.cta_kv_len > split_threshold(off.cta_kv_len, heads[1], gpu.num_sms)
         assert off.cta_rows()[cut].tolist() == [64]
         assert {split_threshold(off.cta_kv_len, heads[1], gpu.num_sms, share=s)
                 for s in (1.0, *split_rules.CANDIDATE_SHARES)} == {256}
+        big_coarse = default
+
+# %% [markdown]
+# That minimum keeps each part's partial write small next to its KV, and a plan whose requests
+# each fit one CTA needs no merge at all. But a plan that merges anyway (shared nodes, or a cut
+# request) pays for the merge whatever the part length, and on a batch this small the GPU is
+# mostly idle: there the default cuts again with parts down to `Tuning().merge_min_part` = 64
+# tokens (`pat_core.planner.assemble_plan`; chosen on 35 small batches measured on an H100,
+# `Tuning`'s docstring has the numbers). The big batch merges (96 partial slots for 16
+# requests), and at the 64-token minimum every share's threshold is under 256 tokens, so the
+# 1024-token prefix of 64 rows is cut into more, shorter parts:
+
+# %%
+assert pat_core.Tuning().merge_min_part == 64
+fine = pat_core.Planner("pat", "h100").plan(big.block_tables, big.seq_lens, 32, 8, 128, 16)
+off = pat_core.Planner("pat", "h100").plan(big.block_tables, big.seq_lens, 32, 8, 128, 16,
+                                           split=False)
+print(f"256-token minimum: {big_coarse.num_ctas} CTAs, {big_coarse.num_slots} partial slots, "
+      f"longest {int(big_coarse.cta_kv_len.max())} tokens")
+print(f"default (64 where the plan merges): {fine.num_ctas} CTAs, {fine.num_slots} partial "
+      f"slots, longest {int(fine.cta_kv_len.max())} tokens")
+assert big_coarse.num_slots > big_coarse.batch_size == 16       # it merges
+assert max(split_threshold(off.cta_kv_len, 8, gpu.num_sms, share=s, min_part=64)
+           for s in (1.0, *split_rules.CANDIDATE_SHARES)) < 256
+assert (big_coarse.num_ctas, fine.num_ctas) == (24, 30)
+assert int(fine.cta_kv_len.max()) < int(big_coarse.cta_kv_len.max()) == 256
 
 # %% [markdown]
 # **Try your own batch.** Change `spec` (more levels, longer or shorter nodes), the head counts
