@@ -4,7 +4,7 @@
     python docs/results_tables.py --features bench/results/features_h200    # engine features
 
 Reads the folder's devset.json, devset_fi06.json, devset_hd64.json and baselines.json (as
-bench/device/device_session.sh writes them).  Ratios are geometric means over a part's steps;
+bench/device/device_session.sh writes them), and devset_hd256.json where the folder has it.  Ratios are geometric means over a part's steps;
 a floor is the time of a step's unavoidable bytes at the copy bandwidth of the same run.
 """
 from __future__ import annotations
@@ -125,6 +125,20 @@ def main(folder: str) -> None:
                   f1(v["pat"]["eager_us"]), f1(v["fi-decode"]["graph_us"]),
                   f"{v['fi-decode']['graph_us'] / v['pat']['graph_us']:.3f}"]
                  for k in hd64 for v in [hd64[k]]]))
+
+    if (d / "devset_hd256.json").is_file():   # a later run at the defaults it names
+        hd256 = load(d / "devset_hd256.json")
+        print("\n## synthetic, head_dim 256 (µs)\n")
+        print(table(["workload", "requests", "floor", "pat", "pat eager", "FlashInfer 0.2.5",
+                     "FI ÷ pat"],
+                    [[NAME[k[2]], v["pat"]["batch"], f1(v["pat"]["floor_us"]),
+                      f1(v["pat"]["graph_us"]), f1(v["pat"]["eager_us"]),
+                      f1(v["fi-decode"]["graph_us"]),
+                      f"{v['fi-decode']['graph_us'] / v['pat']['graph_us']:.3f}"]
+                     for k in hd256 for v in [hd256[k]]]))
+        g, w = speedup(hd256, list(hd256))
+        print(f"\nFlashInfer 0.2.5 ÷ pat, head_dim 256: {g:.3f} (lowest {w:.3f}); pat / floor "
+              f"{ratio(hd256, list(hd256), 'pat'):.3f}")
 
     print("\n## baselines (µs)\n")
     bb = defaultdict(dict)
