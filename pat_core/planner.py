@@ -294,11 +294,12 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
     if fine < tuning.min_part and split and plan.num_slots > plan.batch_size \
             and packs.kv_start.size:
         length = packs.kv_end - packs.kv_start
-        # the coarse bound binds only where a part under some share would be shorter than
-        # it (split.CANDIDATE_SHARES go up to _MAX_CANDIDATE blocks per SM)
+        # under the default rule the coarse bound binds only where a part under some share
+        # would be shorter than it (split.CANDIDATE_SHARES go up to _MAX_CANDIDATE blocks per
+        # SM); the other rules are cut again whenever a pack is longer than the fine bound
         per_sm = float(length.sum()) * num_kv_heads / (_MAX_CANDIDATE * selector.gpu.num_sms)
-        if int(length.max()) > fine and (per_sm < tuning.min_part
-                                         or tuning.split_by != "tokens"):
+        default_rule = split in (True, "sm") and tuning.split_by == "tokens"
+        if int(length.max()) > fine and (per_sm < tuning.min_part or not default_rule):
             plan = _assemble(bt, packs, tuning=dataclasses.replace(tuning, min_part=fine),
                              **kw)
     return plan

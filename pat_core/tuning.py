@@ -34,7 +34,7 @@ class Tuning:
     geometric mean at head_dim 128 (0.82-1.09x) and 0.924x at 256 (0.72-1.15x), and left two
     of them below FlashInfer 0.2.5 decode's speed where twelve were.  A plan without a merge
     (the per-request rule's, one CTA per request) keeps ``min_part``: cutting it would add the
-    merge (up to 1.3x slower).
+    merge (up to 1.4x slower).
     ``partial_weight``: multiplies the partial-result bytes in the ``pat`` profit model (above 1
     favours merging short nodes into their children's CTAs: fewer partials and thread blocks
     for more KV re-read; see :data:`pat_core.packers.PARTIAL_WEIGHT`).

@@ -267,3 +267,47 @@ def test_choice_with_skipped_candidates_equals_the_reference(requests):
             assert floor <= predicted[s] * (1 + 1e-12)
             skipped += floor * (1 - FLOOR_SLACK) >= line
     assert skipped > 0
+
+
+def test_a_plan_that_merges_anyway_is_cut_to_the_short_part():
+    """A plan that merges at ``min_part`` is split again with parts down to ``merge_min_part``
+    (``assemble_plan``); a plan without a merge (one CTA per request) keeps ``min_part``;
+    ``merge_min_part >= min_part`` or ``split=False`` turns it off; a growing step planned
+    incrementally equals its fresh plan."""
+    from pat_core import Planner
+    from pat_core.tuning import Tuning
+    from pat_core.workloads import build_tree_batch
+
+    def plan(spec, tuning=None, **kw):
+        b = build_tree_batch(spec, page_size=16, seed=0)
+        return Planner("pat", "h100", tuning).plan(b.block_tables, b.seq_lens, 32, 8, 128, 16,
+                                                   **kw)
+
+    assert Tuning().merge_min_part == 64 < Tuning().min_part == 256
+    off = Tuning(merge_min_part=256)
+    # one request of 512 tokens: two parts of 256 merge anyway, so eight of 64
+    assert plan("1_512", off).cta_kv_len.tolist() == [256, 256]
+    assert plan("1_512").cta_kv_len.tolist() == [64] * 8
+    assert plan("1_512", Tuning(merge_min_part=128)).cta_kv_len.tolist() == [128] * 4
+    assert plan("1_512", split=False).cta_kv_len.tolist() == [512]
+    # a shared prompt: the plan merges with or without the rule; 512 shared tokens cut finer
+    shared, fine = plan("1,2_512,64", off), plan("1,2_512,64")
+    assert shared.num_slots > shared.batch_size and fine.num_ctas > shared.num_ctas
+    assert int(fine.cta_kv_len.max()) == 64
+    # eight requests of 256 tokens, one CTA each, no merge: not cut
+    for spec in ("8_256", "1,2_48,144"):
+        a, b = plan(spec), plan(spec, off)
+        assert a.num_slots == a.batch_size and np.array_equal(a.cta_kv_len, b.cta_kv_len)
+    # a step growing token by token: the "lengths" path gives the fresh plan
+    b = build_tree_batch("1,2_512,64", page_size=16, seed=0)
+    table = np.concatenate([b.block_tables, b.num_pages + np.arange(
+        b.block_tables.shape[0] * 4).reshape(-1, 4)], axis=1).astype(np.int32)
+    lens = b.seq_lens.copy()
+    inc = Planner("pat", "h100")
+    for step in range(6):
+        got = inc.plan(table, lens, 32, 8, 128, 16)
+        want = Planner("pat", "h100").plan(table, lens, 32, 8, 128, 16)
+        assert step == 0 or inc.last_path == "lengths", inc.last_path
+        for name in got.ARRAY_FIELDS:
+            assert np.array_equal(getattr(got, name), getattr(want, name)), (step, name)
+        lens = lens + 1
