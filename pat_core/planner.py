@@ -40,7 +40,7 @@ from .split import (INVARIANT_CHUNK_TOKENS, LOADED_LATENCY, SPLIT_RULES, _MAX_CA
                     _choose_threshold_nb, _left, _price_constants, _split_parts, auto_split_share,
                     invariant_chunk, split_long_kv, split_threshold)
 from .tiles import TileSelector
-from .tuning import Tuning, _tuning_key  # noqa: F401  (Tuning: re-exported)
+from .tuning import Tuning, _tuning_key, merge_min_part  # noqa: F401  (Tuning: re-exported)
 
 
 @njit(cache=True, nogil=True)
@@ -282,24 +282,27 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
     :func:`_layout` run, unless the tuning splits by work).  A pack's query rows are
     :meth:`Packs.pack_rows` (its requests' query tokens x the GQA group).
 
-    Parts are at least ``tuning.min_part`` tokens; a plan that merges anyway (more partial
-    slots than requests) is split again with parts down to ``tuning.merge_min_part``, where
-    that can cut finer (a small step: see :class:`~pat_core.tuning.Tuning`)."""
+    Parts are at least ``tuning.min_part`` tokens; under the ``"sm"`` rule a plan that merges
+    anyway (more partial slots than requests) is split again with parts down to
+    :func:`~pat_core.tuning.merge_min_part`, where that can cut finer (a small step: see
+    :class:`~pat_core.tuning.Tuning`)."""
     tuning = tuning or Tuning()
     kw = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
               sm_scale=sm_scale, packer=packer, selector=selector, kv_dtype=kv_dtype,
               serial=serial, split=split)
     plan = _assemble(bt, packs, tuning=tuning, **kw)
-    fine = min(tuning.merge_min_part, tuning.min_part)
-    if fine < tuning.min_part and split and plan.num_slots > plan.batch_size \
+    fine = min(merge_min_part(tuning), tuning.min_part)
+    rule = (split if isinstance(split, str) else "sm") if split else None
+    # the "mean" rule reads no min_part: nothing to cut again
+    if fine < tuning.min_part and rule == "sm" and plan.num_slots > plan.batch_size \
             and packs.kv_start.size:
         length = packs.kv_end - packs.kv_start
-        # under the default rule the coarse bound binds only where a part under some share
-        # would be shorter than it (split.CANDIDATE_SHARES go up to _MAX_CANDIDATE blocks per
-        # SM); the other rules are cut again whenever a pack is longer than the fine bound
-        per_sm = float(length.sum()) * num_kv_heads / (_MAX_CANDIDATE * selector.gpu.num_sms)
-        default_rule = split in (True, "sm") and tuning.split_by == "tokens"
-        if int(length.max()) > fine and (per_sm < tuning.min_part or not default_rule):
+        # splitting by tokens, the coarse bound binds only where a part under the largest
+        # share tried (split.CANDIDATE_SHARES, or the tuning's own) would be shorter than it
+        share = max(_MAX_CANDIDATE, tuning.split_share or 0.0)
+        per_sm = float(length.sum()) * num_kv_heads / (share * selector.gpu.num_sms)
+        if int(length.max()) > fine and (per_sm < tuning.min_part
+                                         or tuning.split_by != "tokens"):
             plan = _assemble(bt, packs, tuning=dataclasses.replace(tuning, min_part=fine),
                              **kw)
     return plan
@@ -546,7 +549,9 @@ def tile_selector_for(gpu, tuning: Tuning, head_dim: int, kv_data_type="float16"
                       tile=None) -> TileSelector:
     """The tile selector a planner with ``gpu`` (a :class:`~pat_core.gpus.GPUSpec`) and
     ``tuning`` uses (:meth:`Planner.tile_selector`): the tuning's KV-length table or the
-    GPU's, the tuning's ``exclude_tiles`` left out, ``tile`` forcing one config."""
+    GPU's, the tuning's ``exclude_tiles`` left out, ``tile`` forcing one config; with
+    :attr:`TileSelector.busy` set where the GPU has a busy-step table for ``head_dim``.  One
+    shared object per configuration for the whole process: treat it as read-only."""
     kv = dtype_name(kv_data_type, "kv_data_type")
     exclude = None if tile is not None else tuning.exclude_tiles
     # one selector per configuration (a full plan asks for it; building one costs 10-25 us)

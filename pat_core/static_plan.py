@@ -505,8 +505,9 @@ def graph_safe_max_rows(limits: StaticLimits, group: int, cap=None) -> int:
 def graph_safe_tuning(gpu, tuning, limits: StaticLimits, group: int, head_dim: int,
                       kv_dtype: str, mode: str = "auto", tile=None) -> dict:
     """The planner tuning fields a graph-safe wrapper with ``limits`` sets before its first
-    plan, where ``tuning`` (a :class:`~pat_core.tuning.Tuning`) leaves them unset: the KV tile
-    table (:func:`graph_safe_tile_table`: one width when every CTA fits a 16-row tile or the
+    plan, where ``tuning`` (a :class:`~pat_core.tuning.Tuning`) leaves them unset: the short
+    parts of small merging plans off (``merge_min_part = min_part``: the limits are sized for
+    the coarse parts), the KV tile table (:func:`graph_safe_tile_table`: one width when every CTA fits a 16-row tile or the
     bucket runs as one fused pull launch) and, for a fused bucket, the tiles left out and the
     row cap that keep its block at two per SM (:func:`fused_pull_exclusions`,
     :func:`fused_pull_max_rows`).  ``gpu``: the planner's :class:`~pat_core.gpus.GPUSpec`;
@@ -526,6 +527,9 @@ def graph_safe_tuning(gpu, tuning, limits: StaticLimits, group: int, head_dim: i
     def fused_now() -> bool:
         return tile is None and graph_safe_fused(limits, len(tiles_now()), mode)
 
+    if tuning.merge_min_part is None:
+        # the limits' defaults (max_ctas, max_partials) are sized for min_part's parts
+        auto["merge_min_part"] = int(tuning.min_part)
     if tuning.kv_tile_table is None:
         table = graph_safe_tile_table(limits, group, fused=fused_now())
         if table is not None:

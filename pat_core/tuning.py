@@ -26,15 +26,18 @@ class Tuning:
     rows), or another share where the pull-launch model predicts it clearly faster).
     ``min_part``: shortest part the split makes (tokens).
     ``merge_min_part``: shortest part of a plan that merges anyway (more partial slots than
-    requests: shared nodes or a cut request; tokens; ``min_part`` or more turns the rule
-    off).  Such a plan is split again with parts down to this length where the
-    coarser bound stopped the split (steps of a few requests: the GPU is underfilled and the
-    finer parts add no merge launch).  Chosen on 35 small batches at 32:8 (1-32 requests,
-    one H100, graph replay; ``bench/NOTES.md``): 64 against 256 took 0.946x the time in
-    geometric mean at head_dim 128 (0.82-1.09x) and 0.924x at 256 (0.72-1.15x), and left two
-    of them below FlashInfer 0.2.5 decode's speed where twelve were.  A plan without a merge
-    (the per-request rule's, one CTA per request) keeps ``min_part``: cutting it would add the
-    merge (up to 1.4x slower).
+    requests: shared nodes or a cut request; tokens; ``None``: :data:`MERGE_MIN_PART`, except
+    in graph-safe wrappers, which size their buffers for ``min_part``'s parts and keep those;
+    ``min_part`` or more turns the rule off).  Under the default ``"sm"`` split rule such a
+    plan is split again with parts down to this length where the coarser bound stopped the
+    split: only steps of few KV tokens in all (less than ``min_part`` x 6 x SMs / KV heads:
+    ~25k tokens at 8 KV heads on an H100), where the GPU is underfilled and the finer parts
+    add no merge launch.  Chosen on 35 small batches at 32:8 (1-32 requests, one H100, graph
+    replay; ``bench/NOTES.md``): 64 against 256 took 0.946x the time in geometric mean at
+    head_dim 128 (0.82-1.09x) and 0.924x at 256 (0.72-1.15x), and left two of them below
+    FlashInfer 0.2.5 decode's speed where twelve were; larger batches of few tokens were not
+    measured.  A plan without a merge (the per-request rule's, one CTA per request) keeps
+    ``min_part``: cutting it would add the merge (up to 1.4x slower).
     ``partial_weight``: multiplies the partial-result bytes in the ``pat`` profit model (above 1
     favours merging short nodes into their children's CTAs: fewer partials and thread blocks
     for more KV re-read; see :data:`pat_core.packers.PARTIAL_WEIGHT`).
@@ -74,7 +77,7 @@ class Tuning:
     max_rows: int | None = None
     split_share: float | None = None
     min_part: int = 256
-    merge_min_part: int = 64
+    merge_min_part: int | None = None
     partial_weight: float = PARTIAL_WEIGHT
     kv_tile_table: tuple | None = None
     order: str = "work"
@@ -110,9 +113,10 @@ class Tuning:
                              f"{self.invariant_chunk!r}")
         if not isinstance(self.min_part, (int, np.integer)) or self.min_part < 1:
             raise ValueError(f"min_part must be a positive int, got {self.min_part!r}")
-        if not isinstance(self.merge_min_part, (int, np.integer)) or \
-                isinstance(self.merge_min_part, (bool, np.bool_)) or self.merge_min_part < 1:
-            raise ValueError(f"merge_min_part must be a positive int, got "
+        if self.merge_min_part is not None and (
+                not isinstance(self.merge_min_part, (int, np.integer))
+                or isinstance(self.merge_min_part, (bool, np.bool_)) or self.merge_min_part < 1):
+            raise ValueError(f"merge_min_part must be None or a positive int, got "
                              f"{self.merge_min_part!r}")
         if self.split_by not in ("tokens", "work"):
             raise ValueError(f"split_by must be 'tokens' or 'work', got {self.split_by!r}")
@@ -134,6 +138,14 @@ class Tuning:
 
 
 _TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(Tuning))
+
+# Tuning.merge_min_part's value when it is None (tokens; its docstring has the measurements)
+MERGE_MIN_PART = 64
+
+
+def merge_min_part(tuning: Tuning) -> int:
+    """The shortest part of a plan that merges anyway under ``tuning``."""
+    return MERGE_MIN_PART if tuning.merge_min_part is None else int(tuning.merge_min_part)
 
 
 def _tuning_key(t: Tuning) -> tuple:

@@ -1,6 +1,7 @@
 """The development set's pieces on the CPU: the agent trace generator (determinism, format,
 the prefix-sharing model), the windowed step sampling of ``bench/trace_replay.py prepare`` and
 the synthetic tree specs."""
+import dataclasses
 import json
 from collections import defaultdict
 
@@ -186,7 +187,10 @@ def test_sim_error_reports_the_simulators_error(tmp_path, kv_dtype, q_len):
                      for _, t, ln in steps]
             lim = StaticLimits.make(*graph_safe_buckets(plans, steps, 16, False)[0])
             bp, ls = devset.graph_safe_bucket("h100", lim, 4, 128, kv_dtype)
-            assert bp.tuning == planner.tuning and len(ls[0]) > 1 and not ls[1]
+            # the wrapper's tuning: the default's, with the coarse split parts kept
+            assert bp.tuning.merge_min_part == bp.tuning.min_part
+            assert dataclasses.replace(bp.tuning, merge_min_part=None) == planner.tuning
+            assert len(ls[0]) > 1 and not ls[1]
             rows.append(dict(part="synthetic", step=i, heads="32:8", method="pat-graph",
                              graph_us=1.25 * simulate(plan, "h100",
                                                       launch_set=ls).latency_us))

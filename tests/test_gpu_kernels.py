@@ -248,7 +248,8 @@ def test_head_dim_256_sharing_and_split(backend, variant, ps):
     m, n = variant.m, variant.n
     reqs = max(1, m // 4)                # GQA group 4: the root CTA holds about m rows
     b = build_tree_batch(f"1,{reqs}_2100,{37 + m}", page_size=ps, seed=m + n)
-    tuning = Tuning(split_share=64.0, min_part=256, narrow_share=0.0, request_share=0.0)
+    tuning = Tuning(split_share=64.0, min_part=256, merge_min_part=256, narrow_share=0.0,
+                    request_share=0.0)
     plan, err, plain = check_case(backend, "pat", b.block_tables, b.seq_lens, b.num_pages, ps,
                                   8, 2, 256, variant.dtype, seed=n, tile=(m, n), tuning=tuning)
     assert set(plan.stats()["tiles"]) == {f"{m}x{n}"}

@@ -198,7 +198,8 @@ def test_cpu_executor_fp32_at_256(b, heads, seed):
 def split_tuning() -> Tuning:
     """A tuning whose long-KV split cuts a few-thousand-token shared root into 256-token parts
     (a fair share of one token slot per SM), so a test covers sharing and split together."""
-    return Tuning(split_share=64.0, min_part=256, narrow_share=0.0, request_share=0.0)
+    return Tuning(split_share=64.0, min_part=256, merge_min_part=256, narrow_share=0.0,
+                  request_share=0.0)
 
 
 @pytest.mark.parametrize("tile", TILES_256, ids=lambda t: f"{t[0]}x{t[1]}")

@@ -127,8 +127,8 @@ def test_one_call_plan_equals_the_step_by_step_plan(b, packer, heads, multi, dat
     packs = pack(PrefixForest(bt), packer, group, sel.max_rows, 64, 2, 2, q_lens=q_lens)
     kw = dict(num_qo_heads=hq, num_kv_heads=hk, head_dim=64, sm_scale=0.125, packer=packer,
               selector=sel, kv_dtype="float16")
-    tuning = Tuning(min_part=data.draw(st.sampled_from([Tuning().min_part,
-                                                        Tuning().merge_min_part])))
+    from pat_core.tuning import MERGE_MIN_PART
+    tuning = Tuning(min_part=data.draw(st.sampled_from([Tuning().min_part, MERGE_MIN_PART])))
     got = _assemble(bt, packs, serial=False, split=True, tuning=tuning, **kw)
     thr, _ = choose_split_threshold_fast(packs.req_indptr, packs.kv_start, packs.kv_end, group,
                                          num_kv_heads=hk, head_dim=64, kv_bytes=2,

@@ -275,7 +275,7 @@ def test_a_plan_that_merges_anyway_is_cut_to_the_short_part():
     ``merge_min_part >= min_part`` or ``split=False`` turns it off; a growing step planned
     incrementally equals its fresh plan."""
     from pat_core import Planner
-    from pat_core.tuning import Tuning
+    from pat_core.tuning import Tuning, merge_min_part
     from pat_core.workloads import build_tree_batch
 
     def plan(spec, tuning=None, **kw):
@@ -283,7 +283,7 @@ def test_a_plan_that_merges_anyway_is_cut_to_the_short_part():
         return Planner("pat", "h100", tuning).plan(b.block_tables, b.seq_lens, 32, 8, 128, 16,
                                                    **kw)
 
-    assert Tuning().merge_min_part == 64 < Tuning().min_part == 256
+    assert merge_min_part(Tuning()) == 64 < Tuning().min_part == 256
     off = Tuning(merge_min_part=256)
     # one request of 512 tokens: two parts of 256 merge anyway, so eight of 64
     assert plan("1_512", off).cta_kv_len.tolist() == [256, 256]
@@ -294,6 +294,12 @@ def test_a_plan_that_merges_anyway_is_cut_to_the_short_part():
     shared, fine = plan("1,2_512,64", off), plan("1,2_512,64")
     assert shared.num_slots > shared.batch_size and fine.num_ctas > shared.num_ctas
     assert int(fine.cta_kv_len.max()) == 64
+    # a share of the tuning's own, above the candidates': the fine bound still applies
+    big = plan("1,4_40000,100", Tuning(split_share=64.0))
+    assert big.num_slots > big.batch_size and int(big.cta_kv_len.max()) == 64
+    # the "mean" rule reads no min_part: the same plan either way
+    assert np.array_equal(plan("1_512", split="mean").cta_kv_len,
+                          plan("1_512", off, split="mean").cta_kv_len)
     # eight requests of 256 tokens, one CTA each, no merge: not cut
     for spec in ("8_256", "1,2_48,144"):
         a, b = plan(spec), plan(spec, off)

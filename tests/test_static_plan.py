@@ -448,3 +448,22 @@ def test_graph_safe_tuning_of_a_fused_bucket():
     small._graph_safe_tuning(32, 8, 128, "float16", None)
     assert small.planner.tuning.kv_tile_table == ONE_N_TABLE
     assert small.planner.tuning.exclude_tiles is None
+    # every graph-safe wrapper keeps the coarse parts its limits are sized for
+    for x in (w, wt, big, off, small):
+        assert x.planner.tuning.merge_min_part == x.planner.tuning.min_part == 256
+
+
+def test_graph_safe_plans_keep_the_coarse_parts():
+    """A small step that merges: plain planning cuts it into 64-token parts, a graph-safe
+    wrapper's tuning keeps 256 (its default limits hold that plan, not the finer one)."""
+    from pat_core.static_plan import StaticLayout, graph_safe_tuning
+    b = build_tree_batch("1,10_7018,28", page_size=16, seed=0)
+    limits = StaticLimits.make(10, 10**7)
+    p = Planner("pat", "h100")
+    plain = p.plan(b.block_tables, b.seq_lens, 8, 1, 128, 16)
+    auto = graph_safe_tuning(p.gpu, p.tuning, limits, 8, 128, "float16")
+    assert auto["merge_min_part"] == 256
+    p.tuning = dataclasses.replace(p.tuning, **auto)
+    safe = p.plan(b.block_tables, b.seq_lens, 8, 1, 128, 16)
+    assert plain.num_partial_rows > limits.max_partials >= safe.num_partial_rows
+    StaticLayout(limits, [tuple(t) for t in safe.tile_configs.tolist()]).check(safe)

@@ -64,12 +64,15 @@ def study(steps_dir, gpu: str, heads, tables, head_dim: int = 128) -> list:
                 for (m, t, ln), plain in zip(steps, plans):
                     lim = StaticLimits.make(*sizes[batch_bucket(plain.batch_size, buckets)])
                     bp, (_, fused) = graph_safe_bucket(gpu, lim, hq // hk, head_dim, "float16")
-                    if fused or bp.tuning != base.tuning:
-                        continue        # a bucket the wrapper plans otherwise (small, fused)
+                    # a bucket the wrapper plans otherwise (small, fused); every wrapper keeps
+                    # the coarse split parts (merge_min_part), which the tables then share
+                    if fused or dataclasses.replace(bp.tuning, merge_min_part=None) != \
+                            base.tuning:
+                        continue
                     row = dict(part=part, step=int(m["step"]), heads=f"{hq}:{hk}",
                                buckets=buckets, batch=int(plain.batch_size), us={}, tiles={})
                     for name, table in tables:
-                        pl = Planner("pat", gpu)
+                        pl = Planner("pat", gpu, bp.tuning)
                         if table is not None:
                             pl.tuning = dataclasses.replace(pl.tuning, kv_tile_table=table)
                         plan = pl.plan(t, ln, hq, hk, head_dim, ps)
