@@ -507,10 +507,10 @@ def graph_safe_tuning(gpu, tuning, limits: StaticLimits, group: int, head_dim: i
     """The planner tuning fields a graph-safe wrapper with ``limits`` sets before its first
     plan, where ``tuning`` (a :class:`~pat_core.tuning.Tuning`) leaves them unset: the short
     parts of small merging plans off (``merge_min_part = min_part``: the limits are sized for
-    the coarse parts), the KV tile table (:func:`graph_safe_tile_table`: one width when every CTA fits a 16-row tile or the
-    bucket runs as one fused pull launch) and, for a fused bucket, the tiles left out and the
-    row cap that keep its block at two per SM (:func:`fused_pull_exclusions`,
-    :func:`fused_pull_max_rows`).  ``gpu``: the planner's :class:`~pat_core.gpus.GPUSpec`;
+    the coarse parts), the KV tile table (:func:`graph_safe_tile_table`: one width when every
+    CTA fits a 16-row tile or the bucket runs as one fused pull launch) and, for a fused
+    bucket, the tiles left out and the row cap that keep its block at two per SM
+    (:func:`fused_pull_exclusions`, :func:`fused_pull_max_rows`).  ``gpu``: the planner's :class:`~pat_core.gpus.GPUSpec`;
     ``mode``: the backend's ``graph_fused``; ``tile``: a forced tile (never fused).  Returns
     ``{field: value}`` (empty when nothing changes); each decision sees the ones before it."""
     import dataclasses

@@ -492,9 +492,10 @@ for name, b, heads, d_ in (("small", batch, (num_qo_heads, num_kv_heads), head_d
 # request) pays for the merge whatever the part length, and on a batch this small the GPU is
 # mostly idle: there the default cuts again with parts down to
 # `pat_core.tuning.MERGE_MIN_PART` = 64 tokens (`pat_core.planner.assemble_plan`; chosen on 35
-# small batches measured on an H100, `Tuning`'s docstring has the numbers). The big batch merges (96 partial slots for 16
-# requests), and at the 64-token minimum every share's threshold is under 256 tokens, so the
-# 1024-token prefix of 64 rows is cut into more, shorter parts:
+# small batches measured on an H100, `Tuning`'s docstring has the numbers). The big batch
+# merges (96 partial slots for 16 requests), and at the 64-token minimum every share's
+# threshold is under 256 tokens, so the 1024-token prefix of 64 rows is cut into more, shorter
+# parts:
 
 # %%
 assert pat_core.tuning.MERGE_MIN_PART == 64
