@@ -4,8 +4,9 @@
     python docs/results_tables.py --features bench/results/features_h200    # engine features
 
 Reads the folder's devset.json, devset_fi06.json, devset_hd64.json and baselines.json (as
-bench/device/device_session.sh writes them), and devset_hd256.json where the folder has it.  Ratios are geometric means over a part's steps;
-a floor is the time of a step's unavoidable bytes at the copy bandwidth of the same run.
+bench/device/device_session.sh writes them), and devset_hd256.json where the folder has it.
+Ratios are geometric means over a part's steps; a floor is the time of a step's unavoidable
+bytes at the copy bandwidth of the same run.
 """
 from __future__ import annotations
 
