@@ -40,6 +40,7 @@ A100 has no busy table.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -65,6 +66,24 @@ class GPUSpec:
     # {head_dim: table} as ((head_dim, table), ...): the table of busy steps (docstring)
     busy_kv_tile_tables: tuple = ()
     busy_items_per_sm: float = 6.0
+
+    def __post_init__(self):
+        if not (isinstance(self.busy_items_per_sm, (int, float))
+                and math.isfinite(self.busy_items_per_sm) and self.busy_items_per_sm > 0):
+            raise ValueError(f"busy_items_per_sm must be a positive number, got "
+                             f"{self.busy_items_per_sm!r}")
+        try:
+            tables = dict(self.busy_kv_tile_tables)
+            ok = all(isinstance(d, int) and d > 0 and len(t) > 0
+                     and all(len(x) == 2 and int(x[1]) >= 16 for x in t)
+                     and all(a[0] < b[0] for a, b in zip(t, t[1:]))
+                     for d, t in tables.items())
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError("busy_kv_tile_tables must be ((head_dim, ((max_kv_len, n), ...)), "
+                             "...) with increasing max_kv_len and n >= 16, got "
+                             f"{self.busy_kv_tile_tables!r}")
 
     @property
     def bytes_per_ns(self) -> float:

@@ -154,6 +154,12 @@ def test_busy_steps_take_the_narrow_kv_tiles(gpu):
     sel = Planner("pat", odd).tile_selector(D)
     assert {n for _, n in reachable_tiles(sel)} == {32, 64}
     assert {n for _, n in reachable_tiles(sel, kv_tile_table=odd.kv_tile_table)} == {64}
+    for bad in (dict(busy_items_per_sm=float("nan")), dict(busy_items_per_sm=0),
+                dict(busy_kv_tile_tables=((D, ((1 << 62, 8),)),)),
+                dict(busy_kv_tile_tables=((D, ((96, 32), (16, 16))),)),
+                dict(busy_kv_tile_tables=("x",))):
+        with pytest.raises(ValueError, match="busy_"):
+            dataclasses.replace(g, **bad)
     # 96 requests sharing nothing, then growing to 104 by new requests (the "rows" path)
     # and by a token each (the "lengths" path): the same plans as fresh ones
     rng = np.random.default_rng(0)
