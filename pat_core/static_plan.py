@@ -510,8 +510,8 @@ def graph_safe_tuning(gpu, tuning, limits: StaticLimits, group: int, head_dim: i
     the coarse parts), the KV tile table (:func:`graph_safe_tile_table`: one width when every
     CTA fits a 16-row tile or the bucket runs as one fused pull launch) and, for a fused
     bucket, the tiles left out and the row cap that keep its block at two per SM
-    (:func:`fused_pull_exclusions`, :func:`fused_pull_max_rows`).  ``gpu``: the planner's :class:`~pat_core.gpus.GPUSpec`;
-    ``mode``: the backend's ``graph_fused``; ``tile``: a forced tile (never fused).  Returns
+    (:func:`fused_pull_exclusions`, :func:`fused_pull_max_rows`).  ``gpu``: the planner's
+    :class:`~pat_core.gpus.GPUSpec`; ``mode``: the backend's ``graph_fused``; ``tile``: a forced tile (never fused).  Returns
     ``{field: value}`` (empty when nothing changes); each decision sees the ones before it."""
     import dataclasses
     from .planner import tile_selector_for

@@ -370,7 +370,8 @@ class PrefixAttentionWrapper:
     def _graph_safe_tuning(self, num_qo_heads, num_kv_heads, head_dim, kv_dtype, tile) -> None:
         """Before the first graph-safe plan: the planner tuning fields graph-safe mode sets
         where the tuning leaves them unset (:func:`~pat_core.static_plan.graph_safe_tuning`:
-        the KV tile table, and for a fused bucket the tiles left out and the row cap)."""
+        the coarse split parts, the KV tile table, and for a fused bucket the tiles left out
+        and the row cap)."""
         from .static_plan import graph_safe_tuning
         # undo what an earlier first plan that was refused set, unless changed since
         undo = {k: None for k, v in self._auto_tuning.items()
