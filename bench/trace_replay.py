@@ -210,9 +210,10 @@ def time_steps(args) -> int:
         if fp8:      # values spread over the format's range; the scales give them unit size
             k, v = (k / ks).to(kv_dtype), (v / vs).to(kv_dtype)
         gs = {m: _GraphSafe(pat_core, torch, steps, hq, hk, d, ps, k, v,
-                            buckets=m == "pat-graph-bucket",
-                            plan_kw=pat_plan_kw(args.kv_dtype, args.q_len, 0), run_kw=scales, q_len=ql)
-              for m in GRAPH_SAFE if m in args.methods}
+                            buckets=m.partition("@")[0] == "pat-graph-bucket",
+                            plan_kw=pat_plan_kw(args.kv_dtype, args.q_len, 0), run_kw=scales,
+                            q_len=ql, label=m.partition("@")[2])
+              for m in args.methods if m.partition("@")[0] in GRAPH_SAFE}
         for i, (m, table, lens) in enumerate(steps):
             q = torch.randn((table.shape[0] * ql, hq, d), generator=g, device="cuda",
                             dtype=dtype)
@@ -222,7 +223,7 @@ def time_steps(args) -> int:
                                   ref), 2.0 ** -11)
             # a throwaway run of one method first: on long steps the first method timed after
             # the reference got a slow graph replay (up to 18%; bench/NOTES.md, round 8)
-            first = [x for x in args.methods if x not in GRAPH_SAFE][:1] if args.throwaway \
+            first = [x for x in args.methods if x not in gs][:1] if args.throwaway \
                 else []
             for j, method in enumerate(first + list(args.methods)):
                 row = dict(throwaway=j < len(first), step=m["step"], time_ms=m["time_ms"],
@@ -231,7 +232,7 @@ def time_steps(args) -> int:
                            read_tokens=m["read_tokens"], shares=m["unique_tokens"] <
                            m["read_tokens"])
                 try:
-                    if method in GRAPH_SAFE:
+                    if method in gs:
                         g_s = gs[method]
                         t0 = time.perf_counter()
                         plan = g_s.plan(table, lens)
@@ -369,13 +370,15 @@ class _GraphSafe:
     captured at its first step."""
 
     def __init__(self, pat_core, torch, steps, hq, hk, d, ps, k, v, buckets=False, *,
-                 plan_kw=None, run_kw=None, q_len: int = 1):
+                 plan_kw=None, run_kw=None, q_len: int = 1, label: str = ""):
         from pat_core import Planner
         from pat_core.gpus import detect_gpu_name
         self.pat_core, self.torch, self.k, self.v = pat_core, torch, k, v
+        self.label = label     # an ablation: one of the lab's planner tunings (bench/lab)
         self.hq, self.hk, self.d, self.ps = hq, hk, d, ps
         self.plan_kw, self.run_kw, self.q_len = dict(plan_kw or {}), dict(run_kw or {}), q_len
         probe = Planner("pat", detect_gpu_name(torch.cuda.get_device_name()) or "h100")
+        self._tune(probe)
         plans = [probe.plan(t, ln, hq, hk, d, ps, **self._kw(len(ln))) for _, t, ln in steps]
         self.buckets = buckets
         self.limits = graph_safe_buckets(plans, steps, ps, buckets)
@@ -383,6 +386,11 @@ class _GraphSafe:
         self.cur = None
         self.batch = 0
         self.num_launches = None
+
+    def _tune(self, planner) -> None:
+        if self.label:
+            from bench.lab.kernel_lab import apply_tuning
+            apply_tuning(self.label, planner)
 
     def _kw(self, batch: int) -> dict:
         kw = dict(self.plan_kw)
@@ -402,6 +410,7 @@ class _GraphSafe:
             w = self.pat_core.PrefixAttentionWrapper(
                 backend="cuda", packer="pat", use_cuda_graph=True, max_batch_size=max_b,
                 max_num_pages=entries, max_ctas=ctas, max_partials=slots, **extra)
+            self._tune(w.planner)
             q = self.torch.zeros((max_b * self.q_len, self.hq, self.d),
                                  dtype=self.torch.float16, device="cuda")
             st = self.states[key] = [w, q, self.torch.zeros_like(q), None]
@@ -529,8 +538,9 @@ def main(argv=None) -> int:
     t.add_argument("--heads", nargs="+", default=["32:8"])
     t.add_argument("--head-dim", type=int, default=128)
     t.add_argument("--methods", nargs="+", default=list(METHODS),
-                   help=f"of {METHODS}; also pat@LABEL: pat with bench/lab/kernel_lab.py's planner "
-                        "tuning LABEL (an ablation)")
+                   help=f"of {METHODS}; also METHOD@LABEL for pat's methods: the method with "
+                        "bench/lab/kernel_lab.py's planner tuning LABEL (an ablation; a graph-safe "
+                        "method's wrappers and their sizing plans take it)")
     t.add_argument("--reps", type=int, default=10)
     t.add_argument("--kv-dtype", default="float16", choices=("float16", "float8_e4m3fn"),
                    help="the KV cache's dtype (queries and outputs stay float16)")
@@ -552,7 +562,7 @@ def main(argv=None) -> int:
         return prepare_synthetic(args)
     for m in args.methods:
         base, _, label = m.partition("@")
-        if base not in METHODS or (label and base in ("fi-decode",) + GRAPH_SAFE):
+        if base not in METHODS or (label and base == "fi-decode"):
             ap.error(f"--methods: unknown method {m!r}")
         if label:
             from bench.lab.kernel_lab import TUNINGS     # the lab's ablations, on request

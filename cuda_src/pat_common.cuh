@@ -195,12 +195,20 @@ __device__ __forceinline__ void pdl_wait() {
 // the start of each block), with no fork and join and in a fixed order.  Nothing in a forward
 // launch reads what another writes, but whatever follows the last launch (the merge, the caller's
 // next kernel) must find all of them finished: so this grid may not finish before the one before
-// it.  The block that finishes last waits for that grid (pdl_wait; a no-op when the launch was not
-// a dependent one) before it exits, and resets the counter for the next run.  Only one block per
-// launch waits, so the launch's other blocks free their SM slots at once.
-__device__ __forceinline__ void chain_exit(int* chain) {
+// it.  Of the `workers` blocks that drew an item (blocks 0 .. workers - 1), the one that finishes
+// last waits for that grid (pdl_wait; a no-op when the launch was not a dependent one) before it
+// exits, and resets the counter for the next run; with no item at all, block 0 waits.  The other
+// blocks free their SM slots at once, and a block that had no item leaves without touching the
+// counter: a graph-safe launch set's launches of resident-sized grids are mostly idle, and one
+// same-address atomic per idle block made each such launch cost 1-2.5 us (bench/NOTES.md).
+__device__ __forceinline__ void chain_exit(int* chain, int workers) {
   if (chain == nullptr || threadIdx.x != 0) return;
-  if (atomicAdd(chain, 1) == (int)(gridDim.x * gridDim.y * gridDim.z) - 1) {
+  const int b = (int)blockIdx.x;
+  if (workers <= 0) {
+    if (b == 0) pdl_wait();
+    return;
+  }
+  if (b < workers && atomicAdd(chain, 1) == workers - 1) {
     pdl_wait();
     *chain = 0;
   }

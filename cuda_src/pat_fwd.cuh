@@ -473,12 +473,13 @@ namespace pat {
 // 15 us steps; bench/NOTES.md).  Pulling rather than striding lets a block that drew a
 // short item take the next one (a tile's CTAs are ordered longest first).  The merge kernel
 // zeroes the counter.
+// `items`: the launch's live items, p.live[1] x KV heads.
 template <typename Tr>
-__device__ __forceinline__ void run_items(const FwdParams& p) {
+__device__ __forceinline__ void run_items(const FwdParams& p, const int items) {
   const int hk = p.num_kv_heads;
   // Blocks past the live item count never get work (the others take every item): leave
   // before anything else, so an unused variant's launch costs one load per block.
-  if ((int)blockIdx.x >= p.live[1] * hk) return;
+  if ((int)blockIdx.x >= items) return;
   // Later items: thread 0 draws one into a double-buffered slot (the block reads slot k & 1
   // after the barrier that ends item k; the slot is written again two items later, past the
   // next barrier), so one barrier per item and only k stays live across an item.
@@ -488,11 +489,11 @@ __device__ __forceinline__ void run_items(const FwdParams& p) {
   for (int k = 0;; ++k) {
     const int c = item / hk;
     pat_fwd_body<Tr>(p, p.live[0] + c, item - c * hk);
-    if (p.live[1] * hk <= (int)gridDim.x) break;  // every item was some block's first
+    if (items <= (int)gridDim.x) break;  // every item was some block's first
     if (threadIdx.x == 0) s_next[k & 1] = (int)gridDim.x + atomicAdd(p.work_counter, 1);
     cta_sync<Tr>();  // every warp is past item k (its shared memory free) and s_next written
     item = s_next[k & 1];
-    if (item >= p.live[1] * hk) break;  // block-uniform
+    if (item >= items) break;  // block-uniform
   }
 }
 
@@ -527,9 +528,11 @@ __global__ void __launch_bounds__(
   pat::BlockClock clock(0);
   // the next launch of the chain may place its blocks while these run
   pat::pdl_launch_dependents();
-  pat::run_items<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW, KV, CAUSAL>>(p);
+  const int items = p.live[1] * p.num_kv_heads;
+  pat::run_items<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW, KV, CAUSAL>>(p, items);
   clock.end();
-  pat::chain_exit(p.chain);  // chained launches: the last block waits for the launch before
+  // chained launches: the last block to finish an item waits for the launch before
+  pat::chain_exit(p.chain, items < (int)gridDim.x ? items : (int)gridDim.x);
 }
 
 // One launch for every tile variant of a graph-safe launch set (small buckets), so a replayed

@@ -136,6 +136,9 @@ TUNINGS = {
     # no long-KV split (a share this small makes the fair share the whole batch's KV)
     "nocut": {"split_share": 1e-6},
     "n32": {"kv_tile_table": ((1 << 62, 32),)},
+    # one or two KV tile widths (a graph-safe launch set of fewer tiles)
+    "n64": {"kv_tile_table": ((1 << 62, 64),)},
+    "n32n64": {"kv_tile_table": ((96, 32), (1 << 62, 64))},
     "n32-share3": {"kv_tile_table": ((1 << 62, 32),), "split_share": 3.0},
     # short-KV tiles with a single-stage ring (tile 0 loads with Q; smaller blocks, more per SM)
     "short-s1": {"layouts": {(16, 16): (1, 1, 16), (16, 32): (2, 1, 16)}},
