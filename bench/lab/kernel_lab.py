@@ -139,6 +139,8 @@ TUNINGS = {
     # one or two KV tile widths (a graph-safe launch set of fewer tiles)
     "n64": {"kv_tile_table": ((1 << 62, 64),)},
     "n32n64": {"kv_tile_table": ((96, 32), (1 << 62, 64))},
+    "n64-m16n32": {"kv_tile_table": ((96, 32), (1 << 62, 64)),
+                   "exclude_tiles": tuple((m, n) for m in (32, 64, 128) for n in (16, 32))},
     "n32-share3": {"kv_tile_table": ((1 << 62, 32),), "split_share": 3.0},
     # short-KV tiles with a single-stage ring (tile 0 loads with Q; smaller blocks, more per SM)
     "short-s1": {"layouts": {(16, 16): (1, 1, 16), (16, 32): (2, 1, 16)}},
