@@ -360,10 +360,21 @@ ONE_N_TABLE = ((1 << 62, 64),)
 ONE_N_MAX_ROWS = 16
 # KV-length table of a graph-safe bucket that runs as one fused pull launch: one n.
 FUSED_TILE_TABLE = ONE_N_TABLE
+# KV-length table and left-out tiles of the other graph-safe buckets at head_dim <= 128: the
+# 32-token width for CTAs of at most 16 rows and at most 96 tokens (the leaves of wide trees),
+# 64 tokens for everything else: five tiles where the GPU's table reaches eleven or twelve.
+LEAN_TILE_TABLE = ((96, 32), (1 << 62, 64))
+LEAN_EXCLUDED_TILES = tuple((m, n) for m in (32, 64, 128) for n in (16, 32))
+LEAN_MAX_HEAD_DIM = 128
 
 
-def graph_safe_tile_table(limits: StaticLimits, group: int, fused: bool = False):
-    """The KV-length -> ``n`` table a graph-safe wrapper plans with, or ``None`` for the GPU's.
+def graph_safe_tile_table(limits: StaticLimits, group: int, fused: bool = False,
+                          head_dim: int = 128):
+    """The KV-length -> ``n`` table a graph-safe wrapper plans with, and the tiles it leaves
+    out: ``(table, exclude)``, ``(None, None)`` for the GPU's table.
+
+    Every launch of a graph-safe set runs on every replay, and one that has no work still
+    costs about a microsecond (H100 and H200, bench/NOTES.md), so the sets want few tiles.
 
     ``fused``: whether the bucket's launch set, with the GPU's table, would run as one fused
     pull launch (:func:`graph_safe_fused`).  Such a bucket plans with :data:`FUSED_TILE_TABLE`
@@ -383,12 +394,25 @@ def graph_safe_tile_table(limits: StaticLimits, group: int, fused: bool = False)
     has one.  A single ``n = 64`` makes that one launch; the short CTAs it then covers do a
     few masked MMA steps more, which costs less than the launches on such small steps
     (H100, ``bench/lab/graph_safe_cost.py --compact inf:64``: a 12k-token single request at 32:8
-    39.3 -> 36.0 us against 33.3 for its exact plan; bench/NOTES.md).  With more
-    rows per CTA the leaves of wide trees lose more than the launches save (a 64-request
-    tree at 32:32: 70.4 -> 84.8 us), so larger buckets keep the GPU's table unless fused."""
+    39.3 -> 36.0 us against 33.3 for its exact plan; bench/NOTES.md).
+
+    Every other bucket at ``head_dim <= 128`` plans with :data:`LEAN_TILE_TABLE` without
+    :data:`LEAN_EXCLUDED_TILES`: ``n = 64`` for every CTA but those of at most 16 rows and 96
+    tokens, which take ``n = 32``.  One width alone loses on wide trees of short leaves (their
+    16-row leaf CTAs then hold a 4-warp block where two 2-warp blocks fit: 1.22-1.98x the exact
+    plan against 1.05-1.19x with the GPU's table); keeping the 32-token width for 16-row
+    CTAs only keeps those leaves at their residency and drops six launches.  Measured on the
+    development set (H200, bench/NOTES.md), bucket graphs over the plain launches in geometric
+    mean: chat steps 1.037 -> 1.018, agent steps 1.021 -> 1.003, synthetic batches 1.114 ->
+    1.061 (32:8), 1.021 -> 0.996 (32:32), fp8 1.141 -> 1.071, head_dim 64 1.164 -> 1.060.
+    ``head_dim`` 256 keeps the GPU's tables (not measured there)."""
     if limits.max_cta_rows(group) <= ONE_N_MAX_ROWS:
-        return ONE_N_TABLE
-    return FUSED_TILE_TABLE if fused else None
+        return ONE_N_TABLE, None
+    if fused:
+        return FUSED_TILE_TABLE, None
+    if int(head_dim) <= LEAN_MAX_HEAD_DIM:
+        return LEAN_TILE_TABLE, LEAN_EXCLUDED_TILES
+    return None, None
 
 
 GRAPH_FUSED_MODES = ("auto", "on", "off")
@@ -507,8 +531,9 @@ def graph_safe_tuning(gpu, tuning, limits: StaticLimits, group: int, head_dim: i
     """The planner tuning fields a graph-safe wrapper with ``limits`` sets before its first
     plan, where ``tuning`` (a :class:`~pat_core.tuning.Tuning`) leaves them unset: the short
     parts of small merging plans off (``merge_min_part = min_part``: the limits are sized for
-    the coarse parts), the KV tile table (:func:`graph_safe_tile_table`: one width when every
-    CTA fits a 16-row tile or the bucket runs as one fused pull launch) and, for a fused
+    the coarse parts), the KV tile table and the tiles it leaves out
+    (:func:`graph_safe_tile_table`: one width when every CTA fits a 16-row tile or the bucket
+    runs as one fused pull launch, else at head_dim <= 128 the lean table) and, for a fused
     bucket, the tiles left out and the row cap that keep its block at two per SM
     (:func:`fused_pull_exclusions`, :func:`fused_pull_max_rows`).  ``gpu``: the planner's
     :class:`~pat_core.gpus.GPUSpec`; ``mode``: the backend's ``graph_fused``; ``tile``: a forced tile (never fused).  Returns
@@ -531,9 +556,11 @@ def graph_safe_tuning(gpu, tuning, limits: StaticLimits, group: int, head_dim: i
         # the limits' defaults (max_ctas, max_partials) are sized for min_part's parts
         auto["merge_min_part"] = int(tuning.min_part)
     if tuning.kv_tile_table is None:
-        table = graph_safe_tile_table(limits, group, fused=fused_now())
+        table, exclude = graph_safe_tile_table(limits, group, fused_now(), head_dim)
         if table is not None:
             auto["kv_tile_table"] = table
+        if exclude is not None and tuning.exclude_tiles is None and tile is None:
+            auto["exclude_tiles"] = exclude     # (a forced tile reads no exclusions)
     if not fused_now():
         return auto
     if tuning.exclude_tiles is None:
@@ -561,7 +588,7 @@ def graph_safe_launch_set(gpu, tuning, limits: StaticLimits, group: int, head_di
     return tiles, graph_safe_fused(limits, len(tiles), mode)
 
 
-__all__ = ["FUSED_TILE_TABLE", "StaticLayout", "StaticLimits", "fused_block_per_sm",
+__all__ = ["FUSED_TILE_TABLE", "LEAN_EXCLUDED_TILES", "LEAN_TILE_TABLE", "StaticLayout", "StaticLimits", "fused_block_per_sm",
            "fused_pull_exclusions", "fused_pull_max_rows", "graph_safe_fused",
            "graph_safe_launch_set", "graph_safe_max_rows", "graph_safe_tile_table",
            "graph_safe_tuning", "reachable_tiles"]

@@ -139,7 +139,10 @@ class PrefixAttentionWrapper:
         ``(32, 64)``: such CTAs take ``(32, 32)``), and, when the fused block still fits one
         per SM, with CTA rows capped below its largest ``m``
         (:func:`~pat_core.static_plan.fused_pull_max_rows`; 64 instead of 128 at 64:8), unless
-        its tuning names a table, exclusions or a row cap.
+        its tuning names a table, exclusions or a row cap.  Every other bucket at head_dim
+        <= 128 plans with two widths: ``n = 32`` for CTAs of at most 16 rows and 96 tokens,
+        ``n = 64`` for the rest (:data:`~pat_core.static_plan.LEAN_TILE_TABLE`): five
+        launches where the GPU's table gives eleven or twelve.
     max_batch_size, max_num_pages : graph-safe limits (required with ``use_cuda_graph``):
         requests per step, and block-table entries per step (the sum over requests of
         ``ceil(seq_len / page_size)``).

@@ -187,12 +187,18 @@ def test_sim_error_reports_the_simulators_error(tmp_path, kv_dtype, q_len):
                      for _, t, ln in steps]
             lim = StaticLimits.make(*graph_safe_buckets(plans, steps, 16, False)[0])
             bp, ls = devset.graph_safe_bucket("h100", lim, 4, 128, kv_dtype)
-            # the wrapper's tuning: the default's, with the coarse split parts kept
+            # the wrapper's tuning: the default's, with the coarse split parts kept and the
+            # lean KV tile table of a bucket that is not fused
+            from pat_core.static_plan import LEAN_EXCLUDED_TILES, LEAN_TILE_TABLE
             assert bp.tuning.merge_min_part == bp.tuning.min_part
-            assert dataclasses.replace(bp.tuning, merge_min_part=None) == planner.tuning
+            assert (bp.tuning.kv_tile_table, bp.tuning.exclude_tiles) == (
+                LEAN_TILE_TABLE, LEAN_EXCLUDED_TILES)
+            assert dataclasses.replace(bp.tuning, merge_min_part=None, kv_tile_table=None,
+                                       exclude_tiles=None) == planner.tuning
             assert len(ls[0]) > 1 and not ls[1]
+            gplan = bp.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16, **kw)
             rows.append(dict(part="synthetic", step=i, heads="32:8", method="pat-graph",
-                             graph_us=1.25 * simulate(plan, "h100",
+                             graph_us=1.25 * simulate(gplan, "h100",
                                                       launch_set=ls).latency_us))
     res = tmp_path / "devset.json"
     methods = ["pat"] + (["pat-graph"] if q_len == 1 else [])

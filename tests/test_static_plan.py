@@ -255,16 +255,19 @@ def test_every_kernel_takes_one_struct():
 def test_graph_safe_tile_table_rule():
     """One KV tile width exactly when every CTA fits a 16-row tile; the plans made with it
     stay inside the launch set it gives and compute the same attention."""
-    from pat_core.static_plan import ONE_N_TABLE, graph_safe_tile_table
+    from pat_core.static_plan import (LEAN_EXCLUDED_TILES, LEAN_TILE_TABLE, ONE_N_TABLE,
+                                      graph_safe_tile_table)
     lim = lambda b: StaticLimits(b, 4096, 256, 512)   # noqa: E731
-    assert graph_safe_tile_table(lim(4), 4) == ONE_N_TABLE
-    assert graph_safe_tile_table(lim(16), 1) == ONE_N_TABLE
-    assert graph_safe_tile_table(lim(5), 4) is None
-    assert graph_safe_tile_table(lim(17), 1) is None
+    assert graph_safe_tile_table(lim(4), 4) == (ONE_N_TABLE, None)
+    assert graph_safe_tile_table(lim(16), 1) == (ONE_N_TABLE, None)
+    lean = (LEAN_TILE_TABLE, LEAN_EXCLUDED_TILES)
+    assert graph_safe_tile_table(lim(5), 4) == lean
+    assert graph_safe_tile_table(lim(17), 1, head_dim=64) == lean
+    assert graph_safe_tile_table(lim(17), 1, head_dim=256) == (None, None)
     # a fused bucket: one width as well
     from pat_core.static_plan import FUSED_TILE_TABLE
-    assert graph_safe_tile_table(lim(5), 4, fused=True) == FUSED_TILE_TABLE
-    assert graph_safe_tile_table(lim(4), 4, fused=True) == ONE_N_TABLE
+    assert graph_safe_tile_table(lim(5), 4, fused=True) == (FUSED_TILE_TABLE, None)
+    assert graph_safe_tile_table(lim(4), 4, fused=True) == (ONE_N_TABLE, None)
     planner = Planner("pat", "h100")
     planner.tuning = dataclasses.replace(planner.tuning, kv_tile_table=FUSED_TILE_TABLE)
     assert reachable_tiles(planner.tile_selector(128, "float16"), max_rows=48) == (
@@ -438,18 +441,29 @@ def test_graph_safe_tuning_of_a_fused_bucket():
     wt = _graph_safe_wrapper(16)
     wt._graph_safe_tuning(64, 8, 128, "float16", (64, 64))
     assert wt.planner.tuning.exclude_tiles is None and wt.planner.tuning.max_rows is None
+    # larger buckets and unfused ones: the lean table, no row cap
+    from pat_core.static_plan import LEAN_EXCLUDED_TILES, LEAN_TILE_TABLE
     big = _graph_safe_wrapper(64)
     big._graph_safe_tuning(32, 8, 128, "float16", None)
-    assert big.planner.tuning.kv_tile_table is None and big.planner.tuning.exclude_tiles is None
+    assert big.planner.tuning.kv_tile_table == LEAN_TILE_TABLE
+    assert big.planner.tuning.exclude_tiles == LEAN_EXCLUDED_TILES
+    assert reachable_tiles(big.planner.tile_selector(128, "float16"), max_rows=256) == (
+        (128, 64), (64, 64), (32, 64), (16, 64), (16, 32))
     off = _graph_safe_wrapper(16, "off")
     off._graph_safe_tuning(32, 8, 128, "float16", None)
-    assert off.planner.tuning.kv_tile_table is None and off.planner.tuning.max_rows is None
+    assert off.planner.tuning.kv_tile_table == LEAN_TILE_TABLE
+    assert off.planner.tuning.max_rows is None
+    # head_dim 256 keeps the GPU's tables
+    d256 = _graph_safe_wrapper(64)
+    d256._graph_safe_tuning(32, 8, 256, "float16", None)
+    assert d256.planner.tuning.kv_tile_table is None
+    assert d256.planner.tuning.exclude_tiles is None
     small = _graph_safe_wrapper(4)
     small._graph_safe_tuning(32, 8, 128, "float16", None)
     assert small.planner.tuning.kv_tile_table == ONE_N_TABLE
     assert small.planner.tuning.exclude_tiles is None
     # every graph-safe wrapper keeps the coarse parts its limits are sized for
-    for x in (w, wt, big, off, small):
+    for x in (w, wt, big, off, small, d256):
         assert x.planner.tuning.merge_min_part == x.planner.tuning.min_part == 256
 
 
