@@ -218,8 +218,16 @@ def test_one_capture_fifty_changing_steps(packer, max_batch, fused, d):
         from pat_core.static_plan import FUSED_MIN_BLOCKS_PER_SM
         assert w._static.grids[0] >= FUSED_MIN_BLOCKS_PER_SM * w._static.num_sms, \
             (w._static.grids, w._static.layout.tiles)
-    if fused == "off":
-        assert not excluded
+    if max_batch * hq // hk > 16 and not w._static.fused:
+        # a launch per tile: the lean table at head_dim <= 128 (the 32-token width for 16-row
+        # CTAs only), the GPU's tables above
+        from pat_core.static_plan import LEAN_EXCLUDED_TILES, LEAN_TILE_TABLE
+        if d <= 128:
+            assert w.planner.tuning.kv_tile_table == LEAN_TILE_TABLE
+            assert excluded == set(LEAN_EXCLUDED_TILES)
+            assert {n for m, n in tiles if m > 16} == {64}, tiles
+        else:
+            assert not excluded
 
 
 @requires_gpu
