@@ -1,6 +1,5 @@
 """CPU checks of the benchmark harness's pure parts: cascade levels and the report."""
 import json
-import os
 
 import numpy as np
 import pytest
@@ -243,24 +242,3 @@ def test_plan_loop_smoke(tmp_path):
     assert set(speed) == {"python_loop_ms", "numpy_sort_ms", "numba_walk_ms"}
     assert all(v > 0 for v in speed.values())
 
-
-def test_sim_graph_safe_tables_prices_each_table(tmp_path):
-    """``bench/lab/sim_graph_safe_tables.py`` on two synthetic steps: every table's plan and
-    launch set priced per step (the GPU table's set larger than one width's), bad tables
-    refused by name."""
-    from bench.lab import sim_graph_safe_tables as lab
-    from bench.trace_replay import prepare_synthetic_steps
-    prepare_synthetic_steps(["40_300", "1,64_2048,40"], tmp_path / "synthetic.npz",
-                            page_size=16, verbose=False)
-    out = tmp_path / "t.json"
-    assert lab.main(["--out", str(out), "--dir", str(tmp_path), "--heads", "32:8",
-                     "--tables", "gpu", "inf:64"]) == 0
-    res = json.loads(out.read_text())
-    assert len(res["rows"]) == 4                  # two steps, one wrapper and per bucket
-    for r in res["rows"]:
-        assert r["us"]["gpu"] > 0 and r["us"]["inf:64"] > 0
-        assert r["tiles"]["gpu"] > r["tiles"]["inf:64"]
-    assert set(res["summary"]) == {"synthetic one", "synthetic bucket"}
-    assert lab.parse_table("96:32,inf:64") == ((96, 32), (1 << 62, 64))
-    with pytest.raises(ValueError, match="the last entry must be inf"):
-        lab.parse_table("96:32")

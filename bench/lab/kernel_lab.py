@@ -111,7 +111,6 @@ TUNINGS = {
     "pw6": {"partial_weight": 6.0},
     "rows64": {"max_rows": 64},
     "n16to32": {"kv_tile_table": _N16_32},
-    "mp128": {"min_part": 128},
     "tile-order": {"order": "tile"},
     "pw1": {"partial_weight": 1.0},
     "share1": {"split_share": 1.0},
