@@ -199,8 +199,8 @@ __device__ __forceinline__ void pdl_wait() {
 // last waits for that grid (pdl_wait; a no-op when the launch was not a dependent one) before it
 // exits, and resets the counter for the next run; with no item at all, block 0 waits.  The other
 // blocks free their SM slots at once, and a block that had no item leaves without touching the
-// counter: a graph-safe launch set's launches of resident-sized grids are mostly idle, and one
-// same-address atomic per idle block made each such launch cost 1-2.5 us (bench/NOTES.md).
+// counter: the launches of a graph-safe set have resident-sized grids, mostly idle, and their
+// blocks' same-address atomics cost about 2% of such a replay (bench/NOTES.md).
 __device__ __forceinline__ void chain_exit(int* chain, int workers) {
   if (chain == nullptr || threadIdx.x != 0) return;
   const int b = (int)blockIdx.x;

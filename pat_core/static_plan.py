@@ -399,13 +399,15 @@ def graph_safe_tile_table(limits: StaticLimits, group: int, fused: bool = False,
     Every other bucket at ``head_dim <= 128`` plans with :data:`LEAN_TILE_TABLE` without
     :data:`LEAN_EXCLUDED_TILES`: ``n = 64`` for every CTA but those of at most 16 rows and 96
     tokens, which take ``n = 32``.  One width alone loses on wide trees of short leaves (their
-    16-row leaf CTAs then hold a 4-warp block where two 2-warp blocks fit: 1.22-1.98x the exact
-    plan against 1.05-1.19x with the GPU's table); keeping the 32-token width for 16-row
+    16-row leaf CTAs then hold a 4-warp block where two 2-warp blocks fit: ``64,512_512,64``
+    and ``1,4,16,64,256_512,256,128,64,32`` at 32:8 on an H100 1.22x and 1.26x the exact plan,
+    against 1.10x and 1.14x with the GPU's table); keeping the 32-token width for 16-row
     CTAs only keeps those leaves at their residency and drops six launches.  Measured on the
     development set (H200, bench/NOTES.md), bucket graphs over the plain launches in geometric
     mean: chat steps 1.037 -> 1.018, agent steps 1.021 -> 1.003, synthetic batches 1.114 ->
     1.061 (32:8), 1.021 -> 0.996 (32:32), fp8 1.141 -> 1.071, head_dim 64 1.164 -> 1.060.
-    ``head_dim`` 256 keeps the GPU's tables (not measured there)."""
+    ``head_dim`` 256 keeps the GPU's tables: there the lean table gains on the agent steps but
+    undoes the busy steps' narrow table (``32,256_1024,128`` 1.10x -> 1.26x the exact plan)."""
     if limits.max_cta_rows(group) <= ONE_N_MAX_ROWS:
         return ONE_N_TABLE, None
     if fused:
@@ -588,7 +590,7 @@ def graph_safe_launch_set(gpu, tuning, limits: StaticLimits, group: int, head_di
     return tiles, graph_safe_fused(limits, len(tiles), mode)
 
 
-__all__ = ["FUSED_TILE_TABLE", "LEAN_EXCLUDED_TILES", "LEAN_TILE_TABLE", "StaticLayout", "StaticLimits", "fused_block_per_sm",
-           "fused_pull_exclusions", "fused_pull_max_rows", "graph_safe_fused",
+__all__ = ["FUSED_TILE_TABLE", "LEAN_EXCLUDED_TILES", "LEAN_TILE_TABLE", "StaticLayout",
+           "StaticLimits", "fused_block_per_sm", "fused_pull_exclusions", "fused_pull_max_rows", "graph_safe_fused",
            "graph_safe_launch_set", "graph_safe_max_rows", "graph_safe_tile_table",
            "graph_safe_tuning", "reachable_tiles"]

@@ -283,6 +283,20 @@ def test_graph_safe_tile_table_rule():
     q = np.random.default_rng(3).standard_normal((b.batch_size, 32, 128)).astype(np.float32)
     ref = dense_attention(q, (k, v), b.block_tables, b.seq_lens, 16)
     assert relative_error(execute(plan, q, k, v), ref) < 1e-5
+    # the lean table: short 16-row CTAs on 32-token tiles, every larger CTA on 64-token ones
+    planner = Planner("pat", "h100")
+    planner.tuning = dataclasses.replace(planner.tuning, kv_tile_table=LEAN_TILE_TABLE,
+                                         exclude_tiles=LEAN_EXCLUDED_TILES)
+    b = build_tree_batch("1,8,32_512,40,30", page_size=16)   # 32 leaves of 30 tokens
+    plan = planner.plan(b.block_tables, b.seq_lens, 32, 8, 128, 16, kv_data_type="float32")
+    used = {tuple(t) for t in plan.tile_configs.tolist()}
+    assert (16, 32) in used and any(m > 16 for m, _ in used), used
+    assert all(n == 64 for m, n in used if m > 16), used
+    assert used <= set(reachable_tiles(planner.tile_selector(128, "float16"), max_rows=128))
+    k, v = random_kv_cache(b.num_pages, 16, 8, 128, seed=4)
+    q = np.random.default_rng(4).standard_normal((b.batch_size, 32, 128)).astype(np.float32)
+    ref = dense_attention(q, (k, v), b.block_tables, b.seq_lens, 16)
+    assert relative_error(execute(plan, q, k, v), ref) < 1e-5
 
 
 def test_graph_safe_fused_rule():
