@@ -50,16 +50,30 @@ def speedup(by, keys) -> tuple:
     return geo(xs), min(xs)
 
 
+f1 = "{:.1f}".format   # a time in µs, as the tables print it
+
+
 def table(head, rows) -> str:
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(out)
 
 
+def synthetic_table(head_dim: int, by: dict) -> None:
+    """The synthetic part at another head_dim (``by``: load()'s rows): pat against FlashInfer
+    0.2.5 decode."""
+    print(f"\n## synthetic, head_dim {head_dim} (µs)\n")
+    print(table(["workload", "requests", "floor", "pat", "pat eager", "FlashInfer 0.2.5",
+                 "FI ÷ pat"],
+                [[NAME[k[2]], v["pat"]["batch"], f1(v["pat"]["floor_us"]), f1(v["pat"]["graph_us"]),
+                  f1(v["pat"]["eager_us"]), f1(v["fi-decode"]["graph_us"]),
+                  f"{v['fi-decode']['graph_us'] / v['pat']['graph_us']:.3f}"]
+                 for k in by for v in [by[k]]]))
+
+
 def main(folder: str) -> None:
     d = Path(folder)
     by, fi6, hd64 = load(d / "devset.json"), load(d / "devset_fi06.json"), load(d / "devset_hd64.json")
-    f1 = "{:.1f}".format
     keys = {p: [k for k in by if k[0] == p] for p, _ in PARTS}
     multi = [k for k in keys["synthetic"] if k[2] in MULTI]
 
@@ -119,24 +133,10 @@ def main(folder: str) -> None:
                   f"{v['fi-decode']['graph_us'] / v['pat']['graph_us']:.3f}"]
                  for k in keys["synthetic"] for v in [by[k]]]))
 
-    print("\n## synthetic, head_dim 64 (µs)\n")
-    print(table(["workload", "requests", "floor", "pat", "pat eager", "FlashInfer 0.2.5",
-                 "FI ÷ pat"],
-                [[NAME[k[2]], v["pat"]["batch"], f1(v["pat"]["floor_us"]), f1(v["pat"]["graph_us"]),
-                  f1(v["pat"]["eager_us"]), f1(v["fi-decode"]["graph_us"]),
-                  f"{v['fi-decode']['graph_us'] / v['pat']['graph_us']:.3f}"]
-                 for k in hd64 for v in [hd64[k]]]))
-
+    synthetic_table(64, hd64)
     if (d / "devset_hd256.json").is_file():   # a later run at the defaults it names
         hd256 = load(d / "devset_hd256.json")
-        print("\n## synthetic, head_dim 256 (µs)\n")
-        print(table(["workload", "requests", "floor", "pat", "pat eager", "FlashInfer 0.2.5",
-                     "FI ÷ pat"],
-                    [[NAME[k[2]], v["pat"]["batch"], f1(v["pat"]["floor_us"]),
-                      f1(v["pat"]["graph_us"]), f1(v["pat"]["eager_us"]),
-                      f1(v["fi-decode"]["graph_us"]),
-                      f"{v['fi-decode']['graph_us'] / v['pat']['graph_us']:.3f}"]
-                     for k in hd256 for v in [hd256[k]]]))
+        synthetic_table(256, hd256)
         g, w = speedup(hd256, list(hd256))
         print(f"\nFlashInfer 0.2.5 ÷ pat, head_dim 256: {g:.3f} (lowest {w:.3f}); pat / floor "
               f"{ratio(hd256, list(hd256), 'pat'):.3f}")
@@ -169,7 +169,6 @@ def features(folder: str) -> None:
     sets = {name: load(d / f"feat_{name}.json") for name in
             ("hd256", "fp16", "fp8", "qlen1", "qlen4", "invariant_chunks")}
     spec_of = {k[2]: k for k in sets["fp8"]}
-    f1 = "{:.1f}".format
 
     def us(name, spec, method, part="synthetic"):
         ks = [k for k in sets[name] if k[0] == part and k[2] == spec]
