@@ -423,8 +423,9 @@ def simulate(plan, gpu=None, constants: SimConstants | str | None = None,
         phase (:func:`idle_launches`).  A fused set runs the plan's items in one launch of
         blocks the size of the set's largest tile (:func:`prepare`'s ``fused_tiles``).
         Measured (bench/NOTES.md): a
-        graph-safe replay on the H100 costs 1-2.5 us per idle launch over the plain one, and
-        the per-launch constant, fitted on plain plans alone, brings the predicted graph-safe
+        graph-safe replay on the H100 cost 1-2.5 us per idle launch over the plain one (about
+        1 us since a block without an item leaves the launch chain without an atomic), and
+        the per-launch constant, fitted on plain plans alone, brought the predicted graph-safe
         replays of the development set (one wrapper per part) from 2.0 / 1.6 / 18.7% median
         error (conversation, agent, synthetic) to 0.5 / 2.1 / 6.0%.
     """
