@@ -36,7 +36,8 @@ class FwdParams(ctypes.Structure):
                 ("num_kv_heads", _I32), ("group", _I32), ("num_qo_heads", _I32),
                 ("page_size", _I32), ("scale_log2", ctypes.c_float),
                 ("v_scale", ctypes.c_float), ("merge", MergeArgs),
-                ("cta_kv_limit", _P), ("cta_causal", _P)]
+                ("cta_kv_limit", _P), ("cta_causal", _P), ("sm_rank", _P),
+                ("num_sms", _I32)]
 
 
 class MergeParams(ctypes.Structure):
