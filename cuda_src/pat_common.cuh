@@ -195,34 +195,23 @@ __device__ __forceinline__ void pdl_wait() {
 // the start of each block), with no fork and join and in a fixed order.  Nothing in a forward
 // launch reads what another writes, but whatever follows the last launch (the merge, the caller's
 // next kernel) must find all of them finished: so this grid may not finish before the one before
-// it.  Each block that ran items adds their number (`done`) to the launch's counter; the one
-// whose addition reaches the launch's `items` waits for that grid (pdl_wait; a no-op when the
-// launch was not a dependent one) before it exits, and resets the counter for the next run; with
-// no item at all, block 0 waits.  The other blocks free their SM slots at once, and a block that
-// ran no item leaves without touching the counter: the launches of a graph-safe set have
-// resident-sized grids, mostly idle, and their blocks' same-address atomics cost about 2% of
-// such a replay (bench/NOTES.md).
-__device__ __forceinline__ void chain_exit(int* chain, int items, int done) {
+// it.  Of the `workers` blocks that drew an item (blocks 0 .. workers - 1), the one that finishes
+// last waits for that grid (pdl_wait; a no-op when the launch was not a dependent one) before it
+// exits, and resets the counter for the next run; with no item at all, block 0 waits.  The other
+// blocks free their SM slots at once, and a block that had no item leaves without touching the
+// counter: the launches of a graph-safe set have resident-sized grids, mostly idle, and their
+// blocks' same-address atomics cost about 2% of such a replay (bench/NOTES.md).
+__device__ __forceinline__ void chain_exit(int* chain, int workers) {
   if (chain == nullptr || threadIdx.x != 0) return;
-  if (items <= 0) {
-    if (blockIdx.x == 0) pdl_wait();
+  const int b = (int)blockIdx.x;
+  if (workers <= 0) {
+    if (b == 0) pdl_wait();
     return;
   }
-  if (done > 0 && atomicAdd(chain, done) + done == items) {
+  if (b < workers && atomicAdd(chain, 1) == workers - 1) {
     pdl_wait();
     *chain = 0;
   }
-}
-
-// Per-SM block counters of a graph-safe launch (FwdParams::sm_rank): slots per launch, indexed by
-// the SM id modulo the slot count (ids of today's GPUs are below 256; an alias would only place
-// more blocks of a launch on one SM, never lose an item).
-constexpr int kSmRankSlots = 256;
-
-__device__ __forceinline__ int sm_id() {
-  unsigned s;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
-  return (int)s;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -466,61 +466,35 @@ namespace pat {
 // resident at once, and its items (CTA x KV head, the KV heads of a CTA adjacent, so blocks
 // running side by side read neighbouring heads of the same tokens) are the launch's live CTAs in
 // device memory: p.live = {first CTA, CTA count}, written by plan() (so one captured launch
-// serves every later plan in graph-safe mode).  Pulling rather than striding lets a block that
-// drew a short item take the next one (a tile's CTAs are ordered longest first).  The merge
-// kernel zeroes the counters.  Returns the items this block ran.
-//
-// A launch with at least as many items as blocks (every plain launch): block b's first item is
-// item b (no atomic); later items come from p.work_counter, offset by the grid (item gridDim.x + k
-// for the k-th draw), and a launch whose live items fit its grid draws none: a small step's
-// blocks run one item each (H100: the two atomic round trips per block that drawing every item
-// cost showed on 15 us steps; bench/NOTES.md).
-//
-// A graph-safe launch with fewer items than blocks: the blocks that take items are chosen by
-// where they run, not by index.  In a chain of launches the blocks of one are placed while the
-// launch before it is still leaving the SMs, on whichever slots free first, so blocks 0 .. items
-// - 1 can crowd a few SMs while others stay empty (bench/NOTES.md).  Each block counts itself on
-// its SM (p.sm_rank), and only the first ceil(items / num_sms) blocks of each SM draw items, every
-// one from p.work_counter, until none is left.
+// serves every later plan in graph-safe mode).  Block b's first item is item b (no atomic);
+// later items come from p.work_counter, offset by the grid (item gridDim.x + k for the k-th
+// draw), and a launch whose live items fit its grid draws none: a small step's blocks run one
+// item each (H100: the two atomic round trips per block that drawing every item cost showed on
+// 15 us steps; bench/NOTES.md).  Pulling rather than striding lets a block that drew a
+// short item take the next one (a tile's CTAs are ordered longest first).  The merge kernel
+// zeroes the counter.
 // `items`: the launch's live items, p.live[1] x KV heads.
 template <typename Tr>
-__device__ __forceinline__ int run_items(const FwdParams& p, const int items) {
+__device__ __forceinline__ void run_items(const FwdParams& p, const int items) {
   const int hk = p.num_kv_heads;
+  // Blocks past the live item count never get work (the others take every item): leave
+  // before anything else, so an unused variant's launch costs one load per block.
+  if ((int)blockIdx.x >= items) return;
   // Later items: thread 0 draws one into a double-buffered slot (the block reads slot k & 1
   // after the barrier that ends item k; the slot is written again two items later, past the
   // next barrier), so one barrier per item and only k stays live across an item.
   __shared__ int s_next[2];
-  const bool spread = p.sm_rank != nullptr && items < (int)gridDim.x;
-  int item;
-  if (spread) {
-    if (items <= 0) return 0;
-    if (threadIdx.x == 0) {
-      const int cap = (items + p.num_sms - 1) / p.num_sms;
-      const int rank = atomicAdd(p.sm_rank + (sm_id() & (kSmRankSlots - 1)), 1);
-      s_next[1] = rank < cap ? atomicAdd(p.work_counter, 1) : items;
-    }
-    cta_sync<Tr>();
-    item = s_next[1];
-  } else {
-    // Blocks past the live item count never get work (the others take every item): leave
-    // before anything else, so an unused variant's launch costs one load per block.
-    if ((int)blockIdx.x >= items) return 0;
-    item = (int)blockIdx.x;
-  }
-  int k = 0;
+  int item = (int)blockIdx.x;
 #pragma unroll 1
-  while (item < items) {  // block-uniform
+  for (int k = 0;; ++k) {
     const int c = item / hk;
     pat_fwd_body<Tr>(p, p.live[0] + c, item - c * hk);
-    // not spread, and the items fit the grid: every item was some block's first
-    if (!spread && items <= (int)gridDim.x) return 1;
-    if (threadIdx.x == 0)
-      s_next[k & 1] = (spread ? 0 : (int)gridDim.x) + atomicAdd(p.work_counter, 1);
+    if (items <= (int)gridDim.x) break;  // every item was some block's first
+    if (threadIdx.x == 0) s_next[k & 1] = (int)gridDim.x + atomicAdd(p.work_counter, 1);
     cta_sync<Tr>();  // every warp is past item k (its shared memory free) and s_next written
     item = s_next[k & 1];
-    ++k;
+    if (item >= items) break;  // block-uniform
   }
-  return k;
 }
 
 // bar.sync on a named barrier: waits for `count` threads.
@@ -555,11 +529,10 @@ __global__ void __launch_bounds__(
   // the next launch of the chain may place its blocks while these run
   pat::pdl_launch_dependents();
   const int items = p.live[1] * p.num_kv_heads;
-  const int done =
-      pat::run_items<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW, KV, CAUSAL>>(p, items);
+  pat::run_items<pat::FwdTraits<HEAD_DIM, T, M, N, WARPS, STAGES, RW, KV, CAUSAL>>(p, items);
   clock.end();
-  // chained launches: the block that finishes the last item waits for the launch before
-  pat::chain_exit(p.chain, items, done);
+  // chained launches: the last block to finish an item waits for the launch before
+  pat::chain_exit(p.chain, items < (int)gridDim.x ? items : (int)gridDim.x);
 }
 
 // One launch for every tile variant of a graph-safe launch set (small buckets), so a replayed

@@ -268,12 +268,10 @@ __device__ __forceinline__ void merge_warps(const MergeParams& p, long long unit
 
 // Grid-stride over the (request, head) pairs, so a graph-safe launch can use a fixed grid while
 // the live batch (p.live_batch) changes between replays.  Block 0 also zeroes the forward work
-// counters and per-SM block counters (p.reset): the merge runs after every forward launch of the
-// step has finished.
+// counters (p.reset): the merge runs after every forward launch of the step has finished.
 template <int HEAD_DIM, typename TO, int WARPS, int NH>
 __device__ __forceinline__ void pat_merge_body(const MergeParams& p) {
-  if (p.reset != nullptr && blockIdx.x == 0)
-    for (int i = threadIdx.x; i < p.reset_n; i += blockDim.x) p.reset[i] = 0;
+  if (p.reset != nullptr && blockIdx.x == 0 && (int)threadIdx.x < p.reset_n) p.reset[threadIdx.x] = 0;
   const int lane = threadIdx.x & 31;
   const int batch = p.live_batch != nullptr ? *p.live_batch : p.batch;
   const long long pairs = (long long)batch * p.num_qo_heads;

@@ -55,11 +55,6 @@ struct FwdParams {
   // above keep their offsets.
   const int* cta_kv_limit;     // [num_pairs] positions of the CTA's range the pair's token sees
   const int* cta_causal;       // [C] 1: some pair of the CTA sees fewer than kv_len positions
-  // Graph-safe launches (a grid of every block that can be resident, usually more blocks than
-  // live items): blocks counted per SM (kSmRankSlots counters, indexed by the SM id, zeroed by
-  // the merge), so that at most ceil(items / num_sms) blocks of an SM take items; nullptr: off.
-  int* sm_rank;
-  int num_sms;
 };
 
 // One merge launch: request r's slots req_slot_indptr[r] .. req_slot_indptr[r + 1] - 1 combine
@@ -82,7 +77,7 @@ struct MergeParams {
 
 // The host mirror (pat_core/kernel_params.py) checks its sizes against these.
 static_assert(sizeof(MergeArgs) == 56, "MergeArgs layout changed: update kernel_params.py");
-static_assert(sizeof(FwdParams) == 296, "FwdParams layout changed: update kernel_params.py");
+static_assert(sizeof(FwdParams) == 280, "FwdParams layout changed: update kernel_params.py");
 static_assert(sizeof(MergeParams) == 112, "MergeParams layout changed: update kernel_params.py");
 
 }  // namespace pat

@@ -19,9 +19,6 @@ from .cuda_views import _Dev, _check_cache, _check_rows
 from .launch import launch_grid, merge_needed_for
 from .plan import Plan, dtype_name
 
-# per-SM block counters of one graph-safe forward launch (pat::kSmRankSlots, pat_common.cuh)
-SM_RANK_SLOTS = 256
-
 
 
 class StaticState:
@@ -84,6 +81,7 @@ class StaticState:
         # zeroed by the first write(), on the stream of its copy (cp.zeros would zero them on
         # CuPy's current stream, which a caller's stream need not be ordered after)
         self.buf = cp.empty(layout.total, dtype=cp.int32)
+        self.counters = cp.empty(V, dtype=cp.int32)     # zeroed again by every merge
         self.chain = cp.empty(V, dtype=cp.int32)        # chained launches' block counts
         self._zeroed = False
         self.o_part = cp.empty(lim.max_partials * self.num_qo_heads * self.head_dim,
@@ -107,10 +105,6 @@ class StaticState:
         self.streams_overflow = False   # more than MAX_STREAMS: retired by a device wait
         self.merge_variant = cc.MergeVariant(self.head_dim, self.dtype)
         self.fused = bool(fused) and self.fixed
-        # work counters [V], then for a graph-safe set of per-tile launches each launch's per-SM
-        # block counters [V, SM_RANK_SLOTS] (FwdParams.sm_rank); zeroed again by every merge
-        ranks = V * SM_RANK_SLOTS if self.fixed and not self.fused else 0
-        self.counters = cp.empty(V + ranks, dtype=cp.int32)
         self.num_sms = backend._num_sms()
         # kernel sets by causal flag: the one-token variants, and for a multi-token layout the
         # multi-token ones (graph-safe: those alone, every step may hold several tokens)
@@ -330,10 +324,6 @@ class StaticState:
                     prm.live = arrays["live"] + 8 * i
                     prm.work_counter = ctr + 4 * i
                     prm.chain = chain + 4 * i
-                    if self.fixed and not self.fused:
-                        # graph-safe: the launch's blocks that take items spread over the SMs
-                        prm.sm_rank = ctr + 4 * (lay.num_variants + SM_RANK_SLOTS * i)
-                        prm.num_sms = self.num_sms
                     if causal:          # the causal limits (the one-token variants: nullptr)
                         prm.cta_kv_limit = arrays["cta_kv_limit"]
                         prm.cta_causal = arrays["cta_causal"]
@@ -359,7 +349,7 @@ class StaticState:
         mp = kp.MergeParams(o_partial=_ptr(self.o_part), lse_partial=_ptr(self.l_part),
                             req_slot_indptr=arrays["req_slot_indptr"],
                             live_batch=arrays["live_batch"], reset=int(self.counters.data.ptr),
-                            reset_n=int(self.counters.size), batch=0,
+                            reset_n=self.layout.num_variants, batch=0,
                             num_qo_heads=self.num_qo_heads, block_per_pair=int(per_block),
                             direct_single=1)
         return _Launch(be._function(mv), (grid, 1, 1), (mv.threads, 1, 1), mp, 0,

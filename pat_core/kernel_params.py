@@ -36,8 +36,7 @@ class FwdParams(ctypes.Structure):
                 ("num_kv_heads", _I32), ("group", _I32), ("num_qo_heads", _I32),
                 ("page_size", _I32), ("scale_log2", ctypes.c_float),
                 ("v_scale", ctypes.c_float), ("merge", MergeArgs),
-                ("cta_kv_limit", _P), ("cta_causal", _P), ("sm_rank", _P),
-                ("num_sms", _I32)]
+                ("cta_kv_limit", _P), ("cta_causal", _P)]
 
 
 class MergeParams(ctypes.Structure):
