@@ -242,3 +242,32 @@ def test_plan_loop_smoke(tmp_path):
     assert set(speed) == {"python_loop_ms", "numpy_sort_ms", "numba_walk_ms"}
     assert all(v > 0 for v in speed.values())
 
+
+
+def test_graph_safe_timeline_launch_rows():
+    """bench/lab/graph_safe_timeline.py summarises each launch's clock records: the blocks
+    below the launch's item count ran items, their SMs and the most on one SM; times in us
+    from the first block; launches in start order; every merge block counts."""
+    from bench.lab.graph_safe_timeline import launch_rows
+
+    class Rec:                                   # a clock array's .get(): [2, cap, 6]
+        def __init__(self, blocks):
+            self.a = np.zeros((2, 8, 6), dtype=np.uint64)
+            for b, (start, end, sm) in enumerate(blocks):
+                self.a[0, b] = (start, start, end, 0, 0, sm)
+
+        def get(self):
+            return self.a
+
+    arrays = {"pat_fwd_x": Rec([(3000, 9000, 5), (3100, 9500, 5), (3200, 4000, 7),
+                                (3300, 3400, 8)]),
+              "pat_fwd_idle": Rec([(1000, 1500, 1), (1100, 1600, 2)]),
+              "pat_merge_y": Rec([(9000, 11000, 2)])}
+    rows = launch_rows(arrays, {"pat_fwd_x": 3})
+    assert [r["key"] for r in rows] == ["pat_fwd_idle", "pat_fwd_x", "pat_merge_y"]
+    idle, fwd, merge = rows
+    assert (idle["items"], idle["sms"], idle["max_per_sm"]) == (0, 0, 0)
+    assert (fwd["blocks"], fwd["items"], fwd["sms"], fwd["max_per_sm"]) == (4, 3, 2, 2)
+    assert fwd["start"] == 2.0 and fwd["end"] == 8.5
+    assert fwd["item_us"] == 6.0                 # median of 6.0, 6.4 and 0.8 us
+    assert (merge["items"], merge["sms"], merge["start"], merge["end"]) == (1, 1, 8.0, 10.0)
