@@ -285,7 +285,8 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
     Parts are at least ``tuning.min_part`` tokens; under the ``"sm"`` rule a plan that merges
     anyway (more partial slots than requests) is split again with parts down to
     :func:`~pat_core.tuning.merge_min_part`, where that can cut finer (a small step: see
-    :class:`~pat_core.tuning.Tuning`)."""
+    :class:`~pat_core.tuning.Tuning`), unless the finer parts need a second wave of some
+    tile where the coarse ones did not (:func:`second_wave`)."""
     tuning = tuning or Tuning()
     kw = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
               sm_scale=sm_scale, packer=packer, selector=selector, kv_dtype=kv_dtype,
@@ -303,9 +304,32 @@ def assemble_plan(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_hea
         per_sm = float(length.sum()) * num_kv_heads / (share * selector.gpu.num_sms)
         if int(length.max()) > fine and (per_sm < tuning.min_part
                                          or tuning.split_by != "tokens"):
-            plan = _assemble(bt, packs, tuning=dataclasses.replace(tuning, min_part=fine),
-                             **kw)
+            finer = _assemble(bt, packs, tuning=dataclasses.replace(tuning, min_part=fine),
+                              **kw)
+            # not where the finer parts need a second wave of some tile and the coarse ones
+            # did not (H100, head_dim 256, 1,2_2048,64 at 32:8: 34 CTAs on 16x32 blocks, two
+            # per SM, 272 items for 264 slots, 23.9 us against 20.8 for the coarse plan)
+            if not second_wave(finer, selector.gpu, kv_dtype) or \
+                    second_wave(plan, selector.gpu, kv_dtype):
+                plan = finer
     return plan
+
+
+def second_wave(plan: Plan, gpu, kv_dtype: str) -> bool:
+    """Whether some tile of ``plan`` has more work items (its CTAs x KV heads) than the blocks
+    its kernel keeps resident on ``gpu`` (blocks per SM x SMs), so its last items wait for a
+    second wave.  ``kv_dtype``: the cache's element type (the fp8 kernels' own resources)."""
+    from .tiles import estimate_resources, kernel_resources
+    dtype = {1: "float8_e4m3fn", 2: "float16"}.get(DTYPE_BYTES[kv_dtype], "float32")
+    counts = np.bincount(plan.cta_tile, minlength=plan.tile_configs.shape[0])
+    for (m, n), c in zip(plan.tile_configs.tolist(), counts.tolist()):
+        if c == 0:
+            continue
+        res = kernel_resources(m, n, plan.head_dim, dtype, gpu) or \
+            estimate_resources(m, n, plan.head_dim, dtype)
+        if c * plan.num_kv_heads > max(res.ctas_per_sm(gpu), 1) * gpu.num_sms:
+            return True
+    return False
 
 
 def _assemble(bt: BlockTable, packs: Packs, *, num_qo_heads: int, num_kv_heads: int,

@@ -37,7 +37,11 @@ class Tuning:
     head_dim 128 (0.82-1.09x) and 0.924x at 256 (0.72-1.15x), and left two of them below
     FlashInfer 0.2.5 decode's speed where twelve were; larger batches of few tokens were not
     measured.  A plan without a merge (the per-request rule's, one CTA per request) keeps
-    ``min_part``: cutting it would add the merge (up to 1.4x slower).
+    ``min_part``: cutting it would add the merge (up to 1.4x slower).  Nor is a plan cut where
+    the finer parts need a second wave of some tile and the coarse ones do not
+    (:func:`pat_core.planner.second_wave`; H100, head_dim 256, ``1,2_2048,64`` at 32:8: 23.9
+    against 20.8 us; of the 35 batches and the development set at every head_dim, heads and
+    cache type, the only plan this changes).
     ``partial_weight``: multiplies the partial-result bytes in the ``pat`` profit model (above 1
     favours merging short nodes into their children's CTAs: fewer partials and thread blocks
     for more KV re-read; see :data:`pat_core.packers.PARTIAL_WEIGHT`).

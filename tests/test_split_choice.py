@@ -304,6 +304,23 @@ def test_a_plan_that_merges_anyway_is_cut_to_the_short_part():
     for spec in ("8_256", "1,2_48,144"):
         a, b = plan(spec), plan(spec, off)
         assert a.num_slots == a.batch_size and np.array_equal(a.cta_kv_len, b.cta_kv_len)
+    # not into a second wave: at head_dim 256 the 2048-token prompt's 64-token parts would be
+    # 34 CTAs of 16x32 blocks (two per SM): 272 items for 264 slots, so the coarse plan stays;
+    # at head_dim 128 the same cut fits one wave and is kept
+    from pat_core.gpus import get_gpu
+    from pat_core.planner import second_wave
+
+    def at(d, tuning=None):
+        b = build_tree_batch("1,2_2048,64", page_size=16, seed=0)
+        return Planner("pat", "h100", tuning).plan(b.block_tables, b.seq_lens, 32, 8, d, 16)
+
+    h100 = get_gpu("h100")
+    cut = at(256, Tuning(min_part=64))
+    assert cut.num_ctas == 34 and second_wave(cut, h100, "float16")
+    assert at(256).num_ctas == at(256, off).num_ctas == 10
+    assert not second_wave(at(256), h100, "float16")
+    assert at(128).num_ctas > at(128, off).num_ctas
+    assert not second_wave(at(128), h100, "float16")
     # a step growing token by token: the "lengths" path gives the fresh plan
     b = build_tree_batch("1,2_512,64", page_size=16, seed=0)
     table = np.concatenate([b.block_tables, b.num_pages + np.arange(
