@@ -83,6 +83,35 @@ def clock_arrays(cap: int) -> dict:
     return out
 
 
+def case_inputs(torch, spec: str, hq: int, hk: int, head_dim: int, page_size: int) -> tuple:
+    """``(batch, q, k, v)``: the tree batch of ``spec`` (seed 0) and its float16 CUDA tensors
+    (paged K and V ``[num_pages, page_size, hk, head_dim]``, q ``[batch, hq, head_dim]``) from a
+    generator seeded 0, in that order."""
+    from pat_core.workloads import build_tree_batch
+    batch = build_tree_batch(spec, page_size=page_size, seed=0)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.randn((batch.num_pages, page_size, hk, head_dim), generator=g, device="cuda",
+                    dtype=torch.float16)
+    v = torch.randn(k.shape, generator=g, device="cuda", dtype=torch.float16)
+    q = torch.randn((batch.batch_size, hq, head_dim), generator=g, device="cuda",
+                    dtype=torch.float16)
+    return batch, q, k, v
+
+
+def recorded_replays(torch, graph, arrays: dict, flush, reps: int, read) -> list:
+    """``reps`` replays of ``graph``, each after zeroing the clock ``arrays`` and flushing the
+    L2: what ``read()`` returned after each."""
+    out = []
+    for _ in range(reps):
+        for a in arrays.values():
+            a.fill(0)
+        flush()
+        graph.replay()
+        torch.cuda.synchronize()
+        out.append(read())
+    return out
+
+
 def launch_map(plan, arch: str) -> dict:
     """``{(variant key, clock slot): (tile index, the tile's CTAs, "forward")}`` for the plan's
     forward launches (one per tile, :func:`pat_core.launch.forward_launches`).  The merge is
@@ -178,7 +207,6 @@ def main(argv=None) -> int:
     from bench.common import capture_graph, git_sha, l2_flusher, time_events
     from bench.compare import reference_fp64, rel_err
     from pat_core.gpus import detect_gpu_name
-    from pat_core.workloads import build_tree_batch
     from sim import simulate
     from sim.constants import load_constants
     from sim.methods import method_options
@@ -198,13 +226,7 @@ def main(argv=None) -> int:
     d = args.head_dim
     table, results = [], []
     for text, (spec, hq, hk, method, ps) in zip(args.cases, cases):
-        batch = build_tree_batch(spec, page_size=ps, seed=0)
-        g = torch.Generator(device="cuda").manual_seed(0)
-        k = torch.randn((batch.num_pages, ps, hk, d), generator=g, device="cuda",
-                        dtype=torch.float16)
-        v = torch.randn(k.shape, generator=g, device="cuda", dtype=torch.float16)
-        q = torch.randn((batch.batch_size, hq, d), generator=g, device="cuda",
-                        dtype=torch.float16)
+        batch, q, k, v = case_inputs(torch, spec, hq, hk, d, ps)
         packer, kw = method_options(method, d)
         w = pat_core.PrefixAttentionWrapper(backend="cuda", packer=packer, gpu=gpu)
         w._gpu_backend = clocked            # every kernel compiled with the clock records
@@ -221,17 +243,12 @@ def main(argv=None) -> int:
         graph = capture_graph(lambda: w.run(q, (k, v)))
         event_us = statistics.median(t * 1e3 for t in time_events(graph.replay, 20, flush=flush))
         arrays = clock_arrays(args.cap)
-        reps = []
-        for _ in range(args.reps):
-            for a in arrays.values():
-                a.fill(0)
-            flush()
-            graph.replay()
-            torch.cuda.synchronize()
+
+        def read():
             rows, unmapped = read_blocks(arrays, plan, arch, hk)
-            blocks = [dict(zip(("kind", "group", "cta", "head", "sm", "start", "ready", "end",
-                                "cycles"), r)) for r in rows]
-            reps.append((blocks, unmapped))
+            return ([dict(zip(("kind", "group", "cta", "head", "sm", "start", "ready", "end",
+                               "cycles"), r)) for r in rows], unmapped)
+        reps = recorded_replays(torch, graph, arrays, flush, args.reps, read)
         spans = [summarize(b).get("forward_span_us", 0.0) for b, _ in reps]
         blocks, unmapped = reps[int(np.argsort(spans)[len(spans) // 2])]
         fwd = [b for b in blocks if b["kind"] == "forward"]

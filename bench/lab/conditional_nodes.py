@@ -26,7 +26,6 @@ Writes ``DIR/conditional_nodes.json`` and prints one row per graph.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -148,7 +147,7 @@ def main(argv=None) -> int:
     if args.reps < 1 or args.grid < 1:
         ap.error("--reps and --grid must be >= 1")
     import cupy as cp
-    from bench.common import git_sha
+    from bench.common import git_sha, write_result
     g = Graphs(args.grid)
     rows = []
     with g.stream:
@@ -162,11 +161,7 @@ def main(argv=None) -> int:
            "cuda_bindings": cuda.bindings.__version__,
            "driver": cp.cuda.runtime.driverGetVersion(), "grid": args.grid, "reps": args.reps,
            "rows": rows}
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "conditional_nodes.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {path}")
+    write_result(os.path.join(args.out, "conditional_nodes.json"), out)
     return 0
 
 

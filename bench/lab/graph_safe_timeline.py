@@ -29,7 +29,6 @@ Writes ``DIR/graph_safe_timeline.json`` and prints one block of rows per case.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -41,7 +40,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:     # run as a script: python bench/lab/graph_safe_timeline.py
     sys.path.insert(0, ROOT)
 
-from bench.lab.block_timeline import clock_arrays, clock_defines  # noqa: E402
+from bench.lab.block_timeline import (case_inputs, clock_arrays,  # noqa: E402
+                                      clock_defines, recorded_replays)
 
 
 def launch_rows(arrays: dict, items: dict) -> list:
@@ -99,16 +99,14 @@ def main(argv=None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     import torch
     import pat_core
-    from bench.common import capture_graph, git_sha, l2_flusher, time_events
+    from bench.common import capture_graph, git_sha, l2_flusher, time_events, write_result
     from bench.compare import reference_fp64, rel_err
     from pat_core import cuda_compile as cc
     from pat_core.cuda_backend import CudaBackend
-    from pat_core.workloads import build_tree_batch
 
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 2
-    os.makedirs(args.out, exist_ok=True)
     clocked = CudaBackend(defines=clock_defines(args.cap))
     if args.carveout is not None:
         load = clocked._function
@@ -125,13 +123,7 @@ def main(argv=None) -> int:
     d, ps = args.head_dim, args.page_size
     results = []
     for text, spec, hq, hk in cases:
-        batch = build_tree_batch(spec, page_size=ps, seed=0)
-        g = torch.Generator(device="cuda").manual_seed(0)
-        k = torch.randn((batch.num_pages, ps, hk, d), generator=g, device="cuda",
-                        dtype=torch.float16)
-        v = torch.randn(k.shape, generator=g, device="cuda", dtype=torch.float16)
-        q = torch.randn((batch.batch_size, hq, d), generator=g, device="cuda",
-                        dtype=torch.float16)
+        batch, q, k, v = case_inputs(torch, spec, hq, hk, d, ps)
         ref = reference_fp64(torch, q, k, v, batch.block_tables, batch.seq_lens, ps)
         for mode in (("plain", "graph-safe") if args.plain else ("graph-safe",)):
             kw = {} if mode == "plain" else dict(use_cuda_graph=True,
@@ -153,14 +145,8 @@ def main(argv=None) -> int:
             graph = capture_graph(lambda: w.run(q, (k, v)))
             us = statistics.median(t * 1e3 for t in time_events(graph.replay, 30, flush=flush))
             arrays = clock_arrays(args.cap)
-            reps = []
-            for _ in range(args.reps):
-                for a in arrays.values():
-                    a.fill(0)
-                flush()
-                graph.replay()
-                torch.cuda.synchronize()
-                reps.append(launch_rows(arrays, items))
+            reps = recorded_replays(torch, graph, arrays, flush, args.reps,
+                                    lambda: launch_rows(arrays, items))
             spans = [max((r["end"] for r in rows if not r["key"].startswith("pat_merge")),
                          default=0.0) for rows in reps]
             rows = reps[int(np.argsort(spans)[len(spans) // 2])]
@@ -174,10 +160,7 @@ def main(argv=None) -> int:
     out = {"device": torch.cuda.get_device_name(0), "git_sha": git_sha(),
            "torch": torch.__version__, "max_batch_size": args.max_batch_size,
            "carveout": args.carveout, "head_dim": d, "page_size": ps, "results": results}
-    path = os.path.join(args.out, "graph_safe_timeline.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {path}")
+    write_result(os.path.join(args.out, "graph_safe_timeline.json"), out)
     return 0
 
 
