@@ -319,14 +319,13 @@ def second_wave(plan: Plan, gpu, kv_dtype: str) -> bool:
     """Whether some tile of ``plan`` has more work items (its CTAs x KV heads) than the blocks
     its kernel keeps resident on ``gpu`` (blocks per SM x SMs), so its last items wait for a
     second wave.  ``kv_dtype``: the cache's element type (the fp8 kernels' own resources)."""
-    from .tiles import estimate_resources, kernel_resources
-    dtype = {1: "float8_e4m3fn", 2: "float16"}.get(DTYPE_BYTES[kv_dtype], "float32")
+    from .tiles import resource_dtype, tile_resources
+    dtype = resource_dtype(DTYPE_BYTES[kv_dtype])
     counts = np.bincount(plan.cta_tile, minlength=plan.tile_configs.shape[0])
     for (m, n), c in zip(plan.tile_configs.tolist(), counts.tolist()):
         if c == 0:
             continue
-        res = kernel_resources(m, n, plan.head_dim, dtype, gpu) or \
-            estimate_resources(m, n, plan.head_dim, dtype)
+        res = tile_resources(m, n, plan.head_dim, dtype, gpu)
         if c * plan.num_kv_heads > max(res.ctas_per_sm(gpu), 1) * gpu.num_sms:
             return True
     return False

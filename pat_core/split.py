@@ -568,15 +568,12 @@ def _price_constants(selector, num_kv_heads: int, head_dim: int, kv_bytes: int, 
         key = (configs.tobytes(), head_dim, kv_bytes, num_kv_heads, gpu)
         hit = _PRICE_MEMO.get(key)
         if hit is None:
-            from .tiles import estimate_resources, kernel_resources
-            # the resources of the cache's element size: 1 byte is fp8 (its own shared
-            # memory), 2 the 16-bit kernels, 4 the CPU-only float32
-            dtype = {1: "float8_e4m3fn", 2: "float16"}.get(int(kv_bytes), "float32")
+            from .tiles import resource_dtype, tile_resources
+            dtype = resource_dtype(kv_bytes)      # the resources of the cache's element size
             slot = np.empty(configs.shape[0])
             inflight = np.empty(configs.shape[0])
             for u, (m, n) in enumerate(configs.tolist()):
-                res = kernel_resources(m, n, head_dim, dtype, gpu) or \
-                    estimate_resources(m, n, head_dim, dtype)
+                res = tile_resources(m, n, head_dim, dtype, gpu)
                 slot[u] = num_kv_heads / max(res.ctas_per_sm(gpu), 1)
                 inflight[u] = num_kv_heads * max(res.stages - 1, 1) * n * head_dim * 2 * kv_bytes
             hit = _PRICE_MEMO[key] = (slot, inflight)

@@ -475,9 +475,8 @@ def fused_pull_exclusions(tiles, head_dim: int, dtype: str, gpu, feasible=None) 
 
 
 def _resources(tiles, head_dim, dtype, gpu) -> list:
-    from .tiles import estimate_resources, kernel_resources
-    return [kernel_resources(m, n, head_dim, dtype, gpu) or
-            estimate_resources(m, n, head_dim, dtype) for m, n in tiles]
+    from .tiles import tile_resources
+    return [tile_resources(m, n, head_dim, dtype, gpu) for m, n in tiles]
 
 
 def fused_block_per_sm(tiles, head_dim: int, dtype: str, gpu) -> int:

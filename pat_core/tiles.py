@@ -124,6 +124,19 @@ def kernel_resources(m: int, n: int, head_dim: int, dtype: str, gpu: GPUSpec,
     return res
 
 
+def tile_resources(m: int, n: int, head_dim: int, dtype: str, gpu: GPUSpec) -> TileResources:
+    """Resources of variant ``(m, n)``: :func:`kernel_resources`, or the estimate where the data
+    file lacks the variant (a plan may be made for another GPU than the one it runs on)."""
+    res = kernel_resources(m, n, head_dim, dtype, gpu)
+    return res if res is not None else estimate_resources(m, n, head_dim, dtype)
+
+
+def resource_dtype(kv_bytes: int) -> str:
+    """The dtype whose kernels' resources stand for a cache of ``kv_bytes``-byte elements: the
+    fp8 kernels (their own shared memory), the 16-bit ones, or the CPU-only float32."""
+    return {1: "float8_e4m3fn", 2: "float16"}.get(int(kv_bytes), "float32")
+
+
 _LOOKUP_MEMO: dict = {}    # TileSelector.lookup's arrays per selector configuration
 _RESOURCE_MEMO: dict = {}   # path -> (the loaded file, {(m, n, head_dim, dtype, gpu): result})
 

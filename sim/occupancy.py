@@ -16,7 +16,7 @@ import numpy as np
 
 from pat_core.cuda_compile import MERGE_WARPS, SMEM_OPT_IN_BYTES
 from pat_core.gpus import GPUSpec
-from pat_core.tiles import TileResources, estimate_resources, kernel_resources
+from pat_core.tiles import TileResources, tile_resources
 
 # The merge kernel: one warp per (request, query head), MERGE_WARPS warps per block.  It mirrors
 # the CUDA launcher's constant; registers are a small-kernel guess (it holds head_dim / 32 fp32
@@ -66,11 +66,9 @@ class ConfigOccupancy:
                 "limiter": self.limiter, "blocks": self.blocks, "waves": round(self.waves, 3)}
 
 
-def config_resources(m: int, n: int, head_dim: int, dtype: str, gpu: GPUSpec) -> TileResources:
-    """Resources of variant ``(m, n)``; the estimate when the data file lacks it (a plan may be
-    made for another GPU than the one simulated)."""
-    res = kernel_resources(m, n, head_dim, dtype, gpu)
-    return res if res is not None else estimate_resources(m, n, head_dim, dtype)
+# resources of variant (m, n); the estimate when the data file lacks it (a plan may be made for
+# another GPU than the one simulated)
+config_resources = tile_resources
 
 
 def limiter_of(res: TileResources, gpu: GPUSpec) -> str:
